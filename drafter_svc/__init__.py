@@ -1,0 +1,1 @@
+"""The drafter service and its algorithms (NGRAM, STANDALONE, EAGLE, EAGLE3, MTP)."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI). It never imports torch."""

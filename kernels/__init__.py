@@ -1,0 +1,1 @@
+"""Triton kernels and FlashInfer wrappers for the hot paths, each with a torch twin."""

@@ -1,0 +1,48 @@
+"""The one `splitspec` command: argv[1] names the service or tool, the rest are its flags.
+
+Each command lives in its own module with `build_parser()` and `run(args) -> int`; this file only
+dispatches, so `splitspec <cmd> --help` is that command's parser and nothing is imported that the
+command does not need (the gateway never imports torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command name -> (module, one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("splitspec.generate", "offline generation in one process, plain decoding"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: splitspec <command> [flags]   (splitspec <command> --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def load_command(name: str):
+    """The module implementing `name` (has build_parser() and run(args))."""
+    module_name, _ = COMMANDS[name]
+    return importlib.import_module(module_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from splitspec import __version__
+
+        print(__version__)
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"splitspec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = load_command(name)
+    args = module.build_parser().parse_args(argv[1:])
+    return module.run(args)

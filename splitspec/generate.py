@@ -1,0 +1,167 @@
+"""`splitspec generate`: offline generation in one process, on the shared runtime (no services).
+
+All prompts run as one continuously batched group: one prefill forward, then one decode forward per
+step over the requests still running. Greedy at temperature 0; otherwise position-keyed sampling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splitspec.runtime import args as runtime_args
+from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.config import ConfigError
+from splitspec.runtime.hub import ModelNotFoundError
+from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.loader import CheckpointError
+from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+from splitspec.runtime.sampling import SamplingParams, sample
+
+
+logger = logging.getLogger("splitspec.generate")
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS or stop token) or "length"
+    table: BlockTable = field(default_factory=BlockTable)
+
+
+def _finish_reason(gen: Generation, eos_ids: set[int]) -> str | None:
+    last = gen.output_ids[-1]
+    if last in gen.params.stop_token_ids or (not gen.params.ignore_eos and last in eos_ids):
+        return "stop"
+    if len(gen.output_ids) >= gen.params.max_new_tokens:
+        return "length"
+    return None
+
+
+def generate_ids(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], eos_ids: set[int]) -> list[Generation]:
+    """Plain decoding of every prompt together; KV pages are returned to the pool as requests end."""
+    gens = [Generation(list(p), sp.with_seed()) for p, sp in zip(prompts, params)]
+    running = [g for g in gens if g.params.max_new_tokens > 0]
+    for g in gens:
+        if g.params.max_new_tokens == 0:
+            g.finish_reason = "length"
+    first_step = True
+    while running:
+        sequences = [
+            SequenceInput(g.table, g.prompt_ids if first_step else g.output_ids[-1:]) for g in running
+        ]
+        out = runner.forward(runner.batch(sequences))
+        tokens = sample(out.logits, [g.params for g in running], [len(g.output_ids) for g in running])
+        for g, seq, token in zip(running, sequences, tokens.tolist()):
+            runner.kv_cache.set_length(g.table, g.table.num_tokens + len(seq.input_ids))
+            g.output_ids.append(token)
+            g.finish_reason = _finish_reason(g, eos_ids)
+            if g.finish_reason is not None:
+                runner.kv_cache.release(g.table)
+        running = [g for g in running if g.finish_reason is None]
+        first_step = False
+    return gens
+
+
+def eos_token_ids(model_dir: Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer (as transformers does)."""
+    ids = set(config_eos)
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def load_tokenizer(path: Path, required: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as exc:
+        if required:
+            raise ConfigError(f"no usable tokenizer at {path} ({exc}); pass --tokenizer-path or --input-ids") from exc
+        logger.info("no tokenizer at %s: output text is omitted", path)
+        return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitspec generate",
+        description="Offline generation in one process on the splitspec runtime (no services).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    runtime_args.add_model_args(parser)
+    group = parser.add_argument_group("input")
+    group.add_argument("--prompt", action="append", default=[], help="Prompt text; repeat the flag for a batch.")
+    group.add_argument(
+        "--input-ids", action="append", default=[],
+        help="Prompt as comma-separated token ids, e.g. 1,2,3; repeat the flag for a batch.",
+    )
+    group.add_argument("--tokenizer-path", default=None, help="Tokenizer directory (default: the model's).")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=32, help="Tokens to generate per prompt.")
+    sampling.add_argument("--ignore-eos", action="store_true", help="Do not stop at the EOS token.")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1.0 = off).")
+    sampling.add_argument("--top-k", type=int, default=-1, help="Keep the k most likely tokens (-1 = off).")
+    sampling.add_argument("--seed", type=int, default=None, help="Sampling seed (default: random per request).")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help='Print one JSON object per prompt: {"output_ids": [...], "text": ...}.')
+    return parser
+
+
+def _prompts(args, tokenizer) -> list[list[int]]:
+    prompts = [tokenizer.encode(text) for text in args.prompt]
+    for ids in args.input_ids:
+        try:
+            prompts.append([int(x) for x in ids.split(",") if x.strip()])
+        except ValueError:
+            raise ConfigError(f"--input-ids {ids!r}: expected comma-separated integers") from None
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("give at least one non-empty --prompt or --input-ids")
+    return prompts
+
+
+def run(args: argparse.Namespace) -> int:
+    runtime_args.setup_logging(args.log_level)
+    try:
+        return _run(args)
+    except (ConfigError, CheckpointError, ModelNotFoundError, ValueError) as exc:
+        print(f"splitspec generate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+    )
+    model_dir = runtime_args.resolve_model(args)
+    tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
+    prompts = _prompts(args, tokenizer)
+    needed = sum(len(p) + args.max_new_tokens for p in prompts) + args.page_size * len(prompts)
+    runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir, default_max_total_tokens=needed))
+    vocab = runner.config.vocab_size
+    bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+    if bad:
+        raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    eos = eos_token_ids(model_dir, runner.config.eos_token_ids, tokenizer)
+    gens = generate_ids(runner, prompts, [params] * len(prompts), eos)
+    assert runner.kv_cache.allocator.num_used == 0, "KV pages leaked"
+    for gen in gens:
+        text = tokenizer.decode(gen.output_ids, skip_special_tokens=True) if tokenizer is not None else None
+        if args.json:
+            print(json.dumps({"output_ids": gen.output_ids, "text": text, "prompt_ids": gen.prompt_ids,
+                              "finish_reason": gen.finish_reason, "seed": gen.params.seed}))
+        else:
+            print(text if text is not None else " ".join(map(str, gen.output_ids)))
+    return 0

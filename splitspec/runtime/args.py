@@ -1,0 +1,83 @@
+"""Command-line flags shared by every command that stands up a model (SGLang's names).
+
+Services add their own flags; the model/runtime group is defined once here and turned into a frozen
+RuntimeConfig at the edge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from splitspec.runtime.attention import ATTENTION_BACKENDS
+from splitspec.runtime.config import DTYPES
+from splitspec.runtime.hub import resolve_model_dir
+from splitspec.runtime.loader import LOAD_FORMATS
+from splitspec.runtime.runner import RuntimeConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model-path", "--model", dest="model_path", required=True,
+        help="HF-format model directory (config.json + safetensors), or a hub id org/name resolved "
+        "through huggingface_hub (its cache; HF_HUB_OFFLINE=1 works offline).",
+    )
+    group.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path (default: main).")
+    group.add_argument(
+        "--load-format", default="auto", choices=LOAD_FORMATS,
+        help="auto/safetensors: read the weights; dummy: random weights from config.json alone.",
+    )
+    group.add_argument(
+        "--dtype", default="auto", choices=("auto", *DTYPES),
+        help="Weight and activation dtype; auto = the checkpoint's (fp32 checkpoints run in bf16 on GPU).",
+    )
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
+    group.add_argument("--random-seed", type=int, default=0, help="Seed of --load-format dummy weights.")
+    memory = parser.add_argument_group("memory")
+    memory.add_argument("--page-size", type=int, default=16, help="Tokens per KV-cache page.")
+    memory.add_argument(
+        "--max-total-tokens", type=int, default=None,
+        help="KV-cache capacity in tokens (required on CPU for services; overrides --mem-fraction-static).",
+    )
+    memory.add_argument(
+        "--mem-fraction-static", type=float, default=None,
+        help="GPU only: fraction of GPU memory for weights plus KV cache (default 0.85).",
+    )
+    parser.add_argument(
+        "--attention-backend", default="torch", choices=sorted(ATTENTION_BACKENDS),
+        help="Attention kernels: torch (reference, any device).",
+    )
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    return resolve_model_dir(args.model_path, args.revision)
+
+
+def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_tokens: int | None = None) -> RuntimeConfig:
+    max_total = args.max_total_tokens
+    if max_total is None and args.mem_fraction_static is None:
+        max_total = default_max_total_tokens
+    return RuntimeConfig(
+        model_path=str(model_dir),
+        load_format=args.load_format,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        max_total_tokens=max_total,
+        mem_fraction_static=args.mem_fraction_static,
+        attention_backend=args.attention_backend,
+        seed=args.random_seed,
+    )

@@ -1,0 +1,54 @@
+"""The attention-backend interface: plan once per batch, run once per layer.
+
+A batch is a list of requests, each adding `q_len` new tokens after `kv_len - q_len` cached ones:
+
+    request i keys:  [ cached prefix (all visible) | new tokens (mask[i] or causal) ]
+    request i query: the new tokens only
+
+`mask[i]` is a [q_len, q_len] bool over the new tokens (True = may attend); a draft tree's mask
+makes each node see its ancestors and itself. `None` means causal. Splitting plan from run is what
+FlashInfer's plan/run and CUDA-graph replay need: nothing per-batch happens inside `run`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.runtime.config import ModelConfig
+from splitspec.runtime.kv_cache import KVCache
+
+
+@dataclass
+class AttentionBatch:
+    q_lens: list[int]  # new tokens per request
+    kv_lens: list[int]  # keys per request after the new tokens are written (prefix + q_len)
+    page_tables: list[list[int]]  # each request's KV pages, in logical order
+    out_slots: torch.Tensor  # [num_tokens] flat slot id where each new token's K/V is written
+    positions: torch.Tensor  # [num_tokens] RoPE position of each new token
+    masks: list[torch.Tensor | None]  # per request: [q_len, q_len] bool over new tokens, None = causal
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.q_lens)
+
+
+class AttentionBackend(ABC):
+    """Writes each layer's new K/V into the paged cache and attends over it."""
+
+    name: str = ""
+
+    def __init__(self, config: ModelConfig, kv_cache: KVCache):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.scaling = config.head_dim**-0.5
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> object:
+        """Per-batch work (index tensors, masks, kernel plans). The result is opaque to callers."""
+
+    @abstractmethod
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D]."""

@@ -1,0 +1,99 @@
+"""The reference attention backend: gathers each request's keys from the paged cache, pads the batch
+and calls torch's scaled_dot_product_attention with an explicit boolean mask. It is the CPU path and
+the reference every faster backend is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+
+
+@dataclass
+class TorchPlan:
+    out_slots: torch.Tensor  # [T] where new K/V go
+    kv_slots: torch.Tensor  # [B, max_kv] flat slot of each key (padding -> slot 0, masked)
+    masks: dict  # window (None = full) -> [B, 1, max_q, max_kv] bool
+    row_request: torch.Tensor  # [T] request of each new token
+    row_offset: torch.Tensor  # [T] its index among that request's new tokens
+    max_q: int
+
+
+def build_masks(batch: AttentionBatch, windows: set, device: torch.device) -> dict:
+    """window -> [B, 1, max_q, max_kv] bool: prefix visible, new tokens by mask/causal, window applied.
+
+    Padded query rows see key 0 only (their output is discarded) so no row is fully masked.
+    """
+    num_requests, max_q, max_kv = batch.num_requests, max(batch.q_lens), max(batch.kv_lens)
+    base = torch.zeros(num_requests, max_q, max_kv, dtype=torch.bool)
+    q_pos = torch.zeros(num_requests, max_q, dtype=torch.long)
+    k_pos = torch.zeros(num_requests, max_kv, dtype=torch.long)
+    start = 0
+    positions = batch.positions.cpu()
+    for i, (q_len, kv_len, mask) in enumerate(zip(batch.q_lens, batch.kv_lens, batch.masks)):
+        prefix = kv_len - q_len
+        new = torch.ones(q_len, q_len, dtype=torch.bool).tril() if mask is None else mask.to("cpu", torch.bool)
+        base[i, :q_len, :prefix] = True
+        base[i, :q_len, prefix:kv_len] = new
+        base[i, q_len:, 0] = True
+        q_pos[i, :q_len] = positions[start : start + q_len]
+        k_pos[i, :prefix] = torch.arange(prefix)
+        k_pos[i, prefix:kv_len] = positions[start : start + q_len]
+        start += q_len
+    masks = {}
+    for window in windows:
+        mask = base
+        if window is not None:
+            in_window = (q_pos[:, :, None] - k_pos[:, None, :]) < window
+            mask = base & in_window
+            mask[:, :, 0] |= ~mask.any(-1)  # keep padded rows non-empty
+        masks[window] = mask.unsqueeze(1).to(device)
+    return masks
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, batch: AttentionBatch) -> TorchPlan:
+        device = self.kv_cache.device
+        page_size = self.kv_cache.page_size
+        max_kv = max(batch.kv_lens)
+        kv_slots = torch.zeros(batch.num_requests, max_kv, dtype=torch.long)
+        for i, (kv_len, pages) in enumerate(zip(batch.kv_lens, batch.page_tables)):
+            logical = torch.arange(kv_len)
+            kv_slots[i, :kv_len] = torch.tensor(pages, dtype=torch.long)[logical // page_size] * page_size + logical % page_size
+        q_lens = torch.tensor(batch.q_lens)
+        row_request = torch.repeat_interleave(torch.arange(batch.num_requests), q_lens)
+        cu = torch.cumsum(q_lens, 0) - q_lens
+        row_offset = torch.arange(int(q_lens.sum())) - cu[row_request]
+        return TorchPlan(
+            out_slots=batch.out_slots.to(device),
+            kv_slots=kv_slots.to(device),
+            masks=build_masks(batch, set(self.config.sliding_windows), device),
+            row_request=row_request.to(device),
+            row_offset=row_offset.to(device),
+            max_q=max(batch.q_lens),
+        )
+
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TorchPlan) -> torch.Tensor:
+        k_flat, v_flat = self.kv_cache.flat_kv(layer_id)
+        k_flat[plan.out_slots] = k.to(k_flat.dtype)
+        v_flat[plan.out_slots] = v.to(v_flat.dtype)
+        keys = k_flat[plan.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        values = v_flat[plan.kv_slots].transpose(1, 2)
+        num_requests = plan.kv_slots.shape[0]
+        queries = q.new_zeros(num_requests, plan.max_q, q.shape[1], q.shape[2])
+        queries[plan.row_request, plan.row_offset] = q
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),  # [B, Hq, max_q, D]
+            keys,
+            values,
+            attn_mask=plan.masks[self.config.sliding_windows[layer_id]],
+            scale=self.scaling,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)[plan.row_request, plan.row_offset]  # [T, Hq, D]

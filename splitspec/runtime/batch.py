@@ -1,0 +1,74 @@
+"""From per-request inputs to one flat forward batch.
+
+Each request contributes `input_ids` new tokens appended after its committed KV. Positions default
+to consecutive ones; a draft tree passes its own (root position + depth) and its tree mask. Building
+a batch reserves the KV pages the new tokens need; committing (`KVCache.set_length`) is the caller's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitspec.runtime.attention.base import AttentionBatch
+from splitspec.runtime.kv_cache import BlockTable, KVCache
+
+
+@dataclass
+class SequenceInput:
+    """One request's share of a forward."""
+
+    table: BlockTable
+    input_ids: list[int]
+    positions: list[int] | None = None  # default: table.num_tokens + arange(len(input_ids))
+    mask: torch.Tensor | None = None  # [q_len, q_len] bool over the new tokens; None = causal
+    logits: str = "last"  # which new tokens get logits: "last", "all" or "none"
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionBatch
+    logits_indices: torch.Tensor  # [N] rows of the T new tokens that get logits
+    cu_logits: list[int] = field(default_factory=list)  # request i's logits rows: cu[i]:cu[i+1]
+
+
+def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], device: torch.device) -> ForwardBatch:
+    input_ids, positions, out_slots, logits_rows = [], [], [], []
+    q_lens, kv_lens, page_tables, masks, cu_logits = [], [], [], [], [0]
+    for seq in sequences:
+        q_len, start = len(seq.input_ids), seq.table.num_tokens
+        if q_len == 0:
+            raise ValueError("a sequence in a forward batch needs at least one new token")
+        if seq.mask is not None and tuple(seq.mask.shape) != (q_len, q_len):
+            raise ValueError(f"mask shape {tuple(seq.mask.shape)} does not match {q_len} new tokens")
+        kv_cache.reserve(seq.table, start + q_len)
+        row0 = len(input_ids)
+        input_ids += seq.input_ids
+        positions += seq.positions if seq.positions is not None else range(start, start + q_len)
+        out_slots.append(kv_cache.slot_ids(seq.table, start, start + q_len))
+        rows = {"last": [row0 + q_len - 1], "all": list(range(row0, row0 + q_len)), "none": []}[seq.logits]
+        logits_rows += rows
+        cu_logits.append(cu_logits[-1] + len(rows))
+        q_lens.append(q_len)
+        kv_lens.append(start + q_len)
+        page_tables.append(list(seq.table.pages))
+        masks.append(seq.mask)
+    positions_t = torch.tensor(positions, dtype=torch.long)
+    attention = AttentionBatch(
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        page_tables=page_tables,
+        out_slots=torch.cat(out_slots),
+        positions=positions_t,
+        masks=masks,
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=positions_t.to(device),
+        attention=attention,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        cu_logits=cu_logits,
+    )

@@ -1,0 +1,41 @@
+"""Model locations: a local directory, or a Hugging Face hub id resolved through huggingface_hub.
+
+Resolution goes through `snapshot_download`, so the HF cache, `HF_HUB_OFFLINE`, `HF_HOME` and tokens
+behave exactly as with transformers; a revision may be a branch, tag or commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# what a model directory needs from the hub (weights in safetensors, configs, tokenizer files)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
+    """A local directory as is; otherwise `org/name` from the hub (or its local cache when offline)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"--model-path {name_or_path!r} is a file; give a model directory or a hub id")
+    if name_or_path.count("/") != 1 or name_or_path.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"--model-path {name_or_path!r}: no such directory, and not a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    logger.info("resolving %s (revision %s) through huggingface_hub", name_or_path, revision or "main")
+    try:
+        return Path(snapshot_download(name_or_path, revision=revision, allow_patterns=HUB_PATTERNS))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelNotFoundError(
+            f"--model-path {name_or_path!r} (revision {revision or 'main'}): not a local directory and "
+            f"could not be resolved on the hub or in the HF cache: {exc}"
+        ) from exc

@@ -1,0 +1,144 @@
+"""The paged KV cache: a page pool, a ref-counted page allocator and per-request block tables.
+
+Layout, per layer (FlashInfer's "NHD" paged layout, K and V each contiguous so both the (K, V)
+tuple form of FlashInfer and flat slot views work):
+
+    kv[layer]: [2, num_pages, page_size, num_kv_heads, head_dim]
+                ^ 0 = K, 1 = V
+    k_flat(layer): [num_pages * page_size, num_kv_heads, head_dim]   (a view: slot id -> row)
+
+A request's logical slot p (its p-th token) lives in page `block_table.pages[p // page_size]` at
+offset `p % page_size`; its flat slot id is `page * page_size + offset`. Pages are counted, freed when
+their reference count drops to zero, and reused. A page is shared only through the prefix cache, which
+holds its own reference (ARCHITECTURE.md §3.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitspec.runtime.config import ModelConfig
+
+
+class OutOfPagesError(RuntimeError):
+    """The page pool cannot satisfy an allocation; the caller queues or preempts."""
+
+
+class PageAllocator:
+    """Ref-counted pages 0..num_pages-1. alloc() hands out pages with reference count 1."""
+
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise ValueError(f"the KV cache needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._refcount = [0] * num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def alloc(self, num: int) -> list[int]:
+        if num > len(self._free):
+            raise OutOfPagesError(f"need {num} KV pages, {len(self._free)} of {self.num_pages} free")
+        pages = [self._free.pop() for _ in range(num)]
+        for page in pages:
+            self._refcount[page] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for page in pages:
+            assert self._refcount[page] > 0, f"incref of free page {page}"
+            self._refcount[page] += 1
+
+    def decref(self, pages: list[int]) -> None:
+        for page in pages:
+            assert self._refcount[page] > 0, f"decref of free page {page}"
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                self._free.append(page)
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[page]
+
+
+@dataclass
+class BlockTable:
+    """One request's KV: its pages in order and how many slots hold valid (committed) tokens."""
+
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class KVCache:
+    """The page pool tensors plus the allocator; all block-table bookkeeping goes through here."""
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+        if page_size <= 0:
+            raise ValueError(f"page size must be positive, got {page_size}")
+        self.page_size = page_size
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.allocator = PageAllocator(num_pages)
+        shape = (2, num_pages, page_size, self.num_kv_heads, self.head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * element_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def reserve(self, table: BlockTable, num_tokens: int) -> None:
+        """Make room for `num_tokens` slots in total (allocates pages; never frees)."""
+        missing = self.pages_for(num_tokens) - len(table.pages)
+        if missing > 0:
+            table.pages.extend(self.allocator.alloc(missing))
+
+    def set_length(self, table: BlockTable, num_tokens: int) -> None:
+        """Commit: the first `num_tokens` slots are valid; pages wholly past them return to the pool."""
+        assert num_tokens <= len(table.pages) * self.page_size, "set_length past the reserved pages"
+        keep = self.pages_for(num_tokens)
+        if keep < len(table.pages):
+            self.allocator.decref(table.pages[keep:])
+            del table.pages[keep:]
+        table.num_tokens = num_tokens
+
+    def release(self, table: BlockTable) -> None:
+        self.set_length(table, 0)
+
+    def slot_ids(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids [end - start] of logical slots start..end-1 (pages must be reserved)."""
+        logical = torch.arange(start, end)
+        pages = torch.tensor(table.pages, dtype=torch.long)[logical // self.page_size]
+        return pages * self.page_size + logical % self.page_size
+
+    def flat_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer as [num_slots, num_kv_heads, head_dim] views indexed by flat slot id."""
+        kv = self.layers[layer_id]
+        return kv[0].view(-1, self.num_kv_heads, self.head_dim), kv[1].view(-1, self.num_kv_heads, self.head_dim)
+
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """KV of flat slots src -> dst in every layer (tree commit compacts accepted nodes with this)."""
+        src, dst = src_slots.to(self.device), dst_slots.to(self.device)
+        for layer_id in range(self.num_layers):
+            for flat in self.flat_kv(layer_id):
+                flat[dst] = flat[src]

@@ -1,0 +1,204 @@
+"""Weight loading: HF safetensors (single file or sharded with an index) or random `dummy` weights.
+
+Loading is all-or-nothing. The model is first built on the meta device; the checkpoint's tensor
+names, shapes and dtypes are read from the safetensors headers and checked against what the model
+expects; only then is memory allocated and data read. A missing, unexpected or misshaped tensor is a
+`CheckpointError` that names it (and its file), raised before any weight is materialised.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from splitspec.runtime.config import ModelConfig
+from splitspec.runtime.models import model_class
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+# checkpoint tensors that carry nothing a model needs (old Llama exports saved RoPE buffers)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+MAX_LISTED = 8
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not match the model its config describes."""
+
+
+@dataclass(frozen=True)
+class TensorTarget:
+    """Where a checkpoint tensor goes: rows [row_start, row_start + shape[0]) of a model parameter."""
+
+    param: str
+    row_start: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def checkpoint_spec(model: nn.Module) -> dict[str, TensorTarget]:
+    """The checkpoint tensors a model expects, derived from its parameters and fused modules."""
+    params = dict(model.named_parameters())
+    spec: dict[str, TensorTarget] = {}
+    fused: set[str] = set()
+    for module_name, module in model.named_modules():
+        for fused_name, sources in getattr(module, "packed", {}).items():
+            prefix = f"{module_name}." if module_name else ""
+            sizes = _block_rows(module, fused_name, sources)
+            for leaf in ("weight", "bias"):
+                param_name = f"{prefix}{fused_name}.{leaf}"
+                if param_name not in params:
+                    continue
+                fused.add(param_name)
+                row = 0
+                for source, rows in zip(sources, sizes):
+                    shape = (rows, *params[param_name].shape[1:])
+                    spec[f"{prefix}{source}.{leaf}"] = TensorTarget(param_name, row, shape)
+                    row += rows
+    for name, param in params.items():
+        if name not in fused:
+            spec[name] = TensorTarget(name, 0, tuple(param.shape))
+    return spec
+
+
+def _block_rows(module: nn.Module, fused_name: str, sources: tuple[str, ...]) -> tuple[int, ...]:
+    split_sizes = getattr(module, "split_sizes", None)
+    if split_sizes is not None and len(split_sizes) == len(sources):
+        return tuple(split_sizes)
+    total = getattr(module, fused_name).weight.shape[0]
+    assert total % len(sources) == 0, f"{fused_name}: cannot split {total} rows evenly"
+    return (total // len(sources),) * len(sources)
+
+
+def read_checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:
+    """Tensor name -> (file, shape, dtype), from the safetensors headers only (no tensor data)."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index_path}: shard files listed but not found: {', '.join(missing)}")
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in model_dir.iterdir())
+        raise CheckpointError(
+            f"{model_dir}: no *.safetensors weights found (found: {', '.join(found) or 'nothing'}); "
+            "use --load-format dummy for random weights"
+        )
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        with safe_open(str(model_dir / file), framework="pt") as handle:
+            for key in handle.keys():
+                if key in tensors:
+                    raise CheckpointError(f"tensor {key!r} appears in both {tensors[key].file} and {file}")
+                view = handle.get_slice(key)
+                tensors[key] = TensorInfo(file, tuple(view.get_shape()), view.get_dtype())
+    return tensors
+
+
+def validate_checkpoint(spec: dict[str, TensorTarget], tensors: dict[str, TensorInfo], config: ModelConfig) -> None:
+    """Raise CheckpointError naming every missing, unexpected, misshaped or non-float tensor."""
+    ignorable = {k for k in tensors if k.endswith(IGNORED_SUFFIXES)}
+    if config.tie_word_embeddings:
+        ignorable.add("lm_head.weight")  # some tied checkpoints also store the (identical) head
+    problems: list[str] = []
+    missing = sorted(set(spec) - set(tensors))
+    unexpected = sorted(set(tensors) - set(spec) - ignorable)
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing([f'{k} (in {tensors[k].file})' for k in unexpected])}")
+    for key in sorted(set(spec) & set(tensors)):
+        info, target = tensors[key], spec[key]
+        if info.shape != target.shape:
+            problems.append(f"tensor {key!r} in {info.file} has shape {list(info.shape)}, expected {list(target.shape)}")
+        if info.dtype not in FLOAT_DTYPES:
+            problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype} (quantized checkpoints are not supported)")
+    if problems:
+        raise CheckpointError(f"checkpoint does not match {config.architecture}: " + "; ".join(problems))
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:MAX_LISTED])
+    return shown + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
+
+
+def load_model(
+    model_dir: str | Path | None,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
+    """Build the model for `config` and fill it from `model_dir` (or randomly for 'dummy')."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
+    with torch.device("meta"):
+        model = model_class(config)(config).to(dtype)
+    spec = checkpoint_spec(model)
+    if load_format == "dummy":
+        model.to_empty(device=device)
+        _init_dummy(model, seed)
+        logger.info("initialised %s with random (dummy) weights, seed %d", config.architecture, seed)
+        return model.eval()
+    model_dir = Path(model_dir)
+    tensors = read_checkpoint_index(model_dir)
+    validate_checkpoint(spec, tensors, config)
+    model.to_empty(device=device)
+    _load_tensors(model, spec, tensors, model_dir, device)
+    return model.eval()
+
+
+@torch.no_grad()
+def _load_tensors(model: nn.Module, spec, tensors, model_dir: Path, device: torch.device) -> None:
+    params = dict(model.named_parameters())
+    by_file: dict[str, list[str]] = {}
+    for key in spec:
+        by_file.setdefault(tensors[key].file, []).append(key)
+    start, num_bytes = time.perf_counter(), 0
+    bar = tqdm(total=len(spec), desc="Loading weights", unit="tensor", disable=None)
+    for file, keys in sorted(by_file.items()):
+        with safe_open(str(model_dir / file), framework="pt", device=str(device)) as handle:
+            for key in keys:
+                target = spec[key]
+                data = handle.get_tensor(key)
+                num_bytes += data.numel() * data.element_size()
+                params[target.param][target.row_start : target.row_start + target.shape[0]].copy_(data)
+                bar.update()
+    bar.close()
+    logger.info(
+        "loaded %d tensors (%.1f MB) from %d file(s) in %.1fs",
+        len(spec), num_bytes / 1e6, len(by_file), time.perf_counter() - start,
+    )
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights from the config alone: N(0, 0.02) matrices, unit norms, zero biases."""
+    first = next(model.parameters())
+    generator = torch.Generator(device=first.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32) * 0.02)

@@ -1,0 +1,27 @@
+"""Model families, by ModelConfig.family. Each family is one compact module on the shared layers."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from splitspec.runtime.config import ModelConfig
+
+# family -> "module:Class"
+MODEL_FAMILIES: dict[str, str] = {
+    "llama": "splitspec.runtime.models.llama:LlamaForCausalLM",
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    module_name, class_name = MODEL_FAMILIES[config.family].split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def packed_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Fused module name -> the checkpoint modules stacked in it (rows along dim 0, in order)."""
+    packed: dict[str, tuple[str, ...]] = {}
+    for module in model.modules():
+        packed.update(getattr(module, "packed", {}))
+    return packed

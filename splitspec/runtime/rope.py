@@ -1,0 +1,121 @@
+"""Rotary position embedding: inverse frequencies per rope type, and the rotation itself.
+
+The frequency formulas are those of transformers' `modeling_rope_utils` (tests compare the two), so a
+checkpoint rotates the same here as in the reference implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from splitspec.runtime.config import RopeConfig
+
+
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rot_dim // 2] in fp32, attention scale applied to cos and sin)."""
+    dim = rotary_dim(rope, head_dim)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim  # [dim // 2]
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type == "linear":
+        return inv_freq / float(rope.get("factor")), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3(inv_freq, rope), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(rope, dim, max_position_embeddings)
+    raise ValueError(f"rope type {rope.rope_type!r} is not supported")
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short kept, the band between interpolated."""
+    factor = float(rope.get("factor"))
+    low_freq_factor = float(rope.get("low_freq_factor"))
+    high_freq_factor = float(rope.get("high_freq_factor"))
+    old_context_len = float(rope.get("original_max_position_embeddings"))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    factor = float(rope.get("factor"))
+    original_max = rope.get("original_max_position_embeddings") or max_position_embeddings
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = rope.get("beta_fast") or 32
+    beta_slow = rope.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at explicit positions [T] (tree depths allowed).
+
+    cos/sin are cached per position in fp32 ([max_pos, rot_dim // 2]) and grown on demand.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int):
+        super().__init__()
+        self.rot_dim = rotary_dim(rope, head_dim)
+        self._rope, self._head_dim, self._max_pos = rope, head_dim, max_position_embeddings
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def _ensure_cache(self, num_positions: int, device: torch.device) -> None:
+        if self._cos is not None and self._cos.shape[0] >= num_positions and self._cos.device == device:
+            return
+        size = max(num_positions, self._max_pos, 2 * (self._cos.shape[0] if self._cos is not None else 0))
+        inv_freq, scale = inv_freq_and_scale(self._rope, self._head_dim, self._max_pos)
+        freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [size, rot_dim // 2]
+        self._cos = (freqs.cos() * scale).to(device)
+        self._sin = (freqs.sin() * scale).to(device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ensure_cache(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
+        cos = self._cos[positions].unsqueeze(1)  # [T, 1, rot_dim // 2]
+        sin = self._sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """NeoX-style (rotate_half) rotation of the first rot_dim dims, as HF Llama/Qwen do."""
+        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated

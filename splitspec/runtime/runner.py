@@ -1,0 +1,124 @@
+"""ModelRunner: a loaded model, its paged KV cache and an attention backend, behind one forward().
+
+    runner = ModelRunner.load(RuntimeConfig(model_path=...))
+    table = BlockTable()
+    out = runner.forward(build_forward_batch(runner.kv_cache, [SequenceInput(table, ids)], runner.device))
+    runner.kv_cache.set_length(table, len(ids))          # commit
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.runtime.attention import AttentionBackend, get_attention_backend
+from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_batch
+from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
+from splitspec.runtime.hub import resolve_model_dir
+from splitspec.runtime.kv_cache import KVCache
+from splitspec.runtime.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GPU_MEM_FRACTION = 0.85
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Everything needed to stand a model up; built once from the command line."""
+
+    model_path: str
+    revision: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 16
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    attention_backend: str = "torch"
+    seed: int = 0
+    capture_layers: tuple[int, ...] = ()  # layer inputs returned as aux hidden states
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, V] fp32, rows = batch.logits_indices
+    hidden_states: torch.Tensor | None = None  # [T, H] final normed state of every new token
+    aux_hidden_states: torch.Tensor | None = None  # [T, len(capture_layers) * H] captured layer inputs
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """'auto' = the checkpoint's dtype, except fp32 checkpoints run in bf16 on a GPU."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ConfigError(f"--dtype {name!r} is not supported (choose from auto, {', '.join(DTYPES)})")
+        return DTYPES[name]
+    declared = DTYPES.get(str(config.torch_dtype).replace("torch.", ""), torch.float32)
+    if declared == torch.float32 and device.type == "cuda":
+        return torch.bfloat16
+    return declared
+
+
+def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Pages from --max-total-tokens, or on a GPU from --mem-fraction-static of its memory."""
+    if rc.max_total_tokens is not None:
+        return -(-rc.max_total_tokens // rc.page_size)
+    if device.type != "cuda":
+        raise ConfigError("on CPU the KV cache is sized by --max-total-tokens")
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = rc.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
+    budget = total * fraction - (total - free)
+    num_tokens = int(budget // KVCache.bytes_per_token(config, dtype))
+    if num_tokens < rc.page_size:
+        raise ConfigError(f"--mem-fraction-static {fraction} leaves no memory for the KV cache after the weights")
+    return num_tokens // rc.page_size
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, capture_layers: tuple[int, ...] = ()):
+        self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
+        self.device, self.dtype = kv_cache.device, kv_cache.dtype
+        bad = [i for i in capture_layers if not 0 <= i <= config.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"capture layers {bad} out of range for {config.num_hidden_layers} layers")
+        self.capture_layers = tuple(capture_layers)
+
+    @classmethod
+    def load(cls, rc: RuntimeConfig) -> "ModelRunner":
+        model_dir = resolve_model_dir(rc.model_path, rc.revision)
+        config = ModelConfig.from_dir(model_dir)
+        device = resolve_device(rc.device)
+        dtype = resolve_dtype(rc.dtype, config, device)
+        logger.info("loading %s (%s, %d layers) from %s as %s on %s", config.architecture, config.model_type,
+                    config.num_hidden_layers, model_dir, str(dtype).replace("torch.", ""), device)
+        model = load_model(model_dir, config, dtype, device, rc.load_format, rc.seed)
+        num_pages = kv_cache_num_pages(rc, config, dtype, device)
+        kv_cache = KVCache(config, num_pages, rc.page_size, dtype, device)
+        logger.info("KV cache: %d pages x %d tokens (%.1f MB)", num_pages, rc.page_size,
+                    num_pages * rc.page_size * KVCache.bytes_per_token(config, dtype) / 1e6)
+        backend = get_attention_backend(rc.attention_backend)(config, kv_cache)
+        runner = cls(config, model, kv_cache, backend, rc.capture_layers)
+        runner.model_dir = model_dir
+        return runner
+
+    def batch(self, sequences: list[SequenceInput]) -> ForwardBatch:
+        return build_forward_batch(self.kv_cache, sequences, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, return_hidden: bool = False) -> ForwardOutput:
+        plan = self.backend.plan(batch.attention)
+        hidden, captured = self.model(batch.input_ids, batch.positions, self.backend, plan, self.capture_layers)
+        logits = self.model.logits(hidden[batch.logits_indices])
+        return ForwardOutput(
+            logits=logits,
+            hidden_states=hidden if return_hidden else None,
+            aux_hidden_states=torch.cat(captured, dim=-1) if captured else None,
+        )

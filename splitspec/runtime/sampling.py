@@ -1,0 +1,142 @@
+"""Sampling parameters and position-keyed sampling (ARCHITECTURE.md §3.2).
+
+A request's token at output position t is
+
+    argmax_v( processed_logits[v] + G(seed, t, v) )
+
+where `processed_logits` are the target logits after temperature, top-k and top-p, and G is Gumbel
+noise that depends only on (seed, t, v). Gumbel-max makes this an exact sample of softmax(processed);
+keying the noise by position makes it independent of batching, step boundaries and speculation: a
+tree verifier computes the target's sample at a node's parent and accepts the child equal to it, so a
+seeded request produces the same text with speculation on or off.
+
+The noise is a counter-based integer hash (murmur3's 32-bit finaliser, rounds chained over seed,
+position and vocabulary index) evaluated with int64 tensor ops, so CPU, GPU and a Triton kernel can
+reproduce it bit for bit. Uniforms have 24 bits, so the Gumbel tail is cut at about 17.3 (a 2^-24
+effect per draw).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B9
+SEED_SALT = 0x243F6A88
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 (or top_k 1) = greedy; top_k -1 / top_p 1.0 = off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None  # None: a random seed is drawn when the request starts
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def with_seed(self) -> "SamplingParams":
+        """This request with its seed fixed (a random one when unset), so its sampling is reproducible."""
+        if self.seed is not None:
+            return self
+        from dataclasses import replace
+
+        return replace(self, seed=random.SystemRandom().randrange(MAX_SEED))
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """(h * c) mod 2^32 for uint32 h and c, in int64 without overflow (16-bit halves)."""
+    low = (h & 0xFFFF) * c  # < 2^48
+    high = (((h >> 16) * c) & 0xFFFF) << 16  # < 2^32
+    return (low + high) & MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding uint32 values (a bijection of uint32)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def position_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B] int64 seeds and output positions -> [B] uint32 keys (as int64)."""
+    key = _fmix32((seeds & MASK32) ^ SEED_SALT)
+    key = _fmix32(key ^ ((seeds >> 32) & MASK32))
+    return _fmix32(key ^ (positions & MASK32))
+
+
+def keyed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] fp32 that depends only on (seed, position, vocab index)."""
+    keys = position_keys(seeds.long(), positions.long())[:, None]  # [B, 1]
+    vocab = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.long), GOLDEN32)  # [V]
+    bits = _fmix32((_fmix32(vocab[None, :] ^ keys) + keys) & MASK32)  # [B, V]
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / 2**24)  # (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+def process_logits(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (on the tempered distribution); removed tokens get -inf.
+
+    logits [B, V] fp32; temperatures [B] (> 0); top_ks [B] (-1 = off); top_ps [B] (1.0 = off).
+    """
+    scaled = logits / temperatures[:, None]
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    vocab_size = scaled.shape[-1]
+    k = torch.where(top_ks > 0, top_ks, vocab_size)[:, None]
+    remove = rank >= k
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it is < top_p
+    remove |= mass_before >= top_ps[:, None]
+    remove[:, 0] = False
+    removed = torch.zeros_like(remove).scatter(1, sorted_ids, remove)
+    return scaled.masked_fill(removed, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions: list[int]) -> torch.Tensor:
+    """One token per row of logits [B, V]: argmax for greedy rows, keyed Gumbel-max otherwise."""
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows:
+        return tokens
+    device = logits.device
+    chosen = [params[i] for i in rows]
+    if any(p.seed is None for p in chosen):
+        raise ValueError("sampling needs a seed per request (SamplingParams.with_seed())")
+    processed = process_logits(
+        logits[rows],
+        torch.tensor([p.temperature for p in chosen], device=device),
+        torch.tensor([p.top_k for p in chosen], device=device),
+        torch.tensor([p.top_p for p in chosen], device=device),
+    )
+    noise = keyed_gumbel(
+        torch.tensor([p.seed for p in chosen], device=device, dtype=torch.long),
+        torch.tensor([output_positions[i] for i in rows], device=device, dtype=torch.long),
+        logits.shape[-1],
+    )
+    tokens[rows] = (processed + noise).argmax(dim=-1)
+    return tokens

@@ -1,0 +1,1 @@
+"""The verifier: the target model, its paged KV cache and the one step loop."""
