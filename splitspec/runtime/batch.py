@@ -36,6 +36,8 @@ class ForwardBatch:
 
 
 def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], device: torch.device) -> ForwardBatch:
+    if not sequences:
+        raise ValueError("a forward batch needs at least one sequence")
     input_ids, positions, out_slots, logits_rows = [], [], [], []
     q_lens, kv_lens, page_tables, masks, cu_logits = [], [], [], [], [0]
     for seq in sequences:

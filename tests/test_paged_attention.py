@@ -1,0 +1,181 @@
+"""The paged KV cache and masked attention: token-by-token decoding through the cache equals one full
+forward; a tree-masked forward equals separate forwards of each root-to-leaf path; pages come back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_logits, load_runner
+
+from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.kv_cache import BlockTable, KVCache, OutOfPagesError, PageAllocator
+
+TOL = 1e-4
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-llama3", "qwen2-sliding", "qwen3-qk-norm"])
+def test_incremental_decode_equals_full_forward(tiny_checkpoints, family):
+    """Three requests with different prompt lengths, chunked prefill, one joining late, page size 3:
+    every logit row equals the full-sequence forward of the same tokens."""
+    path = tiny_checkpoints[family]
+    runner, reference = load_runner(path, page_size=3, max_total_tokens=3 * 40), hf_model(path)
+    vocab = runner.config.vocab_size
+    sequences = [random_ids(n, vocab, seed) for n, seed in ((14, 1), (5, 2), (9, 3))]
+    # (start step, prompt chunk sizes); afterwards one token per step until the sequence is consumed
+    schedule = {0: [6, 8], 1: [5], 2: [1, 8]}
+    join_step = {0: 0, 1: 0, 2: 1}
+    tables = [BlockTable() for _ in sequences]
+    chunks = {i: list(schedule[i]) + [1] * (len(s) - sum(schedule[i])) for i, s in enumerate(sequences)}
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(sequences))}
+    step = 0
+    while any(chunks.values()):
+        batch = [i for i in chunks if chunks[i] and join_step[i] <= step]
+        seqs = []
+        for i in batch:
+            start, size = tables[i].num_tokens, chunks[i].pop(0)
+            seqs.append(SequenceInput(tables[i], sequences[i][start : start + size], logits="all"))
+        out = runner.forward(runner.batch(seqs))
+        row = 0
+        for i, seq in zip(batch, seqs):
+            n = len(seq.input_ids)
+            got[i].append(out.logits[row : row + n])
+            row += n
+            runner.kv_cache.set_length(tables[i], tables[i].num_tokens + n)
+        step += 1
+    for i, ids in enumerate(sequences):
+        assert tables[i].num_tokens == len(ids)
+        assert len(tables[i].pages) == -(-len(ids) // 3)
+        assert (torch.cat(got[i]) - hf_logits(reference, ids)).abs().max().item() < TOL
+        runner.kv_cache.release(tables[i])
+    assert runner.kv_cache.allocator.num_free == runner.kv_cache.num_pages
+
+
+# A branching tree after the prefix:     r
+#                                      /   \
+#                                     a     b
+#                                    / \     \
+#                                   c   d     e
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2]
+TREE_PATHS = [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: node i sees node j iff j is i or an ancestor of i."""
+    n = len(parents)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(n):
+        j = parents[i]
+        while j != -1:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def depths(parents: list[int]) -> list[int]:
+    out = []
+    for p in parents:
+        out.append(0 if p == -1 else out[p] + 1)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama-gqa-llama3", "mistral-sliding"])
+def test_tree_forward_equals_path_forwards(tiny_checkpoints, family):
+    """Two requests verify trees in one forward beside a plain decode request; each tree node's
+    logits equal the full forward of prefix + its root-to-node path."""
+    path = tiny_checkpoints[family]
+    runner, reference = load_runner(path, page_size=4), hf_model(path)
+    vocab = runner.config.vocab_size
+    prefixes = [random_ids(n, vocab, seed) for n, seed in ((7, 11), (10, 12), (5, 13))]
+    tables = [BlockTable() for _ in prefixes]
+    runner.forward(runner.batch([SequenceInput(t, p, logits="none") for t, p in zip(tables, prefixes)]))
+    for t, p in zip(tables, prefixes):
+        runner.kv_cache.set_length(t, len(p))
+    trees = [random_ids(len(TREE_PARENTS), vocab, 20 + i) for i in range(2)]
+    mask = tree_mask(TREE_PARENTS)
+    seqs = [
+        SequenceInput(tables[i], trees[i], positions=[len(prefixes[i]) + d for d in depths(TREE_PARENTS)],
+                      mask=mask, logits="all")
+        for i in range(2)
+    ]
+    plain_token = random_ids(1, vocab, 30)
+    seqs.append(SequenceInput(tables[2], plain_token, logits="all"))
+    out = runner.forward(runner.batch(seqs))
+    for i in range(2):
+        node_logits = out.logits[i * len(TREE_PARENTS) : (i + 1) * len(TREE_PARENTS)]
+        for path_nodes in TREE_PATHS:
+            ids = prefixes[i] + [trees[i][n] for n in path_nodes]
+            expected = hf_logits(reference, ids)[len(prefixes[i]) :]
+            assert (node_logits[path_nodes] - expected).abs().max().item() < TOL
+    expected_plain = hf_logits(reference, prefixes[2] + plain_token)[-1]
+    assert (out.logits[-1] - expected_plain).abs().max().item() < TOL
+    # commit: keep the accepted path r, a, d (nodes 0, 1, 4) of request 0 by compacting its slots
+    kv = runner.kv_cache
+    start = len(prefixes[0])
+    accepted = [0, 1, 4]
+    kv.copy_slots(kv.slot_ids(tables[0], start, start + len(TREE_PARENTS))[accepted], kv.slot_ids(tables[0], start, start + 3))
+    kv.set_length(tables[0], start + 3)
+    nxt = random_ids(1, vocab, 40)
+    after = runner.forward(runner.batch([SequenceInput(tables[0], nxt)]))
+    committed = prefixes[0] + [trees[0][n] for n in accepted] + nxt
+    assert (after.logits[0] - hf_logits(reference, committed)[-1]).abs().max().item() < TOL
+    for t in tables:
+        kv.release(t)
+    assert kv.allocator.num_free == kv.num_pages
+
+
+def test_tree_mask_matters(tiny_checkpoints):
+    """Without the tree mask (causal over the nodes) siblings would see each other: results differ."""
+    runner = load_runner(tiny_checkpoints["llama-gqa-llama3"])
+    ids = random_ids(len(TREE_PARENTS), runner.config.vocab_size, 50)
+    positions = [5 + d for d in depths(TREE_PARENTS)]
+    outs = []
+    for mask in (tree_mask(TREE_PARENTS), None):
+        table = BlockTable()
+        runner.forward(runner.batch([SequenceInput(table, list(range(5)), logits="none")]))
+        runner.kv_cache.set_length(table, 5)
+        outs.append(runner.forward(runner.batch([SequenceInput(table, ids, positions, mask, "all")])).logits)
+        runner.kv_cache.release(table)
+    assert not torch.allclose(outs[0][2:], outs[1][2:], atol=1e-3)
+
+
+def test_page_allocator_counts_and_reuses():
+    alloc = PageAllocator(4)
+    a = alloc.alloc(3)
+    assert alloc.num_free == 1 and alloc.num_used == 3
+    with pytest.raises(OutOfPagesError, match="need 2 KV pages, 1 of 4 free"):
+        alloc.alloc(2)
+    alloc.incref(a[:1])  # shared (prefix cache) page survives one release
+    alloc.decref(a)
+    assert alloc.num_free == 3 and alloc.refcount(a[0]) == 1
+    alloc.decref(a[:1])
+    assert alloc.num_free == 4
+    assert sorted(alloc.alloc(4)) == [0, 1, 2, 3]
+
+
+def test_block_table_reserve_and_truncate(tiny_checkpoints):
+    from splitspec.runtime.config import ModelConfig
+
+    config = ModelConfig.from_dir(tiny_checkpoints["llama-tied"])
+    kv = KVCache(config, num_pages=5, page_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    table = BlockTable()
+    kv.reserve(table, 9)  # 3 pages
+    assert len(table.pages) == 3 and kv.allocator.num_free == 2
+    assert kv.slot_ids(table, 3, 6).tolist() == [
+        table.pages[0] * 4 + 3, table.pages[1] * 4 + 0, table.pages[1] * 4 + 1,
+    ]
+    kv.set_length(table, 5)  # keeps 2 pages
+    assert len(table.pages) == 2 and kv.allocator.num_free == 3 and table.num_tokens == 5
+    with pytest.raises(OutOfPagesError):
+        kv.reserve(table, 4 * 6)
+    kv.release(table)
+    assert kv.allocator.num_free == 5 and table.pages == []

@@ -1,0 +1,41 @@
+"""RoPE frequencies equal transformers' for every supported rope type, at real-model head sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.runtime.config import ModelConfig
+from splitspec.runtime.rope import inv_freq_and_scale
+
+BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+            num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, vocab_size=100,
+            max_position_embeddings=131072)
+
+CASES = {
+    "default": dict(rope_theta=10000.0),
+    "llama3.1": dict(rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "linear": dict(rope_theta=10000.0, rope_scaling=dict(type="linear", factor=4.0)),
+    "yarn-qwen": dict(rope_theta=1000000.0, max_position_embeddings=131072,
+                      rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32768)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_inv_freq_matches_transformers(case):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {**BASE, **CASES[case]}
+    ours = ModelConfig.from_dict(raw)
+    inv_freq, scale = inv_freq_and_scale(ours.rope, ours.head_dim, ours.max_position_embeddings)
+    hf_config = LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"})
+    rope_type = hf_config.rope_parameters["rope_type"]
+    if rope_type == "default":
+        expected = 1.0 / (hf_config.rope_parameters["rope_theta"] ** (torch.arange(0, 128, 2).float() / 128))
+        expected_scale = 1.0
+    else:
+        expected, expected_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    assert torch.allclose(inv_freq, expected.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(expected_scale)
