@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,8 +45,15 @@ def _finish_reason(gen: Generation, eos_ids: set[int]) -> str | None:
     return None
 
 
-def generate_ids(runner: ModelRunner, prompts: list[list[int]], params: list[SamplingParams], eos_ids: set[int]) -> list[Generation]:
-    """Plain decoding of every prompt together; KV pages are returned to the pool as requests end."""
+def generate_ids(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    eos_ids: set[int],
+    on_step: Callable[[int], None] | None = None,
+) -> list[Generation]:
+    """Plain decoding of every prompt together; KV pages are returned to the pool as requests end.
+    `on_step(num_tokens)` is called after each step with the tokens it produced (benchmarks time it)."""
     gens = [Generation(list(p), sp.with_seed()) for p, sp in zip(prompts, params)]
     running = [g for g in gens if g.params.max_new_tokens > 0]
     for g in gens:
@@ -66,6 +74,8 @@ def generate_ids(runner: ModelRunner, prompts: list[list[int]], params: list[Sam
                 runner.kv_cache.release(g.table)
         running = [g for g in running if g.finish_reason is None]
         first_step = False
+        if on_step is not None:
+            on_step(len(sequences))
     return gens
 
 

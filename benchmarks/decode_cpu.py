@@ -1,0 +1,136 @@
+"""Plain-decode throughput of the splitspec runtime at several batch sizes; JSON out, no assertions.
+
+    python benchmarks/decode_cpu.py --out benchmarks/results/decode_cpu.json
+
+By default it builds a small Llama-architecture model (dummy weights, labelled as such) from a config
+alone; --model-path measures any HF checkpoint instead. Decode throughput excludes prefill: each point runs
+the product's generate loop and times the steps after the first token (median of --repeats runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from splitspec.generate import generate_ids
+from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+from splitspec.runtime.sampling import SamplingParams
+
+SMALL_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+QUICK_LLAMA = {**SMALL_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default=None, help="HF checkpoint to measure (default: a small dummy Llama).")
+    parser.add_argument("--batch-sizes", default="1,8", help="Comma-separated batch sizes.")
+    parser.add_argument("--prompt-len", type=int, default=64, help="Prompt tokens per request.")
+    parser.add_argument("--new-tokens", type=int, default=64, help="Tokens generated per request.")
+    parser.add_argument("--repeats", type=int, default=3, help="Runs per point (the median is reported).")
+    parser.add_argument("--dtype", default="float32", help="Model dtype.")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
+    parser.add_argument("--quick", action="store_true", help="A tiny model and few tokens (a smoke run for tests).")
+    parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
+    return parser.parse_args()
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def timed_generate(runner, prompts, new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds: start to the first token, decode seconds: first token to the last)."""
+    params = [SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
+    stamps: list[float] = []
+    start = time.perf_counter()
+    gens = generate_ids(runner, prompts, params, eos_ids=set(), on_step=lambda _: stamps.append(time.perf_counter()))
+    assert all(len(g.output_ids) == new_tokens for g in gens) and len(stamps) == new_tokens
+    return stamps[0] - start, stamps[-1] - stamps[0]
+
+
+def measure(runner, batch_size: int, args) -> dict:
+    g = torch.Generator().manual_seed(batch_size)
+    prompts = [torch.randint(0, runner.config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(batch_size)]
+    timed_generate(runner, prompts, 2)  # warm-up
+    runs = [timed_generate(runner, prompts, args.new_tokens) for _ in range(args.repeats)]
+    prefill_s = statistics.median(r[0] for r in runs)
+    decode_s = statistics.median(r[1] for r in runs)
+    steps = args.new_tokens - 1
+    return {
+        "batch_size": batch_size,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "prefill_s": round(prefill_s, 5),
+        "decode_s": round(decode_s, 5),
+        "decode_step_ms": round(1000 * decode_s / steps, 3),
+        "decode_tok_s": round(batch_size * steps / decode_s, 2),
+        "decode_tok_s_per_request": round(steps / decode_s, 2),
+        "runs": [{"prefill_s": round(p, 5), "decode_s": round(d, 5)} for p, d in runs],
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.repeats = 8, 6, 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    with tempfile.TemporaryDirectory() as scratch:
+        model_path, load_format = args.model_path, "auto"
+        if model_path is None:
+            model_path, load_format = scratch, "dummy"
+            (Path(scratch) / "config.json").write_text(json.dumps(QUICK_LLAMA if args.quick else SMALL_LLAMA))
+        capacity = max(batch_sizes) * (args.prompt_len + args.new_tokens + 16)
+        runner = ModelRunner.load(RuntimeConfig(model_path=model_path, load_format=load_format, dtype=args.dtype,
+                                                device="cpu", max_total_tokens=capacity))
+        results = [measure(runner, b, args) for b in batch_sizes]
+    cfg = runner.config
+    report = {
+        "benchmark": "plain decode throughput, splitspec runtime, torch attention backend",
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "commit": git_commit(),
+        "device": "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": {
+            "path": args.model_path or "built-in config",
+            "weights": "dummy (random)" if load_format == "dummy" else "checkpoint",
+            "architecture": cfg.architecture, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+            "parameters": sum(p.numel() for p in runner.model.parameters()),
+            "dtype": str(runner.dtype).replace("torch.", ""),
+        },
+        "results": results,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""docs/flags.md is the parsers' current output; the benchmark script runs and reports JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_flag_reference_is_current():
+    from splitspec.flagdoc import render
+
+    assert (REPO / "docs" / "flags.md").read_text() == render(), "regenerate: python -m splitspec.flagdoc > docs/flags.md"
+
+
+def test_every_command_flag_has_help():
+    from splitspec.cli import COMMANDS, load_command
+
+    for name in COMMANDS:
+        for action in load_command(name).build_parser()._actions:
+            assert action.help and action.help.strip(), f"splitspec {name} {action.option_strings}: no help"
+
+
+def test_cli_lists_commands_and_refuses_unknown():
+    ok = subprocess.run([sys.executable, "-m", "splitspec", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "generate" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "splitspec", "frobnicate"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+
+
+def test_readme_main_command_runs():
+    """The README's main command, as written there, minus the set-up wrapper (the suite runs in it)."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("```bash\nbash scripts/run.sh generate", 1)[1].split("```", 1)[0]
+    flags = block.replace("\\\n", " ").split()
+    result = subprocess.run([sys.executable, "-m", "splitspec", "generate", *flags, "--log-level", "warning"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert len(out["output_ids"]) == 16 and out["prompt_ids"] == [1, 2, 3]
+
+
+def test_decode_benchmark_reports_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_cpu.py"), "--quick", "--batch-sizes", "1,3",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["model"]["weights"] == "dummy (random)"
+    assert [row["batch_size"] for row in report["results"]] == [1, 3]
+    for row in report["results"]:
+        assert row["decode_s"] > 0 and math.isfinite(row["decode_tok_s"])
+        # tokens counted = batch x (new_tokens - 1) decode steps
+        expected = row["batch_size"] * (row["new_tokens"] - 1) / row["decode_s"]
+        assert abs(row["decode_tok_s"] - expected) / expected < 0.01
