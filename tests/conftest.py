@@ -7,6 +7,7 @@ or a norm cannot pass an equivalence test by accident.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,6 +15,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The runtime tests run on CPU in CI; SPLITSPEC_TEST_DEVICE=cuda runs the same suite on a GPU
+# (references stay on CPU in fp32; our outputs are compared on the test device).
+DEVICE = os.environ.get("SPLITSPEC_TEST_DEVICE", "cpu")
 
 # name -> (transformers config class name, config kwargs); each exercises one feature of the family
 TINY_FAMILIES: dict[str, tuple[str, dict]] = {
@@ -139,11 +144,11 @@ def llama31_v4_dir(tmp_path_factory) -> Path:
 def load_runner(model_dir, max_total_tokens: int = 4096, page_size: int = 4, dtype: str = "float32", **kwargs):
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
-    return ModelRunner.load(RuntimeConfig(model_path=str(model_dir), dtype=dtype, device="cpu",
+    return ModelRunner.load(RuntimeConfig(model_path=str(model_dir), dtype=dtype, device=DEVICE,
                                           max_total_tokens=max_total_tokens, page_size=page_size, **kwargs))
 
 
 def hf_logits(model, ids: list[int], position_ids: list[int] | None = None) -> torch.Tensor:
     with torch.no_grad():
         kwargs = {} if position_ids is None else {"position_ids": torch.tensor([position_ids])}
-        return model(torch.tensor([ids]), **kwargs).logits[0].float()
+        return model(torch.tensor([ids]), **kwargs).logits[0].float().to(DEVICE)

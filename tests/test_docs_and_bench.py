@@ -46,7 +46,7 @@ def test_readme_main_command_runs():
 
 def test_decode_benchmark_reports_json(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode_cpu.py"), "--quick", "--batch-sizes", "1,3",
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode.py"), "--quick", "--batch-sizes", "1,3",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())

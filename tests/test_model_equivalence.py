@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_FAMILIES, hf_logits, load_runner, make_hf_model, save_checkpoint
+from conftest import DEVICE, TINY_FAMILIES, hf_logits, load_runner, make_hf_model, save_checkpoint
 
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
@@ -118,11 +118,11 @@ def test_hidden_states_and_captured_layers(tiny_checkpoints):
     out = runner.forward(runner.batch([SequenceInput(table, ids)]), return_hidden=True)
     with torch.no_grad():
         hf = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    assert (out.hidden_states - hf[-1][0]).abs().max().item() < TOL
+    assert (out.hidden_states - hf[-1][0].to(DEVICE)).abs().max().item() < TOL
     num_layers, hidden = runner.config.num_hidden_layers, runner.config.hidden_size
     assert out.aux_hidden_states.shape == (len(ids), 3 * hidden)
     for slot, layer in enumerate((0, 1)):
-        assert (out.aux_hidden_states[:, slot * hidden : (slot + 1) * hidden] - hf[layer][0]).abs().max() < TOL
+        assert (out.aux_hidden_states[:, slot * hidden : (slot + 1) * hidden] - hf[layer][0].to(DEVICE)).abs().max() < TOL
     # index num_layers is the last layer's output before the final norm: not HF's (normed) last entry
-    assert not torch.allclose(out.aux_hidden_states[:, 2 * hidden :], hf[num_layers][0], atol=TOL)
+    assert not torch.allclose(out.aux_hidden_states[:, 2 * hidden :], hf[num_layers][0].to(DEVICE), atol=TOL)
     assert runner.config.eagle3_capture_layers() == (2, num_layers // 2, num_layers - 3)

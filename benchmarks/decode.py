@@ -1,9 +1,10 @@
 """Plain-decode throughput of the splitspec runtime at several batch sizes; JSON out, no assertions.
 
-    python benchmarks/decode_cpu.py --out benchmarks/results/decode_cpu.json
+    python benchmarks/decode.py --out benchmarks/results/decode_cpu.json
+    python benchmarks/decode.py --device cuda --preset llama-3.1-8b --dtype bfloat16 --batch-sizes 1,8,32
 
-By default it builds a small Llama-architecture model (dummy weights, labelled as such) from a config
-alone; --model-path measures any HF checkpoint instead. Decode throughput excludes prefill: each point runs
+By default it builds a Llama-architecture model of a preset shape (dummy weights, labelled as such)
+from a config alone; --model-path measures any HF checkpoint instead. Decode throughput excludes prefill: each point runs
 the product's generate loop and times the steps after the first token (median of --repeats runs).
 """
 
@@ -30,20 +31,31 @@ SMALL_LLAMA = {
     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000,
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
-QUICK_LLAMA = {**SMALL_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}
+PRESETS = {
+    "small": SMALL_LLAMA,
+    "quick": {**SMALL_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500},
+    # Llama-3.1-8B's shape (REFERENCES: 32 layers, GQA 32/8, 128256 vocab, llama3 rope)
+    "llama-3.1-8b": {**SMALL_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", default=None, help="HF checkpoint to measure (default: a small dummy Llama).")
+    parser.add_argument("--model-path", default=None, help="HF checkpoint to measure (default: a dummy --preset model).")
+    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="Shape of the dummy model.")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda.")
     parser.add_argument("--batch-sizes", default="1,8", help="Comma-separated batch sizes.")
     parser.add_argument("--prompt-len", type=int, default=64, help="Prompt tokens per request.")
     parser.add_argument("--new-tokens", type=int, default=64, help="Tokens generated per request.")
     parser.add_argument("--repeats", type=int, default=3, help="Runs per point (the median is reported).")
     parser.add_argument("--dtype", default="float32", help="Model dtype.")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
-    parser.add_argument("--quick", action="store_true", help="A tiny model and few tokens (a smoke run for tests).")
+    parser.add_argument("--quick", action="store_true", help="The quick preset and few tokens (a smoke run for tests).")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
     return parser.parse_args()
 
@@ -90,7 +102,7 @@ def measure(runner, batch_size: int, args) -> dict:
 def main() -> int:
     args = parse_args()
     if args.quick:
-        args.prompt_len, args.new_tokens, args.repeats = 8, 6, 1
+        args.prompt_len, args.new_tokens, args.repeats, args.preset = 8, 6, 1, "quick"
     if args.threads:
         torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -98,23 +110,23 @@ def main() -> int:
         model_path, load_format = args.model_path, "auto"
         if model_path is None:
             model_path, load_format = scratch, "dummy"
-            (Path(scratch) / "config.json").write_text(json.dumps(QUICK_LLAMA if args.quick else SMALL_LLAMA))
+            (Path(scratch) / "config.json").write_text(json.dumps(PRESETS[args.preset]))
         capacity = max(batch_sizes) * (args.prompt_len + args.new_tokens + 16)
         runner = ModelRunner.load(RuntimeConfig(model_path=model_path, load_format=load_format, dtype=args.dtype,
-                                                device="cpu", max_total_tokens=capacity))
+                                                device=args.device, max_total_tokens=capacity))
         results = [measure(runner, b, args) for b in batch_sizes]
     cfg = runner.config
     report = {
-        "benchmark": "plain decode throughput, splitspec runtime, torch attention backend",
+        "benchmark": f"plain decode throughput, splitspec runtime, {runner.backend.name} attention backend, no CUDA graphs",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "commit": git_commit(),
-        "device": "cpu",
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "cpu": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "model": {
-            "path": args.model_path or "built-in config",
+            "path": args.model_path or f"preset {args.preset}",
             "weights": "dummy (random)" if load_format == "dummy" else "checkpoint",
             "architecture": cfg.architecture, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
