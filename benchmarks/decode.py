@@ -61,6 +61,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def git_commit() -> str | None:
+    """HEAD of the checkout, or None where there is no .git (the GPU machine gets a bare copy)."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()

@@ -7,12 +7,14 @@ behave exactly as with transformers; a revision may be a branch, tag or commit.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 # what a model directory needs from the hub (weights in safetensors, configs, tokenizer files)
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -32,6 +34,13 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     logger.info("resolving %s (revision %s) through huggingface_hub", name_or_path, revision or "main")
+    if revision is not None and COMMIT_HASH.match(revision):
+        # A commit is immutable: a cached snapshot of it is used without asking the hub (some
+        # huggingface_hub versions list the repo first even when offline).
+        try:
+            return Path(snapshot_download(name_or_path, revision=revision, local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            pass
     try:
         return Path(snapshot_download(name_or_path, revision=revision, allow_patterns=HUB_PATTERNS))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
