@@ -13,6 +13,8 @@ import sys
 # command name -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("splitspec.generate", "offline generation in one process, plain decoding"),
+    "demo-models": ("splitspec.demo", "print (building if needed) the demo target and draft directories"),
+    "train": ("splitspec.train.cli", "train models: `train lm` (tokenizer + causal LM from scratch)"),
 }
 
 

@@ -25,17 +25,29 @@ def _default_cell(action: argparse.Action) -> str:
     return f"`{action.default}`"
 
 
+def _parser_section(title: str, summary: str, parser: argparse.ArgumentParser) -> list[str]:
+    lines = [f"## `{title}`", "", summary.rstrip(".") + ".", ""]
+    rows, subcommands = [], []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            subcommands += [(f"{title} {name}", helps.get(name, ""), sub) for name, sub in action.choices.items()]
+            continue
+        choices = f" One of: {', '.join(map(str, action.choices))}." if action.choices else ""
+        rows.append(f"| {_flag_cell(action)} | {_default_cell(action)} | {action.help}{choices} |")
+    if rows:
+        lines += ["| flag | default | meaning |", "|---|---|---|", *rows, ""]
+    for sub_title, sub_summary, sub in subcommands:
+        lines += _parser_section(sub_title, sub_summary, sub)
+    return lines
+
+
 def render() -> str:
     lines = ["# Command-line flags", "", "Generated from the parsers by `python -m splitspec.flagdoc`; do not edit.", ""]
     for name, (_, summary) in COMMANDS.items():
-        parser = load_command(name).build_parser()
-        lines += [f"## `splitspec {name}`", "", summary + ".", "", "| flag | default | meaning |", "|---|---|---|"]
-        for action in parser._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            choices = f" One of: {', '.join(map(str, action.choices))}." if action.choices else ""
-            lines.append(f"| {_flag_cell(action)} | {_default_cell(action)} | {action.help}{choices} |")
-        lines.append("")
+        lines += _parser_section(f"splitspec {name}", summary, load_command(name).build_parser())
     return "\n".join(lines)
 
 

@@ -1,0 +1,210 @@
+"""`splitspec demo-models`: the demo target and standalone draft every command serves by default.
+
+They are trained by `splitspec train lm` on the Python standard library and shipped in the package
+(`splitspec/demo_models/`, safetensors shards under 20 MiB, with `manifest.json`: corpus, command,
+seeds, metrics, file hashes). When the shipped files are missing or do not match the manifest they
+are rebuilt with the same settings: in the package directory when it is writable, otherwise in a
+cache directory; a file lock keeps concurrent commands from building twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+logger = logging.getLogger("splitspec.demo")
+
+SHIPPED_ROOT = Path(__file__).parent / "demo_models"
+MANIFEST = "manifest.json"
+MODELS = {"target": "demo-target", "draft": "demo-draft"}  # demo name -> training preset
+BUILD_COMMAND = "splitspec demo-models --build"
+
+# Fixed prompts of the code-completion check: greedy completions must compile() up to their last line.
+QUALITY_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\n\n\ndef list_python_files(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def read_lines(filename):\n    with open(filename) as f:\n",
+    "from collections import defaultdict\n\n\ndef group_by_key(pairs):\n",
+    "def is_prime(n):\n    if n < 2:\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "for i in range(10):\n",
+    "if __name__ == '__main__':\n",
+    "def parse_args(argv=None):\n    import argparse\n",
+)
+QUALITY_NEW_TOKENS = 64
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "splitspec" / "demo-models"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_files(model_dir: Path) -> list[str]:
+    return sorted(p.name for p in model_dir.iterdir() if p.is_file() and p.name != "training.json")
+
+
+def is_complete(root: Path) -> bool:
+    """Every file the manifest lists exists with its recorded sha256."""
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+        return all(
+            sha256_file(root / name / file) == digest
+            for name in MODELS
+            for file, digest in manifest["models"][name]["files"].items()
+        )
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+@contextmanager
+def file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def code_completion_quality(model_dir: Path, device: str = "cpu") -> list[dict]:
+    """Greedy completions of QUALITY_PROMPTS on the splitspec runtime, each with whether it compiles."""
+    from transformers import AutoTokenizer
+
+    from splitspec.generate import generate_ids
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+    from splitspec.runtime.sampling import SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [tokenizer.encode(p) for p in QUALITY_PROMPTS]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(model_dir), device=device, dtype="float32",
+                                            max_total_tokens=len(prompts) * 256))
+    params = [SamplingParams(temperature=0.0, max_new_tokens=QUALITY_NEW_TOKENS)] * len(prompts)
+    gens = generate_ids(runner, prompts, params, eos_ids={tokenizer.eos_token_id})
+    results = []
+    for prompt, gen in zip(QUALITY_PROMPTS, gens):
+        completion = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        results.append({"prompt": prompt, "completion": completion, "compiles": compiles_to_last_line(prompt + completion)})
+    return results
+
+
+def compiles_to_last_line(text: str) -> bool:
+    """Whether `text` up to its last complete line (its last newline) is valid Python."""
+    complete = text[: text.rfind("\n") + 1]
+    try:
+        compile(complete, "<completion>", "exec")
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: float = 0.0) -> None:
+    """Train the demo models into root (a dataset is prepared beside them unless given). A time
+    budget is split between the models (target 2/3, draft 1/3); a model that runs out of time keeps
+    its best evaluated weights and its report says so."""
+    from splitspec.train.cli import train_lm
+    from splitspec.train.dataset import MANIFEST_FILE
+    from splitspec.train.presets import DEMO_VOCAB_SIZE, PRESETS
+
+    import dataclasses
+
+    root.mkdir(parents=True, exist_ok=True)
+    dataset = dataset or root / "dataset"
+    models = {}
+    shares = {"target": 2 / 3, "draft": 1 / 3}
+    for name, preset in MODELS.items():
+        shape, cfg = PRESETS[preset]
+        cfg = dataclasses.replace(cfg, device=device, time_budget_s=time_budget_s * shares[name])
+        report = train_lm(root / name, dataset, DEMO_VOCAB_SIZE, shape, cfg)
+        models[name] = {"preset": preset, "training": report}
+    shutil.copy(dataset / MANIFEST_FILE, root / MANIFEST_FILE)
+    quality = code_completion_quality(root / "target", device="cpu")
+    for name in MODELS:
+        models[name]["files"] = {f: sha256_file(root / name / f) for f in model_files(root / name)}
+    manifest = {
+        "command": f"{BUILD_COMMAND} --device {device}" + (f" --time-budget {time_budget_s:g}" if time_budget_s else ""),
+        "corpus_manifest": MANIFEST_FILE,
+        "python_version_of_corpus": json.loads((root / MANIFEST_FILE).read_text())["python_version"],
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "quality": {"prompts_compiling": sum(r["compiles"] for r in quality), "of": len(quality), "completions": quality},
+        "models": models,
+    }
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if (root / "dataset").exists() and dataset == root / "dataset":
+        shutil.rmtree(root / "dataset")  # token ids are rebuilt in seconds; not shipped
+
+
+def demo_model_dirs(cache_dir: Path | None = None, device: str = "auto") -> dict[str, Path]:
+    """{"target": dir, "draft": dir}: the shipped models, or ones rebuilt where they can be written."""
+    if is_complete(SHIPPED_ROOT):
+        return {name: SHIPPED_ROOT / name for name in MODELS}
+    root = SHIPPED_ROOT if os.access(SHIPPED_ROOT.parent, os.W_OK) else (cache_dir or default_cache_dir())
+    with file_lock(root.parent / f".{root.name}.lock"):
+        if not is_complete(root):
+            logger.warning("demo models missing or changed under %s: rebuilding them (this trains two models)", root)
+            build(root, _device(device))
+    return {name: root / name for name in MODELS}
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec demo-models", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help='Print {"target": DIR, "draft": DIR} as JSON.')
+    parser.add_argument("--build", action="store_true", help="Train the demo models afresh (into --out, or in place).")
+    parser.add_argument("--out", default=None, help="Where --build writes (default: the package's demo_models/).")
+    parser.add_argument("--dataset", default=None, help="With --build: a prepared dataset to train on (see train lm).")
+    parser.add_argument("--device", default="auto", help="Training device for a build: cpu, cuda; auto = cuda when available.")
+    parser.add_argument("--time-budget", type=float, default=0.0, help="With --build: seconds of training in all "
+                        "(0 = the presets' full step counts); a model out of time keeps its best weights.")
+    parser.add_argument("--cache-dir", default=None, help="Where to rebuild when the package directory is read-only "
+                        "(default ~/.cache/splitspec/demo-models).")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="Logging level.")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from splitspec.runtime.args import setup_logging
+
+    setup_logging(args.log_level)
+    if args.build:
+        root = Path(args.out) if args.out else SHIPPED_ROOT
+        with file_lock(root.parent / f".{root.name}.lock"):
+            build(root, _device(args.device), Path(args.dataset) if args.dataset else None, args.time_budget)
+        dirs = {name: root / name for name in MODELS}
+    else:
+        dirs = demo_model_dirs(Path(args.cache_dir) if args.cache_dir else None, args.device)
+    if args.json:
+        print(json.dumps({name: str(path) for name, path in dirs.items()}))
+    else:
+        for name, path in dirs.items():
+            print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(build_parser().parse_args()))
