@@ -115,7 +115,8 @@ def compiles_to_last_line(text: str) -> bool:
         return False
 
 
-def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: float = 0.0) -> None:
+def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: float = 0.0,
+          command: str = BUILD_COMMAND) -> None:
     """Train the demo models into root (a dataset is prepared beside them unless given). A time
     budget is split between the models (target 2/3, draft 1/3); a model that runs out of time keeps
     its best evaluated weights and its report says so."""
@@ -139,7 +140,7 @@ def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: f
     for name in MODELS:
         models[name]["files"] = {f: sha256_file(root / name / f) for f in model_files(root / name)}
     manifest = {
-        "command": f"{BUILD_COMMAND} --device {device}" + (f" --time-budget {time_budget_s:g}" if time_budget_s else ""),
+        "command": command,
         "corpus_manifest": MANIFEST_FILE,
         "python_version_of_corpus": json.loads((root / MANIFEST_FILE).read_text())["python_version"],
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -159,7 +160,7 @@ def demo_model_dirs(cache_dir: Path | None = None, device: str = "auto") -> dict
     with file_lock(root.parent / f".{root.name}.lock"):
         if not is_complete(root):
             logger.warning("demo models missing or changed under %s: rebuilding them (this trains two models)", root)
-            build(root, _device(device))
+            build(root, _device(device), command=f"{BUILD_COMMAND} (automatic rebuild, device {_device(device)})")
     return {name: root / name for name in MODELS}
 
 
@@ -194,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     if args.build:
         root = Path(args.out) if args.out else SHIPPED_ROOT
         with file_lock(root.parent / f".{root.name}.lock"):
-            build(root, _device(args.device), Path(args.dataset) if args.dataset else None, args.time_budget)
+            build(root, _device(args.device), Path(args.dataset) if args.dataset else None, args.time_budget,
+                  command=" ".join(["splitspec", "demo-models", *sys.argv[2:]]))
         dirs = {name: root / name for name in MODELS}
     else:
         dirs = demo_model_dirs(Path(args.cache_dir) if args.cache_dir else None, args.device)

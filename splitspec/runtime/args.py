@@ -22,9 +22,10 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
-        "--model-path", "--model", dest="model_path", required=True,
+        "--model-path", "--model", dest="model_path", default=None,
         help="HF-format model directory (config.json + safetensors), or a hub id org/name resolved "
-        "through huggingface_hub (its cache; HF_HUB_OFFLINE=1 works offline).",
+        "through huggingface_hub (its cache; HF_HUB_OFFLINE=1 works offline). Default: the demo target "
+        "(see `splitspec demo-models`).",
     )
     group.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path (default: main).")
     group.add_argument(
@@ -63,6 +64,11 @@ def setup_logging(level: str) -> None:
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
+    """--model-path as a directory; with none given, the demo target (built first if it must be)."""
+    if args.model_path is None:
+        from splitspec.demo import demo_model_dirs
+
+        return demo_model_dirs()["target"]
     return resolve_model_dir(args.model_path, args.revision)
 
 

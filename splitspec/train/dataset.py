@@ -33,11 +33,18 @@ MANIFEST_FILE = "corpus_manifest.json"
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE (GPT-2 style) with one special token, EOS, which is also BOS and padding."""
+    """Byte-level BPE (GPT-2 style) with one special token, EOS, which is also BOS and padding.
+
+    Newlines are isolated before the byte-level split, so "\n" is always a token of its own and never
+    merges with the next line's indentation: a prompt that ends with a newline then tokenizes as the
+    same text did in training, and the model goes on to indent the next line.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split("\n", behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[EOS_TOKEN], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

@@ -10,13 +10,13 @@ PRESETS: dict[str, tuple[LMShape, TrainConfig]] = {
     # ~15.7M parameters: a forward clearly dearer than a ZeroMQ round trip on CPU
     "demo-target": (
         LMShape(hidden_size=384, num_hidden_layers=8, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1024),
-        TrainConfig(steps=1200, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=100, eval_every=100,
+        TrainConfig(steps=700, batch_size=64, seq_len=512, lr=2e-3, warmup_steps=70, eval_every=50,
                     eval_tokens=131072, save_every=200, seed=0, save_dtype="bfloat16"),
     ),
     # ~2.8M parameters: several times smaller than the target, same tokenizer
     "demo-draft": (
         LMShape(hidden_size=192, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, intermediate_size=512),
-        TrainConfig(steps=1000, batch_size=64, seq_len=512, lr=3e-3, warmup_steps=100, eval_every=100,
+        TrainConfig(steps=1000, batch_size=64, seq_len=512, lr=3e-3, warmup_steps=100, eval_every=50,
                     eval_tokens=131072, save_every=200, seed=1, save_dtype="bfloat16"),
     ),
     # seconds on a CPU: for CI
