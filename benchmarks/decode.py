@@ -24,7 +24,7 @@ import torch
 
 from splitspec.generate import generate_ids
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
-from splitspec.runtime.sampling import SamplingParams
+from splitspec.runtime.sampling_params import SamplingParams
 
 SMALL_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408,

@@ -5,6 +5,8 @@
 #   PYTHON          interpreter that creates it     (default: python3; Python >= 3.11)
 #   SPLITSPEC_TORCH torch requirement installed first (default: torch==2.13.0, the CPU wheel on our
 #                   machines; installing the project first would make pip pull a multi-GB CUDA build)
+#   SPLITSPEC_TORCH_INDEX  an index for torch only, e.g. https://download.pytorch.org/whl/cpu for the
+#                   CPU build on a Linux machine whose pip would otherwise take PyPI's CUDA build
 #
 # A stamp file inside the venv records a hash of pyproject.toml and the repo path; when it matches
 # (and splitspec is still installed), nothing is installed. Everything goes to stderr, so that
@@ -70,7 +72,11 @@ then
     log "torch $("$VPY" -c 'import torch; print(torch.__version__)' 2>/dev/null) already installed"
 else
     log "installing $TORCH_REQ (before the project, so pip does not pull a CUDA build)"
-    pip_q install "$TORCH_REQ"
+    if [[ -n "${SPLITSPEC_TORCH_INDEX:-}" ]]; then
+        pip_q install "$TORCH_REQ" --index-url "$SPLITSPEC_TORCH_INDEX"
+    else
+        pip_q install "$TORCH_REQ"
+    fi
 fi
 
 log "installing splitspec (editable) with test extras from $REPO"

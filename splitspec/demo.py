@@ -90,7 +90,7 @@ def code_completion_quality(model_dir: Path, device: str = "cpu") -> list[dict]:
 
     from splitspec.generate import generate_ids
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
-    from splitspec.runtime.sampling import SamplingParams
+    from splitspec.runtime.sampling_params import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [tokenizer.encode(p) for p in QUALITY_PROMPTS]

@@ -18,10 +18,11 @@ from splitspec.runtime import args as runtime_args
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.hub import ModelNotFoundError
-from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.loader import CheckpointError
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
-from splitspec.runtime.sampling import SamplingParams, sample
+from splitspec.runtime.sampling import sample
+from splitspec.runtime.sampling_params import SamplingParams
 
 
 logger = logging.getLogger("splitspec.generate")
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     runtime_args.setup_logging(args.log_level)
     try:
         return _run(args)
-    except (ConfigError, CheckpointError, ModelNotFoundError, ValueError) as exc:
+    except (ConfigError, CheckpointError, ModelNotFoundError, OutOfPagesError, ValueError) as exc:
         print(f"splitspec generate: error: {exc}", file=sys.stderr)
         return 2
 
@@ -158,8 +159,13 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = runtime_args.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
     prompts = _prompts(args, tokenizer)
-    needed = sum(len(p) + args.max_new_tokens for p in prompts) + args.page_size * len(prompts)
-    runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir, default_max_total_tokens=needed))
+    # every prompt runs at once: each needs pages for its prompt and all but its last new token
+    needed_pages = sum(-(-(len(p) + max(args.max_new_tokens - 1, 0)) // args.page_size) for p in prompts)
+    if args.max_total_tokens is not None and args.max_total_tokens < needed_pages * args.page_size:
+        raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small for these prompts: they need "
+                          f"{needed_pages} pages of {args.page_size} tokens ({needed_pages * args.page_size} tokens)")
+    runner = ModelRunner.load(runtime_args.runtime_config(
+        args, model_dir, default_max_total_tokens=needed_pages * args.page_size))
     vocab = runner.config.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= t < vocab]
     if bad:

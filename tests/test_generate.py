@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_runner, make_hf_model
+from helpers import assert_greedy_match, load_runner, make_hf_model
 
 from splitspec.generate import generate_ids
-from splitspec.runtime.sampling import SamplingParams
+from splitspec.runtime.sampling_params import SamplingParams
 
 WORDS = "the a of to and in is it that for on with as was def return class import self if else for while".split()
 
@@ -57,9 +57,9 @@ def test_greedy_batch_equals_transformers_generate(tiny_checkpoints):
     prompts = [torch.randint(3, 211, (n,), generator=g).tolist() for n in (3, 12, 7, 1)]
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (24, 9, 17, 30)]
     gens = generate_ids(runner, prompts, params, eos_ids={2})
-    for gen, prompt, p in zip(gens, prompts, params):
-        assert gen.output_ids == hf_greedy(reference, prompt, p.max_new_tokens)
-        assert gen.finish_reason == "length"
+    for i, (gen, prompt, p) in enumerate(zip(gens, prompts, params)):
+        assert_greedy_match(gen.output_ids, hf_greedy(reference, prompt, p.max_new_tokens), reference, prompt, f"batch prompt {i}")
+        assert gen.finish_reason == "length" and len(gen.output_ids) == p.max_new_tokens
     assert runner.kv_cache.allocator.num_used == 0
 
 
@@ -111,7 +111,7 @@ def test_cli_prompt_text_json(model_with_tokenizer):
     out = json.loads(result.stdout)
     ids = tokenizer.encode(prompt)
     assert out["prompt_ids"] == ids
-    assert out["output_ids"] == hf_greedy(model, ids, 10)
+    assert_greedy_match(out["output_ids"], hf_greedy(model, ids, 10), model, ids, "cli --prompt")
     assert out["text"] == tokenizer.decode(out["output_ids"], skip_special_tokens=True)
     assert out["finish_reason"] == "length"
 
@@ -123,7 +123,9 @@ def test_cli_input_ids_batch_and_sampling_flags(model_with_tokenizer):
     greedy = run_cli(*args)
     assert greedy.returncode == 0, greedy.stderr
     rows = [json.loads(line) for line in greedy.stdout.splitlines()]
-    assert [r["output_ids"] for r in rows] == [hf_greedy(model, [4, 5, 6], 6), hf_greedy(model, [7, 8], 6)]
+    for row, prompt in zip(rows, ([4, 5, 6], [7, 8])):
+        assert_greedy_match(row["output_ids"], hf_greedy(model, prompt, 6), model, prompt, f"cli --input-ids {prompt}")
+    assert len(rows) == 2
     sampled = [run_cli(*args, "--temperature", "1.0", "--top-k", "5", "--seed", "11") for _ in range(2)]
     assert sampled[0].returncode == 0, sampled[0].stderr
     assert sampled[0].stdout == sampled[1].stdout
@@ -140,6 +142,10 @@ def test_cli_rejects_bad_input(model_with_tokenizer):
     assert nothing.returncode == 2 and "--prompt or --input-ids" in nothing.stderr
     missing = run_cli("--model-path", "/no/such/dir", "--input-ids", "1")
     assert missing.returncode == 2 and "no such directory" in missing.stderr
+    small_cache = run_cli("--model-path", str(path), "--input-ids", "1,2,3", "--max-new-tokens", "40",
+                          "--max-total-tokens", "16", "--page-size", "4")
+    assert small_cache.returncode == 2 and "--max-total-tokens 16 is too small" in small_cache.stderr
+    assert "Traceback" not in small_cache.stderr
 
 
 def test_help_explains_every_flag():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import load_runner
+from helpers import load_runner
 from safetensors.torch import load_file, save_file
 
 from splitspec.runtime import loader
@@ -139,3 +139,13 @@ def test_cli_reports_bad_checkpoint_without_traceback(broken):
     assert result.returncode == 2
     assert "missing tensors: model.embed_tokens.weight" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_mistral_consolidated_weights_are_not_loaded_twice(tmp_path, tiny_checkpoints):
+    """Mistral repos ship consolidated.safetensors beside the HF weights; without an index only the
+    HF files are read."""
+    path = tmp_path / "mistral"
+    shutil.copytree(tiny_checkpoints["mistral-sliding"], path)
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, path / "consolidated.safetensors")
+    assert set(loader.read_checkpoint_index(path)) == set(load_file(path / "model.safetensors"))
+    load_runner(path)

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICE, TINY_FAMILIES, hf_logits, load_runner, make_hf_model, save_checkpoint
+from helpers import DEVICE, PUBLISHED_V4_CONFIGS, TINY_FAMILIES, hf_logits, hf_model, load_runner, make_hf_model, random_ids, save_checkpoint
 
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 
 TOL = 1e-4
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def our_logits(runner, ids, positions=None) -> torch.Tensor:
@@ -26,7 +20,7 @@ def our_logits(runner, ids, positions=None) -> torch.Tensor:
 
 
 def prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_ids(n, vocab, seed)
 
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
@@ -39,6 +33,27 @@ def test_logits_match_transformers(tiny_checkpoints, family):
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < TOL
     assert runner.kv_cache.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_V4_CONFIGS))
+def test_published_v4_configs_match_transformers(published_v4_dirs, name):
+    """Published config.json files as they are (rope_scaling null, no rope_theta, fp16/bf16 dtypes,
+    sliding_window set but switched off, windows on every layer)."""
+    path = published_v4_dirs[name]
+    reference, runner = hf_model(path), load_runner(path)
+    ids = prompt(19, 300, seed=8)
+    assert (our_logits(runner, ids) - hf_logits(reference, ids)).abs().max().item() < TOL
+
+
+def test_published_config_quirks_are_read():
+    from splitspec.runtime.config import ModelConfig
+
+    qwen = ModelConfig.from_dict(PUBLISHED_V4_CONFIGS["qwen2.5"])
+    assert qwen.sliding_windows == (None, None) and qwen.qkv_bias and not qwen.o_bias and qwen.rope.theta == 1e6
+    llama2 = ModelConfig.from_dict(PUBLISHED_V4_CONFIGS["llama-2"])
+    assert llama2.rope.rope_type == "default" and llama2.rope.theta == 10000.0 and llama2.torch_dtype == "float16"
+    mistral = ModelConfig.from_dict(PUBLISHED_V4_CONFIGS["mistral-7b-v0.1"])
+    assert mistral.sliding_windows == (5, 5)
 
 
 def test_llama31_v4_dialect_config(llama31_v4_dir):
@@ -81,11 +96,14 @@ def test_sharded_checkpoint_with_index(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_checkpoints(tmp_path, dtype):
-    """A bf16/fp16 checkpoint loads in its own dtype by default and casts to fp32 on request."""
+    """A bf16/fp16 checkpoint runs in its own dtype on request, in fp32 when asked, and by default in
+    fp32 on a CPU and its own dtype on a GPU."""
     model = make_hf_model("llama-gqa-llama3", seed=5).to(dtype)
     path = save_checkpoint(model, tmp_path / str(dtype))
     ids = prompt(9, 211)
-    native = load_runner(path, dtype="auto")
+    auto = load_runner(path, dtype="auto")
+    assert auto.dtype == (dtype if DEVICE.startswith("cuda") else torch.float32)
+    native = load_runner(path, dtype=str(dtype).replace("torch.", ""))
     assert native.dtype == dtype and next(native.model.parameters()).dtype == dtype
     as_fp32 = load_runner(path, dtype="float32")
     expected = hf_logits(model.float(), ids)  # the same (rounded) weights in fp32
@@ -123,6 +141,20 @@ def test_hidden_states_and_captured_layers(tiny_checkpoints):
     assert out.aux_hidden_states.shape == (len(ids), 3 * hidden)
     for slot, layer in enumerate((0, 1)):
         assert (out.aux_hidden_states[:, slot * hidden : (slot + 1) * hidden] - hf[layer][0].to(DEVICE)).abs().max() < TOL
-    # index num_layers is the last layer's output before the final norm: not HF's (normed) last entry
-    assert not torch.allclose(out.aux_hidden_states[:, 2 * hidden :], hf[num_layers][0].to(DEVICE), atol=TOL)
-    assert runner.config.eagle3_capture_layers() == (2, num_layers // 2, num_layers - 3)
+    # index num_layers is the last layer's output before the final norm: normed, it is the final state
+    pre_norm = out.aux_hidden_states[:, 2 * hidden :]
+    assert (runner.model.model.norm(pre_norm) - out.hidden_states).abs().max().item() < TOL
+    assert not torch.allclose(pre_norm, out.hidden_states, atol=1e-2)
+
+
+def test_eagle3_default_capture_layers():
+    from splitspec.runtime.config import ConfigError, ModelConfig
+
+    def config(num_layers):
+        return ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                                      "num_hidden_layers": num_layers, "num_attention_heads": 4, "vocab_size": 10})
+
+    assert config(32).eagle3_capture_layers() == (2, 16, 29)  # Llama-3.1-8B (REFERENCES §2.3)
+    assert config(8).eagle3_capture_layers() == (2, 4, 5)
+    with pytest.raises(ConfigError, match=r"\(2, 3, 3\) are not distinct for a 6-layer target"):
+        config(6).eagle3_capture_layers()

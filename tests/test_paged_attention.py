@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_logits, load_runner
+from helpers import hf_logits, hf_model, load_runner, random_ids
 
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable, KVCache, OutOfPagesError, PageAllocator
 
 TOL = 1e-4
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def random_ids(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("family", ["llama-gqa-llama3", "qwen2-sliding", "qwen3-qk-norm"])
@@ -160,6 +150,28 @@ def test_page_allocator_counts_and_reuses():
     alloc.decref(a[:1])
     assert alloc.num_free == 4
     assert sorted(alloc.alloc(4)) == [0, 1, 2, 3]
+
+
+def test_slot_ids():
+    from splitspec.runtime.kv_cache import slot_ids
+
+    # pages [7, 2], page size 4: logical 2, 3 -> page 7 offsets 2, 3; logical 4, 5 -> page 2 offsets 0, 1
+    assert slot_ids([7, 2], 4, 2, 6).tolist() == [30, 31, 8, 9]
+    assert slot_ids([5], 1, 0, 1).tolist() == [5]
+
+
+def test_batch_inputs_are_checked_before_pages_are_reserved(tiny_checkpoints):
+    runner = load_runner(tiny_checkpoints["llama-tied"])
+    good, bad = BlockTable(), BlockTable()
+    cases = [
+        (SequenceInput(bad, [1, 2], positions=[0]), "1 positions for 2 new tokens"),
+        (SequenceInput(bad, [1, 2], mask=torch.zeros(2, 2, dtype=torch.bool)), "attend to itself"),
+        (SequenceInput(bad, []), "at least one new token"),
+    ]
+    for seq, message in cases:
+        with pytest.raises(ValueError, match=message):
+            runner.batch([SequenceInput(good, [1, 2, 3]), seq])
+        assert good.pages == [] and runner.kv_cache.allocator.num_used == 0
 
 
 def test_block_table_reserve_and_truncate(tiny_checkpoints):

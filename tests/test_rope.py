@@ -19,6 +19,9 @@ CASES = {
     "linear": dict(rope_theta=10000.0, rope_scaling=dict(type="linear", factor=4.0)),
     "yarn-qwen": dict(rope_theta=1000000.0, max_position_embeddings=131072,
                       rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=32768)),
+    "yarn-mscale": dict(rope_theta=10000.0, rope_scaling=dict(rope_type="yarn", factor=8.0, mscale=0.707,
+                                                              mscale_all_dim=1.0, original_max_position_embeddings=4096,
+                                                              beta_fast=32, beta_slow=1)),
 }
 
 
@@ -39,3 +42,22 @@ def test_inv_freq_matches_transformers(case):
         expected, expected_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     assert torch.allclose(inv_freq, expected.float(), rtol=1e-6, atol=0)
     assert scale == pytest.approx(expected_scale)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling, message",
+    [
+        (dict(rope_type="llama3", factor=8.0), "needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+        (dict(type="linear"), "needs factor"),
+        (dict(rope_type="yarn", original_max_position_embeddings=4096), "needs factor"),  # as transformers
+    ],
+)
+def test_incomplete_rope_blocks_fail_at_start(rope_scaling, message):
+    from splitspec.runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**BASE, "rope_scaling": rope_scaling})
+
+
+def test_empty_rope_parameters_mean_default():
+    assert ModelConfig.from_dict({**BASE, "rope_parameters": {}}).rope.rope_type == "default"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitspec.runtime.sampling import SamplingParams, keyed_gumbel, process_logits, sample
+from splitspec.runtime.sampling import _fmix32, keyed_gumbel, process_logits, sample
+from splitspec.runtime.sampling_params import SamplingParams
 
 
 def test_noise_is_keyed_by_seed_and_position():
@@ -18,6 +19,29 @@ def test_noise_is_keyed_by_seed_and_position():
     assert torch.equal(noise[0], keyed_gumbel(torch.tensor([7]), torch.tensor([0]), 50)[0])
     big = keyed_gumbel(torch.tensor([2**62 + 5]), torch.tensor([10**9]), 8)
     assert torch.isfinite(big).all()
+
+
+def test_noise_is_finite_at_the_extremes_and_over_a_real_vocabulary():
+    """All-ones and all-zero hash bits must not give uniforms of exactly 0 or 1 (infinite noise)."""
+    import splitspec.runtime.sampling as sampling
+
+    for bits in (0, 0xFFFFFFFF):
+        uniform = ((torch.tensor([bits]) >> (32 - sampling.UNIFORM_BITS)).float() + 0.5) / 2**sampling.UNIFORM_BITS
+        assert 0 < uniform.item() < 1
+    # Llama-3's vocabulary over many positions: ~2.6e7 draws, where 2^-24-probability edge cases occur
+    noise = keyed_gumbel(torch.full((200,), 1234), torch.arange(200), 128256)
+    assert torch.isfinite(noise).all() and noise.max() < 17 and noise.min() > -3
+    # fmix32 is a bijection of uint32, so every bit pattern, the all-ones one included, occurs
+    sample_bits = _fmix32(torch.arange(2**16))
+    assert sample_bits.unique().numel() == 2**16
+
+
+def test_filtered_tokens_are_never_sampled_with_a_huge_vocabulary():
+    logits = torch.zeros(1, 128256)
+    logits[0, :5] = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.1])
+    params = [SamplingParams(temperature=1.0, top_k=5, seed=1234)] * 300
+    tokens = sample(logits.expand(300, -1).clone(), params, list(range(300)))
+    assert tokens.max() < 5
 
 
 def test_noise_is_gumbel():
@@ -59,12 +83,15 @@ def test_top_k_and_top_p_filters():
         out = process_logits(logits, one, torch.tensor([top_k]), torch.tensor([top_p]))
         return torch.isfinite(out[0]).nonzero().flatten().tolist()
 
+    # SGLang's rule: drop a token when the mass ranked strictly before it exceeds top_p, measured on
+    # the distribution before top-k (probs 0.5, 0.3, 0.15, 0.05; mass before: 0, 0.5, 0.8, 0.95)
     assert kept() == [0, 1, 2, 3]
     assert kept(top_k=2) == [0, 1]
-    assert kept(top_p=0.8) == [0, 1]  # smallest set with mass >= 0.8
-    assert kept(top_p=0.81) == [0, 1, 2]
+    assert kept(top_p=0.7) == [0, 1]
+    assert kept(top_p=0.9) == [0, 1, 2]
     assert kept(top_p=0.01) == [0]
-    assert kept(top_k=3, top_p=0.5) == [0]
+    assert kept(top_k=3, top_p=0.6) == [0, 1]  # vLLM would renormalise after top-k first and keep [0]
+    assert kept(top_k=1, top_p=1.0) == [0]
 
 
 def test_sampling_is_batch_invariant_and_greedy_rows_are_argmax():
@@ -85,6 +112,7 @@ def test_sampling_is_batch_invariant_and_greedy_rows_are_argmax():
 
 
 def test_invalid_params_are_refused():
+    assert SamplingParams(temperature=1e-7).is_greedy and not SamplingParams(temperature=1e-5).is_greedy
     for kwargs in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=0), dict(seed=-3)):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)

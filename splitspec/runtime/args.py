@@ -42,11 +42,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--page-size", type=int, default=16, help="Tokens per KV-cache page.")
     memory.add_argument(
         "--max-total-tokens", type=int, default=None,
-        help="KV-cache capacity in tokens (required on CPU for services; overrides --mem-fraction-static).",
+        help="KV-cache capacity in tokens; overrides --mem-fraction-static. generate sizes the cache to its "
+        "prompts when neither is given.",
     )
     memory.add_argument(
         "--mem-fraction-static", type=float, default=None,
-        help="GPU only: fraction of GPU memory for weights plus KV cache (default 0.85).",
+        help="GPU only: fraction of GPU memory for weights plus KV cache (0.85 when the cache is sized from "
+        "GPU memory).",
     )
     parser.add_argument(
         "--attention-backend", default="torch", choices=sorted(ATTENTION_BACKENDS),

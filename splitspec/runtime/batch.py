@@ -35,17 +35,28 @@ class ForwardBatch:
     cu_logits: list[int] = field(default_factory=list)  # request i's logits rows: cu[i]:cu[i+1]
 
 
+def validate(seq: SequenceInput) -> None:
+    q_len = len(seq.input_ids)
+    if q_len == 0:
+        raise ValueError("a sequence in a forward batch needs at least one new token")
+    if seq.positions is not None and len(seq.positions) != q_len:
+        raise ValueError(f"{len(seq.positions)} positions for {q_len} new tokens")
+    if seq.mask is not None:
+        if tuple(seq.mask.shape) != (q_len, q_len):
+            raise ValueError(f"mask shape {tuple(seq.mask.shape)} does not match {q_len} new tokens")
+        if not bool(seq.mask.diagonal().all()):
+            raise ValueError("a tree mask must let every new token attend to itself")
+
+
 def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], device: torch.device) -> ForwardBatch:
     if not sequences:
         raise ValueError("a forward batch needs at least one sequence")
+    for seq in sequences:
+        validate(seq)  # all of them before any page is reserved
     input_ids, positions, out_slots, logits_rows = [], [], [], []
     q_lens, kv_lens, page_tables, masks, cu_logits = [], [], [], [], [0]
     for seq in sequences:
         q_len, start = len(seq.input_ids), seq.table.num_tokens
-        if q_len == 0:
-            raise ValueError("a sequence in a forward batch needs at least one new token")
-        if seq.mask is not None and tuple(seq.mask.shape) != (q_len, q_len):
-            raise ValueError(f"mask shape {tuple(seq.mask.shape)} does not match {q_len} new tokens")
         kv_cache.reserve(seq.table, start + q_len)
         row0 = len(input_ids)
         input_ids += seq.input_ids

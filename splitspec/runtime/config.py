@@ -37,7 +37,14 @@ DTYPES = {
     "half": torch.float16,
 }
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# rope type -> keys its parameters must carry
+ROPE_REQUIRED_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_REQUIRED_KEYS)
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,16 @@ class ModelConfig:
         return self.num_key_value_heads * self.head_dim
 
     def eagle3_capture_layers(self) -> tuple[int, ...]:
-        """EAGLE-3's default captured layers: the inputs of layers 2, L//2, L-3 (REFERENCES §2.3)."""
+        """EAGLE-3's default captured layers: the inputs of layers 2, L//2, L-3 (REFERENCES §2.3).
+        Below 7 layers these collide or go out of order, so the ids must then be given explicitly."""
         num_layers = self.num_hidden_layers
-        return (2, num_layers // 2, num_layers - 3)
+        layers = (2, num_layers // 2, num_layers - 3)
+        if not layers[0] < layers[1] < layers[2]:
+            raise ConfigError(
+                f"EAGLE-3's default capture layers (2, L//2, L-3) = {layers} are not distinct for a {num_layers}-layer "
+                "target; set eagle_config.eagle_aux_hidden_state_layer_ids in the draft config"
+            )
+        return layers
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -139,7 +153,7 @@ class ModelConfig:
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             hidden_act="silu",
-            sliding_windows=_sliding_windows(raw, architecture, num_layers),
+            sliding_windows=_sliding_windows(raw, architecture, num_layers, source),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
@@ -173,9 +187,8 @@ def _as_tuple(value) -> tuple[int, ...]:
 def parse_rope(raw: dict, source: str = "config.json") -> RopeConfig:
     """Both dialects -> RopeConfig. v5: `rope_parameters` (theta inside); v4: `rope_scaling` + `rope_theta`."""
     params = raw.get("rope_parameters")
-    if params is not None and ("rope_type" not in params and "type" not in params) and all(
-        isinstance(v, dict) for v in params.values()
-    ):
+    field_name = "rope_parameters" if params is not None else "rope_scaling"
+    if params and all(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"{source}: per-layer-type 'rope_parameters' are not supported")
     if params is None:
         params = dict(raw.get("rope_scaling") or {})
@@ -187,12 +200,14 @@ def parse_rope(raw: dict, source: str = "config.json") -> RopeConfig:
     params.pop("type", None)
     params.pop("rope_theta", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        field_name = "rope_parameters" if "rope_parameters" in raw else "rope_scaling"
         raise ConfigError(
             f"{source}: {field_name}.rope_type={rope_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     partial = float(params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if params.get(key) is None]
+    if missing:
+        raise ConfigError(f"{source}: {field_name} of type {rope_type!r} needs {', '.join(missing)}")
     return RopeConfig(
         rope_type=rope_type,
         theta=float(theta),
@@ -201,13 +216,13 @@ def parse_rope(raw: dict, source: str = "config.json") -> RopeConfig:
     )
 
 
-def _sliding_windows(raw: dict, architecture: str, num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(raw: dict, architecture: str, num_layers: int, source: str) -> tuple[int | None, ...]:
     """Per-layer attention window, as transformers decides it for each family."""
     window = raw.get("sliding_window")
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         if len(layer_types) != num_layers:
-            raise ConfigError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+            raise ConfigError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not raw.get("use_sliding_window", False) or window is None:

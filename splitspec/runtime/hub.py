@@ -12,8 +12,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# what a model directory needs from the hub (weights in safetensors, configs, tokenizer files)
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"]
+# what a model directory needs from the hub (weights in safetensors, configs, tokenizer files);
+# Mistral repos also carry `consolidated*.safetensors`, the same weights in Mistral's own layout
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+HUB_IGNORE = ["consolidated*", "original/*"]
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 
 
@@ -42,7 +44,8 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
         except (LocalEntryNotFoundError, OSError, ValueError):
             pass
     try:
-        return Path(snapshot_download(name_or_path, revision=revision, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(name_or_path, revision=revision, allow_patterns=HUB_PATTERNS,
+                                      ignore_patterns=HUB_IGNORE))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise ModelNotFoundError(
             f"--model-path {name_or_path!r} (revision {revision or 'main'}): not a local directory and "

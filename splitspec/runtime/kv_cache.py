@@ -22,6 +22,16 @@ import torch
 from splitspec.runtime.config import ModelConfig
 
 
+def slot_ids(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
+    """Flat slot ids [end - start] of logical slots start..end-1 of a request with these pages.
+
+    >>> slot_ids([7, 2], page_size=4, start=2, end=6).tolist()
+    [30, 31, 8, 9]
+    """
+    logical = torch.arange(start, end)
+    return torch.tensor(pages, dtype=torch.long)[logical // page_size] * page_size + logical % page_size
+
+
 class OutOfPagesError(RuntimeError):
     """The page pool cannot satisfy an allocation; the caller queues or preempts."""
 
@@ -127,9 +137,7 @@ class KVCache:
 
     def slot_ids(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Flat slot ids [end - start] of logical slots start..end-1 (pages must be reserved)."""
-        logical = torch.arange(start, end)
-        pages = torch.tensor(table.pages, dtype=torch.long)[logical // self.page_size]
-        return pages * self.page_size + logical % self.page_size
+        return slot_ids(table.pages, self.page_size, start, end)
 
     def flat_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer as [num_slots, num_kv_heads, head_dim] views indexed by flat slot id."""

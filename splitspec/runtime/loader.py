@@ -94,8 +94,8 @@ def read_checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
             raise CheckpointError(f"{index_path}: shard files listed but not found: {', '.join(missing)}")
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    else:  # Mistral's consolidated*.safetensors repeat the weights in another layout
+        files = sorted(p.name for p in model_dir.glob("*.safetensors") if not p.name.startswith("consolidated"))
     if not files:
         found = sorted(p.name for p in model_dir.iterdir())
         raise CheckpointError(

@@ -85,9 +85,11 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[tor
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at explicit positions [T] (tree depths allowed).
+    """RoPE at explicit positions (tree depths allowed) for q [T, Hq, D] and k [T, Hkv, D].
 
-    cos/sin are cached per position in fp32 ([max_pos, rot_dim // 2]) and grown on demand.
+    cos/sin live in a per-position fp32 cache ([num_positions, rot_dim // 2]); `reserve` grows it
+    outside the forward (from CPU-side positions, so no device sync), `cos_sin` gathers once per batch
+    and `apply` rotates in every layer.
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int):
@@ -97,19 +99,25 @@ class RotaryEmbedding(nn.Module):
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
-    def _ensure_cache(self, num_positions: int, device: torch.device) -> None:
-        if self._cos is not None and self._cos.shape[0] >= num_positions and self._cos.device == device:
+    @property
+    def num_cached_positions(self) -> int:
+        return 0 if self._cos is None else self._cos.shape[0]
+
+    def reserve(self, num_positions: int, device: torch.device) -> None:
+        """Make the cache cover positions [0, num_positions) on `device`."""
+        if self._cos is not None and self.num_cached_positions >= num_positions and self._cos.device == device:
             return
-        size = max(num_positions, self._max_pos, 2 * (self._cos.shape[0] if self._cos is not None else 0))
+        size = max(num_positions, 2 * self.num_cached_positions, 1)
         inv_freq, scale = inv_freq_and_scale(self._rope, self._head_dim, self._max_pos)
         freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [size, rot_dim // 2]
         self._cos = (freqs.cos() * scale).to(device)
         self._sin = (freqs.sin() * scale).to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ensure_cache(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
-        cos = self._cos[positions].unsqueeze(1)  # [T, 1, rot_dim // 2]
-        sin = self._sin[positions].unsqueeze(1)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin [T, 1, rot_dim // 2] (positions must be reserved)."""
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

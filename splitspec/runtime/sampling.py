@@ -12,58 +12,24 @@ seeded request produces the same text with speculation on or off.
 
 The noise is a counter-based integer hash (murmur3's 32-bit finaliser, rounds chained over seed,
 position and vocabulary index) evaluated with int64 tensor ops, so CPU, GPU and a Triton kernel can
-reproduce it bit for bit. Uniforms have 24 bits, so the Gumbel tail is cut at about 17.3 (a 2^-24
-effect per draw).
+reproduce it bit for bit. Uniforms take 23 bits, (k + 0.5) / 2^23, exact in fp32 and strictly
+inside (0, 1): the Gumbel noise lies in [-2.8, 16.6], a truncation of 2^-24 probability per draw.
+
+Filtering follows SGLang (`top_k_top_p_min_p_sampling_from_probs_torch`): top-p is measured on the
+tempered distribution before top-k renormalises it, and a token is removed when the probability mass
+ranked strictly before it exceeds top_p.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, field
-
 import torch
+
+from splitspec.runtime.sampling_params import SamplingParams
 
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9
 SEED_SALT = 0x243F6A88
-MAX_SEED = 2**63 - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. temperature 0 (or top_k 1) = greedy; top_k -1 / top_p 1.0 = off."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None  # None: a random seed is drawn when the request starts
-    max_new_tokens: int = 128
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def with_seed(self) -> "SamplingParams":
-        """This request with its seed fixed (a random one when unset), so its sampling is reproducible."""
-        if self.seed is not None:
-            return self
-        from dataclasses import replace
-
-        return replace(self, seed=random.SystemRandom().randrange(MAX_SEED))
+UNIFORM_BITS = 23  # (k + 0.5) / 2^23 is exact in fp32 for k < 2^23, so a uniform is never 0 or 1
 
 
 def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
@@ -94,24 +60,22 @@ def keyed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     keys = position_keys(seeds.long(), positions.long())[:, None]  # [B, 1]
     vocab = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.long), GOLDEN32)  # [V]
     bits = _fmix32((_fmix32(vocab[None, :] ^ keys) + keys) & MASK32)  # [B, V]
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / 2**24)  # (0, 1)
+    uniform = ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) * (1.0 / 2**UNIFORM_BITS)  # strictly in (0, 1)
     return -torch.log(-torch.log(uniform))
 
 
 def process_logits(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (on the tempered distribution); removed tokens get -inf.
+    """Temperature, then top-k and top-p as SGLang applies them; removed tokens get -inf.
 
     logits [B, V] fp32; temperatures [B] (> 0); top_ks [B] (-1 = off); top_ps [B] (1.0 = off).
     """
     scaled = logits / temperatures[:, None]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [B, V]
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V] mass ranked strictly before each token
     rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    vocab_size = scaled.shape[-1]
-    k = torch.where(top_ks > 0, top_ks, vocab_size)[:, None]
-    remove = rank >= k
-    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # keep a token while the mass before it is < top_p
-    remove |= mass_before >= top_ps[:, None]
+    k = torch.where(top_ks > 0, top_ks, scaled.shape[-1])[:, None]
+    remove = (rank >= k) | (mass_before > top_ps[:, None])
     remove[:, 0] = False
     removed = torch.zeros_like(remove).scatter(1, sorted_ids, remove)
     return scaled.masked_fill(removed, float("-inf"))

@@ -22,7 +22,7 @@ TRAIN_FLAGS = ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "weight_d
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec train", description="Train models for splitspec.")
-    sub = parser.add_subparsers(dest="what", required=True, metavar="{lm}")
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{lm}", help="What to train.")
     lm = sub.add_parser("lm", help="a tokenizer and a causal LM from scratch", description=__doc__,
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_lm_args(lm)

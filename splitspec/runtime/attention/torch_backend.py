@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+from splitspec.runtime.kv_cache import slot_ids
 
 
 @dataclass
@@ -64,8 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
         max_kv = max(batch.kv_lens)
         kv_slots = torch.zeros(batch.num_requests, max_kv, dtype=torch.long)
         for i, (kv_len, pages) in enumerate(zip(batch.kv_lens, batch.page_tables)):
-            logical = torch.arange(kv_len)
-            kv_slots[i, :kv_len] = torch.tensor(pages, dtype=torch.long)[logical // page_size] * page_size + logical % page_size
+            kv_slots[i, :kv_len] = slot_ids(pages, page_size, 0, kv_len)
         q_lens = torch.tensor(batch.q_lens)
         row_request = torch.repeat_interleave(torch.arange(batch.num_requests), q_lens)
         cu = torch.cumsum(q_lens, 0) - q_lens

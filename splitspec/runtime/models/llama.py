@@ -19,11 +19,14 @@ from splitspec.runtime.rope import RotaryEmbedding
 
 @dataclass
 class ForwardContext:
-    """What every layer needs for one batch: the attention backend, its plan and the RoPE module."""
+    """What every layer needs for one batch: the attention backend and its plan, RoPE and the
+    batch's cos/sin (gathered once, used by every layer)."""
 
     backend: AttentionBackend
     plan: object
     rope: RotaryEmbedding
+    cos: torch.Tensor  # [T, 1, rot_dim // 2]
+    sin: torch.Tensor
 
 
 class Attention(nn.Module):
@@ -53,7 +56,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.rope(positions, q, k)
+        q, k = ctx.rope.apply(q, k, ctx.cos, ctx.sin)
         out = ctx.backend.run(self.layer_id, q, k, v, ctx.plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -104,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden state [T, H] and, for each i in capture_layers, the input of
         decoder layer i [T, H] (i == num_layers: the last layer's output before the final norm)."""
-        ctx = ForwardContext(backend, plan, self.rotary_emb)
+        ctx = ForwardContext(backend, plan, self.rotary_emb, *self.rotary_emb.cos_sin(positions))
         x = self.model.embed_tokens(input_ids)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
