@@ -73,6 +73,10 @@ def is_complete(root: Path) -> bool:
         return False
 
 
+def is_writable(directory: Path) -> bool:
+    return os.access(directory, os.W_OK)
+
+
 @contextmanager
 def file_lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +120,7 @@ def compiles_to_last_line(text: str) -> bool:
 
 
 def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: float = 0.0,
-          command: str = BUILD_COMMAND) -> None:
+          command: str = BUILD_COMMAND, presets: dict[str, str] = MODELS) -> None:
     """Train the demo models into root (a dataset is prepared beside them unless given). A time
     budget is split between the models (target 2/3, draft 1/3); a model that runs out of time keeps
     its best evaluated weights and its report says so."""
@@ -130,7 +134,7 @@ def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: f
     dataset = dataset or root / "dataset"
     models = {}
     shares = {"target": 2 / 3, "draft": 1 / 3}
-    for name, preset in MODELS.items():
+    for name, preset in presets.items():
         shape, cfg = PRESETS[preset]
         cfg = dataclasses.replace(cfg, device=device, time_budget_s=time_budget_s * shares[name])
         report = train_lm(root / name, dataset, DEMO_VOCAB_SIZE, shape, cfg)
@@ -152,15 +156,19 @@ def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: f
         shutil.rmtree(root / "dataset")  # token ids are rebuilt in seconds; not shipped
 
 
-def demo_model_dirs(cache_dir: Path | None = None, device: str = "auto") -> dict[str, Path]:
-    """{"target": dir, "draft": dir}: the shipped models, or ones rebuilt where they can be written."""
+def demo_model_dirs(cache_dir: Path | None = None, device: str = "auto", presets: dict[str, str] = MODELS) -> dict[str, Path]:
+    """{"target": dir, "draft": dir}: the shipped models, or ones rebuilt where they can be written
+    (the package directory, else the cache directory); a file lock lets one process build at a time."""
     if is_complete(SHIPPED_ROOT):
         return {name: SHIPPED_ROOT / name for name in MODELS}
-    root = SHIPPED_ROOT if os.access(SHIPPED_ROOT.parent, os.W_OK) else (cache_dir or default_cache_dir())
+    root = SHIPPED_ROOT if is_writable(SHIPPED_ROOT.parent) else (cache_dir or default_cache_dir())
     with file_lock(root.parent / f".{root.name}.lock"):
         if not is_complete(root):
             logger.warning("demo models missing or changed under %s: rebuilding them (this trains two models)", root)
-            build(root, _device(device), command=f"{BUILD_COMMAND} (automatic rebuild, device {_device(device)})")
+            build(root, _device(device), command=f"{BUILD_COMMAND} (automatic rebuild, device {_device(device)})",
+                  presets=presets)
+        else:
+            logger.info("demo models found under %s", root)
     return {name: root / name for name in MODELS}
 
 

@@ -165,7 +165,8 @@ class LMTrainer:
 
     def train(self) -> dict:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._load_state()
+        if not self._load_state():
+            self._evaluate()  # the untrained model's held-out loss opens the history
         self.model.train()
         start, train_loss = time.perf_counter(), float("nan")
         bar = tqdm(total=self.cfg.steps, initial=self.step, desc=f"train {self.out_dir.name}", unit="step", disable=None)

@@ -1,0 +1,142 @@
+"""The shipped demo models: where they are, what they are, how good they are, and that transformers
+and splitspec generate agree on them. Quality is measured here, on this machine's corpus."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_greedy_match, hf_logits, hf_model
+
+from splitspec import demo
+from splitspec.train import corpus
+
+BIGRAM_MARGIN_NATS = 1.0  # the target's held-out loss must beat the bigram baseline by at least this
+EVAL_TOKENS = 16384
+
+
+@pytest.fixture(scope="module")
+def demo_dirs() -> dict[str, Path]:
+    result = subprocess.run([sys.executable, "-m", "splitspec", "demo-models", "--json", "--log-level", "warning"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return {k: Path(v) for k, v in json.loads(result.stdout).items()}
+
+
+def test_demo_models_are_shipped_complete_and_small(demo_dirs):
+    assert set(demo_dirs) == {"target", "draft"}
+    assert all(path.parent == demo.SHIPPED_ROOT for path in demo_dirs.values())
+    assert demo.is_complete(demo.SHIPPED_ROOT)
+    for path in demo.SHIPPED_ROOT.rglob("*"):
+        assert path.stat().st_size < 20 * 2**20, path
+    manifest = json.loads((demo.SHIPPED_ROOT / "manifest.json").read_text())
+    assert manifest["command"].startswith("splitspec demo-models --build")
+    corpus_manifest = json.loads((demo.SHIPPED_ROOT / manifest["corpus_manifest"]).read_text())
+    assert corpus_manifest["python_version"] and len(corpus_manifest["files"]) == corpus_manifest["num_files"]
+    for name in ("target", "draft"):
+        training = manifest["models"][name]["training"]
+        assert training["train"]["seed"] is not None and training["best_held_out_loss"] > 0
+
+
+def test_sizes(demo_dirs):
+    from splitspec.runtime.config import ModelConfig
+    from splitspec.train.lm import LMShape
+
+    def parameters(path):
+        c = ModelConfig.from_dir(path)
+        shape = LMShape(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                        c.intermediate_size, tie_word_embeddings=c.tie_word_embeddings)
+        return shape.num_parameters(c.vocab_size)
+
+    target, draft = parameters(demo_dirs["target"]), parameters(demo_dirs["draft"])
+    assert 8e6 <= target <= 20e6
+    assert target >= 4 * draft
+    assert target == sum(p.numel() for p in hf_model(demo_dirs["target"]).parameters())
+
+
+@pytest.mark.parametrize("name", ["target", "draft"])
+def test_transformers_and_generate_agree(demo_dirs, name):
+    from transformers import AutoTokenizer
+
+    path = demo_dirs[name]
+    tokenizer, reference = AutoTokenizer.from_pretrained(path), hf_model(path)
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Config:\n    def __init__(self, path):\n"]
+    args = [sys.executable, "-m", "splitspec", "generate", "--max-new-tokens", "32", "--ignore-eos", "--json",
+            "--log-level", "warning"] + (["--model-path", str(path)] if name == "draft" else [])  # target: the default
+    for prompt in prompts:
+        args += ["--prompt", prompt]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == len(prompts)
+    for prompt, row in zip(prompts, rows):
+        ids = tokenizer.encode(prompt)
+        assert row["prompt_ids"] == ids
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                                          pad_token_id=tokenizer.eos_token_id)[0, len(ids):].tolist()
+        assert_greedy_match(row["output_ids"], expected, reference, ids, f"demo {name}: {prompt!r}")
+
+
+def test_held_out_loss_beats_bigram(demo_dirs):
+    """On this machine's held-out files, tokenized with the shipped tokenizer."""
+    from transformers import AutoTokenizer
+
+    from splitspec.train.dataset import encode_split
+    from splitspec.train.lm import bigram_loss
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dirs["target"])
+    files = corpus.select_files()
+    train = encode_split(tokenizer.backend_tokenizer, corpus.read_texts(files, held_out=False)).long()
+    held_out = encode_split(tokenizer.backend_tokenizer, corpus.read_texts(files, held_out=True)).long()[: EVAL_TOKENS + 1]
+    baseline = bigram_loss(train, held_out, len(tokenizer))
+    model = hf_model(demo_dirs["target"])
+    windows = held_out[:-1].view(-1, 512), held_out[1:].view(-1, 512)
+    with torch.no_grad():
+        logits = model(windows[0]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[1].flatten()).item()
+    print(f"demo target held-out loss {loss:.3f} nats/token, bigram baseline {baseline:.3f}")
+    assert loss < baseline - BIGRAM_MARGIN_NATS
+
+
+def test_greedy_completions_compile(demo_dirs):
+    results = demo.code_completion_quality(demo_dirs["target"])
+    compiling = sum(r["compiles"] for r in results)
+    print(f"{compiling}/{len(results)} demo completions compile")
+    assert len(results) == 10 and compiling >= 5
+
+
+def test_compile_rule():
+    assert demo.compiles_to_last_line("def f(x):\n    return x\n    if x")  # the partial last line is cut
+    assert not demo.compiles_to_last_line("def f(x):\n    '''doc\n    more\n")  # open docstring
+    assert not demo.compiles_to_last_line("def f(x, x):\n    pass\n")
+
+
+def test_rebuild_into_cache_when_install_is_read_only(tmp_path):
+    """Two processes find no usable demo models and a read-only install: one trains (smoke sizes,
+    for time) into the cache under the lock, the other waits and reuses the result."""
+    script = f"""
+import logging, sys
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+from splitspec import demo
+demo.SHIPPED_ROOT = Path({str(tmp_path / "install" / "demo_models")!r})
+demo.is_writable = lambda directory: False
+dirs = demo.demo_model_dirs(cache_dir=Path({str(tmp_path / "cache" / "demo-models")!r}), device="cpu",
+                            presets={{"target": "smoke", "draft": "smoke"}})
+print(dirs["target"])
+"""
+    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in processes]
+    assert all(p.returncode == 0 for p in processes), outputs
+    assert {out.strip() for out, _ in outputs} == {str(tmp_path / "cache" / "demo-models" / "target")}
+    logs = "".join(err for _, err in outputs)
+    assert logs.count("rebuilding them") == 1 and logs.count("demo models found under") == 1
+    assert demo.is_complete(tmp_path / "cache" / "demo-models")
+    assert not (tmp_path / "install").exists()
+    assert hf_logits(hf_model(tmp_path / "cache" / "demo-models" / "target"), [1, 2, 3]).isfinite().all()
