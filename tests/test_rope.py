@@ -61,3 +61,21 @@ def test_incomplete_rope_blocks_fail_at_start(rope_scaling, message):
 
 def test_empty_rope_parameters_mean_default():
     assert ModelConfig.from_dict({**BASE, "rope_parameters": {}}).rope.rope_type == "default"
+
+
+def test_rope_cache_grows_once_and_is_reused():
+    """reserve() must not rebuild (or double) the cache when called again for covered positions,
+    including when the device is named differently from how torch reports it."""
+    from splitspec.runtime.rope import RotaryEmbedding
+
+    rope = RotaryEmbedding(ModelConfig.from_dict(BASE).rope, head_dim=128, max_position_embeddings=4096)
+    rope.reserve(100, torch.device("cpu"))
+    first = rope._cos
+    for _ in range(5):
+        rope.reserve(100, "cpu")
+        rope.reserve(50, torch.device("cpu"))
+    assert rope._cos is first and rope.num_cached_positions == 100
+    rope.reserve(150, "cpu")
+    assert rope.num_cached_positions == 200  # grown once, amortised
+    rope.reserve(150, "cpu")
+    assert rope.num_cached_positions == 200

@@ -98,6 +98,7 @@ class RotaryEmbedding(nn.Module):
         self._rope, self._head_dim, self._max_pos = rope, head_dim, max_position_embeddings
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+        self._device: torch.device | None = None  # as the caller names it ("cuda" and "cuda:0" differ)
 
     @property
     def num_cached_positions(self) -> int:
@@ -105,13 +106,16 @@ class RotaryEmbedding(nn.Module):
 
     def reserve(self, num_positions: int, device: torch.device) -> None:
         """Make the cache cover positions [0, num_positions) on `device`."""
-        if self._cos is not None and self.num_cached_positions >= num_positions and self._cos.device == device:
+        device = torch.device(device)
+        if self._device == device and self.num_cached_positions >= num_positions:
             return
-        size = max(num_positions, 2 * self.num_cached_positions, 1)
+        grow = 2 * self.num_cached_positions if self._device == device else 0  # amortise growth, never re-double
+        size = max(num_positions, grow, 1)
         inv_freq, scale = inv_freq_and_scale(self._rope, self._head_dim, self._max_pos)
         freqs = torch.arange(size, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [size, rot_dim // 2]
         self._cos = (freqs.cos() * scale).to(device)
         self._sin = (freqs.sin() * scale).to(device)
+        self._device = device
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin [T, 1, rot_dim // 2] (positions must be reserved)."""

@@ -52,9 +52,11 @@ class ForwardOutput:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """'auto' = the current CUDA device when there is one; 'cuda' gets its index made explicit."""
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
