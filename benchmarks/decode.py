@@ -82,7 +82,7 @@ def timed_generate(runner, prompts, new_tokens: int) -> tuple[float, float]:
 def measure(runner, batch_size: int, args) -> dict:
     g = torch.Generator().manual_seed(batch_size)
     prompts = [torch.randint(0, runner.config.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(batch_size)]
-    timed_generate(runner, prompts, 2)  # warm-up
+    timed_generate(runner, prompts, args.new_tokens)  # warm-up at full length (first-use costs of every shape)
     runs = [timed_generate(runner, prompts, args.new_tokens) for _ in range(args.repeats)]
     prefill_s = statistics.median(r[0] for r in runs)
     decode_s = statistics.median(r[1] for r in runs)
