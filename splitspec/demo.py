@@ -73,6 +73,17 @@ def is_complete(root: Path) -> bool:
         return False
 
 
+def corpus_differences(root: Path) -> list[str]:
+    """How this machine's standard-library corpus differs from the one recorded under root."""
+    from splitspec.train import corpus
+    from splitspec.train.dataset import MANIFEST_FILE
+
+    recorded = root / MANIFEST_FILE
+    if not recorded.is_file():
+        return []
+    return corpus.compare_manifest(json.loads(recorded.read_text()), corpus.select_files())
+
+
 def is_writable(directory: Path) -> bool:
     return os.access(directory, os.W_OK)
 
@@ -131,6 +142,8 @@ def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: f
     import dataclasses
 
     root.mkdir(parents=True, exist_ok=True)
+    for difference in corpus_differences(SHIPPED_ROOT):
+        logger.warning("this machine's corpus differs from the one the shipped demo models were trained on: %s", difference)
     dataset = dataset or root / "dataset"
     models = {}
     shares = {"target": 2 / 3, "draft": 1 / 3}

@@ -20,7 +20,7 @@ from splitspec.runtime.config import ConfigError
 from splitspec.runtime.hub import ModelNotFoundError
 from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.loader import CheckpointError
-from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import sample
 from splitspec.runtime.sampling_params import SamplingParams
 

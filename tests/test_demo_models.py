@@ -110,6 +110,21 @@ def test_greedy_completions_compile(demo_dirs):
     assert len(results) == 10 and compiling >= 5
 
 
+def test_rebuild_reports_corpus_differences(tmp_path):
+    """A rebuild compares this machine's corpus with the shipped models' manifest and says what differs."""
+    import shutil
+
+    shutil.copy(demo.SHIPPED_ROOT / "corpus_manifest.json", tmp_path / "corpus_manifest.json")
+    here = demo.corpus_differences(tmp_path)  # empty where this machine's Python matches the build's
+    manifest = json.loads((tmp_path / "corpus_manifest.json").read_text())
+    manifest["files"] = manifest["files"][1:]
+    manifest["python_version"] = "2.7.18"
+    (tmp_path / "corpus_manifest.json").write_text(json.dumps(manifest))
+    differences = demo.corpus_differences(tmp_path)
+    assert any("Python 2.7.18 recorded" in d for d in differences)
+    assert len(differences) > len(here)
+
+
 def test_compile_rule():
     assert demo.compiles_to_last_line("def f(x):\n    return x\n    if x")  # the partial last line is cut
     assert not demo.compiles_to_last_line("def f(x):\n    '''doc\n    more\n")  # open docstring

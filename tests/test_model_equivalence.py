@@ -137,7 +137,7 @@ def test_hidden_states_and_captured_layers(tiny_checkpoints):
     with torch.no_grad():
         hf = reference(torch.tensor([ids]), output_hidden_states=True).hidden_states
     assert (out.hidden_states - hf[-1][0].to(DEVICE)).abs().max().item() < TOL
-    num_layers, hidden = runner.config.num_hidden_layers, runner.config.hidden_size
+    hidden = runner.config.hidden_size
     assert out.aux_hidden_states.shape == (len(ids), 3 * hidden)
     for slot, layer in enumerate((0, 1)):
         assert (out.aux_hidden_states[:, slot * hidden : (slot + 1) * hidden] - hf[layer][0].to(DEVICE)).abs().max() < TOL
