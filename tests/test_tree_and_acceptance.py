@@ -1,0 +1,102 @@
+"""Tree index math and acceptance rules on tiny arrays, with SGLang's golden vectors (REFERENCES §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.runtime.tree import DraftTree, child_links, depths, path_to, positions, tree_mask
+from splitspec.verifier_svc.acceptance import accept_target_tokens, accept_with_coins, inverse_cdf_sample
+
+# sgl-kernel/tests/speculative/test_eagle_utils.py (REFERENCES §3.3): two requests of 6 nodes
+CANDIDATES = [[0, 1, 2, 3, 4, 5], [7, 8, 9, 10, 11, 12]]
+NEXT_TOKEN = [[1, 2, -1, 4, 5, -1], [4, 2, 3, -1, 5, -1]]
+NEXT_SIBLING = [[-1, 3, -1, -1, -1, -1], [-1, -1, -1, -1, 1, -1]]
+TARGET_ARGMAX = [[3, 18, 18, 4, 5, 18], [11, 18, 18, 18, 12, 18]]
+NUM_SPEC_STEP = 4  # accept_index has this many columns: the root plus up to 3 drafts
+
+
+def as_sglang(results, num_nodes: int = 6):
+    """Our per-request results in SGLang's flat layout: predicts [bs*N], accept_index [bs, S], accept_num."""
+    predicts = [-1] * (num_nodes * len(results))
+    accept_index, accept_num = [], []
+    for b, result in enumerate(results):
+        for node, token in zip(result.path, result.tokens):
+            predicts[b * num_nodes + node] = token
+        row = [b * num_nodes + node for node in result.path]
+        accept_index.append(row + [-1] * (NUM_SPEC_STEP - len(row)))
+        accept_num.append(result.num_accepted)
+    return predicts, accept_index, accept_num
+
+
+def test_tree_index_math_worked_example():
+    parents = [-1, 0, 0, 1, 1]
+    assert depths(parents) == [0, 1, 1, 2, 2]
+    assert positions(parents, seq_len=7) == [7, 8, 8, 9, 9]
+    assert child_links(parents) == ([1, 3, -1, -1, -1], [-1, 2, -1, 4, -1])
+    assert tree_mask(parents).int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
+    assert path_to(parents, 4) == [0, 1, 4]
+    assert DraftTree.chain(9, [4, 5]).parents == (-1, 0, 1)
+    with pytest.raises(ValueError, match="do not have a parent before them"):
+        DraftTree((1, 2, 3), (-1, 2, 0))
+    with pytest.raises(ValueError, match="root"):
+        DraftTree((1,), (0,))
+
+
+def test_links_of_the_golden_trees_follow_from_their_parents():
+    """SGLang's golden links for request 0 are exactly what child_links derives (lowest index first);
+    request 1 lists node 4 before node 1 under the root, which the walk honours as given."""
+    assert child_links([-1, 0, 1, 0, 3, 4]) == (NEXT_TOKEN[0], NEXT_SIBLING[0])
+
+
+def test_greedy_verify_golden():
+    results = [
+        accept_target_tokens(CANDIDATES[b], NEXT_TOKEN[b], NEXT_SIBLING[b], TARGET_ARGMAX[b], NUM_SPEC_STEP - 1)
+        for b in range(2)
+    ]
+    predicts, accept_index, accept_num = as_sglang(results)
+    assert predicts == [3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18]
+    assert accept_index == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    assert accept_num == [3, 2]
+
+
+def target_probs(argmax_row: list[int], vocab: int = 20, temperature: float = 0.01) -> torch.Tensor:
+    logits = torch.zeros(len(argmax_row), vocab)
+    logits[torch.arange(len(argmax_row)), torch.tensor(argmax_row)] = 1.0
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+@pytest.mark.parametrize("thresholds, expected", [
+    ((1.0, 1.0), ([3, -1, -1, 4, 5, 18, 11, -1, -1, -1, 12, 18], [[0, 3, 4, 5], [6, 10, 11, -1]], [3, 2])),
+    ((0.0, 0.0), ([1, 2, 18, -1, -1, -1, 11, -1, -1, -1, 12, 18], [[0, 1, 2, -1], [6, 10, 11, -1]], [2, 2])),
+])
+def test_coin_rule_golden(thresholds, expected):
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for b in range(2):
+        coins = torch.rand(6, generator=generator).clamp(min=1e-3).tolist()
+        results.append(accept_with_coins(
+            CANDIDATES[b], NEXT_TOKEN[b], NEXT_SIBLING[b], target_probs(TARGET_ARGMAX[b]), coins,
+            final_coin=float(torch.rand(1, generator=generator)), threshold_single=thresholds[0],
+            threshold_acc=thresholds[1], max_accepted=NUM_SPEC_STEP - 1,
+        ))
+    assert as_sglang(results) == expected
+
+
+def test_coin_rule_bonus_excludes_rejected_siblings():
+    """Root's children are tokens 1 and 2, both rejected; the bonus is drawn from the rest only."""
+    probs = torch.tensor([[0.1, 0.45, 0.45, 0.0], [0.25] * 4, [0.25] * 4])
+    for coin in (0.0, 0.5, 0.999):
+        result = accept_with_coins([0, 1, 2], [1, -1, -1], [-1, 2, -1], probs, coins=[1.0, 0.5, 0.5], final_coin=coin)
+        assert result.path == [0] and result.tokens == [0]
+
+
+def test_inverse_cdf_sample():
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0])
+    assert [inverse_cdf_sample(weights, c) for c in (0.0, 0.49, 0.5, 0.74, 0.75, 0.9999)] == [1, 1, 3, 3, 4, 4]
