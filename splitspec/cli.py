@@ -46,5 +46,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitspec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = load_command(name)
-    args = module.build_parser().parse_args(argv[1:])
-    return module.run(args)
+    parser = module.build_parser()
+    flags = argv[1:] + _sglang_env_flags(parser)
+    return module.run(parser.parse_args(flags))
+
+
+def _sglang_env_flags(parser) -> list[str]:
+    """SGLang's environment switches, read here once and passed on as the flags they stand for."""
+    import os
+
+    flags = []
+    known = {option for action in parser._actions for option in action.option_strings}
+    force_greedy = os.environ.get("SGLANG_NGRAM_FORCE_GREEDY_VERIFY", "").lower() in ("1", "true", "yes")
+    if force_greedy and "--speculative-ngram-force-greedy-verify" in known:
+        flags.append("--speculative-ngram-force-greedy-verify")
+    return flags

@@ -11,39 +11,22 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitspec.runtime import args as runtime_args
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.hub import ModelNotFoundError
-from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
+from splitspec.runtime.kv_cache import OutOfPagesError
 from splitspec.runtime.loader import CheckpointError
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.sampling import sample
 from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.verifier_svc.drafter_client import DrafterClient
+from splitspec.verifier_svc.engine import Engine, Request, SpecConfig
+from splitspec import spec_args
 
 
 logger = logging.getLogger("splitspec.generate")
-
-
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    params: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" (EOS or stop token) or "length"
-    table: BlockTable = field(default_factory=BlockTable)
-
-
-def _finish_reason(gen: Generation, eos_ids: set[int]) -> str | None:
-    last = gen.output_ids[-1]
-    if last in gen.params.stop_token_ids or (not gen.params.ignore_eos and last in eos_ids):
-        return "stop"
-    if len(gen.output_ids) >= gen.params.max_new_tokens:
-        return "length"
-    return None
 
 
 def generate_ids(
@@ -52,32 +35,19 @@ def generate_ids(
     params: list[SamplingParams],
     eos_ids: set[int],
     on_step: Callable[[int], None] | None = None,
-) -> list[Generation]:
-    """Plain decoding of every prompt together; KV pages are returned to the pool as requests end.
-    `on_step(num_tokens)` is called after each step with the tokens it produced (benchmarks time it)."""
-    gens = [Generation(list(p), sp.with_seed()) for p, sp in zip(prompts, params)]
-    running = [g for g in gens if g.params.max_new_tokens > 0]
-    for g in gens:
-        if g.params.max_new_tokens == 0:
-            g.finish_reason = "length"
-    first_step = True
-    while running:
-        sequences = [
-            SequenceInput(g.table, g.prompt_ids if first_step else g.output_ids[-1:]) for g in running
-        ]
-        out = runner.forward(runner.batch(sequences))
-        tokens = sample(out.logits, [g.params for g in running], [len(g.output_ids) for g in running])
-        for g, seq, token in zip(running, sequences, tokens.tolist()):
-            runner.kv_cache.set_length(g.table, g.table.num_tokens + len(seq.input_ids))
-            g.output_ids.append(token)
-            g.finish_reason = _finish_reason(g, eos_ids)
-            if g.finish_reason is not None:
-                runner.kv_cache.release(g.table)
-        running = [g for g in running if g.finish_reason is None]
-        first_step = False
+    drafter: DrafterClient | None = None,
+    spec: SpecConfig | None = None,
+) -> list[Request]:
+    """Every prompt to completion through the engine's step loop (speculative when a drafter is
+    given); KV pages return to the pool as requests end. `on_step(num_tokens)` is called after each
+    step with the tokens it produced (benchmarks time it)."""
+    engine = Engine(runner, drafter, spec or SpecConfig(), eos_ids)
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work:
+        events = engine.step()
         if on_step is not None:
-            on_step(len(sequences))
-    return gens
+            on_step(sum(len(e.new_token_ids) for e in events))
+    return requests
 
 
 def eos_token_ids(model_dir: Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
@@ -125,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1.0 = off).")
     sampling.add_argument("--top-k", type=int, default=-1, help="Keep the k most likely tokens (-1 = off).")
     sampling.add_argument("--seed", type=int, default=None, help="Sampling seed (default: random per request).")
+    spec_args.add_speculative_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help='Print one JSON object per prompt: {"output_ids": [...], "text": ...}.')
     return parser
@@ -159,8 +130,9 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = runtime_args.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
     prompts = _prompts(args, tokenizer)
-    # every prompt runs at once: each needs pages for its prompt and all but its last new token
-    needed_pages = sum(-(-(len(p) + max(args.max_new_tokens - 1, 0)) // args.page_size) for p in prompts)
+    # every prompt runs at once: each needs pages for its prompt, its new tokens and a full draft tree
+    tree = args.speculative_num_draft_tokens or 0
+    needed_pages = sum(-(-(len(p) + args.max_new_tokens + tree) // args.page_size) for p in prompts)
     if args.max_total_tokens is not None and args.max_total_tokens < needed_pages * args.page_size:
         raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small for these prompts: they need "
                           f"{needed_pages} pages of {args.page_size} tokens ({needed_pages * args.page_size} tokens)")
@@ -171,13 +143,17 @@ def _run(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, tokenizer)
-    gens = generate_ids(runner, prompts, [params] * len(prompts), eos)
+    drafter, spec = spec_args.in_process_drafter(args)
+    gens = generate_ids(runner, prompts, [params] * len(prompts), eos, drafter=drafter, spec=spec)
     assert runner.kv_cache.allocator.num_used == 0, "KV pages leaked"
     for gen in gens:
         text = tokenizer.decode(gen.output_ids, skip_special_tokens=True) if tokenizer is not None else None
         if args.json:
-            print(json.dumps({"output_ids": gen.output_ids, "text": text, "prompt_ids": gen.prompt_ids,
-                              "finish_reason": gen.finish_reason, "seed": gen.params.seed}))
+            row = {"output_ids": gen.output_ids, "text": text, "prompt_ids": gen.prompt_ids,
+                   "finish_reason": gen.finish_reason, "seed": gen.params.seed}
+            if drafter is not None:
+                row["speculative"] = spec_args.report(args.speculative_algorithm, gen.stats)
+            print(json.dumps(row))
         else:
             print(text if text is not None else " ".join(map(str, gen.output_ids)))
     return 0

@@ -29,6 +29,7 @@ from splitspec.runtime.sampling_params import SamplingParams
 MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9
 SEED_SALT = 0x243F6A88
+COIN_SALT = 0x5BD1E995  # keys the coin-rule uniforms apart from the Gumbel noise
 UNIFORM_BITS = 23  # (k + 0.5) / 2^23 is exact in fp32 for k < 2^23, so a uniform is never 0 or 1
 
 
@@ -62,6 +63,14 @@ def keyed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     bits = _fmix32((_fmix32(vocab[None, :] ^ keys) + keys) & MASK32)  # [B, V]
     uniform = ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) * (1.0 / 2**UNIFORM_BITS)  # strictly in (0, 1)
     return -torch.log(-torch.log(uniform))
+
+
+def keyed_uniform(seed: int, positions: list[int]) -> list[float]:
+    """Uniforms in (0, 1), one per output position, keyed by (seed, position): the coins of SGLang's
+    acceptance rule, reproducible like the Gumbel noise."""
+    keys = position_keys(torch.full((len(positions),), seed, dtype=torch.long), torch.tensor(positions, dtype=torch.long))
+    bits = _fmix32(keys ^ COIN_SALT)
+    return (((bits >> (32 - UNIFORM_BITS)).double() + 0.5) / 2**UNIFORM_BITS).tolist()
 
 
 def process_logits(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""SGLang's --speculative-* flags and what they build: the drafter and the engine's SpecConfig.
+
+Only NGRAM runs in one process so far; the model drafters join with their issues.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from splitspec.verifier_svc.engine import SpecConfig, SpecStats
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding (SGLang's flags)")
+    group.add_argument("--speculative-algorithm", default=None, choices=("NGRAM",),
+                       help="Draft with this algorithm and verify losslessly (default: no speculation).")
+    group.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                       help="Tree nodes verified per step, root included (NGRAM default: the max match window size).")
+    group.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
+                       help="Below 1.0: SGLang's lossy rule accepts a draft whose target probability reaches this.")
+    group.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0,
+                       help="Below 1.0: SGLang's lossy rule accepts when the coin is below accumulated mass / this.")
+    group.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1, help="NGRAM: shortest suffix matched.")
+    group.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12, help="NGRAM: longest suffix matched.")
+    group.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM: BFS breadth for the longest match.")
+    group.add_argument("--speculative-ngram-max-bfs-breadth", type=int, default=10, help="NGRAM: BFS breadth for the shortest match.")
+    group.add_argument("--speculative-ngram-match-type", default="BFS", choices=("BFS", "PROB"),
+                       help="NGRAM: BFS (recency) or PROB (frequency) tree construction.")
+    group.add_argument("--speculative-ngram-branch-length", type=int, default=18, help="NGRAM: recent tokens inserted per step.")
+    group.add_argument("--speculative-ngram-capacity", type=int, default=10_000_000, help="NGRAM: trie nodes kept (LRU).")
+    group.add_argument("--speculative-ngram-force-greedy-verify", action="store_true",
+                       help="NGRAM: verify by target argmax even for sampled requests (SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True).")
+
+
+def in_process_drafter(args: argparse.Namespace):
+    """(DrafterClient or None, SpecConfig) for the flags."""
+    if args.speculative_algorithm is None:
+        return None, SpecConfig()
+    from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+    from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+
+    ngram = NgramConfig(
+        min_match_window_size=args.speculative_ngram_min_match_window_size,
+        max_match_window_size=args.speculative_ngram_max_match_window_size,
+        min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
+        max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
+        match_type=args.speculative_ngram_match_type,
+        branch_length=args.speculative_ngram_branch_length,
+        capacity=args.speculative_ngram_capacity,
+    )
+    spec = SpecConfig(
+        num_draft_tokens=args.speculative_num_draft_tokens or ngram.max_match_window_size,
+        accept_threshold_single=args.speculative_accept_threshold_single,
+        accept_threshold_acc=args.speculative_accept_threshold_acc,
+        force_greedy_verify=args.speculative_ngram_force_greedy_verify,
+    )
+    return InProcessDrafterClient(NgramDrafter(ngram)), spec
+
+
+def report(algorithm: str, stats: SpecStats) -> dict:
+    return {"algorithm": algorithm, "verify_steps": stats.verify_steps, "draft_tokens": stats.draft_tokens,
+            "accepted_tokens": stats.accepted_tokens, "mean_accept_length": round(stats.mean_accept_length, 4),
+            "accepted_per_position": stats.accepted_per_position, "fallbacks": stats.fallbacks}
