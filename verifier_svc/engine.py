@@ -147,9 +147,8 @@ class Engine:
         return trees
 
     def _tree_budget(self, request: Request) -> int:
-        """Nodes worth verifying: at most the configured budget, and no deeper than the tokens left."""
-        left = request.params.max_new_tokens - len(request.output_ids)
-        return max(1, min(self.spec.num_draft_tokens, left))
+        """Tree nodes per request, root included (tokens past a request's limit are dropped at emit)."""
+        return self.spec.num_draft_tokens
 
     def _usable(self, request: Request, tree: DraftTree) -> bool:
         vocab = self.runner.config.vocab_size

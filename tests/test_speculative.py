@@ -1,0 +1,204 @@
+"""Lossless speculation (ARCHITECTURE §3): with NGRAM drafts, greedy output equals plain output and a
+seeded request's text is the same with speculation on or off; a tree verified by the keyed rule
+samples exactly the target's distribution, and the statistical test rejects a biased rule. Every
+test also checks that speculation happened."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_greedy_match, hf_model, make_hf_model, save_checkpoint
+
+from splitspec.demo import demo_model_dirs
+from splitspec.drafter_svc.base import Drafter
+from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+from splitspec.generate import generate_ids
+from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.runtime.tree import DraftTree
+from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+from splitspec.verifier_svc.engine import SpecConfig
+
+MEAN_ACCEPT_FLOOR = 2.0  # tokens per verify step on repetitive code, NGRAM, demo target (greedy)
+NEW_TOKENS = 48
+
+# 24 prompts: ordinary code and code that repeats itself (where NGRAM shines)
+PROMPTS = [
+    "def fibonacci(n):\n", "import os\nimport sys\n\n", "class Config:\n    def __init__(self, path):\n",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n", "def read(path):\n    with open(path) as f:\n",
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "try:\n    import json\nexcept ImportError:\n",
+    "self.a = a\nself.b = b\nself.c = c\nself.", "if x is None:\n    return None\nif y is None:\n",
+    "import re\n\n\ndef match(pattern, text):\n", "def __eq__(self, other):\n    return self.x == other.x and",
+    "assert a == 1\nassert b == 2\nassert c == 3\nassert", "from collections import defaultdict\n\n",
+    "def main():\n    import argparse\n    parser = argparse.ArgumentParser()\n    parser.add_argument(",
+    "return self._data[key]\n\n    def __setitem__(self, key, value):\n", "while True:\n    line = f.readline()\n",
+    "class Error(Exception):\n    pass\n\n\nclass", "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n",
+    "__all__ = ['a', 'b', 'c', '", "    def get(self, key, default=None):\n        try:\n",
+    "import os\nimport os\nimport os\n", "if __name__ == '__main__':\n", "# Copyright\n# Copyright\n#",
+    "def f(x):\n    '''Return x.'''\n    return x\n\n\ndef g(x):\n    '''Return x.'''\n",
+]
+REPETITIVE = [3, 5, 7, 11, 20, 22]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from transformers import AutoTokenizer
+
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu",
+                                            max_total_tokens=len(PROMPTS) * 160, page_size=16))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return runner, tokenizer, [tokenizer.encode(p) for p in PROMPTS], hf_model(target)
+
+
+def ngram(match_type: str = "BFS") -> InProcessDrafterClient:
+    return InProcessDrafterClient(NgramDrafter(NgramConfig(match_type=match_type)))
+
+
+def run(runner, prompts, params, drafter=None, spec=None, batch=8):
+    out = []
+    for start in range(0, len(prompts), batch):
+        out += generate_ids(runner, prompts[start : start + batch], params[start : start + batch], set(),
+                            drafter=drafter, spec=spec)
+    assert runner.kv_cache.allocator.num_used == 0  # every page back in the pool
+    return out
+
+
+@pytest.mark.parametrize("batch, match_type", [(1, "BFS"), (8, "BFS"), (8, "PROB")])
+def test_greedy_speculation_is_lossless_and_speculates(demo, batch, match_type):
+    runner, _, prompts, reference = demo
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(prompts)
+    plain = run(runner, prompts, params, batch=1)
+    spec = run(runner, prompts, params, ngram(match_type), SpecConfig(num_draft_tokens=8), batch=batch)
+    for i, (p, s) in enumerate(zip(plain, spec)):
+        assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"prompt {i} batch {batch} {match_type}")
+        assert s.stats.fallbacks == 0
+    drafts = sum(s.stats.draft_tokens for s in spec)
+    accepted = sum(s.stats.accepted_tokens for s in spec)
+    assert drafts > 0 and accepted > 0
+    repetitive = [spec[i].stats for i in REPETITIVE]
+    accept_length = 1 + sum(st.accepted_tokens for st in repetitive) / sum(st.verify_steps for st in repetitive)
+    print(f"batch {batch} {match_type}: drafts {drafts}, accepted {accepted}, "
+          f"accept length on repetitive code {accept_length:.2f}")
+    assert accept_length >= MEAN_ACCEPT_FLOOR
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, -1, 1.0), (0.7, -1, 0.9), (0.5, 20, 1.0), (1.2, 40, 0.95)])
+def test_seeded_sampling_is_identical_with_and_without_speculation(demo, temperature, top_k, top_p):
+    runner, _, prompts, _ = demo
+    chosen = [prompts[i] for i in REPETITIVE]
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=100 + i,
+                             max_new_tokens=NEW_TOKENS, ignore_eos=True) for i in range(len(chosen))]
+    plain = run(runner, chosen, params)
+    spec = run(runner, chosen, params, ngram(), SpecConfig(num_draft_tokens=8))
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+    assert sum(s.stats.accepted_tokens for s in spec) > 0 and all(s.stats.fallbacks == 0 for s in spec)
+    greedy = run(runner, chosen[:1], [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)])
+    assert greedy[0].output_ids != plain[0].output_ids or temperature < 0.6  # it really sampled
+
+
+class FixedTreeDrafter(Drafter):
+    """Proposes the same branching tree after every root: 3 children of the root, 2 under each."""
+
+    name = "FIXED"
+    CHILDREN, GRANDCHILDREN = (6, 0, 2), (6, 3)  # 6 is the model's likeliest token
+
+    def __init__(self):
+        self.last: dict[str, int] = {}
+
+    def open(self, request_id, prompt_ids):
+        self.last[request_id] = prompt_ids[-1]
+
+    def extend(self, request_id, tokens):
+        self.last[request_id] = tokens[-1]
+
+    def draft(self, request_ids, max_nodes):
+        trees = []
+        for request_id in request_ids:
+            tokens, parents = [self.last[request_id]], [-1]
+            for child in self.CHILDREN:
+                tokens.append(child)
+                parents.append(0)
+                here = len(tokens) - 1
+                for grandchild in self.GRANDCHILDREN:
+                    tokens.append(grandchild)
+                    parents.append(here)
+            trees.append(DraftTree(tuple(tokens), tuple(parents)))
+        return trees
+
+    def release(self, request_id):
+        self.last.pop(request_id, None)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model(tmp_path_factory):
+    """Vocabulary 8; next-token distributions spread (about 0.46 on token 6, 0.04-0.11 elsewhere)."""
+    model = make_hf_model("llama-gqa-llama3", seed=3, vocab_size=8)
+    return save_checkpoint(model, tmp_path_factory.mktemp("v8") / "m"), model
+
+
+def exact_joint(model, prompt: list[int]) -> torch.Tensor:
+    """P(t0, t1, t2) [8, 8, 8] of the target alone, by enumeration."""
+    with torch.no_grad():
+        def next_probs(ids):
+            return torch.softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+        joint = torch.zeros(8, 8, 8)
+        p0 = next_probs(prompt)
+        for a in range(8):
+            p1 = next_probs(prompt + [a])
+            for b in range(8):
+                joint[a, b] = p0[a] * p1[b] * next_probs(prompt + [a, b])
+    return joint
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson statistic over cells with enough expected mass (the rest pooled into one cell)."""
+    expected = probs.flatten() * counts.sum()
+    counts = counts.flatten().float()
+    big = expected >= min_expected
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expect = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expect > 0
+    return (((observed - expect) ** 2)[keep] / expect[keep]).sum().item(), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("rule, should_match", [("lossless", True), ("biased", False)])
+def test_tree_sampling_matches_the_target_distribution(small_vocab_model, rule, should_match):
+    path, model = small_vocab_model
+    prompt = [5, 6, 7]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(path), dtype="float32", device="cpu",
+                                            max_total_tokens=500 * 32, page_size=4))
+    spec = SpecConfig(num_draft_tokens=10) if rule == "lossless" else \
+        SpecConfig(num_draft_tokens=10, accept_threshold_single=0.0, accept_threshold_acc=1.0)
+    num = 4000
+    counts = torch.zeros(8, 8, 8)
+    accepted = 0
+    for start in range(0, num, 500):
+        params = [SamplingParams(temperature=1.0, seed=s, max_new_tokens=3, ignore_eos=True) for s in range(start, start + 500)]
+        for r in generate_ids(runner, [prompt] * 500, params, set(), drafter=InProcessDrafterClient(FixedTreeDrafter()), spec=spec):
+            counts[tuple(r.output_ids)] += 1
+            accepted += r.stats.accepted_tokens
+            assert r.stats.fallbacks == 0 and r.stats.draft_tokens == 9 * r.stats.verify_steps > 0
+    assert accepted > 0  # drafts were accepted
+    statistic, dof = chi_square(counts, exact_joint(model, prompt))
+    critical = dof + 5 * (2 * dof) ** 0.5 + 10  # far beyond the 99.9% quantile for these dof
+    print(f"{rule}: chi-square {statistic:.1f} on {dof} dof (critical {critical:.1f}), accepted {accepted}")
+    assert (statistic < critical) == should_match
+
+
+def test_generate_cli_reports_speculation():
+    result = subprocess.run(
+        [sys.executable, "-m", "splitspec", "generate", "--prompt", "import os\nimport os\nimport os\n",
+         "--max-new-tokens", "24", "--ignore-eos", "--json", "--speculative-algorithm", "NGRAM",
+         "--speculative-num-draft-tokens", "6", "--log-level", "warning"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    spec = json.loads(result.stdout)["speculative"]
+    assert spec["algorithm"] == "NGRAM" and spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0
+    assert spec["mean_accept_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["verify_steps"], abs=1e-3)
+    assert spec["fallbacks"] == 0
