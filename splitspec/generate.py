@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from splitspec.runtime import args as runtime_args
-from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.hub import ModelNotFoundError
 from splitspec.runtime.kv_cache import OutOfPagesError
