@@ -129,8 +129,9 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = runtime_args.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
     prompts = _prompts(args, tokenizer)
+    drafter, spec = spec_args.in_process_drafter(args)
     # every prompt runs at once: each needs pages for its prompt, its new tokens and a full draft tree
-    tree = args.speculative_num_draft_tokens or 0
+    tree = spec.num_draft_tokens if drafter is not None else 0
     needed_pages = sum(-(-(len(p) + args.max_new_tokens + tree) // args.page_size) for p in prompts)
     if args.max_total_tokens is not None and args.max_total_tokens < needed_pages * args.page_size:
         raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small for these prompts: they need "
@@ -142,7 +143,6 @@ def _run(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, tokenizer)
-    drafter, spec = spec_args.in_process_drafter(args)
     gens = generate_ids(runner, prompts, [params] * len(prompts), eos, drafter=drafter, spec=spec)
     assert runner.kv_cache.allocator.num_used == 0, "KV pages leaked"
     for gen in gens:

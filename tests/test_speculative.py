@@ -202,3 +202,42 @@ def test_generate_cli_reports_speculation():
     assert spec["algorithm"] == "NGRAM" and spec["draft_tokens"] > 0 and spec["accepted_tokens"] > 0
     assert spec["mean_accept_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["verify_steps"], abs=1e-3)
     assert spec["fallbacks"] == 0
+
+
+def test_requests_join_and_leave_between_steps(demo):
+    """Continuous batching: a request added while others run gets the same output as alone."""
+    from splitspec.verifier_svc.engine import Engine
+
+    runner, _, prompts, reference = demo
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set())
+    first = [engine.add_request(prompts[i], greedy if i != 5 else short) for i in (3, 5)]
+    for _ in range(4):
+        engine.step()
+    late = engine.add_request(prompts[11], greedy)
+    while engine.has_work:
+        engine.step()
+    assert first[1].finish_reason == "length" and len(first[1].output_ids) == 10  # left early
+    for request, i in zip([*first, late], (3, 5, 11)):
+        alone = run(runner, [prompts[i]], [request.params])[0]
+        assert_greedy_match(request.output_ids, alone.output_ids, reference, prompts[i], f"join/leave prompt {i}")
+    assert sum(r.stats.accepted_tokens for r in [*first, late]) > 0
+    assert runner.kv_cache.allocator.num_used == 0
+
+
+def test_force_greedy_verify_environment_variable():
+    """SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True makes NGRAM verify by argmax, as SGLang's flag does:
+    a sampled request then decodes exactly as a greedy one."""
+    import os
+
+    base = [sys.executable, "-m", "splitspec", "generate", "--prompt", "import os\nimport os\n", "--max-new-tokens", "24",
+            "--ignore-eos", "--json", "--speculative-algorithm", "NGRAM", "--log-level", "warning"]
+    env = {**os.environ, "SGLANG_NGRAM_FORCE_GREEDY_VERIFY": "True"}
+    forced = subprocess.run(base + ["--temperature", "1.0", "--seed", "3"], capture_output=True, text=True, env=env, timeout=300)
+    greedy = subprocess.run(base + ["--temperature", "0"], capture_output=True, text=True, timeout=300)
+    sampled = subprocess.run(base + ["--temperature", "1.0", "--seed", "3"], capture_output=True, text=True, timeout=300)
+    for r in (forced, greedy, sampled):
+        assert r.returncode == 0, r.stderr
+    outputs = [json.loads(r.stdout)["output_ids"] for r in (forced, greedy, sampled)]
+    assert outputs[0] == outputs[1] != outputs[2]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitspec.runtime.tree import DraftTree, child_links, depths, path_to, positions, tree_mask
+from splitspec.runtime.tree import (DraftTree, child_links, depths, parents_from_mask, parents_from_selection, path_to,
+                                    positions, tree_mask)
 from splitspec.verifier_svc.acceptance import accept_target_tokens, accept_with_coins, inverse_cdf_sample
 
 # sgl-kernel/tests/speculative/test_eagle_utils.py (REFERENCES §3.3): two requests of 6 nodes
@@ -47,6 +48,42 @@ def test_tree_index_math_worked_example():
         DraftTree((1, 2, 3), (-1, 2, 0))
     with pytest.raises(ValueError, match="root"):
         DraftTree((1,), (0,))
+
+
+def test_build_eagle_tree_golden():
+    """test/srt/test_build_eagle_tree.py: K=4, S=4, N=8, seq_lens [5, 10]; tokens and bookkeeping as
+    organize_draft_results leaves them (flattened parent lists, sorted top-7 flat indices)."""
+    verified_id = [29974, 13]
+    parent_list = [[-1, 0, 1, 2, 3, 4, 8, 9, 10, 20, 24, 21, 28], [-1, 0, 1, 2, 3, 4, 5, 6, 7, 24, 28, 20, 21]]
+    selected_index = [[0, 1, 4, 8, 20, 24, 36], [0, 4, 5, 6, 7, 24, 36]]
+    drafts = [[29896, 29906, 29889, 29974, 29946, 29896, 29946], [13, 22550, 4136, 16492, 8439, 29871, 29941]]
+    all_positions, draft_tokens, next_tokens, next_siblings = [], [], [], []
+    for b, seq_len in enumerate([5, 10]):
+        tree = DraftTree(tuple([verified_id[b], *drafts[b]]), tuple(parents_from_selection(selected_index[b], parent_list[b], 4)))
+        all_positions += positions(tree.parents, seq_len)
+        draft_tokens += tree.tokens
+        next_token, next_sibling = child_links(tree.parents)
+        next_tokens.append(next_token)
+        next_siblings.append(next_sibling)
+    assert all_positions == [5, 6, 6, 7, 7, 8, 8, 9, 10, 11, 12, 12, 12, 12, 13, 14]
+    assert next_tokens == [[1, 3, 4, 5, 6, 7, -1, -1], [1, 2, -1, 6, -1, -1, 7, -1]]
+    assert next_siblings == [[-1, 2, -1, -1, -1, -1, -1, -1], [-1, -1, 3, 4, 5, -1, -1, -1]]
+    assert draft_tokens == [29974, 29896, 29906, 29889, 29974, 29946, 29896, 29946,
+                            13, 13, 22550, 4136, 16492, 8439, 29871, 29941]
+
+
+def test_build_tree_hand_case_and_mask_reconstruction():
+    # test/srt/cpu/test_spec_kernels.py: topk 2, steps 2, n 4
+    parents = parents_from_selection([0, 1, 2], [-1, 0, 1], topk=2)
+    assert child_links(parents) == ([1, 3, -1, -1], [-1, 2, -1, -1])
+    assert positions(parents, 5) == [5, 6, 6, 7]
+    assert tree_mask(parents).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    # sgl-kernel/tests/speculative/test_ngram_utils.py: reconstruct_indices_from_tree_mask
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    parents = parents_from_mask(mask)
+    assert child_links(parents) == ([1, -1, 3, -1], [-1, 2, -1, -1])
+    assert positions(parents, 12) == [12, 13, 13, 14]
+    assert torch.equal(tree_mask(parents), mask)
 
 
 def test_links_of_the_golden_trees_follow_from_their_parents():

@@ -105,3 +105,31 @@ def path_to(parents: list[int] | tuple[int, ...], node: int) -> list[int]:
     while parents[path[-1]] != NO_NODE:
         path.append(parents[path[-1]])
     return path[::-1]
+
+
+def parents_from_selection(selected_index: list[int], parent_list: list[int], topk: int) -> list[int]:
+    """Parents of an EAGLE tree from SGLang's draft bookkeeping (build_tree_efficient).
+
+    Node k >= 1 is the draft at flat score index selected_index[k-1]; its beam is selected // topk,
+    whose flat index is parent_list[beam] (-1: the root). The parent node is the one selected at that
+    flat index. SGLang drops (with a warning) a node whose parent was not selected; so do we.
+    """
+    position = {flat: k + 1 for k, flat in enumerate(selected_index)}
+    parents = [NO_NODE]
+    for flat in selected_index:
+        beam = flat // topk
+        parent_flat = parent_list[beam] if beam > 0 else NO_NODE
+        parents.append(0 if parent_flat == NO_NODE else position.get(parent_flat, NO_NODE))
+    if NO_NODE in parents[1:]:
+        raise ValueError("invalid tree: a selected draft's parent was not selected")
+    return parents
+
+
+def parents_from_mask(mask: torch.Tensor) -> list[int]:
+    """Parents from an [N, N] ancestor-or-self mask (SGLang's reconstruct_indices_from_tree_mask):
+    a node's parent is its nearest ancestor, the highest-indexed other node its row sees."""
+    parents = [NO_NODE]
+    for i in range(1, mask.shape[0]):
+        ancestors = [j for j in range(i) if mask[i, j]]
+        parents.append(ancestors[-1] if ancestors else NO_NODE)
+    return parents
