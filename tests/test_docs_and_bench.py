@@ -62,3 +62,15 @@ def test_decode_benchmark_reports_json(tmp_path):
     for row in report["results"]:
         assert row["decode_s"] > 0 and math.isfinite(row["decode_tok_s"]) and row["decode_tok_s"] > 0
         assert len(row["runs"]) == 1 and row["new_tokens"] == 6
+
+
+def test_speculative_benchmark_reports_json(tmp_path):
+    out = tmp_path / "spec.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative_cpu.py"), "--num-prompts", "2",
+                             "--new-tokens", "12", "--batch-sizes", "1,2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["batch_size"], r["speculative"]) for r in rows] == [(1, None), (1, "NGRAM"), (2, None), (2, "NGRAM")]
+    for row in rows[1::2]:
+        assert row["outputs_equal_plain"] == 2 and row["fallbacks"] == 0 and row["draft_tokens"] > 0
