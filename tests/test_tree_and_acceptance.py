@@ -120,7 +120,7 @@ def test_coin_rule_golden(thresholds, expected):
         coins = torch.rand(6, generator=generator).clamp(min=1e-3).tolist()
         results.append(accept_with_coins(
             CANDIDATES[b], NEXT_TOKEN[b], NEXT_SIBLING[b], target_probs(TARGET_ARGMAX[b]), coins,
-            final_coin=float(torch.rand(1, generator=generator)), threshold_single=thresholds[0],
+            final_coins=[float(torch.rand(1, generator=generator))] * 6, threshold_single=thresholds[0],
             threshold_acc=thresholds[1], max_accepted=NUM_SPEC_STEP - 1,
         ))
     assert as_sglang(results) == expected
@@ -130,7 +130,7 @@ def test_coin_rule_bonus_excludes_rejected_siblings():
     """Root's children are tokens 1 and 2, both rejected; the bonus is drawn from the rest only."""
     probs = torch.tensor([[0.1, 0.45, 0.45, 0.0], [0.25] * 4, [0.25] * 4])
     for coin in (0.0, 0.5, 0.999):
-        result = accept_with_coins([0, 1, 2], [1, -1, -1], [-1, 2, -1], probs, coins=[1.0, 0.5, 0.5], final_coin=coin)
+        result = accept_with_coins([0, 1, 2], [1, -1, -1], [-1, 2, -1], probs, coins=[1.0, 0.5, 0.5], final_coins=[coin] * 3)
         assert result.path == [0] and result.tokens == [0]
 
 

@@ -61,15 +61,15 @@ def accept_with_coins(
     candidates: list[int], next_token: list[int], next_sibling: list[int],
     target_probs: torch.Tensor,  # [N, V] processed target distribution after each node
     coins: list[float],  # [N] one uniform per node: the coin used at the level below it
-    final_coin: float,
+    final_coins: list[float],  # [N] the bonus token's coin when the walk ends at that node
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,
     max_accepted: int | None = None,
 ) -> Acceptance:
     """SGLang's rule: at each level, try the children in order, accepting child c when the level's coin
     is below the cumulative target mass tried so far (divided by threshold_acc) or when c alone has
-    mass >= threshold_single. The bonus token is drawn with final_coin from the target distribution
-    at the last accepted node with the rejected siblings' mass removed."""
+    mass >= threshold_single. The bonus token is drawn with the last accepted node's final coin from
+    the target distribution there, with the rejected siblings' mass removed."""
     last, path, emitted = 0, [0], []
     rejected = torch.zeros(target_probs.shape[-1], dtype=target_probs.dtype, device=target_probs.device)
     coin = coins[0]
@@ -90,7 +90,7 @@ def accept_with_coins(
         last, coin = child, coins[child]
         rejected.zero_()
     residual = torch.clamp(target_probs[last] - rejected, min=0)
-    emitted.append(inverse_cdf_sample(residual, final_coin))
+    emitted.append(inverse_cdf_sample(residual, final_coins[last]))
     return Acceptance(path, emitted)
 
 

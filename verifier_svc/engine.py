@@ -24,7 +24,7 @@ import torch
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.sampling import keyed_uniform, process_logits, sample
+from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_logits, sample
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, child_links, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens, accept_with_coins
@@ -189,8 +189,9 @@ class Engine:
         probs = process_logits(node_logits, torch.full((tree.num_nodes,), params.temperature, device=node_logits.device),
                                torch.full((tree.num_nodes,), params.top_k, device=node_logits.device),
                                torch.full((tree.num_nodes,), params.top_p, device=node_logits.device)).softmax(-1)
-        coins = keyed_uniform(params.seed, output_positions + [output_positions[-1] + 1])
-        return accept_with_coins(list(tree.tokens), next_token, next_sibling, probs, coins[:-1], coins[-1],
+        coins = keyed_uniform(params.seed, output_positions)  # one walk uses one node, so one coin, per depth
+        final_coins = keyed_uniform(params.seed, output_positions, salt=FINAL_COIN_SALT)
+        return accept_with_coins(list(tree.tokens), next_token, next_sibling, probs, coins, final_coins,
                                  self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
 
     # commit --------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ MASK32 = 0xFFFFFFFF
 GOLDEN32 = 0x9E3779B9
 SEED_SALT = 0x243F6A88
 COIN_SALT = 0x5BD1E995  # keys the coin-rule uniforms apart from the Gumbel noise
+FINAL_COIN_SALT = 0x27D4EB2F  # and the bonus-token coin apart from the level coins
 UNIFORM_BITS = 23  # (k + 0.5) / 2^23 is exact in fp32 for k < 2^23, so a uniform is never 0 or 1
 
 
@@ -65,11 +66,11 @@ def keyed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     return -torch.log(-torch.log(uniform))
 
 
-def keyed_uniform(seed: int, positions: list[int]) -> list[float]:
-    """Uniforms in (0, 1), one per output position, keyed by (seed, position): the coins of SGLang's
-    acceptance rule, reproducible like the Gumbel noise."""
+def keyed_uniform(seed: int, positions: list[int], salt: int = COIN_SALT) -> list[float]:
+    """Uniforms in (0, 1), one per output position, keyed by (seed, position, salt): the coins of
+    SGLang's acceptance rule, reproducible like the Gumbel noise."""
     keys = position_keys(torch.full((len(positions),), seed, dtype=torch.long), torch.tensor(positions, dtype=torch.long))
-    bits = _fmix32(keys ^ COIN_SALT)
+    bits = _fmix32(keys ^ salt)
     return (((bits >> (32 - UNIFORM_BITS)).double() + 0.5) / 2**UNIFORM_BITS).tolist()
 
 
