@@ -13,6 +13,7 @@ import sys
 # command name -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("splitspec.generate", "offline generation in one process, plain decoding"),
+    "verifier": ("splitspec.verifier_svc.server", "the target model and step loop behind the gRPC API"),
     "demo-models": ("splitspec.demo", "print (building if needed) the demo target and draft directories"),
     "train": ("splitspec.train.cli", "train models: `train lm` (tokenizer + causal LM from scratch)"),
 }

@@ -104,6 +104,17 @@ class Engine:
         self.waiting.append(request)
         return request
 
+    def abort(self, request: Request) -> bool:
+        """Stop a request between steps; its pages and drafter state are released. False if it had ended."""
+        if request.finish_reason is not None:
+            return False
+        request.finish_reason = "abort"
+        if request in self.waiting:
+            self.waiting.remove(request)
+        else:
+            self._retire()
+        return True
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,0 +1,135 @@
+"""`splitspec verifier` as a real process, driven over gRPC: concurrent requests on one stream equal
+plain offline generation and are speculated; bad requests are refused by name while the others run;
+abort works; health and model info answer."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import assert_greedy_match, hf_model
+
+from splitspec.demo import demo_model_dirs
+from splitspec.generate import generate_ids
+from splitspec.protos import verifier_pb2 as pb
+from splitspec.protos import verifier_pb2_grpc as pb_grpc
+from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+from splitspec.runtime.sampling_params import SamplingParams
+
+PROMPTS = [[13, 290, 350 + i, 13, 290, 350 + i, 13] for i in range(8)]  # repetitive: NGRAM drafts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "splitspec", "verifier", "--port", str(port), "--max-total-tokens", "4096",
+         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.time() + 180
+    while True:
+        try:
+            status = health.Check(health_pb2.HealthCheckRequest(service="splitspec.v1.Verifier"), timeout=2).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                break
+        except grpc.RpcError:
+            pass
+        assert process.poll() is None, process.stderr.read()
+        assert time.time() < deadline, "verifier did not become healthy"
+        time.sleep(0.3)
+    yield pb_grpc.VerifierStub(channel)
+    channel.close()
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def submit(request_id, prompt, max_new_tokens=32, **sampling):
+    params = pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+    return pb.GenerateClientMessage(submit=pb.SubmitRequest(request_id=request_id, prompt_ids=prompt, sampling=params,
+                                                            speculate=True))
+
+
+def collect(stub, messages, expected: int) -> dict[str, dict]:
+    """Send the messages on one stream; gather each request's tokens until `expected` have finished."""
+    results: dict[str, dict] = {}
+    stream = stub.Generate(iter(messages), timeout=300)
+    for response in stream:
+        for d in response.deltas:
+            r = results.setdefault(d.request_id, {"tokens": [], "finish": None, "error": "", "spec": None})
+            r["tokens"] += list(d.token_ids)
+            r["spec"] = d.speculation
+            if d.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                r["finish"], r["error"] = d.finish_reason, d.error
+        if sum(r["finish"] is not None for r in results.values()) == expected:
+            stream.cancel()
+            break
+    return results
+
+
+def test_concurrent_requests_equal_plain_generation_and_speculate(verifier):
+    results = collect(verifier, [submit(f"q{i}", p) for i, p in enumerate(PROMPTS)], len(PROMPTS))
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=2048))
+    plain = generate_ids(runner, PROMPTS, [SamplingParams(temperature=0.0, max_new_tokens=32)] * len(PROMPTS), set())
+    reference = hf_model(target)
+    for i, (prompt, p) in enumerate(zip(PROMPTS, plain)):
+        r = results[f"q{i}"]
+        assert r["finish"] == pb.FINISH_REASON_LENGTH and r["error"] == ""
+        assert_greedy_match(r["tokens"], p.output_ids, reference, prompt, f"verifier q{i}")
+    assert sum(r["spec"].accepted_tokens for r in results.values()) > 0
+    assert all(r["spec"].fallbacks == 0 for r in results.values())
+
+
+def test_bad_requests_are_refused_by_name_while_others_run(verifier):
+    info = verifier.GetModelInfo(pb.ModelInfoRequest())
+    bad = {
+        "empty": (submit("empty", []), "the prompt is empty"),
+        "oov": (submit("oov", [1, info.vocab_size + 5]), "outside the vocabulary"),
+        "zero": (submit("zero", [1, 2], max_new_tokens=0), "max_new_tokens must be at least 1"),
+        "huge": (submit("huge", [1, 2], max_new_tokens=10**7), "exceeds the context"),
+        "temp": (submit("temp", [1, 2], temperature=-1.0), "temperature must be >= 0"),
+        "topp": (submit("topp", [1, 2], top_p=1.5), "top_p must be in (0, 1]"),
+    }
+    messages = [submit("good-a", PROMPTS[0])] + [m for m, _ in bad.values()] + [submit("good-b", PROMPTS[1])]
+    results = collect(verifier, messages, len(messages))
+    for name, (_, text) in bad.items():
+        assert results[name]["finish"] == pb.FINISH_REASON_ERROR
+        assert results[name]["error"].startswith("INVALID_ARGUMENT") and text in results[name]["error"], results[name]
+    for name in ("good-a", "good-b"):
+        assert results[name]["finish"] == pb.FINISH_REASON_LENGTH and len(results[name]["tokens"]) == 32
+
+
+def test_abort_and_model_info(verifier):
+    info = verifier.GetModelInfo(pb.ModelInfoRequest())
+    assert info.vocab_size == 4096 and info.speculative_algorithm == "NGRAM" and info.speculative_num_draft_tokens == 8
+    assert not verifier.Abort(pb.AbortRequest(request_id="nobody")).found
+
+    def messages():
+        yield submit("long", PROMPTS[2], max_new_tokens=1500)
+        time.sleep(1.0)
+        yield pb.GenerateClientMessage(abort=pb.AbortRequest(request_id="long"))
+        time.sleep(30)  # keep the stream open; the verifier ends it once "long" is done
+
+    stream = verifier.Generate(messages(), timeout=120)
+    tokens, finish = [], None
+    for response in stream:
+        for d in response.deltas:
+            tokens += list(d.token_ids)
+            finish = d.finish_reason or finish
+        if finish:
+            stream.cancel()
+            break
+    assert finish == pb.FINISH_REASON_ABORT and 0 < len(tokens) < 1500

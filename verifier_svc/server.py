@@ -1,0 +1,181 @@
+"""`splitspec verifier`: the target model and the step loop behind the splitspec.v1.Verifier gRPC API.
+
+The engine runs on its own thread (worker.EngineWorker); each Generate stream is an asyncio task that
+validates submissions, hands them to the worker and yields the deltas the worker delivers. A bad
+request gets an error delta naming the problem (INVALID_ARGUMENT: ...) and its stream keeps serving
+the others; a stream that closes aborts its unfinished requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from splitspec import spec_args
+from splitspec.protos import verifier_pb2 as pb
+from splitspec.protos import verifier_pb2_grpc as pb_grpc
+from splitspec.runtime import args as runtime_args
+from splitspec.verifier_svc import convert
+from splitspec.verifier_svc.engine import Engine
+from splitspec.verifier_svc.worker import EngineWorker, Submission
+
+logger = logging.getLogger("splitspec.verifier")
+SERVICE_NAME = "splitspec.v1.Verifier"
+
+
+class Validator:
+    """Checks a submission against the model's limits; returns an error message or None."""
+
+    def __init__(self, vocab_size: int, max_context: int, worker: EngineWorker):
+        self.vocab_size, self.max_context, self.worker = vocab_size, max_context, worker
+
+    def check(self, submit: pb.SubmitRequest):
+        if not submit.request_id:
+            return None, "INVALID_ARGUMENT: request_id is empty"
+        if not submit.prompt_ids:
+            return None, "INVALID_ARGUMENT: the prompt is empty"
+        bad = [t for t in submit.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return None, f"INVALID_ARGUMENT: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+        try:
+            params = convert.sampling_params(submit.sampling)
+        except ValueError as exc:
+            return None, f"INVALID_ARGUMENT: {exc}"
+        if params.max_new_tokens < 1:
+            return None, "INVALID_ARGUMENT: max_new_tokens must be at least 1"
+        total = len(submit.prompt_ids) + params.max_new_tokens
+        if total > self.max_context:
+            return None, (f"INVALID_ARGUMENT: prompt ({len(submit.prompt_ids)} tokens) + max_new_tokens "
+                          f"({params.max_new_tokens}) = {total} exceeds the context of {self.max_context} tokens")
+        if self.worker.pages_needed(len(submit.prompt_ids), params.max_new_tokens) > self.worker.engine.runner.kv_cache.num_pages:
+            return None, "RESOURCE_EXHAUSTED: the request alone needs more KV cache than the server has (--max-total-tokens)"
+        return params, None
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, worker: EngineWorker, validator: Validator, info: pb.ModelInfo):
+        self.worker, self.validator, self.info = worker, validator, info
+        self.by_client_id: dict[str, Submission] = {}
+
+    async def Generate(self, request_iterator, context):
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue = asyncio.Queue()
+        live: dict[str, Submission] = {}
+        reading = True
+
+        def deliver_from_worker(submission: Submission, first: list[bool]):
+            def deliver(request, event):
+                message = convert.delta(submission.client_id, request, event.new_token_ids, event.finish_reason, first[0])
+                first[0] = False
+                loop.call_soon_threadsafe(outbox.put_nowait, (submission.client_id, message))
+            return deliver
+
+        async def read():
+            nonlocal reading
+            try:
+                async for message in request_iterator:
+                    if message.WhichOneof("kind") == "submit":
+                        self._submit(message.submit, live, outbox, deliver_from_worker)
+                    elif message.WhichOneof("kind") == "abort" and message.abort.request_id in live:
+                        await loop.run_in_executor(None, self.worker.abort, live[message.abort.request_id])
+            finally:
+                reading = False
+                outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while reading or live:
+                item = await outbox.get()
+                if item is None:
+                    continue
+                client_id, message = item
+                if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    submission = live.pop(client_id, None)
+                    self.by_client_id.pop(client_id, None) if submission else None
+                yield pb.GenerateServerMessage(deltas=[message])
+        finally:
+            reader.cancel()
+            for submission in list(live.values()):  # the stream went away: abort what it left running
+                await loop.run_in_executor(None, self.worker.abort, submission)
+                self.by_client_id.pop(submission.client_id, None)
+
+    def _submit(self, submit, live, outbox, deliver_from_worker) -> None:
+        params, problem = self.validator.check(submit)
+        if problem is None and (submit.request_id in live or submit.request_id in self.by_client_id):
+            problem = f"INVALID_ARGUMENT: request_id {submit.request_id!r} is already running"
+        if problem is not None:
+            logger.info("refused request %r: %s", submit.request_id, problem)
+            outbox.put_nowait((submit.request_id, convert.error(submit.request_id, problem)))
+            return
+        submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate, None)
+        submission.deliver = deliver_from_worker(submission, [True])
+        live[submit.request_id] = submission
+        self.by_client_id[submit.request_id] = submission
+        self.worker.submit(submission)
+
+    async def Abort(self, request, context):
+        submission = self.by_client_id.get(request.request_id)
+        if submission is None:
+            return pb.AbortResponse(found=False)
+        found = await asyncio.get_running_loop().run_in_executor(None, self.worker.abort, submission)
+        return pb.AbortResponse(found=found)
+
+    async def GetModelInfo(self, request, context):
+        return self.info
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec verifier", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    runtime_args.add_model_args(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="Address the gRPC server binds.")
+    server.add_argument("--port", type=int, default=30001, help="gRPC port.")
+    server.add_argument("--served-model-name", default=None, help="Model name reported to clients (default: the model path).")
+    spec_args.add_speculative_args(parser)
+    return parser
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from splitspec.generate import eos_token_ids
+    from splitspec.runtime.runner import ModelRunner
+
+    model_dir = runtime_args.resolve_model(args)
+    runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir))
+    drafter, spec = spec_args.in_process_drafter(args)
+    eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
+    worker = EngineWorker(Engine(runner, drafter, spec, eos))
+    worker.start()
+    info = pb.ModelInfo(model_id=args.served_model_name or args.model_path or str(model_dir), model_path=str(model_dir),
+                        vocab_size=runner.config.vocab_size, max_context_tokens=runner.config.max_position_embeddings,
+                        eos_token_ids=sorted(eos), speculative_algorithm=args.speculative_algorithm or "",
+                        speculative_num_draft_tokens=spec.num_draft_tokens if drafter else 0)
+    server = grpc.aio.server()
+    pb_grpc.add_VerifierServicer_to_server(
+        VerifierServicer(worker, Validator(runner.config.vocab_size, runner.config.max_position_embeddings, worker), info), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{args.host}:{args.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    logger.info("verifier serving %s on %s (speculation: %s)", info.model_id, address, info.speculative_algorithm or "off")
+    await server.wait_for_termination()
+
+
+def run(args: argparse.Namespace) -> int:
+    runtime_args.setup_logging(args.log_level)
+    if args.max_total_tokens is None and args.mem_fraction_static is None and args.device in ("auto", "cpu"):
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            print("splitspec verifier: error: on CPU the KV cache is sized by --max-total-tokens", file=sys.stderr)
+            return 2
+    asyncio.run(serve(args))
+    return 0

@@ -1,0 +1,117 @@
+"""The engine's thread: it owns the Engine, takes submissions and aborts from a queue, steps while
+there is work, and hands each step's deltas to the streams that asked for them.
+
+Admission reserves each request's worst case (prompt + max_new_tokens + one draft tree, in pages), so
+the engine never runs out of pages mid-step; a request that does not fit waits until others finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from splitspec.verifier_svc.engine import Engine, Request, StepEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Submission:
+    client_id: str
+    prompt_ids: list[int]
+    params: object  # SamplingParams
+    speculate: bool
+    deliver: Callable[[Request, StepEvent], None]  # called on the worker thread with each delta
+    request: Request | None = None
+    reserved_pages: int = 0
+
+
+@dataclass
+class _Abort:
+    submission: Submission
+    done: threading.Event = field(default_factory=threading.Event)
+    found: bool = False
+
+
+class EngineWorker(threading.Thread):
+    def __init__(self, engine: Engine):
+        super().__init__(name="engine", daemon=True)
+        self.engine = engine
+        self.inbox: queue.Queue = queue.Queue()
+        self.pending: list[Submission] = []  # accepted, waiting for pages
+        self.live: dict[str, Submission] = {}  # engine request id -> submission
+        self.reserved_pages = 0
+
+    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        kv = self.engine.runner.kv_cache
+        return kv.pages_for(prompt_len + max_new_tokens + self.engine.spec.num_draft_tokens)
+
+    def submit(self, submission: Submission) -> None:
+        self.inbox.put(submission)
+
+    def abort(self, submission: Submission, timeout: float = 30.0) -> bool:
+        command = _Abort(submission)
+        self.inbox.put(command)
+        command.done.wait(timeout)
+        return command.found
+
+    def run(self) -> None:
+        while True:
+            self._drain(block=not self.engine.has_work and not self._admit_ready())
+            self._admit()
+            if self.engine.has_work:
+                for event in self.engine.step():
+                    self._deliver(event)
+
+    def _admit_ready(self) -> bool:
+        return bool(self.pending) and self._fits(self.pending[0])
+
+    def _fits(self, submission: Submission) -> bool:
+        return self.reserved_pages + submission.reserved_pages <= self.engine.runner.kv_cache.num_pages
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(block=block)
+            while True:
+                self._handle(item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, item) -> None:
+        if isinstance(item, Submission):
+            item.reserved_pages = self.pages_needed(len(item.prompt_ids), item.params.max_new_tokens)
+            self.pending.append(item)
+            return
+        submission = item.submission
+        if submission in self.pending:
+            self.pending.remove(submission)
+            item.found = True
+            submission.deliver(None, StepEvent(submission.client_id, [], "abort"))
+        elif submission.request is not None and self.engine.abort(submission.request):
+            item.found = True
+            self._finish(submission)
+            submission.deliver(submission.request, StepEvent(submission.request.request_id, [], "abort"))
+        item.done.set()
+
+    def _admit(self) -> None:
+        while self.pending and self._fits(self.pending[0]):
+            submission = self.pending.pop(0)
+            self.reserved_pages += submission.reserved_pages
+            submission.request = self.engine.add_request(submission.prompt_ids, submission.params, submission.speculate)
+            self.live[submission.request.request_id] = submission
+
+    def _deliver(self, event: StepEvent) -> None:
+        submission = self.live.get(event.request_id)
+        if submission is None:
+            return
+        if event.finish_reason is not None:
+            self._finish(submission)
+        submission.deliver(submission.request, event)
+
+    def _finish(self, submission: Submission) -> None:
+        if self.live.pop(submission.request.request_id, None) is not None:
+            self.reserved_pages -= submission.reserved_pages
