@@ -21,8 +21,8 @@ from splitspec.runtime.loader import CheckpointError
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.drafter_client import DrafterClient
-from splitspec.verifier_svc.engine import Engine, Request, SpecConfig
-from splitspec import spec_args
+from splitspec.verifier_svc.engine import Engine, Request, SchedulerConfig, SpecConfig
+from splitspec import engine_args
 
 
 logger = logging.getLogger("splitspec.generate")
@@ -36,11 +36,12 @@ def generate_ids(
     on_step: Callable[[int], None] | None = None,
     drafter: DrafterClient | None = None,
     spec: SpecConfig | None = None,
+    scheduler: SchedulerConfig | None = None,
 ) -> list[Request]:
     """Every prompt to completion through the engine's step loop (speculative when a drafter is
     given); KV pages return to the pool as requests end. `on_step(num_tokens)` is called after each
     step with the tokens it produced (benchmarks time it)."""
-    engine = Engine(runner, drafter, spec or SpecConfig(), eos_ids)
+    engine = Engine(runner, drafter, spec or SpecConfig(), eos_ids, scheduler)
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_work:
         events = engine.step()
@@ -94,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1.0 = off).")
     sampling.add_argument("--top-k", type=int, default=-1, help="Keep the k most likely tokens (-1 = off).")
     sampling.add_argument("--seed", type=int, default=None, help="Sampling seed (default: random per request).")
-    spec_args.add_speculative_args(parser)
+    engine_args.add_scheduler_args(parser)
+    engine_args.add_speculative_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help='Print one JSON object per prompt: {"output_ids": [...], "text": ...}.')
     return parser
@@ -129,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = runtime_args.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
     prompts = _prompts(args, tokenizer)
-    drafter, spec = spec_args.in_process_drafter(args)
+    drafter, spec = engine_args.in_process_drafter(args)
     # every prompt runs at once: each needs pages for its prompt, its new tokens and a full draft tree
     tree = spec.num_draft_tokens if drafter is not None else 0
     needed_pages = sum(-(-(len(p) + args.max_new_tokens + tree) // args.page_size) for p in prompts)
@@ -143,7 +145,8 @@ def _run(args: argparse.Namespace) -> int:
     if bad:
         raise ConfigError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, tokenizer)
-    gens = generate_ids(runner, prompts, [params] * len(prompts), eos, drafter=drafter, spec=spec)
+    gens = generate_ids(runner, prompts, [params] * len(prompts), eos, drafter=drafter, spec=spec,
+                        scheduler=engine_args.scheduler_config(args))
     assert runner.kv_cache.allocator.num_used == 0, "KV pages leaked"
     for gen in gens:
         text = tokenizer.decode(gen.output_ids, skip_special_tokens=True) if tokenizer is not None else None
@@ -151,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
             row = {"output_ids": gen.output_ids, "text": text, "prompt_ids": gen.prompt_ids,
                    "finish_reason": gen.finish_reason, "seed": gen.params.seed}
             if drafter is not None:
-                row["speculative"] = spec_args.report(args.speculative_algorithm, gen.stats)
+                row["speculative"] = engine_args.report(args.speculative_algorithm, gen.stats)
             print(json.dumps(row))
         else:
             print(text if text is not None else " ".join(map(str, gen.output_ids)))

@@ -241,3 +241,28 @@ def test_force_greedy_verify_environment_variable():
         assert r.returncode == 0, r.stderr
     outputs = [json.loads(r.stdout)["output_ids"] for r in (forced, greedy, sampled)]
     assert outputs[0] == outputs[1] != outputs[2]
+
+
+def test_chunked_prefill_and_running_limit_keep_outputs(demo):
+    """Prompts prefilled 5 tokens per step in all, at most 2 requests running: same outputs."""
+    from splitspec.verifier_svc.engine import Engine, SchedulerConfig
+
+    runner, _, prompts, reference = demo
+    chosen = [prompts[i] for i in (0, 3, 13, 18, 23, 5)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    plain = run(runner, chosen, [params] * len(chosen), batch=1)
+    engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set(),
+                    SchedulerConfig(max_running_requests=2, chunked_prefill_size=5))
+    requests = [engine.add_request(p, params) for p in chosen]
+    most_running, prefill_steps = 0, 0
+    while engine.has_work:
+        before = sum(r.num_prefilled for r in requests)
+        engine.step()
+        most_running = max(most_running, len(engine.running))
+        prefill_steps += sum(r.num_prefilled for r in requests) > before
+        assert sum(r.num_prefilled for r in requests) - before <= 5
+    assert most_running == 2 and prefill_steps >= sum(len(p) for p in chosen) // 5
+    for i, (request, p) in enumerate(zip(requests, plain)):
+        assert_greedy_match(request.output_ids, p.output_ids, reference, chosen[i], f"chunked prompt {i}")
+    assert sum(r.stats.accepted_tokens for r in requests) > 0
+    assert runner.kv_cache.allocator.num_used == 0

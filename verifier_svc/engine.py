@@ -45,6 +45,14 @@ class SpecConfig:
         return self.accept_threshold_single >= 1.0 and self.accept_threshold_acc >= 1.0
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """SGLang's scheduling flags."""
+
+    max_running_requests: int = 0  # 0 = no limit (--max-running-requests)
+    chunked_prefill_size: int = 0  # prompt tokens prefilled per step in all; 0 or less = whole prompts
+
+
 @dataclass
 class SpecStats:
     """Per-request speculation counts (SGLang's spec_verify_ct, vLLM's num_drafts/draft/accepted)."""
@@ -72,10 +80,22 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     stats: SpecStats = field(default_factory=SpecStats)
     unsent: list[int] = field(default_factory=list)  # tokens the drafter has not been told about
+    num_prefilled: int = 0  # prompt tokens already in the KV cache (chunked prefill)
 
     @property
     def prefilled(self) -> bool:
         return bool(self.output_ids)
+
+
+@dataclass
+class _Chunk:
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.request.prompt_ids)
 
 
 @dataclass
@@ -93,8 +113,10 @@ class _Verify:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int]):
+    def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int],
+                 scheduler: SchedulerConfig | None = None):
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
+        self.scheduler = scheduler or SchedulerConfig()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -120,8 +142,9 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[StepEvent]:
-        prefills = self._schedule()
+        self._admit()
         trees = self._draft()
+        prefills = self._prefill_chunks()
         verifies = [_Verify(r, trees.get(r.request_id) or DraftTree((r.output_ids[-1],), (-1,)), r.table.num_tokens)
                     for r in self.running if r.prefilled]
         events = self._forward_and_accept(prefills, verifies)
@@ -129,17 +152,33 @@ class Engine:
         return events
 
     # schedule ------------------------------------------------------------------------------------
-    def _schedule(self) -> list[Request]:
-        """Admit every waiting request (chunked prefill and preemption belong to the verifier service)."""
-        admitted, self.waiting = self.waiting, []
-        for request in admitted:
+    def _admit(self) -> None:
+        """Waiting requests join, in arrival order, up to --max-running-requests."""
+        limit = self.scheduler.max_running_requests
+        while self.waiting and (limit <= 0 or len(self.running) < limit):
+            request = self.waiting.pop(0)
             if request.params.max_new_tokens == 0:
                 request.finish_reason = "length"
                 continue
             if request.speculate:
                 self.drafter.open(request.request_id, request.prompt_ids)
             self.running.append(request)
-        return [r for r in admitted if r.finish_reason is None]
+
+    def _prefill_chunks(self) -> list[_Chunk]:
+        """This step's prompt chunks, oldest request first, within --chunked-prefill-size tokens."""
+        budget = self.scheduler.chunked_prefill_size if self.scheduler.chunked_prefill_size > 0 else None
+        chunks = []
+        for request in self.running:
+            remaining = len(request.prompt_ids) - request.num_prefilled
+            if request.prefilled or remaining == 0:
+                continue
+            size = remaining if budget is None else min(remaining, budget)
+            if size <= 0:
+                break
+            chunks.append(_Chunk(request, request.num_prefilled, request.num_prefilled + size))
+            if budget is not None:
+                budget -= size
+        return chunks
 
     # draft ---------------------------------------------------------------------------------------
     def _draft(self) -> dict[str, DraftTree | None]:
@@ -167,19 +206,25 @@ class Engine:
                 and all(0 <= t < vocab for t in tree.tokens))
 
     # verify + accept -----------------------------------------------------------------------------
-    def _forward_and_accept(self, prefills: list[Request], verifies: list[_Verify]) -> list[StepEvent]:
-        sequences = [SequenceInput(r.table, r.prompt_ids, logits="last") for r in prefills]
+    def _forward_and_accept(self, prefills: list[_Chunk], verifies: list[_Verify]) -> list[StepEvent]:
+        sequences = [SequenceInput(c.request.table, c.request.prompt_ids[c.start : c.end], logits="last" if c.last else "none")
+                     for c in prefills]
         for v in verifies:
             parents = list(v.tree.parents)
             sequences.append(SequenceInput(v.request.table, list(v.tree.tokens), positions(parents, v.seq_len),
                                            tree_mask(parents) if v.tree.num_nodes > 1 else None, "all"))
+        if not sequences:
+            return []
         batch = self.runner.batch(sequences)
         logits = self.runner.forward(batch).logits  # [rows, V]
         events = []
-        for i, request in enumerate(prefills):
-            token = sample(logits[i : i + 1], [request.params], [0]).item()
-            self.runner.kv_cache.set_length(request.table, len(request.prompt_ids))
-            events.append(self._emit(request, [token]))
+        for i, chunk in enumerate(prefills):
+            request = chunk.request
+            self.runner.kv_cache.set_length(request.table, chunk.end)
+            request.num_prefilled = chunk.end
+            if chunk.last:
+                row = batch.cu_logits[i]
+                events.append(self._emit(request, [sample(logits[row : row + 1], [request.params], [0]).item()]))
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
             acceptance = self._accept(v, node_logits)

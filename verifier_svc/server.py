@@ -16,7 +16,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from splitspec import spec_args
+from splitspec import engine_args
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.protos import verifier_pb2_grpc as pb_grpc
 from splitspec.runtime import args as runtime_args
@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="Address the gRPC server binds.")
     server.add_argument("--port", type=int, default=30001, help="gRPC port.")
     server.add_argument("--served-model-name", default=None, help="Model name reported to clients (default: the model path).")
-    spec_args.add_speculative_args(parser)
+    engine_args.add_scheduler_args(parser)
+    engine_args.add_speculative_args(parser)
     return parser
 
 
@@ -147,9 +148,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     model_dir = runtime_args.resolve_model(args)
     runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir))
-    drafter, spec = spec_args.in_process_drafter(args)
+    drafter, spec = engine_args.in_process_drafter(args)
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
-    worker = EngineWorker(Engine(runner, drafter, spec, eos))
+    worker = EngineWorker(Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args)))
     worker.start()
     info = pb.ModelInfo(model_id=args.served_model_name or args.model_path or str(model_dir), model_path=str(model_dir),
                         vocab_size=runner.config.vocab_size, max_context_tokens=runner.config.max_position_embeddings,

@@ -1,4 +1,5 @@
-"""SGLang's --speculative-* flags and what they build: the drafter and the engine's SpecConfig.
+"""The engine's flags, SGLang's names: scheduling (--max-running-requests, --chunked-prefill-size) and
+speculation (--speculative-*), and what they build: SchedulerConfig, the drafter and SpecConfig.
 
 Only NGRAM runs in one process so far; the model drafters join with their issues.
 """
@@ -7,7 +8,20 @@ from __future__ import annotations
 
 import argparse
 
-from splitspec.verifier_svc.engine import SpecConfig, SpecStats
+from splitspec.verifier_svc.engine import SchedulerConfig, SpecConfig, SpecStats
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("scheduling (SGLang's flags)")
+    group.add_argument("--max-running-requests", type=int, default=0,
+                       help="Requests decoding at once; the rest wait (0 = no limit).")
+    group.add_argument("--chunked-prefill-size", type=int, default=8192,
+                       help="Prompt tokens prefilled per step in all; longer prompts are prefilled in chunks "
+                       "over several steps while others decode (-1 = whole prompts).")
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
