@@ -32,9 +32,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def verifier():
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "splitspec", "verifier", "--port", str(port), "--max-total-tokens", "4096",
+         "--metrics-port", str(metrics_port),
          "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -50,7 +51,9 @@ def verifier():
         assert process.poll() is None, process.stderr.read()
         assert time.time() < deadline, "verifier did not become healthy"
         time.sleep(0.3)
-    yield pb_grpc.VerifierStub(channel)
+    stub = pb_grpc.VerifierStub(channel)
+    stub.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield stub
     channel.close()
     process.terminate()
     process.wait(timeout=30)
@@ -133,3 +136,36 @@ def test_abort_and_model_info(verifier):
             stream.cancel()
             break
     assert finish == pb.FINISH_REASON_ABORT and 0 < len(tokens) < 1500
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_what_the_responses_report(verifier):
+    before = scrape(verifier.metrics_url)
+    results = collect(verifier, [submit(f"m{i}", p, max_new_tokens=20) for i, p in enumerate(PROMPTS[:4])], 4)
+    after = scrape(verifier.metrics_url)
+
+    def grew(name, labels=()):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    accepted = sum(r["spec"].accepted_tokens for r in results.values())
+    drafted = sum(r["spec"].draft_tokens for r in results.values())
+    steps = sum(r["spec"].verify_steps for r in results.values())
+    assert accepted > 0
+    assert grew("splitspec:spec_decode_num_accepted_tokens_total") == accepted
+    assert grew("splitspec:spec_decode_num_draft_tokens_total") == drafted
+    assert grew("splitspec:spec_decode_num_drafts_total") == steps
+    assert grew("splitspec:spec_accept_length_count") == steps
+    assert grew("splitspec:generation_tokens_total") == 4 * 20
+    assert grew("splitspec:prompt_tokens_total") == sum(len(p) for p in PROMPTS[:4])
+    assert grew("splitspec:request_success_total", (("finished_reason", "length"),)) == 4
+    assert grew("splitspec:step_phase_seconds_count", (("phase", "verify"),)) > 0
+    assert after[("splitspec:kv_pages_used", ())] == 0 and after[("splitspec:num_requests_running", ())] == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,21 @@ class _Chunk:
 
 
 @dataclass
+class StepReport:
+    """What one step did, for metrics: phase times and speculation counts."""
+
+    seconds: dict[str, float] = field(default_factory=dict)  # schedule, draft, verify, accept_commit
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # per verify with drafts: accepted + 1
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    fallbacks: int = 0
+    finished: list[str] = field(default_factory=list)  # finish reasons of requests that ended
+
+
+@dataclass
 class StepEvent:
     request_id: str
     new_token_ids: list[int]
@@ -120,6 +136,7 @@ class Engine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
+        self.report = StepReport()  # the last step's
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
         request = Request(f"r{next(self._ids)}", list(prompt_ids), params.with_seed(), speculate and self.drafter is not None)
@@ -142,13 +159,21 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[StepEvent]:
+        self.report = StepReport()
+        start = time.perf_counter()
         self._admit()
-        trees = self._draft()
         prefills = self._prefill_chunks()
+        scheduled = time.perf_counter()
+        trees = self._draft()
+        drafted = time.perf_counter()
         verifies = [_Verify(r, trees.get(r.request_id) or DraftTree((r.output_ids[-1],), (-1,)), r.table.num_tokens)
                     for r in self.running if r.prefilled]
         events = self._forward_and_accept(prefills, verifies)
         self._retire()
+        self.report.seconds.update(schedule=scheduled - start, draft=drafted - scheduled)
+        self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
+        self.report.generated_tokens = sum(len(e.new_token_ids) for e in events)
+        self.report.finished = [e.finish_reason for e in events if e.finish_reason]
         return events
 
     # schedule ------------------------------------------------------------------------------------
@@ -194,6 +219,7 @@ class Engine:
                 if tree is not None and not self._usable(request, tree):
                     trees[request.request_id] = None
                     request.stats.fallbacks += 1
+                    self.report.fallbacks += 1
         return trees
 
     def _tree_budget(self, request: Request) -> int:
@@ -215,8 +241,11 @@ class Engine:
                                            tree_mask(parents) if v.tree.num_nodes > 1 else None, "all"))
         if not sequences:
             return []
+        forward_start = time.perf_counter()
         batch = self.runner.batch(sequences)
         logits = self.runner.forward(batch).logits  # [rows, V]
+        self.report.seconds["verify"] = time.perf_counter() - forward_start
+        accept_start = time.perf_counter()
         events = []
         for i, chunk in enumerate(prefills):
             request = chunk.request
@@ -231,6 +260,7 @@ class Engine:
             self._commit_kv(v, acceptance)
             self._count(v, acceptance)
             events.append(self._emit(v.request, acceptance.tokens))
+        self.report.seconds["accept_commit"] = time.perf_counter() - accept_start
         return events
 
     def _accept(self, v: _Verify, node_logits: torch.Tensor) -> Acceptance:
@@ -262,14 +292,15 @@ class Engine:
     def _count(self, v: _Verify, acceptance: Acceptance) -> None:
         if v.tree.num_drafts == 0:
             return
-        stats = v.request.stats
-        stats.verify_steps += 1
-        stats.draft_tokens += v.tree.num_drafts
-        stats.accepted_tokens += acceptance.num_accepted
-        while len(stats.accepted_per_position) < acceptance.num_accepted:
-            stats.accepted_per_position.append(0)
-        for d in range(acceptance.num_accepted):
-            stats.accepted_per_position[d] += 1
+        for stats in (v.request.stats, self.report):
+            stats.draft_tokens += v.tree.num_drafts
+            stats.accepted_tokens += acceptance.num_accepted
+            while len(stats.accepted_per_position) < acceptance.num_accepted:
+                stats.accepted_per_position.append(0)
+            for d in range(acceptance.num_accepted):
+                stats.accepted_per_position[d] += 1
+        v.request.stats.verify_steps += 1
+        self.report.accept_lengths.append(acceptance.num_accepted + 1)
 
     def _emit(self, request: Request, tokens: list[int]) -> StepEvent:
         """Append tokens until a stop condition; what follows a stop is dropped."""

@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="Address the gRPC server binds.")
     server.add_argument("--port", type=int, default=30001, help="gRPC port.")
     server.add_argument("--served-model-name", default=None, help="Model name reported to clients (default: the model path).")
+    server.add_argument("--metrics-port", type=int, default=None,
+                        help="Serve Prometheus metrics on this port at /metrics (default: no metrics server).")
     engine_args.add_scheduler_args(parser)
     engine_args.add_speculative_args(parser)
     return parser
@@ -150,9 +152,23 @@ async def serve(args: argparse.Namespace) -> None:
     runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir))
     drafter, spec = engine_args.in_process_drafter(args)
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
-    worker = EngineWorker(Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args)))
+    model_id = args.served_model_name or args.model_path or str(model_dir)
+    metrics = None
+    if args.metrics_port is not None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from splitspec.verifier_svc.metrics import EngineMetrics
+
+        registry = CollectorRegistry()
+        metrics = EngineMetrics(registry, model_id)
+        start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args))
+    worker = EngineWorker(engine, metrics)
+    if metrics is not None:
+        metrics.observe_state(engine)
     worker.start()
-    info = pb.ModelInfo(model_id=args.served_model_name or args.model_path or str(model_dir), model_path=str(model_dir),
+    info = pb.ModelInfo(model_id=model_id, model_path=str(model_dir),
                         vocab_size=runner.config.vocab_size, max_context_tokens=runner.config.max_position_embeddings,
                         eos_token_ids=sorted(eos), speculative_algorithm=args.speculative_algorithm or "",
                         speculative_num_draft_tokens=spec.num_draft_tokens if drafter else 0)

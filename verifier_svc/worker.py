@@ -37,12 +37,13 @@ class _Abort:
 
 
 class EngineWorker(threading.Thread):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, metrics=None):
         super().__init__(name="engine", daemon=True)
-        self.engine = engine
+        self.engine, self.metrics = engine, metrics
         self.inbox: queue.Queue = queue.Queue()
         self.pending: list[Submission] = []  # accepted, waiting for pages
         self.live: dict[str, Submission] = {}  # engine request id -> submission
+        self.finished: dict[str, Submission] = {}  # ended this step, delta not yet delivered
         self.reserved_pages = 0
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -63,7 +64,12 @@ class EngineWorker(threading.Thread):
             self._drain(block=not self.engine.has_work and not self._admit_ready())
             self._admit()
             if self.engine.has_work:
-                for event in self.engine.step():
+                events = self.engine.step()
+                for event in events:
+                    self._settle(event)
+                if self.metrics is not None:  # before delivery, so a client never sees newer tokens than metrics
+                    self.metrics.observe(self.engine, len(self.pending))
+                for event in events:
                     self._deliver(event)
 
     def _admit_ready(self) -> bool:
@@ -95,6 +101,9 @@ class EngineWorker(threading.Thread):
             item.found = True
             self._finish(submission)
             submission.deliver(submission.request, StepEvent(submission.request.request_id, [], "abort"))
+        if item.found and self.metrics is not None:
+            self.metrics.finished.labels(**self.metrics.labels, finished_reason="abort").inc()
+            self.metrics.observe_state(self.engine, len(self.pending))
         item.done.set()
 
     def _admit(self) -> None:
@@ -104,13 +113,17 @@ class EngineWorker(threading.Thread):
             submission.request = self.engine.add_request(submission.prompt_ids, submission.params, submission.speculate)
             self.live[submission.request.request_id] = submission
 
-    def _deliver(self, event: StepEvent) -> None:
+    def _settle(self, event: StepEvent) -> None:
+        """Release a finished request's page reservation (before anyone hears it finished)."""
         submission = self.live.get(event.request_id)
-        if submission is None:
-            return
-        if event.finish_reason is not None:
+        if submission is not None and event.finish_reason is not None:
             self._finish(submission)
-        submission.deliver(submission.request, event)
+            self.finished[event.request_id] = submission
+
+    def _deliver(self, event: StepEvent) -> None:
+        submission = self.live.get(event.request_id) or self.finished.pop(event.request_id, None)
+        if submission is not None:
+            submission.deliver(submission.request, event)
 
     def _finish(self, submission: Submission) -> None:
         if self.live.pop(submission.request.request_id, None) is not None:

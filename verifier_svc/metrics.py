@@ -1,0 +1,69 @@
+"""The verifier's Prometheus metrics (vLLM's spec-decode names, prefixed splitspec:), fed once per step
+from the engine's StepReport; served on --metrics-port.
+
+PromQL as vLLM documents it: acceptance rate = rate(accepted_tokens) / rate(draft_tokens); mean
+acceptance length = 1 + rate(accepted_tokens) / rate(num_drafts); per position = per_pos / num_drafts.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from splitspec.verifier_svc.engine import Engine
+
+PREFIX = "splitspec:"
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        labels = {"model_name": model_name}
+        self.labels = labels
+
+        def counter(name, doc, extra=()):
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=registry)
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, list(labels), registry=registry)
+
+        self.num_drafts = counter("spec_decode_num_drafts", "Verify steps that checked at least one draft token.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each depth.", ("position",))
+        self.fallbacks = counter("spec_decode_fallbacks", "Delivered drafts that were unusable (plain decode instead).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.finished = counter("request_success", "Requests that ended, by finish reason.", ("finished_reason",))
+        self.accept_length = Histogram(PREFIX + "spec_accept_length", "Tokens emitted per verify step with drafts.",
+                                       list(labels), buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=registry)
+        self.step_seconds = Histogram(PREFIX + "step_phase_seconds", "Time per step phase.", [*labels, "phase"],
+                                      buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+                                      registry=registry)
+        self.kv_used = gauge("kv_pages_used", "KV-cache pages in use.")
+        self.kv_free = gauge("kv_pages_free", "KV-cache pages free.")
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to join.")
+
+    def observe(self, engine: Engine, waiting_outside: int = 0) -> None:
+        report, labels = engine.report, self.labels
+        self.num_drafts.labels(**labels).inc(len(report.accept_lengths))
+        self.draft_tokens.labels(**labels).inc(report.draft_tokens)
+        self.accepted_tokens.labels(**labels).inc(report.accepted_tokens)
+        for position, count in enumerate(report.accepted_per_position):
+            self.accepted_per_pos.labels(**labels, position=str(position)).inc(count)
+        self.fallbacks.labels(**labels).inc(report.fallbacks)
+        self.prompt_tokens.labels(**labels).inc(report.prefill_tokens)
+        self.generation_tokens.labels(**labels).inc(report.generated_tokens)
+        for reason in report.finished:
+            self.finished.labels(**labels, finished_reason=reason).inc()
+        for length in report.accept_lengths:
+            self.accept_length.labels(**labels).observe(length)
+        for phase, seconds in report.seconds.items():
+            self.step_seconds.labels(**labels, phase=phase).observe(seconds)
+        self.observe_state(engine, waiting_outside)
+
+    def observe_state(self, engine: Engine, waiting_outside: int = 0) -> None:
+        allocator = engine.runner.kv_cache.allocator
+        self.kv_used.labels(**self.labels).set(allocator.num_used)
+        self.kv_free.labels(**self.labels).set(allocator.num_free)
+        self.running.labels(**self.labels).set(len(engine.running))
+        self.waiting.labels(**self.labels).set(len(engine.waiting) + waiting_outside)
