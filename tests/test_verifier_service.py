@@ -169,3 +169,33 @@ def test_metrics_count_what_the_responses_report(verifier):
     assert grew("splitspec:request_success_total", (("finished_reason", "length"),)) == 4
     assert grew("splitspec:step_phase_seconds_count", (("phase", "verify"),)) > 0
     assert after[("splitspec:kv_pages_used", ())] == 0 and after[("splitspec:num_requests_running", ())] == 0
+
+
+def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():
+    """In-process worker over a runner whose forward breaks: every live request gets an error delta."""
+    import threading
+
+    from splitspec.verifier_svc.engine import Engine, SpecConfig
+    from splitspec.verifier_svc.worker import EngineWorker, Submission
+
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=1024))
+
+    def broken_forward(batch, return_hidden=False):
+        raise RuntimeError("simulated device failure")
+
+    runner.forward = broken_forward
+    worker = EngineWorker(Engine(runner, None, SpecConfig(), set()))
+    worker.start()
+    done, seen = threading.Event(), []
+
+    def deliver(request, event):
+        seen.append(event)
+        if len(seen) == 2:
+            done.set()
+
+    for i in range(2):
+        worker.submit(Submission(f"x{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4), False, deliver))
+    assert done.wait(60)
+    assert all(e.finish_reason == "error" and "simulated device failure" in e.error for e in seen)
+    assert runner.kv_cache.allocator.num_used == 0 and worker.reserved_pages == 0

@@ -26,8 +26,9 @@ def speculation(stats: SpecStats) -> pb.SpeculationCounts:
 
 
 def delta(client_id: str, request: Request | None, token_ids: list[int], finish_reason: str | None,
-          first: bool) -> pb.TokenDelta:
-    message = pb.TokenDelta(request_id=client_id, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason])
+          first: bool, error: str = "") -> pb.TokenDelta:
+    message = pb.TokenDelta(request_id=client_id, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason],
+                            error=error)
     if request is not None:
         message.speculation.CopyFrom(speculation(request.stats))
         if first or finish_reason is not None:

@@ -119,6 +119,7 @@ class StepEvent:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
+    error: str = ""  # with finish_reason "error": what went wrong
 
 
 @dataclass

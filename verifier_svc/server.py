@@ -70,7 +70,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         def deliver_from_worker(submission: Submission, first: list[bool]):
             def deliver(request, event):
-                message = convert.delta(submission.client_id, request, event.new_token_ids, event.finish_reason, first[0])
+                message = convert.delta(submission.client_id, request, event.new_token_ids, event.finish_reason, first[0],
+                                        event.error)
                 first[0] = False
                 loop.call_soon_threadsafe(outbox.put_nowait, (submission.client_id, message))
             return deliver
@@ -94,9 +95,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 if item is None:
                     continue
                 client_id, message = item
-                if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    submission = live.pop(client_id, None)
-                    self.by_client_id.pop(client_id, None) if submission else None
+                if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED and live.pop(client_id, None) is not None:
+                    self.by_client_id.pop(client_id, None)
                 yield pb.GenerateServerMessage(deltas=[message])
         finally:
             reader.cancel()

@@ -64,7 +64,12 @@ class EngineWorker(threading.Thread):
             self._drain(block=not self.engine.has_work and not self._admit_ready())
             self._admit()
             if self.engine.has_work:
-                events = self.engine.step()
+                try:
+                    events = self.engine.step()
+                except Exception as exc:  # never hang the streams: end every live request with the error
+                    logger.exception("engine step failed; ending the %d running requests", len(self.live))
+                    self._fail_all(f"INTERNAL: the engine step failed: {exc}")
+                    continue
                 for event in events:
                     self._settle(event)
                 if self.metrics is not None:  # before delivery, so a client never sees newer tokens than metrics
@@ -112,6 +117,13 @@ class EngineWorker(threading.Thread):
             self.reserved_pages += submission.reserved_pages
             submission.request = self.engine.add_request(submission.prompt_ids, submission.params, submission.speculate)
             self.live[submission.request.request_id] = submission
+
+    def _fail_all(self, message: str) -> None:
+        for submission in list(self.live.values()):
+            self.engine.abort(submission.request)
+            submission.request.finish_reason = "error"
+            self._finish(submission)
+            submission.deliver(submission.request, StepEvent(submission.request.request_id, [], "error", message))
 
     def _settle(self, event: StepEvent) -> None:
         """Release a finished request's page reservation (before anyone hears it finished)."""
