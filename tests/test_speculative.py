@@ -266,3 +266,57 @@ def test_chunked_prefill_and_running_limit_keep_outputs(demo):
         assert_greedy_match(request.output_ids, p.output_ids, reference, chosen[i], f"chunked prompt {i}")
     assert sum(r.stats.accepted_tokens for r in requests) > 0
     assert runner.kv_cache.allocator.num_used == 0
+
+
+def test_prefix_cache_reuses_pages_and_keeps_outputs(demo):
+    """A request sharing a long prompt prefix with a finished one starts from its cached pages; under
+    a budget too small for everything, the cache evicts and every output stays the same."""
+    from splitspec.verifier_svc.engine import Engine
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+
+    runner, tokenizer, _, reference = demo
+    shared = tokenizer.encode("import os\nimport sys\n\n\ndef main(argv=None):\n    parser = argparse.ArgumentParser("
+                              "description='tool')\n    parser.add_argument('--path')\n    args = parser.parse_args(argv)\n")
+    prompts = [shared + tokenizer.encode(tail) for tail in ("    print(args.path)\n", "    return 0\n", "    os.")]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    plain = run(runner, prompts, [params] * 3, batch=1)
+    cache = PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
+    engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set(), prefix_cache=cache)
+    outputs = []
+    for prompt in prompts:
+        request = engine.add_request(prompt, params)
+        while engine.has_work:
+            engine.step()
+        outputs.append(request)
+    page = runner.kv_cache.page_size
+    assert outputs[0].cached_tokens == 0
+    assert outputs[1].cached_tokens == outputs[2].cached_tokens == (len(shared) // page) * page > 0
+    for i, (request, p) in enumerate(zip(outputs, plain)):
+        assert_greedy_match(request.output_ids, p.output_ids, reference, prompts[i], f"prefix-cache prompt {i}")
+    allocator = runner.kv_cache.allocator
+    assert allocator.num_used == cache.num_pages  # every page in use is held by the cache alone
+    assert all(allocator.refcount(n.page) == 1 for n in cache._nodes())
+    held = cache.num_pages
+    assert held > 0 and cache.evict(allocator.num_pages) == held and allocator.num_used == 0
+
+
+def test_prefix_cache_evicts_under_a_small_budget(demo):
+    from splitspec.verifier_svc.engine import Engine
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+
+    _, _, prompts, reference = demo
+    small = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["target"]), dtype="float32", device="cpu",
+                                           max_total_tokens=12 * 16, page_size=16))
+    chosen = [p for p in prompts if 16 < len(p) <= 40][:6]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    plain = run(small, chosen, [params] * len(chosen), batch=1)
+    cache = PrefixCache(small.kv_cache.allocator, small.kv_cache.page_size)
+    engine = Engine(small, ngram(), SpecConfig(num_draft_tokens=6), set(), prefix_cache=cache)
+    assert len(chosen) == 6
+    for prompt, p in zip(chosen, plain):
+        request = engine.add_request(prompt, params)
+        while engine.has_work:
+            engine.step()
+        assert_greedy_match(request.output_ids, p.output_ids, reference, prompt, "under a small budget")
+    assert cache.evicted_pages > 0  # the pool was too small to keep everything: the cache gave pages back
+    assert small.kv_cache.allocator.num_used == cache.num_pages <= 12

@@ -168,7 +168,36 @@ def test_metrics_count_what_the_responses_report(verifier):
     assert grew("splitspec:prompt_tokens_total") == sum(len(p) for p in PROMPTS[:4])
     assert grew("splitspec:request_success_total", (("finished_reason", "length"),)) == 4
     assert grew("splitspec:step_phase_seconds_count", (("phase", "verify"),)) > 0
-    assert after[("splitspec:kv_pages_used", ())] == 0 and after[("splitspec:num_requests_running", ())] == 0
+    # every page in use is held by the evictable prefix cache alone
+    assert after[("splitspec:kv_pages_used", ())] == after[("splitspec:prefix_cache_pages", ())]
+    assert after[("splitspec:num_requests_running", ())] == 0
+
+
+def test_prefix_cache_hits_are_reported_and_keep_output(verifier):
+    shared = [13, 290] + list(range(400, 460))  # 62 tokens: 3 full pages of 16 are shareable
+    before = scrape(verifier.metrics_url)
+    first = collect(verifier, [submit("p1", shared + [5])], 1)["p1"]
+    cached = []
+
+    def again():
+        yield submit("p2", shared + [5])
+
+    stream = verifier.Generate(again(), timeout=120)
+    tokens, finished = [], False
+    for response in stream:
+        for d in response.deltas:
+            tokens += list(d.token_ids)
+            if d.prompt_tokens:
+                cached.append(d.cached_prompt_tokens)
+            finished = finished or bool(d.finish_reason)
+        if finished:
+            stream.cancel()
+            break
+    after = scrape(verifier.metrics_url)
+    assert cached and cached[0] == 48
+    assert tokens == first["tokens"]
+    hits = after[("splitspec:prefix_cache_hit_tokens_total", ())] - before.get(("splitspec:prefix_cache_hit_tokens_total", ()), 0)
+    assert hits >= 48
 
 
 def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():

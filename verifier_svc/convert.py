@@ -33,6 +33,7 @@ def delta(client_id: str, request: Request | None, token_ids: list[int], finish_
         message.speculation.CopyFrom(speculation(request.stats))
         if first or finish_reason is not None:
             message.prompt_tokens = len(request.prompt_ids)
+            message.cached_prompt_tokens = request.cached_tokens
         if first:
             message.seed = request.params.seed or 0
     return message

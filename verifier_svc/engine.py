@@ -82,6 +82,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     unsent: list[int] = field(default_factory=list)  # tokens the drafter has not been told about
     num_prefilled: int = 0  # prompt tokens already in the KV cache (chunked prefill)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def prefilled(self) -> bool:
@@ -112,6 +113,7 @@ class StepReport:
     accepted_per_position: list[int] = field(default_factory=list)
     fallbacks: int = 0
     finished: list[str] = field(default_factory=list)  # finish reasons of requests that ended
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache to requests admitted this step
 
 
 @dataclass
@@ -131,9 +133,12 @@ class _Verify:
 
 class Engine:
     def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int],
-                 scheduler: SchedulerConfig | None = None):
+                 scheduler: SchedulerConfig | None = None, prefix_cache=None):
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
         self.scheduler = scheduler or SchedulerConfig()
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            runner.kv_cache.evictor = prefix_cache.evict
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -188,7 +193,20 @@ class Engine:
                 continue
             if request.speculate:
                 self.drafter.open(request.request_id, request.prompt_ids)
+            self._reuse_prefix(request)
             self.running.append(request)
+
+    def _reuse_prefix(self, request: Request) -> None:
+        """Start the request's KV with the cached pages of its prompt's longest cached prefix (at least
+        the last prompt token is always computed: its logits give the first output token)."""
+        if self.prefix_cache is None:
+            return
+        pages = self.prefix_cache.match(request.prompt_ids[:-1])
+        if pages:
+            self.runner.kv_cache.allocator.incref(pages)
+            request.table.pages = list(pages)
+            request.table.num_tokens = request.num_prefilled = request.cached_tokens = len(pages) * self.runner.kv_cache.page_size
+            self.report.cached_tokens += request.cached_tokens
 
     def _prefill_chunks(self) -> list[_Chunk]:
         """This step's prompt chunks, oldest request first, within --chunked-prefill-size tokens."""
@@ -322,6 +340,10 @@ class Engine:
     def _retire(self) -> None:
         for request in self.running:
             if request.finish_reason is not None:
+                if self.prefix_cache is not None and request.finish_reason != "error":
+                    # KV slot i holds token i of prompt + output (the last output token is not in it)
+                    sequence = (request.prompt_ids + request.output_ids)[: request.table.num_tokens]
+                    self.prefix_cache.insert(sequence, request.table.pages)
                 self.runner.kv_cache.release(request.table)
                 if request.speculate:
                     self.drafter.release(request.request_id)

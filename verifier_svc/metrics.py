@@ -38,7 +38,9 @@ class EngineMetrics:
         self.step_seconds = Histogram(PREFIX + "step_phase_seconds", "Time per step phase.", [*labels, "phase"],
                                       buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
                                       registry=registry)
-        self.kv_used = gauge("kv_pages_used", "KV-cache pages in use.")
+        self.prefix_hit_tokens = counter("prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.")
+        self.prefix_pages = gauge("prefix_cache_pages", "KV-cache pages held by the prefix cache.")
+        self.kv_used = gauge("kv_pages_used", "KV-cache pages in use (the prefix cache's included).")
         self.kv_free = gauge("kv_pages_free", "KV-cache pages free.")
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to join.")
@@ -53,6 +55,7 @@ class EngineMetrics:
         self.fallbacks.labels(**labels).inc(report.fallbacks)
         self.prompt_tokens.labels(**labels).inc(report.prefill_tokens)
         self.generation_tokens.labels(**labels).inc(report.generated_tokens)
+        self.prefix_hit_tokens.labels(**labels).inc(report.cached_tokens)
         for reason in report.finished:
             self.finished.labels(**labels, finished_reason=reason).inc()
         for length in report.accept_lengths:
@@ -67,3 +70,5 @@ class EngineMetrics:
         self.kv_free.labels(**self.labels).set(allocator.num_free)
         self.running.labels(**self.labels).set(len(engine.running))
         self.waiting.labels(**self.labels).set(len(engine.waiting) + waiting_outside)
+        cache = engine.prefix_cache
+        self.prefix_pages.labels(**self.labels).set(cache.num_pages if cache is not None else 0)

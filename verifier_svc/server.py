@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="Address the gRPC server binds.")
     server.add_argument("--port", type=int, default=30001, help="gRPC port.")
     server.add_argument("--served-model-name", default=None, help="Model name reported to clients (default: the model path).")
+    server.add_argument("--disable-radix-cache", action="store_true",
+                        help="Do not keep finished requests' KV pages for reuse by prompts that share a prefix.")
     server.add_argument("--metrics-port", type=int, default=None,
                         help="Serve Prometheus metrics on this port at /metrics (default: no metrics server).")
     engine_args.add_scheduler_args(parser)
@@ -163,7 +165,10 @@ async def serve(args: argparse.Namespace) -> None:
         metrics = EngineMetrics(registry, model_id)
         start_http_server(args.metrics_port, addr=args.host, registry=registry)
         logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
-    engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args))
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+
+    cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
+    engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache)
     worker = EngineWorker(engine, metrics)
     if metrics is not None:
         metrics.observe_state(engine)

@@ -98,6 +98,7 @@ class KVCache:
         self.head_dim = config.head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.allocator = PageAllocator(num_pages)
+        self.evictor = None  # callable(num_pages) -> pages freed; the prefix cache sets it
         shape = (2, num_pages, page_size, self.num_kv_heads, self.head_dim)
         self.layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
 
@@ -120,6 +121,8 @@ class KVCache:
     def reserve(self, table: BlockTable, num_tokens: int) -> None:
         """Make room for `num_tokens` slots in total (allocates pages; never frees)."""
         missing = self.pages_for(num_tokens) - len(table.pages)
+        if missing > self.allocator.num_free and self.evictor is not None:
+            self.evictor(missing - self.allocator.num_free)
         if missing > 0:
             table.pages.extend(self.allocator.alloc(missing))
 
