@@ -21,7 +21,7 @@ EVAL_TOKENS = 16384
 
 @pytest.fixture(scope="module")
 def demo_dirs() -> dict[str, Path]:
-    result = subprocess.run([sys.executable, "-m", "splitspec", "demo-models", "--json", "--log-level", "warning"],
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "demo-models", "--json", "--log-level", "warning"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return {k: Path(v) for k, v in json.loads(result.stdout).items()}
@@ -65,7 +65,7 @@ def test_transformers_and_generate_agree(demo_dirs, name):
     path = demo_dirs[name]
     tokenizer, reference = AutoTokenizer.from_pretrained(path), hf_model(path)
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Config:\n    def __init__(self, path):\n"]
-    args = [sys.executable, "-m", "splitspec", "generate", "--max-new-tokens", "32", "--ignore-eos", "--json",
+    args = [sys.executable, "-P", "-m", "splitspec", "generate", "--max-new-tokens", "32", "--ignore-eos", "--json",
             "--log-level", "warning"] + (["--model-path", str(path)] if name == "draft" else [])  # target: the default
     for prompt in prompts:
         args += ["--prompt", prompt]

@@ -26,9 +26,9 @@ def test_every_command_flag_has_help():
 
 
 def test_cli_lists_commands_and_refuses_unknown():
-    ok = subprocess.run([sys.executable, "-m", "splitspec", "--help"], capture_output=True, text=True)
+    ok = subprocess.run([sys.executable, "-P", "-m", "splitspec", "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "generate" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "splitspec", "frobnicate"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-P", "-m", "splitspec", "frobnicate"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
 
 
@@ -41,7 +41,7 @@ def test_readme_main_command_runs():
     block = readme.split("```bash\nbash scripts/run.sh generate", 1)[1].split("```", 1)[0]
     flags = shlex.split(block.replace("\\\n", " "))
     assert "--model-path" not in flags
-    command = [sys.executable, "-m", "splitspec", "generate", *flags, "--log-level", "warning"]
+    command = [sys.executable, "-P", "-m", "splitspec", "generate", *flags, "--log-level", "warning"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()

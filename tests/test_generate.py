@@ -95,7 +95,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_checkpoints):
 
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "splitspec", "generate", *args, "--log-level", "warning"],
+    return subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", *args, "--log-level", "warning"],
                           capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -149,7 +149,7 @@ def test_cli_rejects_bad_input(model_with_tokenizer):
 
 
 def test_help_explains_every_flag():
-    result = subprocess.run([sys.executable, "-m", "splitspec", "generate", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     from splitspec.generate import build_parser
 

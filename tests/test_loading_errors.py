@@ -133,7 +133,7 @@ def test_both_rope_dialects_agree():
 def test_cli_reports_bad_checkpoint_without_traceback(broken):
     path = broken(lambda t: t.pop("model.embed_tokens.weight"))
     result = subprocess.run(
-        [sys.executable, "-m", "splitspec", "generate", "--model-path", str(path), "--input-ids", "1,2", "--log-level", "error"],
+        [sys.executable, "-P", "-m", "splitspec", "generate", "--model-path", str(path), "--input-ids", "1,2", "--log-level", "error"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2

@@ -193,7 +193,7 @@ def test_tree_sampling_matches_the_target_distribution(small_vocab_model, rule, 
 
 def test_generate_cli_reports_speculation():
     result = subprocess.run(
-        [sys.executable, "-m", "splitspec", "generate", "--prompt", "import os\nimport os\nimport os\n",
+        [sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "import os\nimport os\nimport os\n",
          "--max-new-tokens", "24", "--ignore-eos", "--json", "--speculative-algorithm", "NGRAM",
          "--speculative-num-draft-tokens", "6", "--log-level", "warning"],
         capture_output=True, text=True, timeout=300)
@@ -231,7 +231,7 @@ def test_force_greedy_verify_environment_variable():
     a sampled request then decodes exactly as a greedy one."""
     import os
 
-    base = [sys.executable, "-m", "splitspec", "generate", "--prompt", "import os\nimport os\n", "--max-new-tokens", "24",
+    base = [sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "import os\nimport os\n", "--max-new-tokens", "24",
             "--ignore-eos", "--json", "--speculative-algorithm", "NGRAM", "--log-level", "warning"]
     env = {**os.environ, "SGLANG_NGRAM_FORCE_GREEDY_VERIFY": "True"}
     forced = subprocess.run(base + ["--temperature", "1.0", "--seed", "3"], capture_output=True, text=True, env=env, timeout=300)

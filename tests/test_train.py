@@ -28,7 +28,7 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def train_cli(out: Path, dataset: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "splitspec", "train", "lm", "--preset", "smoke", "--out", str(out),
+    return [sys.executable, "-P", "-m", "splitspec", "train", "lm", "--preset", "smoke", "--out", str(out),
             "--dataset", str(dataset), "--device", "cpu", *extra]
 
 

@@ -34,7 +34,7 @@ def free_port() -> int:
 def verifier():
     port, metrics_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "splitspec", "verifier", "--port", str(port), "--max-total-tokens", "4096",
+        [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--max-total-tokens", "4096",
          "--metrics-port", str(metrics_port),
          "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
