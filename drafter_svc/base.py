@@ -7,9 +7,9 @@ token) and asks for trees rooted at the sequence's last token, which the target 
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 
+from splitspec.registry import load_entry
 from splitspec.runtime.tree import DraftTree
 
 
@@ -40,7 +40,4 @@ DRAFTERS: dict[str, str] = {
 
 
 def drafter_class(algorithm: str) -> type[Drafter]:
-    if algorithm not in DRAFTERS:
-        raise ValueError(f"--speculative-algorithm {algorithm!r} is not available (available: {', '.join(DRAFTERS)})")
-    module_name, class_name = DRAFTERS[algorithm].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return load_entry(DRAFTERS, algorithm, "--speculative-algorithm")

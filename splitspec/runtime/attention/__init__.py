@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-
+from splitspec.registry import load_entry
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
 
 # name -> "module:Class"
@@ -13,10 +12,7 @@ ATTENTION_BACKENDS: dict[str, str] = {
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(ATTENTION_BACKENDS)})")
-    module_name, class_name = ATTENTION_BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return load_entry(ATTENTION_BACKENDS, name, "--attention-backend")
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionBatch", "get_attention_backend"]

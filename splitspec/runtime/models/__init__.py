@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 from torch import nn
+
+from splitspec.registry import load_entry
 
 from splitspec.runtime.config import ModelConfig
 
@@ -15,8 +15,7 @@ MODEL_FAMILIES: dict[str, str] = {
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
-    module_name, class_name = MODEL_FAMILIES[config.family].split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return load_entry(MODEL_FAMILIES, config.family, "model family")
 
 
 def packed_modules(model: nn.Module) -> dict[str, tuple[str, ...]]:
