@@ -50,7 +50,8 @@ def in_process_drafter(args: argparse.Namespace):
     """(DrafterClient or None, SpecConfig) for the flags."""
     if args.speculative_algorithm is None:
         return None, SpecConfig()
-    from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+    from splitspec.drafter_svc.base import drafter_class
+    from splitspec.drafter_svc.ngram import NgramConfig
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
     ngram = NgramConfig(
@@ -68,7 +69,7 @@ def in_process_drafter(args: argparse.Namespace):
         accept_threshold_acc=args.speculative_accept_threshold_acc,
         force_greedy_verify=args.speculative_ngram_force_greedy_verify,
     )
-    return InProcessDrafterClient(NgramDrafter(ngram)), spec
+    return InProcessDrafterClient(drafter_class(args.speculative_algorithm)(ngram)), spec
 
 
 def report(algorithm: str, stats: SpecStats) -> dict:

@@ -226,7 +226,7 @@ class Engine:
 
     # draft ---------------------------------------------------------------------------------------
     def _draft(self) -> dict[str, DraftTree | None]:
-        asks = [DraftAsk(r.request_id, r.unsent, self._tree_budget(r)) for r in self.running
+        asks = [DraftAsk(r.request_id, r.unsent, self.spec.num_draft_tokens) for r in self.running
                 if r.speculate and r.prefilled]
         if not asks:
             return {}
@@ -241,13 +241,10 @@ class Engine:
                     self.report.fallbacks += 1
         return trees
 
-    def _tree_budget(self, request: Request) -> int:
-        """Tree nodes per request, root included (tokens past a request's limit are dropped at emit)."""
-        return self.spec.num_draft_tokens
-
     def _usable(self, request: Request, tree: DraftTree) -> bool:
         vocab = self.runner.config.vocab_size
-        return (tree.tokens[0] == request.output_ids[-1] and tree.num_nodes <= self._tree_budget(request)
+        # the budget is the same for every request; tokens past a request's limit are dropped at emit
+        return (tree.tokens[0] == request.output_ids[-1] and tree.num_nodes <= self.spec.num_draft_tokens
                 and all(0 <= t < vocab for t in tree.tokens))
 
     # verify + accept -----------------------------------------------------------------------------
