@@ -16,8 +16,9 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-running-requests", type=int, default=0,
                        help="Requests decoding at once; the rest wait (0 = no limit).")
     group.add_argument("--chunked-prefill-size", type=int, default=8192,
-                       help="Prompt tokens prefilled per step in all; longer prompts are prefilled in chunks "
-                       "over several steps while others decode (-1 = whole prompts).")
+                       help="Tokens one step computes in all: each decoding request's tree counts first "
+                       "(--speculative-num-draft-tokens each, 1 without speculation), prompt chunks share the rest, "
+                       "so long prompts are prefilled over several steps while others decode (-1 = no limit).")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

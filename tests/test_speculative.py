@@ -244,7 +244,8 @@ def test_force_greedy_verify_environment_variable():
 
 
 def test_chunked_prefill_and_running_limit_keep_outputs(demo):
-    """Prompts prefilled 5 tokens per step in all, at most 2 requests running: same outputs."""
+    """At most 2 requests running and 14 tokens per step in all, each decoding request's tree (6
+    tokens) counted first, prompts chunked into what is left: same outputs."""
     from splitspec.verifier_svc.engine import Engine, SchedulerConfig
 
     runner, _, prompts, reference = demo
@@ -252,20 +253,74 @@ def test_chunked_prefill_and_running_limit_keep_outputs(demo):
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     plain = run(runner, chosen, [params] * len(chosen), batch=1)
     engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set(),
-                    SchedulerConfig(max_running_requests=2, chunked_prefill_size=5))
+                    SchedulerConfig(max_running_requests=2, chunked_prefill_size=14))
     requests = [engine.add_request(p, params) for p in chosen]
-    most_running, prefill_steps = 0, 0
+    most_running, prefill_steps, mixed_steps = 0, 0, 0
     while engine.has_work:
-        before = sum(r.num_prefilled for r in requests)
+        decoding = sum(r.decoding for r in engine.running)
         engine.step()
         most_running = max(most_running, len(engine.running))
-        prefill_steps += sum(r.num_prefilled for r in requests) > before
-        assert sum(r.num_prefilled for r in requests) - before <= 5
-    assert most_running == 2 and prefill_steps >= sum(len(p) for p in chosen) // 5
+        prefill_steps += engine.report.prefill_tokens > 0
+        mixed_steps += engine.report.prefill_tokens > 0 and decoding > 0
+        assert engine.report.prefill_tokens + 6 * decoding <= 14
+    assert most_running == 2 and prefill_steps >= sum(len(p) for p in chosen) // 14 and mixed_steps > 0
     for i, (request, p) in enumerate(zip(requests, plain)):
         assert_greedy_match(request.output_ids, p.output_ids, reference, chosen[i], f"chunked prompt {i}")
     assert sum(r.stats.accepted_tokens for r in requests) > 0
     assert runner.kv_cache.allocator.num_used == 0
+
+
+def test_preemption_under_a_tiny_kv_budget_keeps_outputs(demo):
+    """16 requests (greedy and seeded sampling) on a pool with room for a few at a time: the newest
+    are preempted and re-prefilled (from the prefix cache where their pages survived, or recomputed),
+    and every output equals the output with ample KV. Speculation still happened."""
+    from splitspec.verifier_svc.engine import Engine
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+
+    _, _, prompts, reference = demo
+    chosen = prompts[:16]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True) if i % 4 else
+              SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_new_tokens=40, ignore_eos=True)
+              for i in range(len(chosen))]
+    target = demo_model_dirs()["target"]
+    roomy = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=4096))
+    expected = Engine(roomy, ngram(), SpecConfig(num_draft_tokens=8), set()).run(chosen, params)
+    for with_cache in (True, False):
+        tiny = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=320))
+        cache = PrefixCache(tiny.kv_cache.allocator, tiny.kv_cache.page_size) if with_cache else None
+        engine = Engine(tiny, ngram(), SpecConfig(num_draft_tokens=8), set(), prefix_cache=cache)
+        requests = engine.run(chosen, params)
+        assert sum(r.num_preemptions for r in requests) > 0, "the budget should have forced preemption"
+        for i, (got, want) in enumerate(zip(requests, expected)):
+            assert got.finish_reason == "length"
+            if params[i].is_greedy:
+                assert_greedy_match(got.output_ids, want.output_ids, reference, chosen[i], f"preempted prompt {i}")
+            else:
+                assert got.output_ids == want.output_ids, f"seeded prompt {i} changed through preemption"
+        assert sum(r.stats.accepted_tokens for r in requests) > 0
+        assert all(r.stats.fallbacks == 0 for r in requests)
+        held = cache.num_pages if cache is not None else 0
+        assert tiny.kv_cache.allocator.num_used == held
+        if cache is not None:
+            assert all(tiny.kv_cache.allocator.refcount(n.page) == 1 for n in cache._nodes())
+
+
+def test_a_request_too_big_for_the_cache_ends_with_an_error_and_others_finish(demo):
+    """Offline there is no validator in front: a request that cannot fit even alone ends with an
+    error naming the shortage; the engine keeps serving the rest."""
+    from splitspec.verifier_svc.engine import Engine
+
+    target = demo_model_dirs()["target"]
+    tiny = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=64))
+    engine = Engine(tiny, None, SpecConfig(), set())
+    small = engine.add_request([13, 290, 350], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+    big = engine.add_request(list(range(100, 160)), SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True))
+    errors = []
+    while engine.has_work:
+        errors += [e.error for e in engine.step() if e.finish_reason == "error"]
+    assert small.finish_reason == "length" and len(small.output_ids) == 8
+    assert big.finish_reason == "error" and len(errors) == 1 and errors[0].startswith("RESOURCE_EXHAUSTED")
+    assert tiny.kv_cache.allocator.num_used == 0
 
 
 def test_prefix_cache_reuses_pages_and_keeps_outputs(demo):

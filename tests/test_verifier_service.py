@@ -4,10 +4,14 @@ abort works; health and model info answer."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
 
 import grpc
 import pytest
@@ -30,13 +34,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def verifier():
+def start_verifier(*extra: str):
+    """A `splitspec verifier` process with metrics; returns (process, stub). stub.metrics_port is set."""
     port, metrics_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--max-total-tokens", "4096",
-         "--metrics-port", str(metrics_port),
-         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--log-level", "warning"],
+        [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--metrics-port", str(metrics_port),
+         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--log-level", "warning", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)
@@ -52,17 +55,98 @@ def verifier():
         assert time.time() < deadline, "verifier did not become healthy"
         time.sleep(0.3)
     stub = pb_grpc.VerifierStub(channel)
+    stub.metrics_port = metrics_port
     stub.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    yield stub
-    channel.close()
+    stub.channel = channel
+    return process, stub
+
+
+def stop(process, stub) -> None:
+    stub.channel.close()
     process.terminate()
     process.wait(timeout=30)
 
 
-def submit(request_id, prompt, max_new_tokens=32, **sampling):
+@pytest.fixture(scope="module")
+def verifier():
+    process, stub = start_verifier("--max-total-tokens", "4096")
+    yield stub
+    stop(process, stub)
+
+
+@pytest.fixture(scope="module")
+def tiny_verifier():
+    """Room for 320 tokens (20 pages of 16): 16 requests of ~50 tokens cannot all run at once."""
+    process, stub = start_verifier("--max-total-tokens", "320")
+    yield stub
+    stop(process, stub)
+
+
+class Prometheus:
+    """A real Prometheus server scraping the given /metrics ports every 0.5 s; query() asks its HTTP API."""
+
+    def __init__(self, tmp_path, targets: list[int]):
+        import shutil
+
+        binary = shutil.which("prometheus")
+        if binary is None:
+            if os.environ.get("SPLITSPEC_REQUIRE_PROMETHEUS") == "1":
+                pytest.fail("prometheus is not installed (.ci/run installs Debian's prometheus package)")
+            pytest.skip("prometheus is not installed (apt-get install prometheus)")
+        config = tmp_path / "prometheus.yml"
+        config.write_text("global:\n  scrape_interval: 500ms\n  evaluation_interval: 500ms\nscrape_configs:\n"
+                          "  - job_name: splitspec-verifier\n    static_configs:\n"
+                          f"      - targets: [{', '.join(repr(f'127.0.0.1:{t}') for t in targets)}]\n")
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not self._ready():
+            assert self.process.poll() is None, "prometheus exited"
+            assert time.time() < deadline, "prometheus did not become ready"
+            time.sleep(0.2)
+
+    def _ready(self) -> bool:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status == 200
+        except OSError:
+            return False
+
+    def query(self, promql: str) -> float | None:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert body["status"] == "success", body
+        result = body["data"]["result"]
+        return float(result[0]["value"][1]) if result else None
+
+    def wait_for(self, promql: str, expected: float, timeout: float = 30.0) -> float | None:
+        """The query's value once it equals expected (scrapes lag the server); the last value seen otherwise."""
+        deadline, value = time.time() + timeout, None
+        while time.time() < deadline:
+            value = self.query(promql)
+            if value is not None and abs(value - expected) < 1e-9:
+                return value
+            time.sleep(0.25)
+        return value
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def prometheus(verifier, tiny_verifier, tmp_path_factory):
+    server = Prometheus(tmp_path_factory.mktemp("prometheus"), [verifier.metrics_port, tiny_verifier.metrics_port])
+    yield server
+    server.close()
+
+
+def submit(request_id, prompt, max_new_tokens=32, speculate=True, **sampling):
     params = pb.SamplingParams(max_new_tokens=max_new_tokens, **sampling)
     return pb.GenerateClientMessage(submit=pb.SubmitRequest(request_id=request_id, prompt_ids=prompt, sampling=params,
-                                                            speculate=True))
+                                                            speculate=speculate))
 
 
 def collect(stub, messages, expected: int) -> dict[str, dict]:
@@ -83,10 +167,15 @@ def collect(stub, messages, expected: int) -> dict[str, dict]:
 
 
 def test_concurrent_requests_equal_plain_generation_and_speculate(verifier):
-    results = collect(verifier, [submit(f"q{i}", p) for i, p in enumerate(PROMPTS)], len(PROMPTS))
+    """8 requests on one stream, plus the same prompt with speculation switched off and one that stops
+    at a stop token id: all equal plain offline generation."""
     target = demo_model_dirs()["target"]
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=2048))
     plain = generate_ids(runner, PROMPTS, [SamplingParams(temperature=0.0, max_new_tokens=32)] * len(PROMPTS), set())
+    stop_at = plain[0].output_ids[10]
+    messages = [submit(f"q{i}", p) for i, p in enumerate(PROMPTS)]
+    messages += [submit("plain", PROMPTS[0], speculate=False), submit("stop", PROMPTS[0], stop_token_ids=[stop_at])]
+    results = collect(verifier, messages, len(messages))
     reference = hf_model(target)
     for i, (prompt, p) in enumerate(zip(PROMPTS, plain)):
         r = results[f"q{i}"]
@@ -94,6 +183,11 @@ def test_concurrent_requests_equal_plain_generation_and_speculate(verifier):
         assert_greedy_match(r["tokens"], p.output_ids, reference, prompt, f"verifier q{i}")
     assert sum(r["spec"].accepted_tokens for r in results.values()) > 0
     assert all(r["spec"].fallbacks == 0 for r in results.values())
+    off = results["plain"]
+    assert off["finish"] == pb.FINISH_REASON_LENGTH and off["spec"].verify_steps == 0 and off["spec"].draft_tokens == 0
+    assert_greedy_match(off["tokens"], plain[0].output_ids, reference, PROMPTS[0], "speculation off")
+    stop, full = results["stop"], results["q0"]["tokens"]
+    assert stop["finish"] == pb.FINISH_REASON_STOP and stop["tokens"] == full[: full.index(stop_at) + 1]
 
 
 def test_bad_requests_are_refused_by_name_while_others_run(verifier):
@@ -139,8 +233,7 @@ def test_abort_and_model_info(verifier):
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    import urllib.request
-
+    """The verifier's /metrics right now, straight from the exporter (Prometheus lags by a scrape)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()
@@ -148,35 +241,47 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_metrics_count_what_the_responses_report(verifier):
+def test_metrics_count_what_the_responses_report(verifier, prometheus):
+    """Counts the responses carried, as Prometheus scraped them from the running verifier."""
     before = scrape(verifier.metrics_url)
     results = collect(verifier, [submit(f"m{i}", p, max_new_tokens=20) for i, p in enumerate(PROMPTS[:4])], 4)
-    after = scrape(verifier.metrics_url)
+    instance = f'instance="127.0.0.1:{verifier.metrics_port}"'
 
-    def grew(name, labels=()):
-        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+    def expect(name, grew_by, labels=()):
+        want = before.get((name, labels), 0.0) + grew_by
+        selector = ",".join([instance] + [f'{k}="{v}"' for k, v in labels])
+        got = prometheus.wait_for(f"sum({name}{{{selector}}})", want)
+        assert got == want, f"{name}{labels}: Prometheus has {got}, the responses say {want}"
 
     accepted = sum(r["spec"].accepted_tokens for r in results.values())
     drafted = sum(r["spec"].draft_tokens for r in results.values())
     steps = sum(r["spec"].verify_steps for r in results.values())
+    positions = [sum(r["spec"].accepted_per_position[d] if d < len(r["spec"].accepted_per_position) else 0
+                     for r in results.values()) for d in range(8)]
     assert accepted > 0
-    assert grew("splitspec:spec_decode_num_accepted_tokens_total") == accepted
-    assert grew("splitspec:spec_decode_num_draft_tokens_total") == drafted
-    assert grew("splitspec:spec_decode_num_drafts_total") == steps
-    assert grew("splitspec:spec_accept_length_count") == steps
-    assert grew("splitspec:generation_tokens_total") == 4 * 20
-    assert grew("splitspec:prompt_tokens_total") == sum(len(p) for p in PROMPTS[:4])
-    assert grew("splitspec:request_success_total", (("finished_reason", "length"),)) == 4
-    assert grew("splitspec:step_phase_seconds_count", (("phase", "verify"),)) > 0
-    # every page in use is held by the evictable prefix cache alone
-    assert after[("splitspec:kv_pages_used", ())] == after[("splitspec:prefix_cache_pages", ())]
-    assert after[("splitspec:num_requests_running", ())] == 0
+    expect("splitspec:spec_decode_num_accepted_tokens_total", accepted)
+    expect("splitspec:spec_decode_num_draft_tokens_total", drafted)
+    expect("splitspec:spec_decode_num_drafts_total", steps)
+    expect("splitspec:spec_accept_length_count", steps)
+    expect("splitspec:spec_decode_num_accepted_tokens_per_pos_total", positions[0], (("position", "0"),))
+    expect("splitspec:generation_tokens_total", 4 * 20)
+    expect("splitspec:prompt_tokens_total", sum(len(p) for p in PROMPTS[:4]))
+    expect("splitspec:request_success_total", 4, (("finished_reason", "length"),))
+    assert prometheus.query(f'sum(splitspec:step_phase_seconds_count{{{instance},phase="verify"}})') > 0
+    for phase in ("schedule", "draft", "verify", "accept", "commit"):
+        assert prometheus.query(f'sum(splitspec:step_phase_seconds_count{{{instance},phase="{phase}"}})'), phase
+    # every page in use is held by the evictable prefix cache alone; nothing runs or waits
+    used = prometheus.query(f"splitspec:kv_pages_used{{{instance}}}")
+    assert used == prometheus.query(f"splitspec:prefix_cache_pages{{{instance}}}")
+    assert used + prometheus.query(f"splitspec:kv_pages_free{{{instance}}}") == 4096 // 16
+    assert prometheus.query(f"splitspec:num_requests_running{{{instance}}}") == 0
+    assert prometheus.query(f"splitspec:num_requests_waiting{{{instance}}}") == 0
 
 
-def test_prefix_cache_hits_are_reported_and_keep_output(verifier):
+def test_prefix_cache_hits_are_reported_and_keep_output(verifier, prometheus):
     shared = [13, 290] + list(range(400, 460))  # 62 tokens: 3 full pages of 16 are shareable
-    before = scrape(verifier.metrics_url)
     first = collect(verifier, [submit("p1", shared + [5])], 1)["p1"]
+    before = scrape(verifier.metrics_url).get(("splitspec:prefix_cache_hit_tokens_total", ()), 0.0)
     cached = []
 
     def again():
@@ -193,11 +298,42 @@ def test_prefix_cache_hits_are_reported_and_keep_output(verifier):
         if finished:
             stream.cancel()
             break
-    after = scrape(verifier.metrics_url)
     assert cached and cached[0] == 48
     assert tokens == first["tokens"]
-    hits = after[("splitspec:prefix_cache_hit_tokens_total", ())] - before.get(("splitspec:prefix_cache_hit_tokens_total", ()), 0)
-    assert hits >= 48
+    query = f'splitspec:prefix_cache_hit_tokens_total{{instance="127.0.0.1:{verifier.metrics_port}"}}'
+    assert prometheus.wait_for(query, before + 48) == before + 48
+
+
+def test_sixteen_requests_complete_through_preemption_with_unchanged_output(tiny_verifier, prometheus):
+    """16 concurrent requests (greedy, and seeded sampling) on a verifier whose KV cache holds a few
+    at a time: some are preempted and re-queued, all finish, outputs equal plain generation with
+    ample KV; afterwards every page is free or held by the prefix cache alone."""
+    prompts = [[13, 290, 350 + i, 13, 290, 350 + i, 13, 700 + i] for i in range(16)]
+    sampling = [dict(temperature=0.0) if i % 4 else dict(temperature=0.8, top_p=0.9, seed=40 + i) for i in range(16)]
+    results = collect(tiny_verifier, [submit(f"t{i}", p, max_new_tokens=40, ignore_eos=True, **sampling[i])
+                                      for i, p in enumerate(prompts)], 16)
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=4096))
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True, **sampling[i]) for i in range(16)]
+    plain = generate_ids(runner, prompts, params, set())
+    reference = hf_model(target)
+    for i, (prompt, p) in enumerate(zip(prompts, plain)):
+        r = results[f"t{i}"]
+        assert r["finish"] == pb.FINISH_REASON_LENGTH and r["error"] == "", r
+        if sampling[i]["temperature"] == 0.0:
+            assert_greedy_match(r["tokens"], p.output_ids, reference, prompt, f"preempted t{i}")
+        else:
+            assert r["tokens"] == p.output_ids, f"seeded t{i} changed through preemption"
+    assert sum(r["spec"].accepted_tokens for r in results.values()) > 0
+    assert all(r["spec"].fallbacks == 0 for r in results.values())
+    instance = f'instance="127.0.0.1:{tiny_verifier.metrics_port}"'
+    now = scrape(tiny_verifier.metrics_url)
+    assert now[("splitspec:num_preemptions_total", ())] > 0
+    assert prometheus.wait_for(f"splitspec:num_preemptions_total{{{instance}}}", now[("splitspec:num_preemptions_total", ())]) > 0
+    assert prometheus.wait_for(f'sum(splitspec:request_success_total{{{instance},finished_reason="length"}})', 16) == 16
+    used = prometheus.query(f"splitspec:kv_pages_used{{{instance}}}")
+    assert used == prometheus.query(f"splitspec:prefix_cache_pages{{{instance}}}")
+    assert prometheus.query(f"splitspec:num_requests_running{{{instance}}}") == 0
 
 
 def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():
@@ -227,4 +363,4 @@ def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():
         worker.submit(Submission(f"x{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4), False, deliver))
     assert done.wait(60)
     assert all(e.finish_reason == "error" and "simulated device failure" in e.error for e in seen)
-    assert runner.kv_cache.allocator.num_used == 0 and worker.reserved_pages == 0
+    assert runner.kv_cache.allocator.num_used == 0 and not worker.live

@@ -11,6 +11,13 @@ logical slots L .. L+N-1 in node order):
     after commit    [ committed 0..L-1 | n0 n2 n4 ]             slots of n2, n4 copied down, rest freed
 
 The bonus token is the next root and is not in the cache.
+
+Scheduling is optimistic (SGLang's and vLLM's): a waiting request joins when the pool has room for its
+prompt and one tree, not for its whole output. Each step reserves, oldest request first, the pages of
+every decoding request's tree and of every prefill chunk; when the pool runs dry, the newest running
+request is preempted: its KV goes to the prefix cache (or back to the pool), it returns to the front of
+the waiting queue with the tokens it has, and on readmission prompt + output so far is prefilled again
+(from the prefix cache where its pages survived). Outputs do not change: sampling is keyed by position.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitspec.runtime.batch import SequenceInput
-from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_logits, sample
 from splitspec.runtime.sampling_params import SamplingParams
@@ -51,7 +58,7 @@ class SchedulerConfig:
     """SGLang's scheduling flags."""
 
     max_running_requests: int = 0  # 0 = no limit (--max-running-requests)
-    chunked_prefill_size: int = 0  # prompt tokens prefilled per step in all; 0 or less = whole prompts
+    chunked_prefill_size: int = 0  # tokens per step in all: tree tokens first, prompt chunks in the rest; <= 0 = no limit
 
 
 @dataclass
@@ -81,12 +88,23 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     stats: SpecStats = field(default_factory=SpecStats)
     unsent: list[int] = field(default_factory=list)  # tokens the drafter has not been told about
-    num_prefilled: int = 0  # prompt tokens already in the KV cache (chunked prefill)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_prefilled: int = 0  # tokens of fill_ids already in the KV cache (chunked prefill)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (at first admission)
+    fill_len: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output[:-1] after preemption
+    arrival: int = 0  # admission priority: lower runs first and is preempted last
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.fill_len = self.fill_len or len(self.prompt_ids)
 
     @property
-    def prefilled(self) -> bool:
-        return bool(self.output_ids)
+    def fill_ids(self) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[: self.fill_len]
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled and holding a root token: the next step verifies a tree for it."""
+        return bool(self.output_ids) and self.num_prefilled >= self.fill_len
 
 
 @dataclass
@@ -96,16 +114,18 @@ class _Chunk:
     end: int
 
     @property
-    def last(self) -> bool:
-        return self.end == len(self.request.prompt_ids)
+    def samples(self) -> bool:
+        """The chunk that completes a fresh prompt: its last row's logits give the first output token."""
+        return self.end == self.request.fill_len and not self.request.output_ids
 
 
 @dataclass
 class StepReport:
     """What one step did, for metrics: phase times and speculation counts."""
 
-    seconds: dict[str, float] = field(default_factory=dict)  # schedule, draft, verify, accept_commit
-    prefill_tokens: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # schedule, draft, verify, accept, commit
+    prefill_tokens: int = 0  # tokens prefilled this step (recomputation after preemption included)
+    prompt_tokens: int = 0  # prompt tokens of requests that got their first token this step
     generated_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # per verify with drafts: accepted + 1
     draft_tokens: int = 0
@@ -113,7 +133,8 @@ class StepReport:
     accepted_per_position: list[int] = field(default_factory=list)
     fallbacks: int = 0
     finished: list[str] = field(default_factory=list)  # finish reasons of requests that ended
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache to requests admitted this step
+    cached_tokens: int = 0  # tokens served from the prefix cache to requests admitted this step
+    preemptions: int = 0  # running requests sent back to wait for pages
 
 
 @dataclass
@@ -139,13 +160,16 @@ class Engine:
         self.prefix_cache = prefix_cache
         if prefix_cache is not None:
             runner.kv_cache.evictor = prefix_cache.evict
-        self.waiting: list[Request] = []
+        self.waiting: list[Request] = []  # by arrival, preempted requests back at the front
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.report = StepReport()  # the last step's
+        self._events: list[StepEvent] = []  # ended by the scheduler this step (requests that can never fit)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
-        request = Request(f"r{next(self._ids)}", list(prompt_ids), params.with_seed(), speculate and self.drafter is not None)
+        number = next(self._ids)
+        request = Request(f"r{number}", list(prompt_ids), params.with_seed(), speculate and self.drafter is not None,
+                          arrival=number)
         self.waiting.append(request)
         return request
 
@@ -156,6 +180,8 @@ class Engine:
         request.finish_reason = "abort"
         if request in self.waiting:
             self.waiting.remove(request)
+            if request.speculate and request.num_preemptions:  # opened at first admission
+                self.drafter.release(request.request_id)
         else:
             self._retire()
         return True
@@ -167,14 +193,14 @@ class Engine:
     def step(self) -> list[StepEvent]:
         self.report = StepReport()
         start = time.perf_counter()
-        self._admit()
-        prefills = self._prefill_chunks()
+        prefills = self._schedule()
         scheduled = time.perf_counter()
         trees = self._draft()
         drafted = time.perf_counter()
         verifies = [_Verify(r, trees.get(r.request_id) or DraftTree((r.output_ids[-1],), (-1,)), r.table.num_tokens)
-                    for r in self.running if r.prefilled]
-        events = self._forward_and_accept(prefills, verifies)
+                    for r in self.running if r.decoding]
+        events = self._events + self._forward_and_accept(prefills, verifies)
+        self._events = []
         self._retire()
         self.report.seconds.update(schedule=scheduled - start, draft=drafted - scheduled)
         self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
@@ -183,51 +209,116 @@ class Engine:
         return events
 
     # schedule ------------------------------------------------------------------------------------
+    def _tree_tokens(self, request: Request) -> int:
+        """KV slots a decoding request's next verify may write: its tree budget, or the root alone."""
+        return self.spec.num_draft_tokens if request.speculate else 1
+
+    def _schedule(self) -> list[_Chunk]:
+        """Admit, then reserve this step's pages oldest request first, preempting the newest when the
+        pool runs dry. The step's token budget (--chunked-prefill-size) counts every decoding request's
+        tree first; prompt chunks share what is left."""
+        self._admit()
+        limit = self.scheduler.chunked_prefill_size
+        budget = None if limit <= 0 else limit - sum(self._tree_tokens(r) for r in self.running if r.decoding)
+        chunks = []
+        for request in sorted(self.running, key=lambda r: r.arrival):
+            if request not in self.running:  # preempted by an older request this step
+                continue
+            if request.decoding:
+                self._reserve(request, request.table.num_tokens + self._tree_tokens(request))
+                continue
+            size = request.fill_len - request.num_prefilled
+            if budget is not None:
+                size = min(size, budget)
+            if size <= 0:
+                continue
+            if self._reserve(request, request.num_prefilled + size):
+                chunks.append(_Chunk(request, request.num_prefilled, request.num_prefilled + size))
+                if budget is not None:
+                    budget -= size
+        return chunks
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        """Pages for num_tokens slots of request, preempting newer requests as needed. False when the
+        request itself was preempted (or ended: it cannot fit even alone)."""
+        kv = self.runner.kv_cache
+        while True:
+            try:
+                kv.reserve(request.table, num_tokens)
+                return True
+            except OutOfPagesError:
+                victim = max(self.running, key=lambda r: r.arrival)
+                if victim is request and len(self.running) == 1:
+                    self._fail(request, f"RESOURCE_EXHAUSTED: the request needs {kv.pages_for(num_tokens)} KV pages "
+                                        f"and the cache has {kv.num_pages} (--max-total-tokens)")
+                    return False
+                self._preempt(victim)
+                if victim is request:
+                    return False
+
+    def _preempt(self, request: Request) -> None:
+        """Back to the waiting queue's front; the KV it computed is offered to the prefix cache."""
+        logger.info("preempting %s (%d tokens in KV, %d generated): out of KV pages", request.request_id,
+                    request.table.num_tokens, len(request.output_ids))
+        self._cache_and_release(request)
+        request.fill_len = len(request.prompt_ids) + max(len(request.output_ids) - 1, 0)
+        request.num_prefilled = 0
+        request.num_preemptions += 1
+        self.report.preemptions += 1
+        self.running.remove(request)
+        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
+        self.waiting.insert(position, request)
+
+    def _fail(self, request: Request, message: str) -> None:
+        logger.warning("ending %s: %s", request.request_id, message)
+        request.finish_reason = "error"
+        self._events.append(StepEvent(request.request_id, [], "error", message))
+        self._retire()
+
     def _admit(self) -> None:
-        """Waiting requests join, in arrival order, up to --max-running-requests."""
+        """Waiting requests join in order, up to --max-running-requests, while the pool (free pages and
+        pages only the prefix cache holds) has room for their prefill and first tree beyond what the
+        running requests' next trees take."""
         limit = self.scheduler.max_running_requests
+        kv = self.runner.kv_cache
+        available = kv.allocator.num_free + (self.prefix_cache.num_evictable if self.prefix_cache is not None else 0)
+        available -= sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
+                         for r in self.running if r.decoding)
         while self.waiting and (limit <= 0 or len(self.running) < limit):
-            request = self.waiting.pop(0)
+            request = self.waiting[0]
             if request.params.max_new_tokens == 0:
+                self.waiting.pop(0)
                 request.finish_reason = "length"
                 continue
-            if request.speculate:
+            cached = self._match_prefix(request)
+            needed = kv.pages_for(request.fill_len + self._tree_tokens(request)) - len(cached)
+            if self.running and needed > available:
+                break
+            self.waiting.pop(0)
+            available -= needed + sum(1 for page in cached if kv.allocator.refcount(page) == 1)
+            if request.speculate and not request.num_preemptions:
                 self.drafter.open(request.request_id, request.prompt_ids)
-            self._reuse_prefix(request)
+            if cached:
+                kv.allocator.incref(cached)
+                request.table.pages = list(cached)
+                request.table.num_tokens = request.num_prefilled = len(cached) * kv.page_size
+                self.report.cached_tokens += request.num_prefilled
+                if not request.num_preemptions:
+                    request.cached_tokens = request.num_prefilled
             self.running.append(request)
 
-    def _reuse_prefix(self, request: Request) -> None:
-        """Start the request's KV with the cached pages of its prompt's longest cached prefix (at least
-        the last prompt token is always computed: its logits give the first output token)."""
+    def _match_prefix(self, request: Request) -> list[int]:
+        """Cached pages of the longest cached prefix of what the request must prefill. A fresh prompt's
+        last token is always computed: its logits give the first output token."""
         if self.prefix_cache is None:
-            return
-        pages = self.prefix_cache.match(request.prompt_ids[:-1])
-        if pages:
-            self.runner.kv_cache.allocator.incref(pages)
-            request.table.pages = list(pages)
-            request.table.num_tokens = request.num_prefilled = request.cached_tokens = len(pages) * self.runner.kv_cache.page_size
-            self.report.cached_tokens += request.cached_tokens
-
-    def _prefill_chunks(self) -> list[_Chunk]:
-        """This step's prompt chunks, oldest request first, within --chunked-prefill-size tokens."""
-        budget = self.scheduler.chunked_prefill_size if self.scheduler.chunked_prefill_size > 0 else None
-        chunks = []
-        for request in self.running:
-            remaining = len(request.prompt_ids) - request.num_prefilled
-            if request.prefilled or remaining == 0:
-                continue
-            size = remaining if budget is None else min(remaining, budget)
-            if size <= 0:
-                break
-            chunks.append(_Chunk(request, request.num_prefilled, request.num_prefilled + size))
-            if budget is not None:
-                budget -= size
-        return chunks
+            return []
+        fill = request.fill_ids
+        return self.prefix_cache.match(fill if request.output_ids else fill[:-1])
 
     # draft ---------------------------------------------------------------------------------------
     def _draft(self) -> dict[str, DraftTree | None]:
         asks = [DraftAsk(r.request_id, r.unsent, self.spec.num_draft_tokens) for r in self.running
-                if r.speculate and r.prefilled]
+                if r.speculate and r.decoding]
         if not asks:
             return {}
         trees = self.drafter.propose(asks)
@@ -249,7 +340,7 @@ class Engine:
 
     # verify + accept -----------------------------------------------------------------------------
     def _forward_and_accept(self, prefills: list[_Chunk], verifies: list[_Verify]) -> list[StepEvent]:
-        sequences = [SequenceInput(c.request.table, c.request.prompt_ids[c.start : c.end], logits="last" if c.last else "none")
+        sequences = [SequenceInput(c.request.table, c.request.fill_ids[c.start : c.end], logits="last" if c.samples else "none")
                      for c in prefills]
         for v in verifies:
             parents = list(v.tree.parents)
@@ -265,18 +356,24 @@ class Engine:
         events = []
         for i, chunk in enumerate(prefills):
             request = chunk.request
+            samples = chunk.samples
             self.runner.kv_cache.set_length(request.table, chunk.end)
             request.num_prefilled = chunk.end
-            if chunk.last:
+            if samples:
                 row = batch.cu_logits[i]
+                self.report.prompt_tokens += len(request.prompt_ids)
                 events.append(self._emit(request, [sample(logits[row : row + 1], [request.params], [0]).item()]))
+        commit_seconds = 0.0
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
             acceptance = self._accept(v, node_logits)
+            commit_start = time.perf_counter()
             self._commit_kv(v, acceptance)
+            commit_seconds += time.perf_counter() - commit_start
             self._count(v, acceptance)
             events.append(self._emit(v.request, acceptance.tokens))
-        self.report.seconds["accept_commit"] = time.perf_counter() - accept_start
+        self.report.seconds["accept"] = time.perf_counter() - accept_start - commit_seconds
+        self.report.seconds["commit"] = commit_seconds
         return events
 
     def _accept(self, v: _Verify, node_logits: torch.Tensor) -> Acceptance:
@@ -337,14 +434,17 @@ class Engine:
     def _retire(self) -> None:
         for request in self.running:
             if request.finish_reason is not None:
-                if self.prefix_cache is not None and request.finish_reason != "error":
-                    # KV slot i holds token i of prompt + output (the last output token is not in it)
-                    sequence = (request.prompt_ids + request.output_ids)[: request.table.num_tokens]
-                    self.prefix_cache.insert(sequence, request.table.pages)
-                self.runner.kv_cache.release(request.table)
+                self._cache_and_release(request)
                 if request.speculate:
                     self.drafter.release(request.request_id)
         self.running = [r for r in self.running if r.finish_reason is None]
+
+    def _cache_and_release(self, request: Request) -> None:
+        if self.prefix_cache is not None and request.finish_reason != "error":
+            # KV slot i holds token i of prompt + output (the last output token is not in it)
+            sequence = (request.prompt_ids + request.output_ids)[: request.table.num_tokens]
+            self.prefix_cache.insert(sequence, request.table.pages)
+        self.runner.kv_cache.release(request.table)
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams], speculate: bool = True) -> list[Request]:
         """Offline: all prompts to completion."""

@@ -30,22 +30,26 @@ class EngineMetrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each depth.", ("position",))
         self.fallbacks = counter("spec_decode_fallbacks", "Delivered drafts that were unusable (plain decode instead).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token (cached included).")
+        self.prefill_tokens = counter("prefill_computed_tokens", "Tokens prefilled by the target (recomputation after preemption included).")
+        self.preemptions = counter("num_preemptions", "Running requests sent back to wait because the KV cache ran out of pages.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Requests that ended, by finish reason.", ("finished_reason",))
         self.accept_length = Histogram(PREFIX + "spec_accept_length", "Tokens emitted per verify step with drafts.",
                                        list(labels), buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=registry)
-        self.step_seconds = Histogram(PREFIX + "step_phase_seconds", "Time per step phase.", [*labels, "phase"],
+        self.step_seconds = Histogram(PREFIX + "step_phase_seconds",
+                                      "Time per step phase: schedule, draft (waiting for drafts), verify (the target forward), accept, commit.",
+                                      [*labels, "phase"],
                                       buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
                                       registry=registry)
-        self.prefix_hit_tokens = counter("prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache.")
+        self.prefix_hit_tokens = counter("prefix_cache_hit_tokens", "Tokens whose KV came from the prefix cache at admission (readmission after preemption included).")
         self.prefix_pages = gauge("prefix_cache_pages", "KV-cache pages held by the prefix cache.")
         self.kv_used = gauge("kv_pages_used", "KV-cache pages in use (the prefix cache's included).")
         self.kv_free = gauge("kv_pages_free", "KV-cache pages free.")
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to join.")
 
-    def observe(self, engine: Engine, waiting_outside: int = 0) -> None:
+    def observe(self, engine: Engine) -> None:
         report, labels = engine.report, self.labels
         self.num_drafts.labels(**labels).inc(len(report.accept_lengths))
         self.draft_tokens.labels(**labels).inc(report.draft_tokens)
@@ -53,7 +57,9 @@ class EngineMetrics:
         for position, count in enumerate(report.accepted_per_position):
             self.accepted_per_pos.labels(**labels, position=str(position)).inc(count)
         self.fallbacks.labels(**labels).inc(report.fallbacks)
-        self.prompt_tokens.labels(**labels).inc(report.prefill_tokens)
+        self.prompt_tokens.labels(**labels).inc(report.prompt_tokens)
+        self.prefill_tokens.labels(**labels).inc(report.prefill_tokens)
+        self.preemptions.labels(**labels).inc(report.preemptions)
         self.generation_tokens.labels(**labels).inc(report.generated_tokens)
         self.prefix_hit_tokens.labels(**labels).inc(report.cached_tokens)
         for reason in report.finished:
@@ -62,13 +68,13 @@ class EngineMetrics:
             self.accept_length.labels(**labels).observe(length)
         for phase, seconds in report.seconds.items():
             self.step_seconds.labels(**labels, phase=phase).observe(seconds)
-        self.observe_state(engine, waiting_outside)
+        self.observe_state(engine)
 
-    def observe_state(self, engine: Engine, waiting_outside: int = 0) -> None:
+    def observe_state(self, engine: Engine) -> None:
         allocator = engine.runner.kv_cache.allocator
         self.kv_used.labels(**self.labels).set(allocator.num_used)
         self.kv_free.labels(**self.labels).set(allocator.num_free)
         self.running.labels(**self.labels).set(len(engine.running))
-        self.waiting.labels(**self.labels).set(len(engine.waiting) + waiting_outside)
+        self.waiting.labels(**self.labels).set(len(engine.waiting))
         cache = engine.prefix_cache
         self.prefix_pages.labels(**self.labels).set(cache.num_pages if cache is not None else 0)

@@ -61,6 +61,12 @@ class PrefixCache:
             child.stamp = stamp
             node = child
 
+    @property
+    def num_evictable(self) -> int:
+        """Pages only the cache holds: evict() can free all of them (a page someone else holds keeps
+        its ancestors held too, so these always drain leaf by leaf)."""
+        return sum(1 for node in self._nodes() if self.allocator.refcount(node.page) == 1)
+
     def evict(self, num_pages: int) -> int:
         """Free up to num_pages pages held only by the cache, least recently used leaves first."""
         freed = 0

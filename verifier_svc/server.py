@@ -157,13 +157,14 @@ async def serve(args: argparse.Namespace) -> None:
     model_id = args.served_model_name or args.model_path or str(model_dir)
     metrics = None
     if args.metrics_port is not None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
+        from splitspec.metrics_http import start_metrics_server
         from splitspec.verifier_svc.metrics import EngineMetrics
 
         registry = CollectorRegistry()
         metrics = EngineMetrics(registry, model_id)
-        start_http_server(args.metrics_port, addr=args.host, registry=registry)
+        start_metrics_server(registry, args.host, args.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 

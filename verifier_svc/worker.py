@@ -1,8 +1,8 @@
 """The engine's thread: it owns the Engine, takes submissions and aborts from a queue, steps while
 there is work, and hands each step's deltas to the streams that asked for them.
 
-Admission reserves each request's worst case (prompt + max_new_tokens + one draft tree, in pages), so
-the engine never runs out of pages mid-step; a request that does not fit waits until others finish.
+Submissions join the engine's waiting queue at once; the engine admits them as pages allow and
+preempts when the pool runs dry, so a request only has to fit alone (the server checks that).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ class Submission:
     speculate: bool
     deliver: Callable[[Request, StepEvent], None]  # called on the worker thread with each delta
     request: Request | None = None
-    reserved_pages: int = 0
 
 
 @dataclass
@@ -41,12 +40,11 @@ class EngineWorker(threading.Thread):
         super().__init__(name="engine", daemon=True)
         self.engine, self.metrics = engine, metrics
         self.inbox: queue.Queue = queue.Queue()
-        self.pending: list[Submission] = []  # accepted, waiting for pages
         self.live: dict[str, Submission] = {}  # engine request id -> submission
         self.finished: dict[str, Submission] = {}  # ended this step, delta not yet delivered
-        self.reserved_pages = 0
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """KV pages a request needs at its longest (prompt + output + one tree): it must fit alone."""
         kv = self.engine.runner.kv_cache
         return kv.pages_for(prompt_len + max_new_tokens + self.engine.spec.num_draft_tokens)
 
@@ -61,8 +59,7 @@ class EngineWorker(threading.Thread):
 
     def run(self) -> None:
         while True:
-            self._drain(block=not self.engine.has_work and not self._admit_ready())
-            self._admit()
+            self._drain(block=not self.engine.has_work)
             if self.engine.has_work:
                 try:
                     events = self.engine.step()
@@ -73,15 +70,9 @@ class EngineWorker(threading.Thread):
                 for event in events:
                     self._settle(event)
                 if self.metrics is not None:  # before delivery, so a client never sees newer tokens than metrics
-                    self.metrics.observe(self.engine, len(self.pending))
+                    self.metrics.observe(self.engine)
                 for event in events:
                     self._deliver(event)
-
-    def _admit_ready(self) -> bool:
-        return bool(self.pending) and self._fits(self.pending[0])
-
-    def _fits(self, submission: Submission) -> bool:
-        return self.reserved_pages + submission.reserved_pages <= self.engine.runner.kv_cache.num_pages
 
     def _drain(self, block: bool) -> None:
         try:
@@ -94,29 +85,18 @@ class EngineWorker(threading.Thread):
 
     def _handle(self, item) -> None:
         if isinstance(item, Submission):
-            item.reserved_pages = self.pages_needed(len(item.prompt_ids), item.params.max_new_tokens)
-            self.pending.append(item)
+            item.request = self.engine.add_request(item.prompt_ids, item.params, item.speculate)
+            self.live[item.request.request_id] = item
             return
         submission = item.submission
-        if submission in self.pending:
-            self.pending.remove(submission)
-            item.found = True
-            submission.deliver(None, StepEvent(submission.client_id, [], "abort"))
-        elif submission.request is not None and self.engine.abort(submission.request):
+        if submission.request is not None and self.engine.abort(submission.request):
             item.found = True
             self._finish(submission)
             submission.deliver(submission.request, StepEvent(submission.request.request_id, [], "abort"))
         if item.found and self.metrics is not None:
             self.metrics.finished.labels(**self.metrics.labels, finished_reason="abort").inc()
-            self.metrics.observe_state(self.engine, len(self.pending))
+            self.metrics.observe_state(self.engine)
         item.done.set()
-
-    def _admit(self) -> None:
-        while self.pending and self._fits(self.pending[0]):
-            submission = self.pending.pop(0)
-            self.reserved_pages += submission.reserved_pages
-            submission.request = self.engine.add_request(submission.prompt_ids, submission.params, submission.speculate)
-            self.live[submission.request.request_id] = submission
 
     def _fail_all(self, message: str) -> None:
         for submission in list(self.live.values()):
@@ -126,7 +106,7 @@ class EngineWorker(threading.Thread):
             submission.deliver(submission.request, StepEvent(submission.request.request_id, [], "error", message))
 
     def _settle(self, event: StepEvent) -> None:
-        """Release a finished request's page reservation (before anyone hears it finished)."""
+        """Move a finished request out of the live set (before anyone hears it finished)."""
         submission = self.live.get(event.request_id)
         if submission is not None and event.finish_reason is not None:
             self._finish(submission)
@@ -138,5 +118,4 @@ class EngineWorker(threading.Thread):
             submission.deliver(submission.request, event)
 
     def _finish(self, submission: Submission) -> None:
-        if self.live.pop(submission.request.request_id, None) is not None:
-            self.reserved_pages -= submission.reserved_pages
+        self.live.pop(submission.request.request_id, None)
