@@ -85,7 +85,7 @@ class SpeculationCounts(_message.Message):
     def __init__(self, verify_steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., fallbacks: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "error", "speculation", "prompt_tokens", "cached_prompt_tokens", "seed")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "error", "speculation", "prompt_tokens", "cached_prompt_tokens", "seed", "error_code", "num_preemptions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,8 @@ class TokenDelta(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -102,7 +104,9 @@ class TokenDelta(_message.Message):
     prompt_tokens: int
     cached_prompt_tokens: int
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationCounts, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    error_code: int
+    num_preemptions: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[str] = ..., speculation: _Optional[_Union[SpeculationCounts, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., error_code: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
 
 class GenerateServerMessage(_message.Message):
     __slots__ = ("deltas",)

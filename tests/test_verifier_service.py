@@ -157,9 +157,9 @@ def collect(stub, messages, expected: int) -> dict[str, dict]:
         for d in response.deltas:
             r = results.setdefault(d.request_id, {"tokens": [], "finish": None, "error": "", "spec": None})
             r["tokens"] += list(d.token_ids)
-            r["spec"] = d.speculation
+            r["spec"], r["preemptions"] = d.speculation, d.num_preemptions
             if d.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                r["finish"], r["error"] = d.finish_reason, d.error
+                r["finish"], r["error"], r["code"] = d.finish_reason, d.error, d.error_code
         if sum(r["finish"] is not None for r in results.values()) == expected:
             stream.cancel()
             break
@@ -205,6 +205,7 @@ def test_bad_requests_are_refused_by_name_while_others_run(verifier):
     for name, (_, text) in bad.items():
         assert results[name]["finish"] == pb.FINISH_REASON_ERROR
         assert results[name]["error"].startswith("INVALID_ARGUMENT") and text in results[name]["error"], results[name]
+        assert results[name]["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     for name in ("good-a", "good-b"):
         assert results[name]["finish"] == pb.FINISH_REASON_LENGTH and len(results[name]["tokens"]) == 32
 
@@ -327,9 +328,9 @@ def test_sixteen_requests_complete_through_preemption_with_unchanged_output(tiny
     assert sum(r["spec"].accepted_tokens for r in results.values()) > 0
     assert all(r["spec"].fallbacks == 0 for r in results.values())
     instance = f'instance="127.0.0.1:{tiny_verifier.metrics_port}"'
-    now = scrape(tiny_verifier.metrics_url)
-    assert now[("splitspec:num_preemptions_total", ())] > 0
-    assert prometheus.wait_for(f"splitspec:num_preemptions_total{{{instance}}}", now[("splitspec:num_preemptions_total", ())]) > 0
+    preempted = sum(r["preemptions"] for r in results.values())  # as each request's last delta reports
+    assert preempted > 0, "the budget should have forced preemption"
+    assert prometheus.wait_for(f"splitspec:num_preemptions_total{{{instance}}}", preempted) == preempted
     assert prometheus.wait_for(f'sum(splitspec:request_success_total{{{instance},finished_reason="length"}})', 16) == 16
     used = prometheus.query(f"splitspec:kv_pages_used{{{instance}}}")
     assert used == prometheus.query(f"splitspec:prefix_cache_pages{{{instance}}}")
@@ -364,3 +365,12 @@ def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():
     assert done.wait(60)
     assert all(e.finish_reason == "error" and "simulated device failure" in e.error for e in seen)
     assert runner.kv_cache.allocator.num_used == 0 and not worker.live
+
+
+def test_a_request_bigger_than_the_kv_cache_is_refused_with_resource_exhausted(tiny_verifier):
+    info = tiny_verifier.GetModelInfo(pb.ModelInfoRequest())
+    assert info.max_context_tokens > 400  # fits the model's context, not the 320-token cache
+    results = collect(tiny_verifier, [submit("big", [13, 290, 350], max_new_tokens=400), submit("ok", PROMPTS[0], 8)], 2)
+    assert results["big"]["finish"] == pb.FINISH_REASON_ERROR and "--max-total-tokens" in results["big"]["error"]
+    assert results["big"]["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert results["ok"]["finish"] == pb.FINISH_REASON_LENGTH and len(results["ok"]["tokens"]) == 8

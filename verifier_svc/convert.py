@@ -25,12 +25,22 @@ def speculation(stats: SpecStats) -> pb.SpeculationCounts:
                                 accepted_per_position=stats.accepted_per_position, fallbacks=stats.fallbacks)
 
 
+def status_code(message: str) -> int:
+    """The gRPC status code number an error message names ("INVALID_ARGUMENT: ..." -> 3); INTERNAL otherwise."""
+    import grpc
+
+    name = message.split(":", 1)[0].strip()
+    code = grpc.StatusCode.__members__.get(name, grpc.StatusCode.INTERNAL)
+    return code.value[0]
+
+
 def delta(client_id: str, request: Request | None, token_ids: list[int], finish_reason: str | None,
           first: bool, error: str = "") -> pb.TokenDelta:
     message = pb.TokenDelta(request_id=client_id, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason],
-                            error=error)
+                            error=error, error_code=status_code(error) if error else 0)
     if request is not None:
         message.speculation.CopyFrom(speculation(request.stats))
+        message.num_preemptions = request.num_preemptions
         if first or finish_reason is not None:
             message.prompt_tokens = len(request.prompt_ids)
             message.cached_prompt_tokens = request.cached_tokens
@@ -40,4 +50,5 @@ def delta(client_id: str, request: Request | None, token_ids: list[int], finish_
 
 
 def error(client_id: str, message: str) -> pb.TokenDelta:
-    return pb.TokenDelta(request_id=client_id, finish_reason=pb.FINISH_REASON_ERROR, error=message)
+    return pb.TokenDelta(request_id=client_id, finish_reason=pb.FINISH_REASON_ERROR, error=message,
+                         error_code=status_code(message))
