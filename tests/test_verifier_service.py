@@ -39,7 +39,8 @@ def start_verifier(*extra: str):
     port, metrics_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--metrics-port", str(metrics_port),
-         "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--log-level", "warning", *extra],
+         "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
+         "--log-level", "warning", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)

@@ -188,7 +188,10 @@ async def serve(args: argparse.Namespace) -> None:
     await server.start()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    logger.info("verifier serving %s on %s (speculation: %s)", info.model_id, address, info.speculative_algorithm or "off")
+    kv = runner.kv_cache
+    logger.info("verifier serving %s on %s: %s %s, KV cache %d pages x %d tokens, speculation %s, prefix cache %s",
+                info.model_id, address, runner.device, str(kv.dtype).removeprefix("torch."), kv.num_pages, kv.page_size,
+                info.speculative_algorithm or "off", "off" if cache is None else "on")
     await server.wait_for_termination()
 
 
