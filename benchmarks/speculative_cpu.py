@@ -1,6 +1,11 @@
 """Plain vs NGRAM speculative decoding with the demo target on CPU; JSON out, no assertions.
 
     python benchmarks/speculative_cpu.py --out benchmarks/results/speculative_cpu.json
+    python benchmarks/speculative_cpu.py --transports inprocess,zmq --out benchmarks/results/split_cpu.json
+
+--transports zmq drafts with a `splitspec drafter` process over ZeroMQ (tcp on loopback) through the
+verifier's DrafterPool instead of the drafter object in this process; the drafter is the same NGRAM
+with the same flags, fresh for every group as the in-process one is.
 
 Prompts are the first --prompt-tokens tokens of the held-out standard-library files (code the demo
 model never trained on). Greedy decoding; each configuration runs every prompt in groups of the
@@ -37,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128, help="Tokens generated per request.")
     parser.add_argument("--num-draft-tokens", type=int, default=8, help="NGRAM tree budget, root included.")
     parser.add_argument("--match-type", default="BFS", choices=("BFS", "PROB"), help="NGRAM tree construction.")
+    parser.add_argument("--transports", default="inprocess",
+                        help="Comma-separated: inprocess (drafter object here), zmq (a drafter process over ZeroMQ).")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
     return parser.parse_args()
 
@@ -48,21 +55,57 @@ def prompts_from_held_out(tokenizer, num: int, length: int) -> list[list[int]]:
     return prompts[:num]
 
 
-def measure(runner, prompts, batch_size: int, new_tokens: int, spec: SpecConfig | None, match_type: str) -> dict:
+class ZmqDrafter:
+    """A DrafterPool bound on loopback with one `splitspec drafter` process registered to it."""
+
+    def __init__(self, match_type: str, vocab_size: int):
+        import socket
+        import subprocess
+
+        from splitspec.verifier_svc.drafter_pool import DrafterPool
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        address = f"tcp://127.0.0.1:{port}"
+        self.pool = DrafterPool(address, "NGRAM", vocab_size, timeout=5.0, heartbeat_timeout=10.0)
+        self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+                                         "--speculative-algorithm", "NGRAM", "--speculative-ngram-match-type", match_type,
+                                         "--log-level", "warning"])
+        if not self.pool.wait_for_drafters(1, 120):
+            raise RuntimeError("the drafter process did not register")
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.pool.close()
+
+
+def measure(runner, prompts, batch_size: int, new_tokens: int, spec: SpecConfig | None, match_type: str,
+            transport: str = "inprocess") -> dict:
     params = [SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
     decode_s, decode_tokens, requests = 0.0, 0, []
     for start in range(0, len(prompts), batch_size):
         group = slice(start, start + batch_size)
-        drafter = InProcessDrafterClient(NgramDrafter(NgramConfig(match_type=match_type))) if spec else None
+        remote = ZmqDrafter(match_type, runner.config.vocab_size) if spec and transport == "zmq" else None
+        if remote is not None:
+            drafter = remote.pool
+        else:
+            drafter = InProcessDrafterClient(NgramDrafter(NgramConfig(match_type=match_type))) if spec else None
         stamps: list[tuple[float, int]] = []
-        out = generate_ids(runner, prompts[group], params[group], set(), drafter=drafter, spec=spec,
-                           on_step=lambda n: stamps.append((time.perf_counter(), n)))
+        try:
+            out = generate_ids(runner, prompts[group], params[group], set(), drafter=drafter, spec=spec,
+                               on_step=lambda n: stamps.append((time.perf_counter(), n)))  # noqa: B023 (called before the loop moves on)
+        finally:
+            if remote is not None:
+                remote.close()
         decode_s += stamps[-1][0] - stamps[0][0]
         decode_tokens += sum(n for _, n in stamps[1:])
         requests += out
     verify_steps = sum(r.stats.verify_steps for r in requests)
     accepted = sum(r.stats.accepted_tokens for r in requests)
-    row = {"batch_size": batch_size, "speculative": "NGRAM" if spec else None, "decode_s": round(decode_s, 3),
+    row = {"batch_size": batch_size, "speculative": "NGRAM" if spec else None, "drafter": transport if spec else None,
+           "decode_s": round(decode_s, 3),
            "decode_tokens": decode_tokens, "decode_tok_s": round(decode_tokens / decode_s, 2)}
     if spec:
         row.update({"num_draft_tokens": spec.num_draft_tokens, "match_type": match_type, "verify_steps": verify_steps,
@@ -86,12 +129,15 @@ def main() -> int:
     results = []
     for batch_size in batch_sizes:
         plain, plain_ids = measure(runner, prompts, batch_size, args.new_tokens, None, args.match_type)
-        spec, spec_ids = measure(runner, prompts, batch_size, args.new_tokens, SpecConfig(num_draft_tokens=args.num_draft_tokens), args.match_type)
-        spec["speedup"] = round(spec["decode_tok_s"] / plain["decode_tok_s"], 3)
-        spec["outputs_equal_plain"] = sum(a == b for a, b in zip(plain_ids, spec_ids))
-        results += [plain, spec]
+        results.append(plain)
+        for transport in args.transports.split(","):
+            spec, spec_ids = measure(runner, prompts, batch_size, args.new_tokens,
+                                     SpecConfig(num_draft_tokens=args.num_draft_tokens), args.match_type, transport)
+            spec["speedup"] = round(spec["decode_tok_s"] / plain["decode_tok_s"], 3)
+            spec["outputs_equal_plain"] = sum(a == b for a, b in zip(plain_ids, spec_ids))
+            results.append(spec)
     report = {
-        "benchmark": "demo target on CPU: plain vs NGRAM speculative decoding (in-process drafter), greedy",
+        "benchmark": f"demo target on CPU: plain vs NGRAM speculative decoding (drafter: {args.transports}), greedy",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "device": "cpu", "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "model": str(target.name), "prompts": f"{len(prompts)} held-out stdlib files, first {args.prompt_tokens} tokens",

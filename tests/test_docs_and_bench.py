@@ -67,10 +67,12 @@ def test_decode_benchmark_reports_json(tmp_path):
 def test_speculative_benchmark_reports_json(tmp_path):
     out = tmp_path / "spec.json"
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative_cpu.py"), "--num-prompts", "2",
-                             "--new-tokens", "12", "--batch-sizes", "1,2", "--out", str(out)],
+                             "--new-tokens", "12", "--batch-sizes", "1,2", "--transports", "inprocess,zmq", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     rows = json.loads(out.read_text())["results"]
-    assert [(r["batch_size"], r["speculative"]) for r in rows] == [(1, None), (1, "NGRAM"), (2, None), (2, "NGRAM")]
-    for row in rows[1::2]:
-        assert row["outputs_equal_plain"] == 2 and row["fallbacks"] == 0 and row["draft_tokens"] > 0
+    assert [(r["batch_size"], r["speculative"], r["drafter"]) for r in rows] == [
+        (1, None, None), (1, "NGRAM", "inprocess"), (1, "NGRAM", "zmq"), (2, None, None), (2, "NGRAM", "inprocess"), (2, "NGRAM", "zmq")]
+    for row in rows:
+        if row["speculative"]:
+            assert row["outputs_equal_plain"] == 2 and row["fallbacks"] == 0 and row["draft_tokens"] > 0

@@ -65,6 +65,9 @@ def test_generated_code_runs_on_the_gpu_images_versions(tmp_path):
               "m = pb.SubmitRequest(request_id='x', prompt_ids=[1, 2])\n"
               "assert pb.SubmitRequest.FromString(m.SerializeToString()) == m\n"
               "assert hasattr(verifier_pb2_grpc, 'VerifierStub')\n"
+              "from splitspec.protos import step_pb2 as step\n"
+              "d = step.DrafterMessage(sender=step.DrafterIdentity(name='d', session=3), heartbeat=step.Heartbeat(steps=2))\n"
+              "assert step.DrafterMessage.FromString(d.SerializeToString()) == d\n"
               "print(grpc.__version__, google.protobuf.__version__)\n")
     result = subprocess.run([str(python), "-c", script], capture_output=True, text=True, cwd=tmp_path / "pkg", timeout=120)
     assert result.returncode == 0, result.stderr

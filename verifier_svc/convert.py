@@ -1,7 +1,9 @@
-"""The only verifier module that touches generated protobuf classes: wire <-> internal types."""
+"""The only verifier module that touches generated protobuf classes: wire <-> internal types, for the
+gateway's API (verifier.proto) and the drafters' step channel (step.proto)."""
 
 from __future__ import annotations
 
+from splitspec.protos import step_pb2 as step_pb
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.engine import Request, SpecStats
@@ -52,3 +54,68 @@ def delta(client_id: str, request: Request | None, token_ids: list[int], finish_
 def error(client_id: str, message: str) -> pb.TokenDelta:
     return pb.TokenDelta(request_id=client_id, finish_reason=pb.FINISH_REASON_ERROR, error=message,
                          error_code=status_code(message))
+
+
+# the step channel (verifier side) ------------------------------------------------------------------
+
+
+class WireError(ValueError):
+    """A drafter's envelope that cannot be read."""
+
+
+def parse_drafter(data: bytes) -> step_pb.DrafterMessage:
+    message = step_pb.DrafterMessage()
+    try:
+        message.ParseFromString(data)
+    except Exception as exc:  # noqa: BLE001 (protobuf's DecodeError and friends)
+        raise WireError(f"unreadable envelope ({len(data)} bytes): {exc}") from None
+    if not message.HasField("sender") or message.WhichOneof("kind") is None:
+        raise WireError("envelope without sender or content")
+    return message
+
+
+def tree_problem(wire: step_pb.WireTree, max_nodes: int, vocab_size: int) -> str | None:
+    """What is wrong with a tree from the wire, or None: node 0 the root, every other node's parent an
+    earlier node (so no cycles), at most max_nodes nodes, every token inside the vocabulary."""
+    tokens, parents = list(wire.tokens), list(wire.parents)
+    if not tokens or len(tokens) != len(parents):
+        return f"{len(tokens)} tokens for {len(parents)} parents"
+    if len(tokens) > max_nodes:
+        return f"{len(tokens)} nodes, the budget is {max_nodes}"
+    if parents[0] != -1:
+        return "node 0 is not the root"
+    bad = next((i for i, p in enumerate(parents[1:], start=1) if not 0 <= p < i), None)
+    if bad is not None:
+        return f"node {bad} has parent {parents[bad]} (parents must be earlier nodes)"
+    if any(not 0 <= t < vocab_size for t in tokens):
+        return f"a token outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def _verifier_message(epoch: int, session: int, **kind) -> step_pb.VerifierMessage:
+    message = step_pb.VerifierMessage(verifier_epoch=epoch, session=session)
+    for name, value in kind.items():
+        getattr(message, name).CopyFrom(value)
+    return message
+
+
+def register_reply(epoch: int, session: int, accepted: bool, reason: str, heartbeat_timeout: float):
+    return _verifier_message(epoch, session, register_reply=step_pb.RegisterReply(
+        accepted=accepted, reason=reason, session=session, heartbeat_timeout_seconds=heartbeat_timeout))
+
+
+def heartbeat_reply(epoch: int, session: int, known: bool):
+    return _verifier_message(epoch, session, heartbeat_reply=step_pb.HeartbeatReply(known=known))
+
+
+def open_request(epoch: int, session: int, request_id: str, token_ids: list[int]):
+    return _verifier_message(epoch, session, open=step_pb.OpenRequest(request_id=request_id, token_ids=token_ids))
+
+
+def draft_request(epoch: int, session: int, step_id: int, asks):
+    return _verifier_message(epoch, session, draft=step_pb.DraftRequest(step_id=step_id, asks=[
+        step_pb.DraftAsk(request_id=a.request_id, new_token_ids=a.new_tokens, max_nodes=a.max_nodes) for a in asks]))
+
+
+def release(epoch: int, session: int, request_ids: list[str]):
+    return _verifier_message(epoch, session, release=step_pb.ReleaseRequest(request_ids=request_ids))

@@ -1,7 +1,11 @@
 """What the engine calls to get draft trees. The in-process client calls a drafter object directly
-(splitspec generate, in-process benchmarks, tests); the ZeroMQ client of the drafter service
-implements the same interface. A client never raises into the engine for a drafter's fault: it
-returns None for that request and counts it."""
+(splitspec generate, in-process benchmarks, tests); the ZeroMQ pool (drafter_pool) implements the same
+interface. A client never raises into the engine for a drafter's fault: it returns DRAFT_FAULT for
+that request (the engine decodes a plain token and counts a fallback) and counts it.
+
+The engine asks for the next trees as soon as a step's acceptance is known (request), and picks them
+up in the next step's draft phase (collect), so a remote drafter drafts while the verifier streams,
+retires and schedules."""
 
 from __future__ import annotations
 
@@ -23,6 +27,14 @@ class DraftAsk:
     max_nodes: int  # tree budget, root included
 
 
+class _Fault:
+    def __repr__(self) -> str:
+        return "DRAFT_FAULT"
+
+
+DRAFT_FAULT = _Fault()  # collect(): the drafter failed this request this step (late, invalid, gone)
+
+
 @dataclass
 class DrafterStats:
     trees: int = 0  # trees returned
@@ -39,34 +51,70 @@ class DrafterClient(ABC):
     def open(self, request_id: str, prompt_ids: list[int]) -> None: ...
 
     @abstractmethod
-    def propose(self, asks: list[DraftAsk]) -> dict[str, DraftTree | None]: ...
+    def request(self, asks: list[DraftAsk]) -> None:
+        """Start drafting these requests' next trees (returns at once)."""
+
+    @abstractmethod
+    def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | _Fault]:
+        """The requested trees: a tree, None (nothing to propose, or not requested) or DRAFT_FAULT."""
 
     @abstractmethod
     def release(self, request_id: str) -> None: ...
 
+    def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """How a request's last tree fared (per-drafter accounting); optional."""
+
+    def propose(self, asks: list[DraftAsk]) -> dict[str, DraftTree | None | _Fault]:
+        self.request(asks)
+        return self.collect([a.request_id for a in asks])
+
+    def close(self) -> None:
+        """Stop background work (the pool's I/O thread)."""
+
 
 class InProcessDrafterClient(DrafterClient):
+    """Calls a drafter object in this process: request() hands it the new tokens, collect() drafts."""
+
     def __init__(self, drafter):
         super().__init__()
         self.drafter = drafter
+        self._asked: dict[str, int] = {}  # request id -> tree budget
+        self._broken: set[str] = set()
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.drafter.open(request_id, prompt_ids)
 
-    def propose(self, asks: list[DraftAsk]) -> dict[str, DraftTree | None]:
-        try:
-            for ask in asks:
+    def request(self, asks: list[DraftAsk]) -> None:
+        for ask in asks:
+            self._asked[ask.request_id] = ask.max_nodes
+            try:
                 if ask.new_tokens:
                     self.drafter.extend(ask.request_id, ask.new_tokens)
-            trees = self.drafter.draft([a.request_id for a in asks], [a.max_nodes for a in asks])
-        except Exception:  # a drafter fault must not fail a request: decode plainly this step
+            except Exception:  # a drafter fault must not fail a request: decode plainly this step
+                logger.exception("drafter %s failed on %s; no draft this step", self.drafter.name, ask.request_id)
+                self._broken.add(ask.request_id)
+
+    def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | _Fault]:
+        trees: dict[str, DraftTree | None | _Fault] = {r: None for r in request_ids if r not in self._asked}
+        faulted = [r for r in request_ids if r in self._asked and r in self._broken]
+        asked = [r for r in request_ids if r in self._asked and r not in self._broken]
+        trees.update({r: DRAFT_FAULT for r in faulted})
+        try:
+            drafted = self.drafter.draft(asked, [self._asked[r] for r in asked]) if asked else []
+        except Exception:
             logger.exception("drafter %s failed; decoding without drafts this step", self.drafter.name)
-            self.stats.faults += 1
-            return {a.request_id: None for a in asks}
-        for tree in trees:
-            self.stats.trees += tree is not None
+            drafted = [DRAFT_FAULT] * len(asked)
+        trees.update(zip(asked, drafted))
+        for r in request_ids:
+            self._asked.pop(r, None)
+            self._broken.discard(r)
+        for tree in trees.values():
+            self.stats.trees += isinstance(tree, DraftTree)
             self.stats.empty += tree is None
-        return {a.request_id: tree for a, tree in zip(asks, trees)}
+            self.stats.faults += tree is DRAFT_FAULT
+        return trees
 
     def release(self, request_id: str) -> None:
+        self._asked.pop(request_id, None)
+        self._broken.discard(request_id)
         self.drafter.release(request_id)

@@ -36,7 +36,7 @@ from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_l
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, child_links, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens, accept_with_coins
-from splitspec.verifier_svc.drafter_client import DraftAsk, DrafterClient
+from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ class Request:
     fill_len: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output[:-1] after preemption
     arrival: int = 0  # admission priority: lower runs first and is preempted last
     num_preemptions: int = 0
+    draft_requested: bool = False  # its next tree was asked for at the end of the last step
 
     def __post_init__(self):
         self.fill_len = self.fill_len or len(self.prompt_ids)
@@ -202,6 +203,7 @@ class Engine:
         events = self._events + self._forward_and_accept(prefills, verifies)
         self._events = []
         self._retire()
+        self._request_drafts()  # the next trees, as soon as acceptance is known
         self.report.seconds.update(schedule=scheduled - start, draft=drafted - scheduled)
         self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
         self.report.generated_tokens = sum(len(e.new_token_ids) for e in events)
@@ -265,6 +267,7 @@ class Engine:
         request.num_prefilled = 0
         request.num_preemptions += 1
         self.report.preemptions += 1
+        request.draft_requested = False  # asked again once it decodes
         self.running.remove(request)
         position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
         self.waiting.insert(position, request)
@@ -316,20 +319,33 @@ class Engine:
         return self.prefix_cache.match(fill if request.output_ids else fill[:-1])
 
     # draft ---------------------------------------------------------------------------------------
-    def _draft(self) -> dict[str, DraftTree | None]:
-        asks = [DraftAsk(r.request_id, r.unsent, self.spec.num_draft_tokens) for r in self.running
-                if r.speculate and r.decoding]
-        if not asks:
-            return {}
-        trees = self.drafter.propose(asks)
+    def _request_drafts(self, only_missing: bool = False) -> None:
+        """Ask the drafter for the next tree of every decoding request that speculates."""
+        asks = []
         for request in self.running:
-            if request.request_id in trees:
+            if request.speculate and request.decoding and not (only_missing and request.draft_requested):
+                asks.append(DraftAsk(request.request_id, request.unsent, self.spec.num_draft_tokens))
                 request.unsent = []
-                tree = trees[request.request_id]
-                if tree is not None and not self._usable(request, tree):
-                    trees[request.request_id] = None
-                    request.stats.fallbacks += 1
-                    self.report.fallbacks += 1
+                request.draft_requested = True
+        if asks:
+            self.drafter.request(asks)
+
+    def _draft(self) -> dict[str, DraftTree | None]:
+        """Collect this step's trees (asking now for requests that began decoding since)."""
+        self._request_drafts(only_missing=True)
+        ids = [r.request_id for r in self.running if r.speculate and r.decoding]
+        if not ids:
+            return {}
+        trees = self.drafter.collect(ids)
+        for request in self.running:
+            if request.request_id not in trees:
+                continue
+            request.draft_requested = False
+            tree = trees[request.request_id]
+            if tree is DRAFT_FAULT or (tree is not None and not self._usable(request, tree)):
+                trees[request.request_id] = None
+                request.stats.fallbacks += 1
+                self.report.fallbacks += 1
         return trees
 
     def _usable(self, request: Request, tree: DraftTree) -> bool:
@@ -414,6 +430,7 @@ class Engine:
                 stats.accepted_per_position[d] += 1
         v.request.stats.verify_steps += 1
         self.report.accept_lengths.append(acceptance.num_accepted + 1)
+        self.drafter.accepted(v.request.request_id, v.tree.num_drafts, acceptance.num_accepted)
 
     def _emit(self, request: Request, tokens: list[int]) -> StepEvent:
         """Append tokens until a stop condition; what follows a stop is dropped."""

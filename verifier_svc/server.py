@@ -143,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Serve Prometheus metrics on this port at /metrics (default: no metrics server).")
     engine_args.add_scheduler_args(parser)
     engine_args.add_speculative_args(parser)
+    pool = parser.add_argument_group("drafter pool (drafters in their own processes)")
+    pool.add_argument("--drafter-bind-addr", default=None,
+                      help="Bind the drafters' ZeroMQ endpoint here (e.g. tcp://0.0.0.0:30003) and draft with the "
+                      "`splitspec drafter` processes that connect to it; without it the drafter runs in this process.")
+    pool.add_argument("--drafter-timeout-ms", type=float, default=500.0,
+                      help="How long a step waits for a drafter's trees; past it the request decodes a plain token that step.")
+    pool.add_argument("--drafter-heartbeat-timeout", type=float, default=2.0,
+                      help="Seconds without a heartbeat before a drafter is declared dead and its requests move elsewhere.")
+    pool.add_argument("--wait-for-drafters", type=int, default=0,
+                      help="Report SERVING on health only once this many drafters have registered (they may join later too).")
     return parser
 
 
@@ -152,10 +162,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     model_dir = runtime_args.resolve_model(args)
     runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir))
-    drafter, spec = engine_args.in_process_drafter(args)
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
     model_id = args.served_model_name or args.model_path or str(model_dir)
-    metrics = None
+    metrics = registry = None
     if args.metrics_port is not None:
         from prometheus_client import CollectorRegistry
 
@@ -166,6 +175,16 @@ async def serve(args: argparse.Namespace) -> None:
         metrics = EngineMetrics(registry, model_id)
         start_metrics_server(registry, args.host, args.metrics_port)
         logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
+    if args.drafter_bind_addr and args.speculative_algorithm:
+        from splitspec.verifier_svc.drafter_pool import DrafterPool
+        from splitspec.verifier_svc.metrics import PoolMetrics
+
+        spec = engine_args.spec_config(args)
+        drafter = DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
+                              timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
+                              metrics=PoolMetrics(registry, model_id) if registry is not None else None)
+    else:
+        drafter, spec = engine_args.in_process_drafter(args)
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
@@ -186,6 +205,11 @@ async def serve(args: argparse.Namespace) -> None:
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
     await server.start()
+    if args.wait_for_drafters and hasattr(drafter, "wait_for_drafters"):
+        logger.info("waiting for %d drafters to register at %s", args.wait_for_drafters, drafter.address)
+        loop = asyncio.get_running_loop()
+        while not await loop.run_in_executor(None, drafter.wait_for_drafters, args.wait_for_drafters, 5.0):
+            logger.info("%d of %d drafters registered", drafter.num_alive, args.wait_for_drafters)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     kv = runner.kv_cache

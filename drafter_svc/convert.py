@@ -1,0 +1,38 @@
+"""The only drafter module that touches generated protobuf classes: step-channel wire <-> internal types."""
+
+from __future__ import annotations
+
+from splitspec.protos import step_pb2 as pb
+from splitspec.runtime.tensor_plane import TensorInfo
+from splitspec.runtime.tree import DraftTree
+
+
+def envelope(name: str, epoch: int, session: int, **kind) -> pb.DrafterMessage:
+    message = pb.DrafterMessage(sender=pb.DrafterIdentity(name=name, instance_epoch=epoch, session=session))
+    for field, value in kind.items():
+        getattr(message, field).CopyFrom(value)
+    return message
+
+
+def register(algorithm: str, draft_model: str, vocab_size: int, layers: list[int], capacity: int, max_nodes: int) -> pb.Register:
+    return pb.Register(algorithm=algorithm, draft_model=draft_model, vocab_size=vocab_size, hidden_state_layers=layers,
+                       capacity=capacity, max_tree_nodes=max_nodes)
+
+
+def heartbeat(num_requests: int, steps: int) -> pb.Heartbeat:
+    return pb.Heartbeat(num_requests=num_requests, steps=steps)
+
+
+def draft_reply(step_id: int, trees: list[tuple[str, DraftTree]], seconds: float) -> pb.DraftReply:
+    return pb.DraftReply(step_id=step_id, draft_seconds=seconds,
+                         trees=[pb.WireTree(request_id=r, tokens=t.tokens, parents=t.parents) for r, t in trees])
+
+
+def parse_verifier(data: bytes) -> pb.VerifierMessage:
+    message = pb.VerifierMessage()
+    message.ParseFromString(data)
+    return message
+
+
+def tensor_infos(message: pb.VerifierMessage) -> list[TensorInfo]:
+    return [TensorInfo(t.name, t.dtype, tuple(t.shape), t.frame, t.request_id) for t in message.tensors]

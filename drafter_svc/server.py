@@ -1,0 +1,205 @@
+"""`splitspec drafter`: one drafting algorithm in its own process, serving a verifier over ZeroMQ.
+
+The drafter connects a DEALER socket to the verifier's ROUTER (--verifier-drafter-addr), registers
+(algorithm, draft model, hidden states it needs, capacity, a random instance epoch) and heartbeats.
+The verifier pins requests to it (OpenRequest with the tokens so far), asks for one step of trees at
+a time (DraftRequest: new tokens per request) and releases finished requests. When the verifier goes
+silent, restarts (a new verifier epoch) or no longer knows this drafter's session, every request of
+the old session is dropped and the drafter registers again. Start as many as you like, on any hosts:
+each joins the pool without restarting anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import socket
+import time
+
+from splitspec import engine_args
+from splitspec.drafter_svc import convert
+from splitspec.drafter_svc.base import Drafter
+from splitspec.runtime.args import LOG_LEVELS, setup_logging
+from splitspec.runtime.tensor_plane import FramePlane, TensorError
+
+logger = logging.getLogger("splitspec.drafter")
+
+
+class RefusedError(RuntimeError):
+    """The verifier refused the registration (algorithm or model mismatch)."""
+
+
+class DrafterServer:
+    def __init__(self, drafter: Drafter, address: str, name: str, capacity: int, max_nodes: int,
+                 heartbeat_interval: float = 0.25, verifier_timeout: float = 5.0, draft_model: str = "",
+                 vocab_size: int = 0, hidden_state_layers: tuple[int, ...] = ()):
+        import zmq
+
+        self.zmq = zmq
+        self.drafter, self.address, self.name = drafter, address, name
+        self.capacity, self.max_nodes = capacity, max_nodes
+        self.heartbeat_interval, self.verifier_timeout = heartbeat_interval, verifier_timeout
+        self.draft_model, self.vocab_size, self.hidden_state_layers = draft_model, vocab_size, list(hidden_state_layers)
+        self.epoch = secrets.randbits(63) or 1
+        self.session = 0
+        self.verifier_epoch = 0
+        self.requests: set[str] = set()
+        self.steps = 0
+        self.dropped = 0  # messages from the verifier that could not be used
+        self.plane = FramePlane()
+        self.context = zmq.Context.instance()
+        self.socket = None
+        self.stopping = False
+
+    # socket ---------------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+        self.socket = self.context.socket(self.zmq.DEALER)
+        self.socket.setsockopt(self.zmq.LINGER, 0)
+        self.socket.connect(self.address)
+
+    def _send(self, **kind) -> None:
+        message = convert.envelope(self.name, self.epoch, self.session, **kind)
+        self.socket.send(message.SerializeToString())
+
+    # state ------------------------------------------------------------------------------------------
+    def _reset(self, why: str) -> None:
+        if self.session or self.requests:
+            logger.warning("%s: dropping %d requests of session %d and registering again", why, len(self.requests), self.session)
+        for request_id in self.requests:
+            self.drafter.release(request_id)
+        self.requests.clear()
+        self.session = 0
+
+    def _register(self) -> None:
+        self._send(register=convert.register(self.drafter.name, self.draft_model, self.vocab_size, self.hidden_state_layers,
+                                             self.capacity, self.max_nodes))
+
+    # loop -------------------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Until stop(); raises RefusedError if the verifier refuses this drafter."""
+        self._connect()
+        last_register = last_heartbeat = -1e9
+        last_heard = time.monotonic()
+        logger.info("drafter %s (%s) connecting to %s", self.name, self.drafter.name, self.address)
+        while not self.stopping:
+            now = time.monotonic()
+            if self.session == 0 and now - last_register >= 1.0:
+                self._register()
+                last_register = now
+            if self.session and now - last_heartbeat >= self.heartbeat_interval:
+                self._send(heartbeat=convert.heartbeat(len(self.requests), self.steps))
+                last_heartbeat = now
+            if self.session and now - last_heard > self.verifier_timeout:
+                self._reset(f"no word from the verifier for {self.verifier_timeout:.1f} s")
+                self._connect()
+                last_heard = now
+            if self.socket.poll(timeout=int(self.heartbeat_interval * 1000) or 1):
+                frames = self.socket.recv_multipart(copy=False)
+                last_heard = time.monotonic()
+                self._handle(frames)
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        logger.warning("dropped a message from the verifier: %s", why)
+
+    def _handle(self, frames) -> None:
+        try:
+            message = convert.parse_verifier(frames[0].bytes)
+        except Exception as exc:  # noqa: BLE001 (protobuf raises DecodeError and others)
+            self._drop(f"unreadable envelope ({exc})")
+            return
+        kind = message.WhichOneof("kind")
+        if kind == "register_reply":
+            reply = message.register_reply
+            if not reply.accepted:
+                raise RefusedError(reply.reason)
+            if self.session == 0:
+                self.session, self.verifier_epoch = reply.session, message.verifier_epoch
+                logger.info("registered with verifier epoch %d as session %d", self.verifier_epoch, self.session)
+            return
+        if self.session == 0 or message.session != self.session:
+            return  # for an old session: stale
+        if message.verifier_epoch != self.verifier_epoch:
+            self._reset("the verifier restarted")
+            return
+        if kind == "heartbeat_reply":
+            if not message.heartbeat_reply.known:
+                self._reset("the verifier no longer knows this session")
+        elif kind == "open":
+            request_id = message.open.request_id
+            if request_id in self.requests:
+                self.drafter.release(request_id)
+            self.drafter.open(request_id, list(message.open.token_ids))
+            self.requests.add(request_id)
+        elif kind == "draft":
+            self._draft(message, frames[1:])
+        elif kind == "release":
+            for request_id in message.release.request_ids:
+                if request_id in self.requests:
+                    self.drafter.release(request_id)
+                    self.requests.discard(request_id)
+        else:
+            self._drop(f"unexpected message kind {kind!r}")
+
+    def _draft(self, message, frames) -> None:
+        start = time.perf_counter()
+        try:  # hidden states (model drafters) arrive as raw frames; NGRAM gets none
+            self.plane.unpack(convert.tensor_infos(message), list(frames))
+        except TensorError as exc:
+            self._drop(f"draft request {message.draft.step_id}: {exc}")
+            return
+        asks = [a for a in message.draft.asks if a.request_id in self.requests]
+        for ask in asks:
+            if ask.new_token_ids:
+                self.drafter.extend(ask.request_id, list(ask.new_token_ids))
+        trees = self.drafter.draft([a.request_id for a in asks], [min(a.max_nodes, self.max_nodes) for a in asks]) if asks else []
+        self.steps += 1
+        pairs = [(a.request_id, t) for a, t in zip(asks, trees) if t is not None]
+        self._send(draft_reply=convert.draft_reply(message.draft.step_id, pairs, time.perf_counter() - start))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec drafter", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("drafter service")
+    group.add_argument("--verifier-drafter-addr", default="tcp://127.0.0.1:30003",
+                       help="The verifier's drafter endpoint (its --drafter-bind-addr), e.g. tcp://verifier-host:30003.")
+    group.add_argument("--drafter-name", default=None,
+                       help="Name in the verifier's pool and in metric labels (default: hostname:pid).")
+    group.add_argument("--max-running-requests", type=int, default=1024,
+                       help="Requests this drafter holds at once; the pool balances by pinned requests / this.")
+    group.add_argument("--heartbeat-interval", type=float, default=0.25,
+                       help="Seconds between heartbeats to the verifier.")
+    group.add_argument("--verifier-timeout", type=float, default=5.0,
+                       help="Seconds without a word from the verifier before dropping all requests and registering again.")
+    group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+    engine_args.add_speculative_args(parser, side="drafter")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    if args.speculative_algorithm is None:
+        print("splitspec drafter: error: --speculative-algorithm is required (the algorithm this drafter runs)",
+              file=__import__("sys").stderr)
+        return 2
+    drafter = engine_args.build_drafter(args)
+    name = args.drafter_name or f"{socket.gethostname()}:{os.getpid()}"
+    max_nodes = args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size
+    server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,
+                           args.heartbeat_interval, args.verifier_timeout)
+    try:
+        server.serve()
+    except RefusedError as exc:
+        logger.error("the verifier refused this drafter: %s", exc)
+        return 3
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,159 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorMeta(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "frame", "request_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    frame: int
+    request_id: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., frame: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class DrafterIdentity(_message.Message):
+    __slots__ = ("name", "instance_epoch", "session")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    instance_epoch: int
+    session: int
+    def __init__(self, name: _Optional[str] = ..., instance_epoch: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
+
+class Register(_message.Message):
+    __slots__ = ("algorithm", "draft_model", "vocab_size", "hidden_state_layers", "capacity", "max_tree_nodes")
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    algorithm: str
+    draft_model: str
+    vocab_size: int
+    hidden_state_layers: _containers.RepeatedScalarFieldContainer[int]
+    capacity: int
+    max_tree_nodes: int
+    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("num_requests", "steps")
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    num_requests: int
+    steps: int
+    def __init__(self, num_requests: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class WireTree(_message.Message):
+    __slots__ = ("request_id", "tokens", "parents")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("step_id", "trees", "draft_seconds")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    trees: _containers.RepeatedCompositeFieldContainer[WireTree]
+    draft_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[WireTree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+
+class DrafterMessage(_message.Message):
+    __slots__ = ("sender", "register", "heartbeat", "draft_reply", "tensors")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REPLY_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    sender: DrafterIdentity
+    register: Register
+    heartbeat: Heartbeat
+    draft_reply: DraftReply
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, sender: _Optional[_Union[DrafterIdentity, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., draft_reply: _Optional[_Union[DraftReply, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("accepted", "reason", "session", "heartbeat_timeout_seconds")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    session: int
+    heartbeat_timeout_seconds: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., session: _Optional[int] = ..., heartbeat_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftAsk(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "max_nodes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_nodes: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("step_id", "asks")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ASKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    asks: _containers.RepeatedCompositeFieldContainer[DraftAsk]
+    def __init__(self, step_id: _Optional[int] = ..., asks: _Optional[_Iterable[_Union[DraftAsk, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class VerifierMessage(_message.Message):
+    __slots__ = ("verifier_epoch", "session", "register_reply", "heartbeat_reply", "open", "draft", "release", "tensors")
+    VERIFIER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_REPLY_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_REPLY_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    verifier_epoch: int
+    session: int
+    register_reply: RegisterReply
+    heartbeat_reply: HeartbeatReply
+    open: OpenRequest
+    draft: DraftRequest
+    release: ReleaseRequest
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    def __init__(self, verifier_epoch: _Optional[int] = ..., session: _Optional[int] = ..., register_reply: _Optional[_Union[RegisterReply, _Mapping]] = ..., heartbeat_reply: _Optional[_Union[HeartbeatReply, _Mapping]] = ..., open: _Optional[_Union[OpenRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...

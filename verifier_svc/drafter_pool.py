@@ -1,0 +1,404 @@
+"""The drafter pool: the verifier's ZeroMQ DrafterClient (ARCHITECTURE.md §2, §4).
+
+The verifier binds one ROUTER socket (--drafter-bind-addr); `splitspec drafter` processes connect,
+register and heartbeat. One I/O thread owns the socket: it answers registrations and heartbeats,
+declares a drafter dead when its heartbeats stop, and files draft replies. The engine thread calls
+open / request / collect / release; what it sends goes through a queue to the I/O thread.
+
+    engine thread                    I/O thread                         drafters
+    open(r)      -> pin r to the least loaded live drafter, OpenRequest  ->  d1
+    request(asks)-> one DraftRequest per drafter (step id)               ->  d1, d2
+    collect(ids) <- trees filed by step id, or DRAFT_FAULT at the deadline <- DraftReply
+    release(r)   -> ReleaseRequest                                       ->  d1
+
+Nothing a drafter does can fail, stall or change a request: a reply that is late, unreadable, from an
+unknown or old session, for a step or request it was not asked, or with an invalid tree is dropped,
+counted and logged, and that request decodes a plain token that step. Requests of a dead drafter are
+re-pinned (re-opened with their full token history) on the next ask, or continue unspeculated while
+no drafter is alive. Drafters join and leave at any time.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from splitspec.runtime.tensor_plane import FramePlane, frame_bytes
+from splitspec.runtime.tree import DraftTree
+from splitspec.verifier_svc import convert
+from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Drafter:
+    identity: bytes
+    name: str
+    instance_epoch: int
+    session: int
+    capacity: int
+    max_nodes: int
+    last_seen: float
+    alive: bool = True
+    pinned: set[str] = field(default_factory=set)
+
+    @property
+    def load(self) -> float:
+        return len(self.pinned) / self.capacity
+
+
+@dataclass
+class _Step:
+    drafter: _Drafter
+    budgets: dict[str, int]  # request id -> max nodes
+    sent_at: float
+
+
+class DrafterPool(DrafterClient):
+    def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str = "",
+                 timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None):
+        import zmq
+
+        super().__init__()
+        self.zmq = zmq
+        self.algorithm, self.vocab_size, self.draft_model = algorithm, vocab_size, draft_model
+        self.timeout, self.heartbeat_timeout = timeout, heartbeat_timeout
+        self.metrics = metrics
+        self.epoch = secrets.randbits(63) or 1
+        self.plane = FramePlane()
+        context = zmq.Context.instance()
+        self._router = context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a drafter reconnecting under its identity takes over
+        self._router.bind(bind)
+        self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        wake = f"inproc://drafter-pool-wake-{id(self)}"
+        self._wake_in = context.socket(zmq.PAIR)
+        self._wake_in.bind(wake)
+        self._wake_out = context.socket(zmq.PAIR)
+        self._wake_out.connect(wake)
+        self._wake_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._drafters: dict[int, _Drafter] = {}  # session -> live drafter
+        self._sessions = itertools.count(1)
+        self._step_ids = itertools.count(1)
+        self._pins: dict[str, _Drafter | None] = {}
+        self._history: dict[str, list[int]] = {}
+        self._pending: dict[int, _Step] = {}
+        self._step_of: dict[str, int] = {}
+        self._results: dict[str, object] = {}
+        self._expired: collections.deque[int] = collections.deque(maxlen=4096)  # steps given up on
+        self._stopping = False
+        self._thread = threading.Thread(target=self._io_loop, name="drafter-pool", daemon=True)
+        self._thread.start()
+        logger.info("drafter pool for %s bound at %s (deadline %.0f ms, heartbeat timeout %.1f s)", algorithm,
+                    self.address, timeout * 1000, heartbeat_timeout)
+
+    # what the engine calls ---------------------------------------------------------------------------
+    @property
+    def num_alive(self) -> int:
+        with self._cond:
+            return len(self._drafters)
+
+    def wait_for_drafters(self, count: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._drafters) < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        with self._cond:
+            self._history[request_id] = list(prompt_ids)
+            self._pins[request_id] = None
+            self._pin(request_id, repin=False)
+
+    def request(self, asks: list[DraftAsk]) -> None:
+        groups: dict[int, list[DraftAsk]] = {}
+        with self._cond:
+            for ask in asks:
+                history = self._history.get(ask.request_id)
+                if history is None:
+                    continue
+                history.extend(ask.new_tokens)
+                self._results.pop(ask.request_id, None)
+                self._step_of.pop(ask.request_id, None)
+                drafter = self._pins.get(ask.request_id)
+                new_tokens = ask.new_tokens
+                if drafter is None or not drafter.alive:
+                    drafter = self._pin(ask.request_id, repin=drafter is not None)
+                    new_tokens = []  # the open carried the whole history
+                if drafter is None:
+                    self._results[ask.request_id] = DRAFT_FAULT  # no drafter alive: decode plainly
+                    continue
+                groups.setdefault(drafter.session, []).append(DraftAsk(ask.request_id, new_tokens, ask.max_nodes))
+            now = time.monotonic()
+            for session, group in groups.items():
+                drafter = self._drafters[session]
+                step_id = next(self._step_ids)
+                self._pending[step_id] = _Step(drafter, {a.request_id: a.max_nodes for a in group}, now)
+                for ask in group:
+                    self._step_of[ask.request_id] = step_id
+                self._send(drafter, convert.draft_request(self.epoch, session, step_id, group))
+
+    def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | object]:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while any(self._step_of.get(r) in self._pending for r in request_ids):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            trees = {}
+            for request_id in request_ids:
+                if request_id in self._results:
+                    trees[request_id] = self._results.pop(request_id)
+                    continue
+                step_id = self._step_of.pop(request_id, None)
+                step = self._pending.get(step_id)
+                if step is None:
+                    trees[request_id] = None  # not asked
+                    continue
+                trees[request_id] = DRAFT_FAULT  # the deadline passed
+                self._count_drop(step.drafter.name, "timeout")
+                del step.budgets[request_id]
+                if not step.budgets:
+                    del self._pending[step_id]
+                    self._expired.append(step_id)
+            for tree in trees.values():
+                self.stats.trees += isinstance(tree, DraftTree)
+                self.stats.empty += tree is None
+                self.stats.faults += tree is DRAFT_FAULT
+            return trees
+
+    def release(self, request_id: str) -> None:
+        with self._cond:
+            drafter = self._pins.pop(request_id, None)
+            self._history.pop(request_id, None)
+            self._results.pop(request_id, None)
+            self._step_of.pop(request_id, None)
+            if drafter is not None and drafter.alive:
+                drafter.pinned.discard(request_id)
+                self._gauge_pinned(drafter)
+                self._send(drafter, convert.release(self.epoch, drafter.session, [request_id]))
+
+    def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        drafter = self._pins.get(request_id)
+        if self.metrics is not None and drafter is not None:
+            self.metrics.draft_tokens.labels(drafter=drafter.name).inc(num_drafts)
+            self.metrics.accepted_tokens.labels(drafter=drafter.name).inc(num_accepted)
+
+    def close(self) -> None:
+        """Stop the I/O thread and close the sockets (drafters notice by silence and register again)."""
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout=5)
+        for socket in (self._router, self._wake_in, self._wake_out):
+            socket.close(linger=0)
+
+    # pinning (under self._cond) ------------------------------------------------------------------------
+    def _pin(self, request_id: str, repin: bool) -> _Drafter | None:
+        live = [d for d in self._drafters.values() if len(d.pinned) < d.capacity]
+        if not live:
+            self._pins[request_id] = None
+            return None
+        drafter = min(live, key=lambda d: (d.load, len(d.pinned), d.name))
+        self._pins[request_id] = drafter
+        drafter.pinned.add(request_id)
+        self._gauge_pinned(drafter)
+        if repin and self.metrics is not None:
+            self.metrics.repins.inc()
+        if repin:
+            logger.info("re-pinned %s to drafter %s", request_id, drafter.name)
+        self._send(drafter, convert.open_request(self.epoch, drafter.session, request_id, self._history[request_id]))
+        return drafter
+
+    def _declare_dead(self, drafter: _Drafter, why: str) -> None:
+        if not drafter.alive:
+            return
+        logger.warning("drafter %s is gone (%s); its %d requests move to other drafters", drafter.name, why,
+                       len(drafter.pinned))
+        drafter.alive = False
+        self._drafters.pop(drafter.session, None)
+        drafter.pinned.clear()
+        self._gauge_pinned(drafter)
+        for step_id, step in list(self._pending.items()):
+            if step.drafter is drafter:
+                for request_id in step.budgets:
+                    self._results[request_id] = DRAFT_FAULT
+                    self._count_drop(drafter.name, "drafter_gone")
+                del self._pending[step_id]
+                self._expired.append(step_id)
+        if self.metrics is not None:
+            self.metrics.alive.set(len(self._drafters))
+        self._cond.notify_all()
+
+    # the I/O thread ----------------------------------------------------------------------------------
+    def _send(self, drafter: _Drafter, message, frames=()) -> None:
+        data = message.SerializeToString()
+        self._outbox.put((drafter.identity, data, list(frames)))
+        if self.metrics is not None:
+            self.metrics.bytes.labels(drafter=drafter.name, direction="sent").inc(len(data) + frame_bytes(list(frames)))
+        self._wake()
+
+    def _send_raw(self, identity: bytes, message) -> None:
+        self._outbox.put((identity, message.SerializeToString(), []))
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            self._wake_out.send(b"", self.zmq.NOBLOCK)
+
+    def _io_loop(self) -> None:
+        zmq = self.zmq
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        while not self._stopping:
+            events = dict(poller.poll(timeout=50))
+            if self._wake_in in events:
+                while self._wake_in.poll(0):
+                    self._wake_in.recv()
+            while True:
+                try:
+                    identity, data, frames = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    self._router.send_multipart([identity, data, *frames], copy=False, flags=zmq.NOBLOCK)
+                except zmq.ZMQError as exc:  # a full or vanished peer: its heartbeats will tell
+                    logger.debug("send to a drafter failed: %s", exc)
+            if self._router in events:
+                for _ in range(1000):
+                    try:
+                        frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._receive(frames)
+            self._check_heartbeats()
+
+    def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        with self._cond:
+            for drafter in list(self._drafters.values()):
+                if now - drafter.last_seen > self.heartbeat_timeout:
+                    self._declare_dead(drafter, f"no heartbeat for {now - drafter.last_seen:.1f} s")
+
+    def _drop(self, name: str, reason: str, detail: str) -> None:
+        logger.warning("dropped a message from drafter %s: %s (%s)", name, reason, detail)
+        self._count_drop(name, reason)
+
+    def _count_drop(self, name: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.dropped.labels(drafter=name, reason=reason).inc()
+
+    def _receive(self, frames) -> None:
+        if len(frames) < 2:
+            self._drop("unknown", "malformed", "no envelope frame")
+            return
+        identity = frames[0].bytes
+        try:
+            message = convert.parse_drafter(frames[1].bytes)
+        except convert.WireError as exc:
+            self._drop("unknown", "malformed", str(exc))
+            return
+        kind = message.WhichOneof("kind")
+        with self._cond:
+            if kind == "register":
+                self._register(identity, message)
+                return
+            drafter = self._drafters.get(message.sender.session)
+            if drafter is None or drafter.identity != identity or drafter.instance_epoch != message.sender.instance_epoch:
+                if kind == "heartbeat":  # an old session (we declared it dead, or we restarted): start over
+                    self._send_raw(identity, convert.heartbeat_reply(self.epoch, message.sender.session, known=False))
+                else:
+                    self._drop(message.sender.name or "unknown", "stale", f"{kind} from an unknown session {message.sender.session}")
+                return
+            drafter.last_seen = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.bytes.labels(drafter=drafter.name, direction="received").inc(frame_bytes(list(frames[1:])))
+            if kind == "heartbeat":
+                if self.metrics is not None:
+                    self.metrics.heartbeats.labels(drafter=drafter.name).inc()
+                self._send(drafter, convert.heartbeat_reply(self.epoch, drafter.session, known=True))
+            elif kind == "draft_reply":
+                self._file_reply(drafter, message.draft_reply)
+            else:
+                self._drop(drafter.name, "malformed", f"unexpected message kind {kind!r}")
+
+    def _register(self, identity: bytes, message) -> None:
+        register, sender = message.register, message.sender
+        problem = None
+        if register.algorithm != self.algorithm:
+            problem = f"this verifier speculates with {self.algorithm}, the drafter runs {register.algorithm or 'nothing'}"
+        elif register.draft_model != self.draft_model:
+            problem = f"this verifier expects draft model {self.draft_model or '(none)'!r}, the drafter has {register.draft_model!r}"
+        elif register.vocab_size not in (0, self.vocab_size):
+            problem = f"the drafter's vocabulary has {register.vocab_size} tokens, the target's {self.vocab_size}"
+        elif register.hidden_state_layers:
+            problem = "this verifier does not capture hidden states yet"
+        elif register.capacity < 1 or not sender.name:
+            problem = "a drafter needs a name and a capacity of at least one request"
+        if problem is not None:
+            logger.error("refused drafter %s: %s", sender.name or "?", problem)
+            if self.metrics is not None:
+                self.metrics.registrations.labels(outcome="refused").inc()
+            self._send_raw(identity, convert.register_reply(self.epoch, 0, False, problem, self.heartbeat_timeout))
+            return
+        for other in list(self._drafters.values()):  # the same name again: a restart or a reconnect
+            if other.name == sender.name:
+                self._declare_dead(other, "it registered again")
+        drafter = _Drafter(identity, sender.name, sender.instance_epoch, next(self._sessions), register.capacity,
+                           register.max_tree_nodes, time.monotonic())
+        self._drafters[drafter.session] = drafter
+        logger.info("drafter %s joined (%s, capacity %d, session %d); %d alive", drafter.name, register.algorithm,
+                    drafter.capacity, drafter.session, len(self._drafters))
+        if self.metrics is not None:
+            self.metrics.registrations.labels(outcome="accepted").inc()
+            self.metrics.alive.set(len(self._drafters))
+        self._send(drafter, convert.register_reply(self.epoch, drafter.session, True, "", self.heartbeat_timeout))
+        self._cond.notify_all()
+
+    def _file_reply(self, drafter: _Drafter, reply) -> None:
+        step = self._pending.get(reply.step_id)
+        if step is None or step.drafter is not drafter:
+            late = reply.step_id in self._expired
+            self._drop(drafter.name, "late" if late else "stale", f"reply to step {reply.step_id}")
+            return
+        del self._pending[reply.step_id]
+        if self.metrics is not None:
+            self.metrics.round_trip.labels(drafter=drafter.name).observe(time.monotonic() - step.sent_at)
+            self.metrics.draft_seconds.labels(drafter=drafter.name).observe(max(reply.draft_seconds, 0.0))
+        answered = set()
+        for wire in reply.trees:
+            request_id = wire.request_id
+            if request_id not in step.budgets or request_id in answered:
+                self._drop(drafter.name, "wrong_request", f"step {reply.step_id} did not ask for {request_id!r}")
+                continue
+            answered.add(request_id)
+            problem = convert.tree_problem(wire, step.budgets[request_id], self.vocab_size)
+            if problem is not None:
+                self._drop(drafter.name, "invalid_tree", f"{request_id}: {problem}")
+                tree = DRAFT_FAULT
+            else:
+                tree = DraftTree(tuple(wire.tokens), tuple(wire.parents))
+            if self._step_of.get(request_id) == reply.step_id:
+                self._results[request_id] = tree
+        for request_id in step.budgets:
+            if request_id not in answered and self._step_of.get(request_id) == reply.step_id:
+                self._results[request_id] = None  # nothing to propose
+        self._cond.notify_all()
+
+    def _gauge_pinned(self, drafter: _Drafter) -> None:
+        if self.metrics is not None:
+            self.metrics.pinned.labels(drafter=drafter.name).set(len(drafter.pinned))
