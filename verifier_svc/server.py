@@ -205,6 +205,7 @@ async def serve(args: argparse.Namespace) -> None:
     address = f"{args.host}:{args.port}"
     server.add_insecure_port(address)
     await server.start()
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     if args.wait_for_drafters and hasattr(drafter, "wait_for_drafters"):
         logger.info("waiting for %d drafters to register at %s", args.wait_for_drafters, drafter.address)
         loop = asyncio.get_running_loop()
@@ -215,7 +216,8 @@ async def serve(args: argparse.Namespace) -> None:
     kv = runner.kv_cache
     logger.info("verifier serving %s on %s: %s %s, KV cache %d pages x %d tokens, speculation %s, prefix cache %s",
                 info.model_id, address, runner.device, str(kv.dtype).removeprefix("torch."), kv.num_pages, kv.page_size,
-                info.speculative_algorithm or "off", "off" if cache is None else "on")
+                (info.speculative_algorithm or "off") + (f" (drafters at {drafter.address})" if hasattr(drafter, "address") else ""),
+                "off" if cache is None else "on")
     await server.wait_for_termination()
 
 
