@@ -23,8 +23,8 @@ def heartbeat(num_requests: int, steps: int) -> pb.Heartbeat:
     return pb.Heartbeat(num_requests=num_requests, steps=steps)
 
 
-def draft_reply(step_id: int, trees: list[tuple[str, DraftTree]], seconds: float) -> pb.DraftReply:
-    return pb.DraftReply(step_id=step_id, draft_seconds=seconds,
+def draft_reply(step_id: int, trees: list[tuple[str, DraftTree]], seconds: float, unknown: list[str]) -> pb.DraftReply:
+    return pb.DraftReply(step_id=step_id, draft_seconds=seconds, unknown_request_ids=unknown,
                          trees=[pb.WireTree(request_id=r, tokens=t.tokens, parents=t.parents) for r, t in trees])
 
 

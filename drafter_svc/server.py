@@ -59,11 +59,15 @@ class DrafterServer:
             self.socket.close(linger=0)
         self.socket = self.context.socket(self.zmq.DEALER)
         self.socket.setsockopt(self.zmq.LINGER, 0)
+        self.socket.setsockopt(self.zmq.IMMEDIATE, 1)  # nothing queues up while the verifier is away
         self.socket.connect(self.address)
 
     def _send(self, **kind) -> None:
         message = convert.envelope(self.name, self.epoch, self.session, **kind)
-        self.socket.send(message.SerializeToString())
+        try:
+            self.socket.send(message.SerializeToString(), self.zmq.NOBLOCK)
+        except self.zmq.Again:  # no verifier connected (yet): registration and heartbeats retry
+            pass
 
     # state ------------------------------------------------------------------------------------------
     def _reset(self, why: str) -> None:
@@ -122,6 +126,8 @@ class DrafterServer:
                 raise RefusedError(reply.reason)
             if self.session == 0:
                 self.session, self.verifier_epoch = reply.session, message.verifier_epoch
+                if reply.heartbeat_timeout_seconds > 0:  # beat well inside the verifier's patience
+                    self.heartbeat_interval = min(self.heartbeat_interval, reply.heartbeat_timeout_seconds / 4)
                 logger.info("registered with verifier epoch %d as session %d", self.verifier_epoch, self.session)
             return
         if self.session == 0 or message.session != self.session:
@@ -150,19 +156,20 @@ class DrafterServer:
 
     def _draft(self, message, frames) -> None:
         start = time.perf_counter()
+        asks = [a for a in message.draft.asks if a.request_id in self.requests]
+        unknown = [a.request_id for a in message.draft.asks if a.request_id not in self.requests]
+        for ask in asks:  # the sequences grow first, whatever happens to the tensors
+            if ask.new_token_ids:
+                self.drafter.extend(ask.request_id, list(ask.new_token_ids))
         try:  # hidden states (model drafters) arrive as raw frames; NGRAM gets none
             self.plane.unpack(convert.tensor_infos(message), list(frames))
         except TensorError as exc:
             self._drop(f"draft request {message.draft.step_id}: {exc}")
-            return
-        asks = [a for a in message.draft.asks if a.request_id in self.requests]
-        for ask in asks:
-            if ask.new_token_ids:
-                self.drafter.extend(ask.request_id, list(ask.new_token_ids))
+            asks = []
         trees = self.drafter.draft([a.request_id for a in asks], [min(a.max_nodes, self.max_nodes) for a in asks]) if asks else []
         self.steps += 1
         pairs = [(a.request_id, t) for a, t in zip(asks, trees) if t is not None]
-        self._send(draft_reply=convert.draft_reply(message.draft.step_id, pairs, time.perf_counter() - start))
+        self._send(draft_reply=convert.draft_reply(message.draft.step_id, pairs, time.perf_counter() - start, unknown))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -65,14 +65,16 @@ class WireTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("step_id", "trees", "draft_seconds")
+    __slots__ = ("step_id", "trees", "draft_seconds", "unknown_request_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     trees: _containers.RepeatedCompositeFieldContainer[WireTree]
     draft_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[WireTree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[WireTree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrafterMessage(_message.Message):
     __slots__ = ("sender", "register", "heartbeat", "draft_reply", "tensors")

@@ -77,11 +77,11 @@ def parse_drafter(data: bytes) -> step_pb.DrafterMessage:
 def tree_problem(wire: step_pb.WireTree, max_nodes: int, vocab_size: int) -> str | None:
     """What is wrong with a tree from the wire, or None: node 0 the root, every other node's parent an
     earlier node (so no cycles), at most max_nodes nodes, every token inside the vocabulary."""
+    if len(wire.tokens) > max_nodes:  # before copying anything a hostile peer sent
+        return f"{len(wire.tokens)} nodes, the budget is {max_nodes}"
     tokens, parents = list(wire.tokens), list(wire.parents)
     if not tokens or len(tokens) != len(parents):
         return f"{len(tokens)} tokens for {len(parents)} parents"
-    if len(tokens) > max_nodes:
-        return f"{len(tokens)} nodes, the budget is {max_nodes}"
     if parents[0] != -1:
         return "node 0 is not the root"
     bad = next((i for i, p in enumerate(parents[1:], start=1) if not 0 <= p < i), None)

@@ -82,16 +82,22 @@ class InProcessDrafterClient(DrafterClient):
         self._broken: set[str] = set()
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
-        self.drafter.open(request_id, prompt_ids)
+        try:
+            self.drafter.open(request_id, prompt_ids)
+        except Exception:  # a drafter fault must not fail a request: it decodes unspeculated
+            logger.exception("drafter %s failed to open %s; it decodes without drafts", self.drafter.name, request_id)
+            self._broken.add(request_id)
 
     def request(self, asks: list[DraftAsk]) -> None:
         for ask in asks:
             self._asked[ask.request_id] = ask.max_nodes
+            if ask.request_id in self._broken:
+                continue
             try:
                 if ask.new_tokens:
                     self.drafter.extend(ask.request_id, ask.new_tokens)
-            except Exception:  # a drafter fault must not fail a request: decode plainly this step
-                logger.exception("drafter %s failed on %s; no draft this step", self.drafter.name, ask.request_id)
+            except Exception:  # its history has a hole now: no more drafts for it
+                logger.exception("drafter %s failed on %s; it decodes without drafts", self.drafter.name, ask.request_id)
                 self._broken.add(ask.request_id)
 
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | _Fault]:
@@ -107,7 +113,6 @@ class InProcessDrafterClient(DrafterClient):
         trees.update(zip(asked, drafted))
         for r in request_ids:
             self._asked.pop(r, None)
-            self._broken.discard(r)
         for tree in trees.values():
             self.stats.trees += isinstance(tree, DraftTree)
             self.stats.empty += tree is None
@@ -117,4 +122,7 @@ class InProcessDrafterClient(DrafterClient):
     def release(self, request_id: str) -> None:
         self._asked.pop(request_id, None)
         self._broken.discard(request_id)
-        self.drafter.release(request_id)
+        try:
+            self.drafter.release(request_id)
+        except Exception:
+            logger.exception("drafter %s failed to release %s", self.drafter.name, request_id)

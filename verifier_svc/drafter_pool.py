@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import queue
 import secrets
 import threading
@@ -76,7 +77,10 @@ class DrafterPool(DrafterClient):
         context = zmq.Context.instance()
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a drafter reconnecting under its identity takes over
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable message raises instead of vanishing
+        self._router.setsockopt(zmq.SNDHWM, 100_000)
+        self._router.setsockopt(zmq.RCVHWM, 100_000)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 16 << 20)  # replies are trees: a peer sending more is cut off
         self._router.bind(bind)
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         wake = f"inproc://drafter-pool-wake-{id(self)}"
@@ -85,6 +89,7 @@ class DrafterPool(DrafterClient):
         self._wake_out = context.socket(zmq.PAIR)
         self._wake_out.connect(wake)
         self._wake_lock = threading.Lock()
+        self._wake_pending = False  # one queued wake-up is enough
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._drafters: dict[int, _Drafter] = {}  # session -> live drafter
@@ -153,8 +158,10 @@ class DrafterPool(DrafterClient):
                 self._send(drafter, convert.draft_request(self.epoch, session, step_id, group))
 
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | object]:
-        deadline = time.monotonic() + self.timeout
+        """Waits until every asked tree is filed or its ask is --drafter-timeout-ms old."""
         with self._cond:
+            sent = [self._pending[s].sent_at for s in (self._step_of.get(r) for r in request_ids) if s in self._pending]
+            deadline = max(sent, default=time.monotonic()) + self.timeout
             while any(self._step_of.get(r) in self._pending for r in request_ids):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -187,11 +194,19 @@ class DrafterPool(DrafterClient):
             drafter = self._pins.pop(request_id, None)
             self._history.pop(request_id, None)
             self._results.pop(request_id, None)
-            self._step_of.pop(request_id, None)
+            self._forget_ask(request_id, self._step_of.pop(request_id, None))
             if drafter is not None and drafter.alive:
                 drafter.pinned.discard(request_id)
                 self._gauge_pinned(drafter)
                 self._send(drafter, convert.release(self.epoch, drafter.session, [request_id]))
+
+    def _forget_ask(self, request_id: str, step_id: int | None) -> None:
+        step = self._pending.get(step_id)
+        if step is not None:
+            step.budgets.pop(request_id, None)
+            if not step.budgets:
+                del self._pending[step_id]
+                self._expired.append(step_id)
 
     def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         drafter = self._pins.get(request_id)
@@ -236,8 +251,9 @@ class DrafterPool(DrafterClient):
         for step_id, step in list(self._pending.items()):
             if step.drafter is drafter:
                 for request_id in step.budgets:
-                    self._results[request_id] = DRAFT_FAULT
-                    self._count_drop(drafter.name, "drafter_gone")
+                    if self._step_of.get(request_id) == step_id:
+                        self._results[request_id] = DRAFT_FAULT
+                        self._count_drop(drafter.name, "drafter_gone")
                 del self._pending[step_id]
                 self._expired.append(step_id)
         if self.metrics is not None:
@@ -256,8 +272,17 @@ class DrafterPool(DrafterClient):
         self._outbox.put((identity, message.SerializeToString(), []))
 
     def _wake(self) -> None:
+        """Wake the I/O thread to send what is queued (from other threads; it drains the outbox itself)."""
+        if threading.current_thread() is self._thread:
+            return
         with self._wake_lock:
-            self._wake_out.send(b"", self.zmq.NOBLOCK)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+            try:
+                self._wake_out.send(b"", self.zmq.NOBLOCK)
+            except self.zmq.Again:  # a wake-up is already queued
+                pass
 
     def _io_loop(self) -> None:
         zmq = self.zmq
@@ -265,27 +290,40 @@ class DrafterPool(DrafterClient):
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         while not self._stopping:
-            events = dict(poller.poll(timeout=50))
-            if self._wake_in in events:
-                while self._wake_in.poll(0):
-                    self._wake_in.recv()
-            while True:
-                try:
-                    identity, data, frames = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    self._router.send_multipart([identity, data, *frames], copy=False, flags=zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # a full or vanished peer: its heartbeats will tell
-                    logger.debug("send to a drafter failed: %s", exc)
-            if self._router in events:
-                for _ in range(1000):
-                    try:
-                        frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._receive(frames)
-            self._check_heartbeats()
+            try:
+                events = dict(poller.poll(timeout=50))
+                if self._wake_in in events:
+                    with self._wake_lock:
+                        self._wake_pending = False
+                        while self._wake_in.poll(0):
+                            self._wake_in.recv()
+                self._flush()
+                if self._router in events:
+                    for _ in range(1000):
+                        try:
+                            frames = self._router.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._receive(frames)
+                    self._flush()
+                self._check_heartbeats()
+            except Exception:  # the pool must outlive anything a drafter or a bug throws at it
+                logger.exception("drafter pool I/O loop error; continuing")
+
+    def _flush(self) -> None:
+        zmq = self.zmq
+        while True:
+            try:
+                identity, data, frames = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._router.send_multipart([identity, data, *frames], copy=False, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # unreachable or backed up: what it missed cannot be replayed
+                with self._cond:
+                    drafter = next((d for d in self._drafters.values() if d.identity == identity), None)
+                    if drafter is not None:
+                        self._declare_dead(drafter, f"a message could not be delivered ({exc.strerror})")
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()
@@ -355,8 +393,12 @@ class DrafterPool(DrafterClient):
                 self.metrics.registrations.labels(outcome="refused").inc()
             self._send_raw(identity, convert.register_reply(self.epoch, 0, False, problem, self.heartbeat_timeout))
             return
-        for other in list(self._drafters.values()):  # the same name again: a restart or a reconnect
-            if other.name == sender.name:
+        for other in list(self._drafters.values()):
+            if other.identity == identity and other.instance_epoch == sender.instance_epoch:
+                # a repeated Register (ours crossed its retry): answer with the session it already has
+                self._send(other, convert.register_reply(self.epoch, other.session, True, "", self.heartbeat_timeout))
+                return
+            if other.name == sender.name:  # the same name again: a restarted drafter
                 self._declare_dead(other, "it registered again")
         drafter = _Drafter(identity, sender.name, sender.instance_epoch, next(self._sessions), register.capacity,
                            register.max_tree_nodes, time.monotonic())
@@ -378,7 +420,8 @@ class DrafterPool(DrafterClient):
         del self._pending[reply.step_id]
         if self.metrics is not None:
             self.metrics.round_trip.labels(drafter=drafter.name).observe(time.monotonic() - step.sent_at)
-            self.metrics.draft_seconds.labels(drafter=drafter.name).observe(max(reply.draft_seconds, 0.0))
+            if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:
+                self.metrics.draft_seconds.labels(drafter=drafter.name).observe(reply.draft_seconds)
         answered = set()
         for wire in reply.trees:
             request_id = wire.request_id
@@ -394,6 +437,14 @@ class DrafterPool(DrafterClient):
                 tree = DraftTree(tuple(wire.tokens), tuple(wire.parents))
             if self._step_of.get(request_id) == reply.step_id:
                 self._results[request_id] = tree
+        for request_id in reply.unknown_request_ids:  # its open got lost: open it again next ask
+            if request_id in step.budgets and self._pins.get(request_id) is drafter:
+                logger.warning("drafter %s lost request %s; opening it again", drafter.name, request_id)
+                drafter.pinned.discard(request_id)
+                self._pins[request_id] = None
+                if self._step_of.get(request_id) == reply.step_id:
+                    self._results[request_id] = DRAFT_FAULT
+                answered.add(request_id)
         for request_id in step.budgets:
             if request_id not in answered and self._step_of.get(request_id) == reply.step_id:
                 self._results[request_id] = None  # nothing to propose
