@@ -137,3 +137,54 @@ def test_coin_rule_bonus_excludes_rejected_siblings():
 def test_inverse_cdf_sample():
     weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0])
     assert [inverse_cdf_sample(weights, c) for c in (0.0, 0.49, 0.5, 0.74, 0.75, 0.9999)] == [1, 1, 3, 3, 4, 4]
+
+
+def _toy_model(path: tuple[int, ...], vocab: int = 23) -> torch.Tensor:
+    """A fixed, path-dependent next-token distribution (a stand-in for a draft model)."""
+    generator = torch.Generator().manual_seed(hash(path) % (2**31))
+    return torch.softmax(torch.randn(vocab, generator=generator) * 3, -1)
+
+
+def _reference_beam_paths(root: int, topk: int, steps: int, n: int) -> dict[tuple[int, ...], float]:
+    """REFERENCES §3.1 written out on paths: every scored candidate with its path and score; the best
+    n-1 by score are the drafts."""
+    pool: list[tuple[float, tuple[int, ...]]] = []
+    probs = _toy_model((root,))
+    top = probs.topk(topk)
+    beams = [(float(p), (t,)) for p, t in zip(top.values.tolist(), top.indices.tolist())]
+    pool += beams
+    for _ in range(1, steps):
+        candidates = []
+        for score, path in beams:
+            top = _toy_model((root, *path)).topk(topk)
+            candidates += [(score * p, (*path, t)) for p, t in zip(top.values.tolist(), top.indices.tolist())]
+        pool += candidates
+        beams = sorted(candidates, key=lambda c: -c[0])[:topk]
+    best = sorted(pool, key=lambda c: -c[0])[: n - 1]
+    return {path: score for score, path in best}
+
+
+@pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 6), (4, 4, 8), (3, 5, 12), (4, 2, 20)])
+def test_beam_draft_builds_sglangs_tree(topk, steps, n):
+    from splitspec.runtime.tree import BeamDraft
+
+    root = 5
+    beam = BeamDraft(root, topk, steps, n)
+    beam.first(_toy_model((root,)))
+    while (frontier := beam.beams()) is not None:
+        paths = []
+        for node in frontier:  # the beam's tokens from the root down
+            path = []
+            while node != -1:
+                path.append(beam.beam_tokens[node])
+                node = beam.beam_parents[node]
+            paths.append((root, *reversed(path)))
+        beam.expand(torch.stack([_toy_model(p) for p in paths]))
+    tree = beam.tree()
+    got = {}
+    for i in range(1, tree.num_nodes):
+        got[tuple(tree.tokens[j] for j in path_to(tree.parents, i)[1:])] = tree.scores[i]
+    want = _reference_beam_paths(root, topk, steps, n)
+    assert set(got) == set(want)
+    assert all(abs(got[p] - want[p]) < 1e-6 for p in want)
+    assert tree.tokens[0] == root and tree.num_nodes == min(n, topk + (steps - 1) * topk * topk + 1)
