@@ -36,6 +36,7 @@ class Drafter(ABC):
 # --speculative-algorithm -> "module:Class"; model drafters join in later issues
 DRAFTERS: dict[str, str] = {
     "NGRAM": "splitspec.drafter_svc.ngram:NgramDrafter",
+    "STANDALONE": "splitspec.drafter_svc.standalone:StandaloneDrafter",
 }
 
 

@@ -187,6 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--verifier-timeout", type=float, default=5.0,
                        help="Seconds without a word from the verifier before dropping all requests and registering again.")
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+    model = parser.add_argument_group("draft model (model drafters)")
+    model.add_argument("--dtype", default="auto", help="Draft model dtype (auto = the checkpoint's; fp32 files run in bf16 on GPU).")
+    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
+    model.add_argument("--page-size", type=int, default=16, help="Tokens per page of the draft model's KV cache.")
+    model.add_argument("--max-total-tokens", type=int, default=None,
+                       help="Draft KV-cache capacity in tokens (default: 65536 on CPU, --mem-fraction-static on GPU).")
+    model.add_argument("--mem-fraction-static", type=float, default=None,
+                       help="GPU only: fraction of GPU memory for the draft model's weights plus KV cache.")
+    model.add_argument("--attention-backend", default="torch", help="Attention kernels of the draft model.")
     engine_args.add_speculative_args(parser, side="drafter")
     return parser
 
@@ -197,11 +206,19 @@ def run(args: argparse.Namespace) -> int:
         print("splitspec drafter: error: --speculative-algorithm is required (the algorithm this drafter runs)",
               file=__import__("sys").stderr)
         return 2
-    drafter = engine_args.build_drafter(args)
+    try:
+        max_nodes = engine_args.num_draft_tokens(args)
+        default_tokens = 65536 if args.mem_fraction_static is None else None
+        drafter = engine_args.build_drafter(args, max_total_tokens=default_tokens)
+    except ValueError as exc:  # FlagError, a bad checkpoint
+        print(f"splitspec drafter: error: {exc}", file=__import__("sys").stderr)
+        return 2
     name = args.drafter_name or f"{socket.gethostname()}:{os.getpid()}"
-    max_nodes = args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size
+    model_drafter = args.speculative_algorithm in engine_args.MODEL_ALGORITHMS
     server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,
-                           args.heartbeat_interval, args.verifier_timeout)
+                           args.heartbeat_interval, args.verifier_timeout,
+                           draft_model=args.speculative_draft_model_path or "" if model_drafter else "",
+                           vocab_size=drafter.vocab_size if model_drafter else 0)
     try:
         server.serve()
     except RefusedError as exc:

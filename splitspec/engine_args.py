@@ -34,10 +34,22 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
     """SGLang's --speculative-* flags; side="drafter" leaves out what only the verifier decides
     (acceptance rules)."""
     group = parser.add_argument_group("speculative decoding (SGLang's flags)")
-    group.add_argument("--speculative-algorithm", default=None, choices=("NGRAM",),
-                       help="Draft with this algorithm and verify losslessly (default: no speculation).")
+    group.add_argument("--speculative-algorithm", default=None, choices=ALGORITHMS,
+                       help="Draft with this algorithm and verify losslessly (default: no speculation). NGRAM: "
+                       "suffix matches in a trie of the requests' own tokens; STANDALONE: a small draft LLM sharing "
+                       "the target's tokenizer (--speculative-draft-model-path).")
+    group.add_argument("--speculative-draft-model-path", default=None,
+                       help="STANDALONE: the draft model, an HF directory or hub id.")
+    group.add_argument("--speculative-draft-model-revision", default=None,
+                       help="Hub branch, tag or commit of the draft model (main when a hub id is given without one).")
+    group.add_argument("--speculative-num-steps", type=int, default=None,
+                       help="Model drafters: drafting depth (auto: 3 for STANDALONE). Set all three of "
+                       "--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens, or none.")
+    group.add_argument("--speculative-eagle-topk", type=int, default=None,
+                       help="Model drafters: branching factor per step (auto: 1 for STANDALONE).")
     group.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                       help="Tree nodes verified per step, root included (NGRAM default: the max match window size).")
+                       help="Tree nodes verified per step, root included (NGRAM: the max match window size; "
+                       "STANDALONE auto: 4; with --speculative-eagle-topk 1 it becomes num-steps + 1).")
     if side == "verifier":
         group.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
                            help="Below 1.0: SGLang's lossy rule accepts a draft whose target probability reaches this.")
@@ -56,11 +68,67 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                            help="NGRAM: verify by target argmax even for sampled requests (SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True).")
 
 
-def build_drafter(args: argparse.Namespace):
-    """The drafter object --speculative-algorithm names, configured by the flags (drafter side)."""
+ALGORITHMS = ("NGRAM", "STANDALONE")
+MODEL_ALGORITHMS = ("STANDALONE",)
+AUTO_TREE = {"STANDALONE": (3, 1, 4)}  # (num_steps, topk, num_draft_tokens) when all three are unset
+
+
+class FlagError(ValueError):
+    """Flags that do not go together; the message says how to fix them."""
+
+
+def tree_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(num_steps, topk, num_draft_tokens) of a model drafter's tree, SGLang's rules: all three flags
+    or none (auto); topk 1 makes the tree a chain of num_steps + 1 nodes."""
+    given = {"--speculative-num-steps": args.speculative_num_steps, "--speculative-eagle-topk": args.speculative_eagle_topk,
+             "--speculative-num-draft-tokens": args.speculative_num_draft_tokens}
+    unset = [flag for flag, value in given.items() if value is None]
+    if len(unset) == 3:
+        steps, topk, tokens = AUTO_TREE[args.speculative_algorithm]
+    elif unset:
+        raise FlagError(f"set all of --speculative-num-steps, --speculative-eagle-topk and --speculative-num-draft-tokens, "
+                        f"or none of them for the automatic choice ({', '.join(unset)} missing)")
+    else:
+        steps, topk, tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    if steps < 1 or topk < 1 or tokens < 2:
+        raise FlagError(f"--speculative-num-steps {steps}, --speculative-eagle-topk {topk}, --speculative-num-draft-tokens "
+                        f"{tokens}: need at least 1, 1 and 2")
+    if topk == 1:
+        tokens = steps + 1
+    return steps, topk, tokens
+
+
+def num_draft_tokens(args: argparse.Namespace) -> int:
+    if args.speculative_algorithm in MODEL_ALGORITHMS:
+        return tree_shape(args)[2]
+    return args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size
+
+
+def draft_model_dir(args: argparse.Namespace):
+    if not args.speculative_draft_model_path:
+        raise FlagError(f"--speculative-algorithm {args.speculative_algorithm} needs --speculative-draft-model-path")
+    from splitspec.runtime.hub import resolve_model_dir
+
+    return resolve_model_dir(args.speculative_draft_model_path, args.speculative_draft_model_revision)
+
+
+def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None):
+    """The drafter object --speculative-algorithm names, configured by the flags. A model drafter
+    loads its model with the same --dtype, --device and --page-size, and a KV cache of
+    --max-total-tokens (else max_total_tokens) tokens."""
     from splitspec.drafter_svc.base import drafter_class
 
-    return drafter_class(args.speculative_algorithm)(ngram_config(args))
+    cls = drafter_class(args.speculative_algorithm)
+    if args.speculative_algorithm == "NGRAM":
+        return cls(ngram_config(args))
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    steps, topk, tokens = tree_shape(args)
+    runner = ModelRunner.load(RuntimeConfig(
+        model_path=str(draft_model_dir(args)), dtype=args.dtype, device=args.device, page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens or max_total_tokens,
+        mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=args.attention_backend))
+    return cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens)
 
 
 def ngram_config(args: argparse.Namespace):
@@ -84,20 +152,21 @@ def spec_config(args: argparse.Namespace):
     if args.speculative_algorithm is None:
         return SpecConfig()
     return SpecConfig(
-        num_draft_tokens=args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size,
+        num_draft_tokens=num_draft_tokens(args),
         accept_threshold_single=args.speculative_accept_threshold_single,
         accept_threshold_acc=args.speculative_accept_threshold_acc,
-        force_greedy_verify=args.speculative_ngram_force_greedy_verify,
+        force_greedy_verify=args.speculative_algorithm == "NGRAM" and args.speculative_ngram_force_greedy_verify,
     )
 
 
-def in_process_drafter(args: argparse.Namespace):
+def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = None):
     """(DrafterClient or None, SpecConfig) for the flags: the drafter runs inside this process."""
     if args.speculative_algorithm is None:
         return None, spec_config(args)
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
-    return InProcessDrafterClient(build_drafter(args)), spec_config(args)
+    spec = spec_config(args)
+    return InProcessDrafterClient(build_drafter(args, max_total_tokens)), spec
 
 
 def report(algorithm: str, stats: SpecStats) -> dict:

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     runtime_args.setup_logging(args.log_level)
     try:
         return _run(args)
-    except (ConfigError, CheckpointError, ModelNotFoundError, OutOfPagesError, ValueError) as exc:
+    except (ConfigError, CheckpointError, ModelNotFoundError, OutOfPagesError, ValueError) as exc:  # FlagError too
         print(f"splitspec generate: error: {exc}", file=sys.stderr)
         return 2
 
@@ -131,15 +131,20 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = runtime_args.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
     prompts = _prompts(args, tokenizer)
-    drafter, spec = engine_args.in_process_drafter(args)
+    spec = engine_args.spec_config(args)
     # every prompt runs at once: each needs pages for its prompt, its new tokens and a full draft tree
-    tree = spec.num_draft_tokens if drafter is not None else 0
+    tree = spec.num_draft_tokens if args.speculative_algorithm else 0
     needed_pages = sum(-(-(len(p) + args.max_new_tokens + tree) // args.page_size) for p in prompts)
     if args.max_total_tokens is not None and args.max_total_tokens < needed_pages * args.page_size:
         raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small for these prompts: they need "
                           f"{needed_pages} pages of {args.page_size} tokens ({needed_pages * args.page_size} tokens)")
     runner = ModelRunner.load(runtime_args.runtime_config(
         args, model_dir, default_max_total_tokens=needed_pages * args.page_size))
+    draft_tokens = needed_pages * args.page_size
+    if args.speculative_algorithm in engine_args.MODEL_ALGORITHMS:  # room for each request's beam nodes too
+        steps, topk, _ = engine_args.tree_shape(args)
+        draft_tokens += len(prompts) * (steps * topk + args.page_size)
+    drafter, spec = engine_args.in_process_drafter(args, max_total_tokens=draft_tokens)
     vocab = runner.config.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= t < vocab]
     if bad:

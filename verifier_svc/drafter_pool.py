@@ -63,7 +63,7 @@ class _Step:
 
 
 class DrafterPool(DrafterClient):
-    def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str = "",
+    def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str | None = None,
                  timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None):
         import zmq
 
@@ -379,7 +379,7 @@ class DrafterPool(DrafterClient):
         problem = None
         if register.algorithm != self.algorithm:
             problem = f"this verifier speculates with {self.algorithm}, the drafter runs {register.algorithm or 'nothing'}"
-        elif register.draft_model != self.draft_model:
+        elif self.draft_model is not None and register.draft_model != self.draft_model:
             problem = f"this verifier expects draft model {self.draft_model or '(none)'!r}, the drafter has {register.draft_model!r}"
         elif register.vocab_size not in (0, self.vocab_size):
             problem = f"the drafter's vocabulary has {register.vocab_size} tokens, the target's {self.vocab_size}"

@@ -181,6 +181,7 @@ async def serve(args: argparse.Namespace) -> None:
 
         spec = engine_args.spec_config(args)
         drafter = DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
+                              draft_model=args.speculative_draft_model_path if args.speculative_algorithm != "NGRAM" else "",
                               timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
                               metrics=PoolMetrics(registry, model_id) if registry is not None else None)
     else:
@@ -229,5 +230,10 @@ def run(args: argparse.Namespace) -> int:
         if args.device == "cpu" or not torch.cuda.is_available():
             print("splitspec verifier: error: on CPU the KV cache is sized by --max-total-tokens", file=sys.stderr)
             return 2
+    try:
+        engine_args.spec_config(args)  # flag combinations, before anything loads
+    except engine_args.FlagError as exc:
+        print(f"splitspec verifier: error: {exc}", file=sys.stderr)
+        return 2
     asyncio.run(serve(args))
     return 0
