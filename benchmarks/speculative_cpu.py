@@ -2,6 +2,7 @@
 
     python benchmarks/speculative_cpu.py --out benchmarks/results/speculative_cpu.json
     python benchmarks/speculative_cpu.py --transports inprocess,zmq --out benchmarks/results/split_cpu.json
+    python benchmarks/speculative_cpu.py --algorithms NGRAM,STANDALONE --out benchmarks/results/standalone_cpu.json
 
 --transports zmq drafts with a `splitspec drafter` process over ZeroMQ (tcp on loopback) through the
 verifier's DrafterPool instead of the drafter object in this process; the drafter is the same NGRAM
@@ -42,6 +43,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=128, help="Tokens generated per request.")
     parser.add_argument("--num-draft-tokens", type=int, default=8, help="NGRAM tree budget, root included.")
     parser.add_argument("--match-type", default="BFS", choices=("BFS", "PROB"), help="NGRAM tree construction.")
+    parser.add_argument("--algorithms", default="NGRAM",
+                        help="Comma-separated: NGRAM, STANDALONE (the demo draft model, --standalone-tree).")
+    parser.add_argument("--standalone-tree", default="3,1,4",
+                        help="STANDALONE num_steps,topk,num_draft_tokens (SGLang's automatic choice: 3,1,4).")
     parser.add_argument("--transports", default="inprocess",
                         help="Comma-separated: inprocess (drafter object here), zmq (a drafter process over ZeroMQ).")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
@@ -53,6 +58,15 @@ def prompts_from_held_out(tokenizer, num: int, length: int) -> list[list[int]]:
     texts = corpus.read_texts(files, held_out=True)
     prompts = [ids[:length] for ids in (tokenizer.encode(t) for t in texts) if len(ids) >= length]
     return prompts[:num]
+
+
+def standalone_client(tree: str) -> InProcessDrafterClient:
+    from splitspec.drafter_svc.standalone import StandaloneDrafter
+
+    steps, topk, tokens = (int(x) for x in tree.split(","))
+    draft = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["draft"]), dtype="float32", device="cpu",
+                                           max_total_tokens=32768))
+    return InProcessDrafterClient(StandaloneDrafter(draft, topk=topk, num_steps=steps, num_draft_tokens=tokens))
 
 
 class ZmqDrafter:
@@ -82,7 +96,7 @@ class ZmqDrafter:
 
 
 def measure(runner, prompts, batch_size: int, new_tokens: int, spec: SpecConfig | None, match_type: str,
-            transport: str = "inprocess") -> dict:
+            transport: str = "inprocess", algorithm: str = "NGRAM", tree: str = "3,1,4") -> dict:
     params = [SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
     decode_s, decode_tokens, requests = 0.0, 0, []
     for start in range(0, len(prompts), batch_size):
@@ -90,6 +104,8 @@ def measure(runner, prompts, batch_size: int, new_tokens: int, spec: SpecConfig 
         remote = ZmqDrafter(match_type, runner.config.vocab_size) if spec and transport == "zmq" else None
         if remote is not None:
             drafter = remote.pool
+        elif spec and algorithm == "STANDALONE":
+            drafter = standalone_client(tree)
         else:
             drafter = InProcessDrafterClient(NgramDrafter(NgramConfig(match_type=match_type))) if spec else None
         stamps: list[tuple[float, int]] = []
@@ -104,11 +120,12 @@ def measure(runner, prompts, batch_size: int, new_tokens: int, spec: SpecConfig 
         requests += out
     verify_steps = sum(r.stats.verify_steps for r in requests)
     accepted = sum(r.stats.accepted_tokens for r in requests)
-    row = {"batch_size": batch_size, "speculative": "NGRAM" if spec else None, "drafter": transport if spec else None,
+    row = {"batch_size": batch_size, "speculative": algorithm if spec else None, "drafter": transport if spec else None,
            "decode_s": round(decode_s, 3),
            "decode_tokens": decode_tokens, "decode_tok_s": round(decode_tokens / decode_s, 2)}
     if spec:
-        row.update({"num_draft_tokens": spec.num_draft_tokens, "match_type": match_type, "verify_steps": verify_steps,
+        row.update({"num_draft_tokens": spec.num_draft_tokens, "verify_steps": verify_steps,
+                    **({"match_type": match_type} if algorithm == "NGRAM" else {"steps_topk_tokens": tree}),
                     "draft_tokens": sum(r.stats.draft_tokens for r in requests), "accepted_tokens": accepted,
                     "accept_length": round(1 + accepted / verify_steps, 3) if verify_steps else None,
                     "fallbacks": sum(r.stats.fallbacks for r in requests)})
@@ -130,14 +147,21 @@ def main() -> int:
     for batch_size in batch_sizes:
         plain, plain_ids = measure(runner, prompts, batch_size, args.new_tokens, None, args.match_type)
         results.append(plain)
-        for transport in args.transports.split(","):
-            spec, spec_ids = measure(runner, prompts, batch_size, args.new_tokens,
-                                     SpecConfig(num_draft_tokens=args.num_draft_tokens), args.match_type, transport)
-            spec["speedup"] = round(spec["decode_tok_s"] / plain["decode_tok_s"], 3)
-            spec["outputs_equal_plain"] = sum(a == b for a, b in zip(plain_ids, spec_ids))
-            results.append(spec)
+        for algorithm in args.algorithms.split(","):
+            transports = args.transports.split(",") if algorithm == "NGRAM" else ["inprocess"]
+            if algorithm == "STANDALONE":
+                steps, topk, tokens = (int(x) for x in args.standalone_tree.split(","))
+                budget = steps + 1 if topk == 1 else tokens
+            else:
+                budget = args.num_draft_tokens
+            for transport in transports:
+                spec, spec_ids = measure(runner, prompts, batch_size, args.new_tokens, SpecConfig(num_draft_tokens=budget),
+                                         args.match_type, transport, algorithm, args.standalone_tree)
+                spec["speedup"] = round(spec["decode_tok_s"] / plain["decode_tok_s"], 3)
+                spec["outputs_equal_plain"] = sum(a == b for a, b in zip(plain_ids, spec_ids))
+                results.append(spec)
     report = {
-        "benchmark": f"demo target on CPU: plain vs NGRAM speculative decoding (drafter: {args.transports}), greedy",
+        "benchmark": f"demo target on CPU: plain vs {args.algorithms} speculative decoding (drafter: {args.transports}), greedy",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "device": "cpu", "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "model": str(target.name), "prompts": f"{len(prompts)} held-out stdlib files, first {args.prompt_tokens} tokens",
