@@ -1,4 +1,6 @@
-"""Weight loading: HF safetensors (single file or sharded with an index) or random `dummy` weights.
+"""Weight loading: HF safetensors (single file or sharded with an index), PyTorch `pytorch_model.bin`
+files (read with torch.load(weights_only=True, mmap=True): no code runs, headers before data; EAGLE
+heads are published this way), or random `dummy` weights.
 
 Loading is all-or-nothing. The model is first built on the meta device; the checkpoint's tensor
 names, shapes and dtypes are read from the safetensors headers and checked against what the model
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+TORCH_DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                     torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 # checkpoint tensors that carry nothing a model needs (old Llama exports saved RoPE buffers)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 MAX_LISTED = 8
@@ -88,6 +92,10 @@ def _block_rows(module: nn.Module, fused_name: str, sources: tuple[str, ...]) ->
 def read_checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:
     """Tensor name -> (file, shape, dtype), from the safetensors headers only (no tensor data)."""
     index_path = model_dir / "model.safetensors.index.json"
+    bin_index = model_dir / "pytorch_model.bin.index.json"
+    if not index_path.is_file() and not any(model_dir.glob("*.safetensors")) and (
+            bin_index.is_file() or (model_dir / "pytorch_model.bin").is_file()):
+        return _read_bin_index(model_dir, bin_index)
     if index_path.is_file():
         weight_map = json.loads(index_path.read_text()).get("weight_map", {})
         files = sorted(set(weight_map.values()))
@@ -113,9 +121,38 @@ def read_checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def validate_checkpoint(spec: dict[str, TensorTarget], tensors: dict[str, TensorInfo], config: ModelConfig) -> None:
+def _read_bin_index(model_dir: Path, index_path: Path) -> dict[str, TensorInfo]:
+    if index_path.is_file():
+        files = sorted(set(json.loads(index_path.read_text()).get("weight_map", {}).values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index_path}: shard files listed but not found: {', '.join(missing)}")
+    else:
+        files = ["pytorch_model.bin"]
+    tensors: dict[str, TensorInfo] = {}
+    for file in files:
+        for key, tensor in _torch_load(model_dir / file).items():
+            if key in tensors:
+                raise CheckpointError(f"tensor {key!r} appears in both {tensors[key].file} and {file}")
+            tensors[key] = TensorInfo(file, tuple(tensor.shape), TORCH_DTYPE_CODES.get(tensor.dtype, str(tensor.dtype)))
+    return tensors
+
+
+def _torch_load(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a PyTorch file, memory-mapped (tensor data is read when touched)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 (torch raises UnpicklingError, RuntimeError, ...)
+        raise CheckpointError(f"{path}: not a loadable PyTorch state dict ({exc})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors")
+    return state
+
+
+def validate_checkpoint(spec: dict[str, TensorTarget], tensors: dict[str, TensorInfo], config: ModelConfig,
+                        ignored: tuple[str, ...] = ()) -> None:
     """Raise CheckpointError naming every missing, unexpected, misshaped or non-float tensor."""
-    ignorable = {k for k in tensors if k.endswith(IGNORED_SUFFIXES)}
+    ignorable = {k for k in tensors if k.endswith(IGNORED_SUFFIXES) or k in ignored}
     if config.tie_word_embeddings:
         ignorable.add("lm_head.weight")  # some tied checkpoints also store the (identical) head
     problems: list[str] = []
@@ -161,7 +198,7 @@ def load_model(
         return model.eval()
     model_dir = Path(model_dir)
     tensors = read_checkpoint_index(model_dir)
-    validate_checkpoint(spec, tensors, config)
+    validate_checkpoint(spec, tensors, config, getattr(model, "ignored_checkpoint_keys", ()))
     model.to_empty(device=device)
     _load_tensors(model, spec, tensors, model_dir, device)
     return model.eval()
@@ -176,13 +213,18 @@ def _load_tensors(model: nn.Module, spec, tensors, model_dir: Path, device: torc
     start, num_bytes = time.perf_counter(), 0
     bar = tqdm(total=len(spec), desc="Loading weights", unit="tensor", disable=None)
     for file, keys in sorted(by_file.items()):
-        with safe_open(str(model_dir / file), framework="pt", device=str(device)) as handle:
-            for key in keys:
-                target = spec[key]
-                data = handle.get_tensor(key)
-                num_bytes += data.numel() * data.element_size()
-                params[target.param][target.row_start : target.row_start + target.shape[0]].copy_(data)
-                bar.update()
+        if file.endswith(".safetensors"):
+            handle = safe_open(str(model_dir / file), framework="pt", device=str(device))
+            get = handle.get_tensor
+        else:
+            state = _torch_load(model_dir / file)
+            get = state.__getitem__
+        for key in keys:
+            target = spec[key]
+            data = get(key)
+            num_bytes += data.numel() * data.element_size()
+            params[target.param][target.row_start : target.row_start + target.shape[0]].copy_(data)  # casts dtype
+            bar.update()
     bar.close()
     logger.info(
         "loaded %d tensors (%.1f MB) from %d file(s) in %.1fs",

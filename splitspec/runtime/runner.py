@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,7 @@ class RuntimeConfig:
     attention_backend: str = "torch"
     seed: int = 0
     capture_layers: tuple[int, ...] = ()  # layer inputs returned as aux hidden states
+    family: str | None = None  # model family regardless of config.json (EAGLE heads look like Llama configs)
 
 
 @dataclass
@@ -106,6 +109,8 @@ class ModelRunner:
     def load(cls, rc: RuntimeConfig) -> "ModelRunner":
         model_dir = resolve_model_dir(rc.model_path, rc.revision)
         config = ModelConfig.from_dir(model_dir)
+        if rc.family is not None:
+            config = dataclasses.replace(config, family=rc.family)
         device = resolve_device(rc.device)
         dtype = resolve_dtype(rc.dtype, config, device)
         logger.info("loading %s (%s, %d layers) from %s as %s on %s", config.architecture, config.model_type,
@@ -122,10 +127,12 @@ class ModelRunner:
         return build_forward_batch(self.kv_cache, sequences, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, return_hidden: bool = False) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None) -> ForwardOutput:
+        """features [T, H]: one per new token, for models that take them (EAGLE heads)."""
         self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
         plan = self.backend.plan(batch.attention)
-        hidden, captured = self.model(batch.input_ids, batch.positions, self.backend, plan, self.capture_layers)
+        extra = {} if features is None else {"features": features.to(self.device)}
+        hidden, captured = self.model(batch.input_ids, batch.positions, self.backend, plan, self.capture_layers, **extra)
         logits = self.model.logits(hidden[batch.logits_indices])
         return ForwardOutput(
             logits=logits,

@@ -11,6 +11,7 @@ from splitspec.runtime.config import ModelConfig
 # family -> "module:Class"
 MODEL_FAMILIES: dict[str, str] = {
     "llama": "splitspec.runtime.models.llama:LlamaForCausalLM",
+    "eagle": "splitspec.runtime.models.eagle:EagleHead",  # chosen by --speculative-algorithm EAGLE, not by config
 }
 
 

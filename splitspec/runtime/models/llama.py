@@ -62,16 +62,20 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, input_norm: bool = True):
         super().__init__()
         self.self_attn = Attention(config, layer_id)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if input_norm:  # EAGLE heads' layer 0 has none
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+LlamaDecoderLayerBase = DecoderLayer
 
 
 class LlamaModel(nn.Module):
