@@ -15,6 +15,7 @@ from splitspec.runtime.tree import DraftTree
 
 class Drafter(ABC):
     name: str = ""
+    needs_hidden_states = False  # EAGLE-style: extend() also gets the target's hidden state before each token
 
     @abstractmethod
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
@@ -22,7 +23,9 @@ class Drafter(ABC):
 
     @abstractmethod
     def extend(self, request_id: str, tokens: list[int]) -> None:
-        """The request's sequence grew by these tokens (accepted drafts, then the bonus token)."""
+        """The request's sequence grew by these tokens (accepted drafts, then the bonus token). A drafter
+        with needs_hidden_states gets a third argument: [len(tokens), H] target states, row j the state
+        of the position before tokens[j]."""
 
     @abstractmethod
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
@@ -37,6 +40,7 @@ class Drafter(ABC):
 DRAFTERS: dict[str, str] = {
     "NGRAM": "splitspec.drafter_svc.ngram:NgramDrafter",
     "STANDALONE": "splitspec.drafter_svc.standalone:StandaloneDrafter",
+    "EAGLE": "splitspec.drafter_svc.eagle:EagleDrafter",
 }
 
 

@@ -37,19 +37,20 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
     group.add_argument("--speculative-algorithm", default=None, choices=ALGORITHMS,
                        help="Draft with this algorithm and verify losslessly (default: no speculation). NGRAM: "
                        "suffix matches in a trie of the requests' own tokens; STANDALONE: a small draft LLM sharing "
-                       "the target's tokenizer (--speculative-draft-model-path).")
+                       "the target's tokenizer (--speculative-draft-model-path); EAGLE: an EAGLE-1/2 head "
+                       "(--speculative-draft-model-path) drafting from the target's hidden states.")
     group.add_argument("--speculative-draft-model-path", default=None,
-                       help="STANDALONE: the draft model, an HF directory or hub id.")
+                       help="STANDALONE: the draft model; EAGLE: the EAGLE head (HF directory or hub id).")
     group.add_argument("--speculative-draft-model-revision", default=None,
                        help="Hub branch, tag or commit of the draft model (main when a hub id is given without one).")
     group.add_argument("--speculative-num-steps", type=int, default=None,
-                       help="Model drafters: drafting depth (auto: 3 for STANDALONE). Set all three of "
+                       help="Model drafters: drafting depth (auto: 3 for STANDALONE, 5 for EAGLE). Set all three of "
                        "--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens, or none.")
     group.add_argument("--speculative-eagle-topk", type=int, default=None,
-                       help="Model drafters: branching factor per step (auto: 1 for STANDALONE).")
+                       help="Model drafters: branching factor per step (auto: 1 for STANDALONE, 4 for EAGLE).")
     group.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                        help="Tree nodes verified per step, root included (NGRAM: the max match window size; "
-                       "STANDALONE auto: 4; with --speculative-eagle-topk 1 it becomes num-steps + 1).")
+                       "auto: 4 for STANDALONE, 8 for EAGLE; with --speculative-eagle-topk 1 it becomes num-steps + 1).")
     if side == "verifier":
         group.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
                            help="Below 1.0: SGLang's lossy rule accepts a draft whose target probability reaches this.")
@@ -68,9 +69,12 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                            help="NGRAM: verify by target argmax even for sampled requests (SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True).")
 
 
-ALGORITHMS = ("NGRAM", "STANDALONE")
-MODEL_ALGORITHMS = ("STANDALONE",)
-AUTO_TREE = {"STANDALONE": (3, 1, 4)}  # (num_steps, topk, num_draft_tokens) when all three are unset
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+MODEL_ALGORITHMS = ("STANDALONE", "EAGLE")
+HIDDEN_STATE_ALGORITHMS = ("EAGLE",)
+# (num_steps, topk, num_draft_tokens) when all three are unset: SGLang's choices (its EAGLE auto is
+# 5/4/8 for Llama targets, the family every target here belongs to)
+AUTO_TREE = {"STANDALONE": (3, 1, 4), "EAGLE": (5, 4, 8)}
 
 
 class FlagError(ValueError):
@@ -112,10 +116,11 @@ def draft_model_dir(args: argparse.Namespace):
     return resolve_model_dir(args.speculative_draft_model_path, args.speculative_draft_model_revision)
 
 
-def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None):
+def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
     """The drafter object --speculative-algorithm names, configured by the flags. A model drafter
     loads its model with the same --dtype, --device and --page-size, and a KV cache of
-    --max-total-tokens (else max_total_tokens) tokens."""
+    --max-total-tokens (else max_total_tokens) tokens. EAGLE shares the target's embedding and head:
+    `target` (a ModelRunner in this process), else read from --model-path."""
     from splitspec.drafter_svc.base import drafter_class
 
     cls = drafter_class(args.speculative_algorithm)
@@ -124,10 +129,25 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None)
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
     steps, topk, tokens = tree_shape(args)
+    eagle = args.speculative_algorithm == "EAGLE"
     runner = ModelRunner.load(RuntimeConfig(
         model_path=str(draft_model_dir(args)), dtype=args.dtype, device=args.device, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens or max_total_tokens,
-        mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=args.attention_backend))
+        mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=args.attention_backend,
+        family="eagle" if eagle else None))
+    if eagle:
+        if target is not None:
+            embed, head = target.model.model.embed_tokens.weight, target.model.lm_head_weight
+        else:
+            from splitspec.runtime.loader import read_embed_and_head
+
+            if not getattr(args, "model_path", None):
+                raise FlagError("an EAGLE drafter needs the target's --model-path (it shares the target's embedding and head)")
+            from splitspec.runtime.hub import resolve_model_dir
+
+            embed, head = read_embed_and_head(resolve_model_dir(args.model_path, getattr(args, "revision", None)),
+                                              runner.dtype, runner.device)
+        runner.model.share_target(embed, head)
     return cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens)
 
 
@@ -159,14 +179,14 @@ def spec_config(args: argparse.Namespace):
     )
 
 
-def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = None):
+def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
     """(DrafterClient or None, SpecConfig) for the flags: the drafter runs inside this process."""
     if args.speculative_algorithm is None:
         return None, spec_config(args)
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
     spec = spec_config(args)
-    return InProcessDrafterClient(build_drafter(args, max_total_tokens)), spec
+    return InProcessDrafterClient(build_drafter(args, max_total_tokens, target)), spec
 
 
 def report(algorithm: str, stats: SpecStats) -> dict:

@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.speculative_algorithm in engine_args.MODEL_ALGORITHMS:  # room for each request's beam nodes too
         steps, topk, _ = engine_args.tree_shape(args)
         draft_tokens += len(prompts) * (steps * topk + args.page_size)
-    drafter, spec = engine_args.in_process_drafter(args, max_total_tokens=draft_tokens)
+    drafter, spec = engine_args.in_process_drafter(args, max_total_tokens=draft_tokens, target=runner)
     vocab = runner.config.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= t < vocab]
     if bad:

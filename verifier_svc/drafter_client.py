@@ -25,6 +25,7 @@ class DraftAsk:
     request_id: str
     new_tokens: list[int]  # what the sequence grew by since the last call
     max_nodes: int  # tree budget, root included
+    hidden: object = None  # hidden-state drafters: [len(new_tokens), H], the target's state before each token
 
 
 class _Fault:
@@ -44,6 +45,8 @@ class DrafterStats:
 
 
 class DrafterClient(ABC):
+    needs_hidden_states = False  # the engine then opens with the first prompt token and pairs every later one
+
     def __init__(self):
         self.stats = DrafterStats()
 
@@ -78,6 +81,7 @@ class InProcessDrafterClient(DrafterClient):
     def __init__(self, drafter):
         super().__init__()
         self.drafter = drafter
+        self.needs_hidden_states = getattr(drafter, "needs_hidden_states", False)
         self._asked: dict[str, int] = {}  # request id -> tree budget
         self._broken: set[str] = set()
 
@@ -95,7 +99,10 @@ class InProcessDrafterClient(DrafterClient):
                 continue
             try:
                 if ask.new_tokens:
-                    self.drafter.extend(ask.request_id, ask.new_tokens)
+                    if self.needs_hidden_states:
+                        self.drafter.extend(ask.request_id, ask.new_tokens, ask.hidden)
+                    else:
+                        self.drafter.extend(ask.request_id, ask.new_tokens)
             except Exception:  # its history has a hole now: no more drafts for it
                 logger.exception("drafter %s failed on %s; it decodes without drafts", self.drafter.name, ask.request_id)
                 self._broken.add(ask.request_id)

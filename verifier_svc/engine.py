@@ -88,6 +88,8 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     stats: SpecStats = field(default_factory=SpecStats)
     unsent: list[int] = field(default_factory=list)  # tokens the drafter has not been told about
+    unsent_hidden: list = field(default_factory=list)  # hidden-state drafters: [k, H] blocks, one row per unsent token
+    hidden_upto: int = 0  # prompt positions whose (next token, hidden state) pair was recorded
     num_prefilled: int = 0  # tokens of fill_ids already in the KV cache (chunked prefill)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (at first admission)
     fill_len: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output[:-1] after preemption
@@ -166,6 +168,9 @@ class Engine:
         self._ids = itertools.count()
         self.report = StepReport()  # the last step's
         self._events: list[StepEvent] = []  # ended by the scheduler this step (requests that can never fit)
+        # EAGLE-style drafters get, with every token after the first, the target's final normed hidden
+        # state of the position before it (REFERENCES §1.4: token t[p+1] pairs with h[p])
+        self.needs_hidden = drafter is not None and drafter.needs_hidden_states
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
         number = next(self._ids)
@@ -299,8 +304,8 @@ class Engine:
                 break
             self.waiting.pop(0)
             available -= needed + sum(1 for page in cached if kv.allocator.refcount(page) == 1)
-            if request.speculate and not request.num_preemptions:
-                self.drafter.open(request.request_id, request.prompt_ids)
+            if request.speculate and not request.num_preemptions:  # a hidden-state drafter gets the rest paired, later
+                self.drafter.open(request.request_id, request.prompt_ids[:1] if self.needs_hidden else request.prompt_ids)
             if cached:
                 kv.allocator.incref(cached)
                 request.table.pages = list(cached)
@@ -315,6 +320,8 @@ class Engine:
         last token is always computed: its logits give the first output token."""
         if self.prefix_cache is None:
             return []
+        if self.needs_hidden and request.speculate and not request.output_ids:
+            return []  # the drafter needs the prompt's hidden states, which cached pages do not keep: recompute
         fill = request.fill_ids
         return self.prefix_cache.match(fill if request.output_ids else fill[:-1])
 
@@ -324,8 +331,9 @@ class Engine:
         asks = []
         for request in self.running:
             if request.speculate and request.decoding and not (only_missing and request.draft_requested):
-                asks.append(DraftAsk(request.request_id, request.unsent, self.spec.num_draft_tokens))
-                request.unsent = []
+                hidden = torch.cat(request.unsent_hidden) if request.unsent_hidden else None
+                asks.append(DraftAsk(request.request_id, request.unsent, self.spec.num_draft_tokens, hidden))
+                request.unsent, request.unsent_hidden = [], []
                 request.draft_requested = True
         if asks:
             self.drafter.request(asks)
@@ -366,19 +374,26 @@ class Engine:
             return []
         forward_start = time.perf_counter()
         batch = self.runner.batch(sequences)
-        logits = self.runner.forward(batch).logits  # [rows, V]
+        output = self.runner.forward(batch, return_hidden=self.needs_hidden)
+        logits = output.logits  # [rows, V]
         self.report.seconds["verify"] = time.perf_counter() - forward_start
         accept_start = time.perf_counter()
+        rows = [0]  # first row of each sequence among the batch's new tokens
+        for q_len in batch.attention.q_lens:
+            rows.append(rows[-1] + q_len)
         events = []
         for i, chunk in enumerate(prefills):
             request = chunk.request
             samples = chunk.samples
             self.runner.kv_cache.set_length(request.table, chunk.end)
             request.num_prefilled = chunk.end
+            hidden = None
+            if self.needs_hidden and request.speculate and not request.output_ids:
+                hidden = self._pair_prompt_states(request, chunk, output.hidden_states[rows[i] : rows[i + 1]])
             if samples:
                 row = batch.cu_logits[i]
                 self.report.prompt_tokens += len(request.prompt_ids)
-                events.append(self._emit(request, [sample(logits[row : row + 1], [request.params], [0]).item()]))
+                events.append(self._emit(request, [sample(logits[row : row + 1], [request.params], [0]).item()], hidden))
         commit_seconds = 0.0
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
@@ -387,7 +402,10 @@ class Engine:
             self._commit_kv(v, acceptance)
             commit_seconds += time.perf_counter() - commit_start
             self._count(v, acceptance)
-            events.append(self._emit(v.request, acceptance.tokens))
+            hidden = None
+            if self.needs_hidden and v.request.speculate:  # the accepted path's states pair with the emitted tokens
+                hidden = output.hidden_states[rows[i] : rows[i + 1]][list(acceptance.path)]
+            events.append(self._emit(v.request, acceptance.tokens, hidden))
         self.report.seconds["accept"] = time.perf_counter() - accept_start - commit_seconds
         self.report.seconds["commit"] = commit_seconds
         return events
@@ -432,8 +450,21 @@ class Engine:
         self.report.accept_lengths.append(acceptance.num_accepted + 1)
         self.drafter.accepted(v.request.request_id, v.tree.num_drafts, acceptance.num_accepted)
 
-    def _emit(self, request: Request, tokens: list[int]) -> StepEvent:
-        """Append tokens until a stop condition; what follows a stop is dropped."""
+    def _pair_prompt_states(self, request: Request, chunk: _Chunk, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Record (prompt token p+1, hidden state p) for the chunk's positions not recorded before; the
+        state of the prompt's last position is returned, to pair with the first output token."""
+        start = max(chunk.start, request.hidden_upto)
+        last = request.fill_len - 1
+        inner_end = min(chunk.end, last)
+        if start < inner_end:
+            request.unsent.extend(request.prompt_ids[start + 1 : inner_end + 1])
+            request.unsent_hidden.append(hidden[start - chunk.start : inner_end - chunk.start])
+        request.hidden_upto = max(request.hidden_upto, chunk.end)
+        return hidden[last - chunk.start :][:1] if chunk.end == request.fill_len else None
+
+    def _emit(self, request: Request, tokens: list[int], hidden: torch.Tensor | None = None) -> StepEvent:
+        """Append tokens until a stop condition; what follows a stop is dropped. hidden: one state per
+        token (a hidden-state drafter's pairing), kept for the emitted ones."""
         emitted = []
         for token in tokens:
             request.output_ids.append(token)
@@ -446,6 +477,8 @@ class Engine:
                 break
         if request.speculate:
             request.unsent.extend(emitted)
+            if self.needs_hidden:
+                request.unsent_hidden.append(hidden[: len(emitted)])
         return StepEvent(request.request_id, emitted, request.finish_reason)
 
     def _retire(self) -> None:

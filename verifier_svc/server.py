@@ -185,7 +185,7 @@ async def serve(args: argparse.Namespace) -> None:
                               timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
                               metrics=PoolMetrics(registry, model_id) if registry is not None else None)
     else:
-        drafter, spec = engine_args.in_process_drafter(args)
+        drafter, spec = engine_args.in_process_drafter(args, target=runner)
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)

@@ -244,3 +244,23 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             param.zero_()
         else:
             param.copy_(torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32) * 0.02)
+
+
+def read_embed_and_head(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama-family target's input embedding and lm_head (the embedding when tied), read alone: what an
+    EAGLE head shares when it runs in another process than the target."""
+    config = ModelConfig.from_dir(model_dir)
+    tensors = read_checkpoint_index(model_dir)
+    names = ["model.embed_tokens.weight", "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise CheckpointError(f"{model_dir}: the target's {', '.join(sorted(set(missing)))} not found")
+    out = []
+    for name in names:
+        file = tensors[name].file
+        if file.endswith(".safetensors"):
+            with safe_open(str(model_dir / file), framework="pt", device="cpu") as handle:
+                out.append(handle.get_tensor(name).to(device=device, dtype=dtype))
+        else:
+            out.append(_torch_load(model_dir / file)[name].to(device=device, dtype=dtype))
+    return out[0], out[1]

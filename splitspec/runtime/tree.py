@@ -200,7 +200,11 @@ class BeamDraft:
         scores = torch.cat(self.flat_scores)
         tokens = torch.cat(self.flat_tokens)
         keep = min(self.num_draft_tokens - 1, scores.numel())
-        selected = sorted(scores.topk(keep).indices.tolist())
+        # best scores first, ties to the lower flat index: a child never scores above its parent and
+        # comes later, so a kept child always has its parent kept (SGLang's topk may split such a tie
+        # and then drops the orphan)
+        values = scores.tolist()
+        selected = sorted(sorted(range(len(values)), key=lambda f: (-values[f], f))[:keep])
         parents = parents_from_selection(selected, self.parent_list, self.topk)
         return DraftTree(tuple([self.root, *tokens[selected].tolist()]), tuple(parents),
                          tuple([1.0, *scores[selected].tolist()]))

@@ -1,0 +1,124 @@
+"""EAGLE (EAGLE-2): an EAGLE head drafting SGLang's dynamic tree from the target's hidden states.
+
+The head (runtime.models.eagle) has its own one-layer paged KV cache. Row p of a request holds token
+t[p+1] with the target's hidden state h[p] at position p (REFERENCES §1.4), so the verifier opens a
+request with its first token and then sends every later token with the state before it. A draft call:
+
+    1. catch up   forward the rows not yet in the head's KV (committed); the last row holds the root
+                  and its output x is the feature of the root's children
+    2. step 0     the root row's distribution -> top-K beams (runtime.tree.BeamDraft)
+    3. step 1..S-1 forward all beam nodes made so far after the committed rows under their forest mask,
+                  each with its parent's output x as feature (position = root row + depth); expand
+    4. the tree   the best N-1 candidates by probability product
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitspec.drafter_svc.base import Drafter
+from splitspec.drafter_svc.standalone import forest_depths, forest_mask
+from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.runner import ModelRunner
+from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree
+
+
+class _State:
+    __slots__ = ("last_token", "pending_tokens", "pending_hidden", "table", "root_feature")
+
+    def __init__(self, first_token: int):
+        self.last_token = first_token
+        self.pending_tokens: list[int] = []
+        self.pending_hidden: list[torch.Tensor] = []
+        self.table = BlockTable()
+        self.root_feature: torch.Tensor | None = None  # the head's output at the root row (after a catch-up)
+
+
+class EagleDrafter(Drafter):
+    name = "EAGLE"
+    needs_hidden_states = True
+
+    def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int):
+        self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
+        self.states: dict[str, _State] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.config.vocab_size
+
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        """prompt_ids: the request's first token (the rest arrives through extend with hidden states)."""
+        self.release(request_id)
+        if len(prompt_ids) != 1:
+            raise ValueError(f"an EAGLE drafter opens with one token and gets the rest with hidden states, got {len(prompt_ids)}")
+        self.states[request_id] = _State(prompt_ids[0])
+
+    def extend(self, request_id: str, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
+        if hidden is None or hidden.shape[0] != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens need as many hidden states, got {None if hidden is None else hidden.shape[0]}")
+        state = self.states[request_id]
+        state.pending_tokens.extend(tokens)
+        state.pending_hidden.append(hidden)
+        state.last_token = tokens[-1]
+
+    def release(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.runner.kv_cache.release(state.table)
+
+    @torch.inference_mode()
+    def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
+        out: list[DraftTree | None] = [None] * len(request_ids)
+        asked = [(i, self.states[r], min(self.num_draft_tokens, b)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
+                 if b >= 2 and (self.states[r].pending_tokens or self.states[r].root_feature is not None)]
+        if not asked:
+            return out
+        kv = self.runner.kv_cache
+        catch_up = [(i, s) for i, s, _ in asked if s.pending_tokens]
+        root_logits: dict[int, torch.Tensor] = {}
+        if catch_up:
+            sequences = [SequenceInput(s.table, list(s.pending_tokens), logits="last") for _, s in catch_up]
+            features = torch.cat([h for _, s in catch_up for h in s.pending_hidden])
+            batch = self.runner.batch(sequences)
+            output = self.runner.forward(batch, return_hidden=True, features=features)
+            end = 0
+            for row, (i, s) in enumerate(catch_up):
+                end += len(s.pending_tokens)
+                kv.set_length(s.table, s.table.num_tokens + len(s.pending_tokens))
+                s.root_feature = output.hidden_states[end - 1]
+                root_logits[i] = output.logits[row]
+                s.pending_tokens, s.pending_hidden = [], []
+        missing = [(i, s) for i, s, _ in asked if i not in root_logits]
+        if missing:  # asked again with nothing new: the root row's logits from its stored output
+            for i, s in missing:
+                root_logits[i] = self.runner.model.logits(s.root_feature[None])[0]
+        beams = []
+        for i, s, budget in asked:
+            beam = BeamDraft(s.last_token, self.topk, self.num_steps, budget)
+            beam.first(torch.softmax(root_logits[i].float(), -1))
+            beams.append(beam)
+        outputs: list[list[torch.Tensor]] = [[] for _ in asked]  # head output x of each beam node
+        while beams[0].beams() is not None:
+            sequences, features, frontiers = [], [], []
+            for (i, s, _), beam, xs in zip(asked, beams, outputs):
+                root_row = s.table.num_tokens - 1
+                depths = forest_depths(beam.beam_parents)
+                sequences.append(SequenceInput(s.table, list(beam.beam_tokens), [root_row + d for d in depths],
+                                               forest_mask(beam.beam_parents), "all"))
+                features += [s.root_feature if p == NO_NODE else xs[p] for p in beam.beam_parents]
+                frontiers.append(beam.beams())
+            batch = self.runner.batch(sequences)
+            output = self.runner.forward(batch, return_hidden=True, features=torch.stack(features))
+            start = 0
+            for k, ((i, s, _), beam) in enumerate(zip(asked, beams)):
+                n = len(beam.beam_tokens)
+                kv.set_length(s.table, s.table.num_tokens)  # drop the beam nodes' KV
+                node_x = output.hidden_states[start : start + n]
+                outputs[k] = list(node_x)
+                rows = output.logits[batch.cu_logits[k] : batch.cu_logits[k + 1]][frontiers[k]]
+                beam.expand(torch.softmax(rows.float(), -1))
+                start += n
+        for (i, _, _), beam in zip(asked, beams):
+            out[i] = beam.tree()
+        return out
