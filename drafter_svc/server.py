@@ -49,6 +49,8 @@ class DrafterServer:
         self.steps = 0
         self.dropped = 0  # messages from the verifier that could not be used
         self.plane = FramePlane()
+        runner = getattr(drafter, "runner", None)
+        self.device = runner.device if runner is not None else "cpu"
         self.context = zmq.Context.instance()
         self.socket = None
         self.stopping = False
@@ -139,11 +141,7 @@ class DrafterServer:
             if not message.heartbeat_reply.known:
                 self._reset("the verifier no longer knows this session")
         elif kind == "open":
-            request_id = message.open.request_id
-            if request_id in self.requests:
-                self.drafter.release(request_id)
-            self.drafter.open(request_id, list(message.open.token_ids))
-            self.requests.add(request_id)
+            self._open(message, frames[1:])
         elif kind == "draft":
             self._draft(message, frames[1:])
         elif kind == "release":
@@ -154,18 +152,60 @@ class DrafterServer:
         else:
             self._drop(f"unexpected message kind {kind!r}")
 
+    def _hidden(self, message, frames) -> dict[str, object] | None:
+        """Request id -> its hidden-state rows from the message's frames; None (logged) when unreadable."""
+        try:
+            return {rid: t for name, rid, t in self.plane.unpack(convert.tensor_infos(message), list(frames))
+                    if name == "hidden_states"}
+        except TensorError as exc:
+            self._drop(f"{message.WhichOneof('kind')}: {exc}")
+            return None
+
+    def _open(self, message, frames) -> None:
+        request_id, tokens = message.open.request_id, list(message.open.token_ids)
+        if request_id in self.requests:
+            self.drafter.release(request_id)
+            self.requests.discard(request_id)
+        if not self.drafter.needs_hidden_states:
+            self.drafter.open(request_id, tokens)
+            self.requests.add(request_id)
+            return
+        hidden = self._hidden(message, frames)
+        if hidden is None or not tokens or (len(tokens) > 1 and (request_id not in hidden or len(hidden[request_id]) != len(tokens) - 1)):
+            self._drop(f"open {request_id}: {len(tokens)} tokens need {len(tokens) - 1} hidden states")
+            return  # its asks come back as unknown and the verifier opens it again
+        self.drafter.open(request_id, tokens[:1])
+        if len(tokens) > 1:
+            self.drafter.extend(request_id, tokens[1:], hidden[request_id].to(self.device))
+        self.requests.add(request_id)
+
     def _draft(self, message, frames) -> None:
         start = time.perf_counter()
         asks = [a for a in message.draft.asks if a.request_id in self.requests]
         unknown = [a.request_id for a in message.draft.asks if a.request_id not in self.requests]
-        for ask in asks:  # the sequences grow first, whatever happens to the tensors
-            if ask.new_token_ids:
-                self.drafter.extend(ask.request_id, list(ask.new_token_ids))
-        try:  # hidden states (model drafters) arrive as raw frames; NGRAM gets none
-            self.plane.unpack(convert.tensor_infos(message), list(frames))
-        except TensorError as exc:
-            self._drop(f"draft request {message.draft.step_id}: {exc}")
+        hidden = self._hidden(message, frames) if self.drafter.needs_hidden_states else {}
+        if hidden is None:  # unreadable states: these requests' histories cannot grow; reopen them
+            unknown += [a.request_id for a in asks]
+            for ask in asks:
+                self.drafter.release(ask.request_id)
+                self.requests.discard(ask.request_id)
             asks = []
+        kept = []
+        for ask in asks:
+            if ask.new_token_ids and self.drafter.needs_hidden_states:
+                rows = hidden.get(ask.request_id)
+                if rows is None or rows.shape[0] != len(ask.new_token_ids):
+                    self._drop(f"draft {message.draft.step_id}: {ask.request_id} has {len(ask.new_token_ids)} new tokens "
+                               f"and {None if rows is None else rows.shape[0]} hidden states; reopening it")
+                    self.drafter.release(ask.request_id)
+                    self.requests.discard(ask.request_id)
+                    unknown.append(ask.request_id)
+                    continue
+                self.drafter.extend(ask.request_id, list(ask.new_token_ids), rows.to(self.device))
+            elif ask.new_token_ids:
+                self.drafter.extend(ask.request_id, list(ask.new_token_ids))
+            kept.append(ask)
+        asks = kept
         trees = self.drafter.draft([a.request_id for a in asks], [min(a.max_nodes, self.max_nodes) for a in asks]) if asks else []
         self.steps += 1
         pairs = [(a.request_id, t) for a, t in zip(asks, trees) if t is not None]
@@ -188,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Seconds without a word from the verifier before dropping all requests and registering again.")
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
     model = parser.add_argument_group("draft model (model drafters)")
+    model.add_argument("--model-path", "--model", dest="model_path", default=None,
+                       help="EAGLE: the target model (HF directory or hub id), whose embedding and lm_head the head shares.")
+    model.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path.")
     model.add_argument("--dtype", default="auto", help="Draft model dtype (auto = the checkpoint's; fp32 files run in bf16 on GPU).")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
     model.add_argument("--page-size", type=int, default=16, help="Tokens per page of the draft model's KV cache.")
@@ -218,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
     server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,
                            args.heartbeat_interval, args.verifier_timeout,
                            draft_model=args.speculative_draft_model_path or "" if model_drafter else "",
-                           vocab_size=drafter.vocab_size if model_drafter else 0)
+                           vocab_size=drafter.vocab_size if model_drafter else 0,
+                           hidden_state_layers=(-1,) if drafter.needs_hidden_states else ())
     try:
         server.serve()
     except RefusedError as exc:

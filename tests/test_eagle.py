@@ -109,3 +109,54 @@ def test_eagle_drafting_keeps_greedy_output_at_batch_1_and_8(tmp_path):
             assert s.stats.fallbacks == 0
         assert sum(s.stats.draft_tokens for s in spec) > 0
         assert head.kv_cache.allocator.num_used == 0
+
+
+def test_eagle_drafter_process_over_tcp_gets_hidden_states_and_keeps_output(tmp_path):
+    """verifier + a `splitspec drafter` EAGLE process: the target's states cross as raw frames (counted),
+    greedy output equals plain at batch 1 and 8, no fallbacks."""
+    import socket
+    import subprocess
+    import sys
+
+    from test_verifier_service import collect, scrape, start_verifier, stop, submit
+
+    from splitspec.generate import generate_ids
+    from splitspec.protos import verifier_pb2 as pb
+
+    target_dir = demo_model_dirs()["target"]
+    head_dir = eagle_head_dir(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"]
+    drafter = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+                                "--drafter-name", "eagle-1", "--speculative-algorithm", "EAGLE", "--dtype", "float32",
+                                "--model-path", str(target_dir), "--speculative-draft-model-path", head_dir, *shape,
+                                "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process, stub = start_verifier("--max-total-tokens", "8192", "--drafter-bind-addr", address, "--wait-for-drafters", "1",
+                                   "--drafter-timeout-ms", "10000", "--speculative-algorithm", "EAGLE",
+                                   "--speculative-draft-model-path", head_dir, *shape)
+    try:
+        prompts = [[13, 290, 350 + i, 13, 290, 350 + i, 13, 900 + i] for i in range(8)]
+        target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=4096))
+        plain = generate_ids(target, prompts, [SamplingParams(temperature=0.0, max_new_tokens=24)] * 8, set())
+        reference = hf_model(target_dir)
+        for batch in (1, 8):
+            results = {}
+            for start in range(0, 8, batch):
+                results.update(collect(stub, [submit(f"e{batch}-{i}", prompts[i], max_new_tokens=24)
+                                              for i in range(start, start + batch)], batch))
+            for i in range(8):
+                r = results[f"e{batch}-{i}"]
+                assert r["finish"] == pb.FINISH_REASON_LENGTH and r["spec"].fallbacks == 0, r
+                assert_greedy_match(r["tokens"], plain[i].output_ids, reference, prompts[i], f"tcp eagle b{batch} {i}")
+            assert sum(r["spec"].draft_tokens for r in results.values()) > 0
+        metrics = scrape(stub.metrics_url)
+        hidden_bytes = metrics[("splitspec:drafter_hidden_state_bytes_total", (("drafter", "eagle-1"),))]
+        # every token but each request's first crossed with a 384-float state (fp32 here)
+        assert hidden_bytes >= 16 * (len(prompts[0]) - 1 + 23) * 384 * 4
+        print(f"EAGLE over tcp: {hidden_bytes / 1e6:.2f} MB of hidden states for 16 requests")
+    finally:
+        stop(process, stub)
+        drafter.kill()
+        drafter.wait(timeout=30)

@@ -108,13 +108,22 @@ def heartbeat_reply(epoch: int, session: int, known: bool):
     return _verifier_message(epoch, session, heartbeat_reply=step_pb.HeartbeatReply(known=known))
 
 
-def open_request(epoch: int, session: int, request_id: str, token_ids: list[int]):
-    return _verifier_message(epoch, session, open=step_pb.OpenRequest(request_id=request_id, token_ids=token_ids))
+def _tensor_metas(infos) -> list:
+    return [step_pb.TensorMeta(name=t.name, dtype=t.dtype, shape=list(t.shape), frame=t.frame, request_id=t.request_id)
+            for t in infos]
 
 
-def draft_request(epoch: int, session: int, step_id: int, asks):
-    return _verifier_message(epoch, session, draft=step_pb.DraftRequest(step_id=step_id, asks=[
+def open_request(epoch: int, session: int, request_id: str, token_ids: list[int], tensors=()):
+    message = _verifier_message(epoch, session, open=step_pb.OpenRequest(request_id=request_id, token_ids=token_ids))
+    message.tensors.extend(_tensor_metas(tensors))
+    return message
+
+
+def draft_request(epoch: int, session: int, step_id: int, asks, tensors=()):
+    message = _verifier_message(epoch, session, draft=step_pb.DraftRequest(step_id=step_id, asks=[
         step_pb.DraftAsk(request_id=a.request_id, new_token_ids=a.new_tokens, max_nodes=a.max_nodes) for a in asks]))
+    message.tensors.extend(_tensor_metas(tensors))
+    return message
 
 
 def release(epoch: int, session: int, request_ids: list[str]):

@@ -36,6 +36,7 @@ from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 
 logger = logging.getLogger(__name__)
+FINAL_NORMED_STATE = -1  # Register.hidden_state_layers entry: the target's final normed hidden state (EAGLE)
 
 
 @dataclass
@@ -64,11 +65,15 @@ class _Step:
 
 class DrafterPool(DrafterClient):
     def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str | None = None,
-                 timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None):
+                 timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None, needs_hidden_states: bool = False):
         import zmq
 
         super().__init__()
         self.zmq = zmq
+        # EAGLE-style drafters: every token after a request's first travels with the target's hidden
+        # state before it (raw frames through the tensor plane); the pool keeps them for re-pins
+        self.needs_hidden_states = needs_hidden_states
+        self._hidden_history: dict[str, list] = {}
         self.algorithm, self.vocab_size, self.draft_model = algorithm, vocab_size, draft_model
         self.timeout, self.heartbeat_timeout = timeout, heartbeat_timeout
         self.metrics = metrics
@@ -126,6 +131,8 @@ class DrafterPool(DrafterClient):
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         with self._cond:
             self._history[request_id] = list(prompt_ids)
+            if self.needs_hidden_states:
+                self._hidden_history[request_id] = []
             self._pins[request_id] = None
             self._pin(request_id, repin=False)
 
@@ -137,6 +144,8 @@ class DrafterPool(DrafterClient):
                 if history is None:
                     continue
                 history.extend(ask.new_tokens)
+                if self.needs_hidden_states and ask.new_tokens:
+                    self._hidden_history[ask.request_id].append(ask.hidden.detach().to("cpu"))
                 self._results.pop(ask.request_id, None)
                 self._step_of.pop(ask.request_id, None)
                 drafter = self._pins.get(ask.request_id)
@@ -147,7 +156,8 @@ class DrafterPool(DrafterClient):
                 if drafter is None:
                     self._results[ask.request_id] = DRAFT_FAULT  # no drafter alive: decode plainly
                     continue
-                groups.setdefault(drafter.session, []).append(DraftAsk(ask.request_id, new_tokens, ask.max_nodes))
+                groups.setdefault(drafter.session, []).append(
+                    DraftAsk(ask.request_id, new_tokens, ask.max_nodes, ask.hidden if new_tokens else None))
             now = time.monotonic()
             for session, group in groups.items():
                 drafter = self._drafters[session]
@@ -155,7 +165,11 @@ class DrafterPool(DrafterClient):
                 self._pending[step_id] = _Step(drafter, {a.request_id: a.max_nodes for a in group}, now)
                 for ask in group:
                     self._step_of[ask.request_id] = step_id
-                self._send(drafter, convert.draft_request(self.epoch, session, step_id, group))
+                infos, frames = self.plane.pack([("hidden_states", a.request_id, a.hidden) for a in group
+                                                 if a.hidden is not None])
+                if frames and self.metrics is not None:
+                    self.metrics.hidden_bytes.labels(drafter=drafter.name).inc(frame_bytes(frames))
+                self._send(drafter, convert.draft_request(self.epoch, session, step_id, group, infos), frames)
 
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | object]:
         """Waits until every asked tree is filed or its ask is --drafter-timeout-ms old."""
@@ -193,6 +207,7 @@ class DrafterPool(DrafterClient):
         with self._cond:
             drafter = self._pins.pop(request_id, None)
             self._history.pop(request_id, None)
+            self._hidden_history.pop(request_id, None)
             self._results.pop(request_id, None)
             self._forget_ask(request_id, self._step_of.pop(request_id, None))
             if drafter is not None and drafter.alive:
@@ -236,7 +251,14 @@ class DrafterPool(DrafterClient):
             self.metrics.repins.inc()
         if repin:
             logger.info("re-pinned %s to drafter %s", request_id, drafter.name)
-        self._send(drafter, convert.open_request(self.epoch, drafter.session, request_id, self._history[request_id]))
+        tensors = []
+        if self.needs_hidden_states and self._hidden_history.get(request_id):
+            import torch
+
+            tensors = [("hidden_states", request_id, torch.cat(self._hidden_history[request_id]))]
+        infos, frames = self.plane.pack(tensors)
+        self._send(drafter, convert.open_request(self.epoch, drafter.session, request_id, self._history[request_id], infos),
+                   frames)
         return drafter
 
     def _declare_dead(self, drafter: _Drafter, why: str) -> None:
@@ -383,8 +405,9 @@ class DrafterPool(DrafterClient):
             problem = f"this verifier expects draft model {self.draft_model or '(none)'!r}, the drafter has {register.draft_model!r}"
         elif register.vocab_size not in (0, self.vocab_size):
             problem = f"the drafter's vocabulary has {register.vocab_size} tokens, the target's {self.vocab_size}"
-        elif register.hidden_state_layers:
-            problem = "this verifier does not capture hidden states yet"
+        elif list(register.hidden_state_layers) != ([FINAL_NORMED_STATE] if self.needs_hidden_states else []):
+            problem = (f"the drafter needs hidden states {list(register.hidden_state_layers)}, this verifier sends "
+                       f"{[FINAL_NORMED_STATE] if self.needs_hidden_states else 'none'} (-1 = the final normed state)")
         elif register.capacity < 1 or not sender.name:
             problem = "a drafter needs a name and a capacity of at least one request"
         if problem is not None:

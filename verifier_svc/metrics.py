@@ -97,6 +97,8 @@ class PoolMetrics:
         self.dropped = _labelled(Counter, registry, "drafter_drafts_dropped",
                                  "Drafter messages or trees dropped, by reason (timeout, late, stale, malformed, "
                                  "wrong_request, invalid_tree, drafter_gone).", ("drafter", "reason"), const)
+        self.hidden_bytes = _labelled(Counter, registry, "drafter_hidden_state_bytes",
+                                      "Bytes of target hidden states sent to each drafter (EAGLE).", ("drafter",), const)
         self.heartbeats = _labelled(Counter, registry, "drafter_heartbeats", "Heartbeats received.", ("drafter",), const)
         self.draft_tokens = _labelled(Counter, registry, "drafter_draft_tokens", "Draft tokens verified, per drafter.",
                                       ("drafter",), const)

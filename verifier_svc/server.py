@@ -183,6 +183,7 @@ async def serve(args: argparse.Namespace) -> None:
         drafter = DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
                               draft_model=args.speculative_draft_model_path if args.speculative_algorithm != "NGRAM" else "",
                               timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
+                              needs_hidden_states=args.speculative_algorithm in engine_args.HIDDEN_STATE_ALGORITHMS,
                               metrics=PoolMetrics(registry, model_id) if registry is not None else None)
     else:
         drafter, spec = engine_args.in_process_drafter(args, target=runner)

@@ -57,7 +57,7 @@ class FramePlane(TensorPlane):
                 raise TensorError(f"tensor {name!r}: dtype {dtype} cannot travel")
             data = tensor.detach().to("cpu").contiguous()
             infos.append(TensorInfo(name, dtype, tuple(data.shape), len(frames), request_id))
-            frames.append(memoryview(data.view(torch.uint8).numpy()) if data.numel() else b"")
+            frames.append(memoryview(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else b"")
         return infos, frames
 
     def unpack(self, infos, frames):
