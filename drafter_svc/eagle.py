@@ -39,8 +39,12 @@ class EagleDrafter(Drafter):
     name = "EAGLE"
     needs_hidden_states = True
 
-    def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int):
+    def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int,
+                 token_map: torch.Tensor | None = None):
+        """token_map (FR-Spec, --speculative-token-map): draft over these target ids only (the runner's
+        head must already be cut to them)."""
         self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
+        self.token_map = token_map
         self.states: dict[str, _State] = {}
 
     @property
@@ -95,7 +99,7 @@ class EagleDrafter(Drafter):
                 root_logits[i] = self.runner.model.logits(s.root_feature[None])[0]
         beams = []
         for i, s, budget in asked:
-            beam = BeamDraft(s.last_token, self.topk, self.num_steps, budget)
+            beam = BeamDraft(s.last_token, self.topk, self.num_steps, budget, self.token_map)
             beam.first(torch.softmax(root_logits[i].float(), -1))
             beams.append(beam)
         outputs: list[list[torch.Tensor]] = [[] for _ in asked]  # head output x of each beam node

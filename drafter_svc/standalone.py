@@ -52,8 +52,12 @@ def forest_depths(parents: list[int]) -> list[int]:
 class StandaloneDrafter(Drafter):
     name = "STANDALONE"
 
-    def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int):
+    def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int,
+                 token_map: torch.Tensor | None = None):
+        """token_map (FR-Spec, --speculative-token-map): draft over these target ids only (the runner's
+        head must already be cut to them)."""
         self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
+        self.token_map = token_map
         self.sequences: dict[str, list[int]] = {}
         self.tables: dict[str, BlockTable] = {}
 
@@ -93,7 +97,7 @@ class StandaloneDrafter(Drafter):
         beams = []
         for row, (_, request_id, budget) in enumerate(asked):
             kv.set_length(self.tables[request_id], len(self.sequences[request_id]))
-            beam = BeamDraft(self.sequences[request_id][-1], self.topk, self.num_steps, budget)
+            beam = BeamDraft(self.sequences[request_id][-1], self.topk, self.num_steps, budget, self.token_map)
             beam.first(torch.softmax(logits[row].float(), -1))
             beams.append(beam)
         while beams[0].beams() is not None:  # every request has the same number of steps

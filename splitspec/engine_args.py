@@ -43,6 +43,9 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                        help="STANDALONE: the draft model; EAGLE: the EAGLE head (HF directory or hub id).")
     group.add_argument("--speculative-draft-model-revision", default=None,
                        help="Hub branch, tag or commit of the draft model (main when a hub id is given without one).")
+    group.add_argument("--speculative-token-map", default=None,
+                       help="FR-Spec: a list of frequent target token ids (torch.save'd; a path or <org>/<repo>/<file> "
+                       "on the hub); the draft head keeps only those rows and drafted ids map back. EAGLE and STANDALONE.")
     group.add_argument("--speculative-num-steps", type=int, default=None,
                        help="Model drafters: drafting depth (auto: 3 for STANDALONE, 5 for EAGLE). Set all three of "
                        "--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens, or none.")
@@ -147,8 +150,17 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
 
             embed, head = read_embed_and_head(resolve_model_dir(args.model_path, getattr(args, "revision", None)),
                                               runner.dtype, runner.device)
-        runner.model.share_target(embed, head)
-    return cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens)
+    token_map = None
+    if getattr(args, "speculative_token_map", None):
+        from splitspec.runtime.token_map import load_token_map
+
+        vocab = target.config.vocab_size if target is not None else runner.config.vocab_size
+        token_map = load_token_map(args.speculative_token_map, vocab)
+        if not eagle:
+            runner.model.set_hot_tokens(token_map)
+    if eagle:
+        runner.model.share_target(embed, head if token_map is None else head[token_map.to(head.device)].contiguous())
+    return cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens, token_map=token_map)
 
 
 def ngram_config(args: argparse.Namespace):

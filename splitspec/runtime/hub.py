@@ -51,3 +51,17 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
             f"--model-path {name_or_path!r} (revision {revision or 'main'}): not a local directory and "
             f"could not be resolved on the hub or in the HF cache: {exc}"
         ) from exc
+
+
+def resolve_file(path_or_hub_file: str, revision: str | None = None) -> Path:
+    """A local file as is; otherwise `<org>/<repo>/<file...>` fetched from the hub (SGLang's form for
+    --speculative-token-map, e.g. thunlp/LLaMA3-Instruct-8B-FR-Spec/freq_32768.pt)."""
+    path = Path(path_or_hub_file).expanduser()
+    if path.is_file():
+        return path
+    parts = path_or_hub_file.split("/")
+    if len(parts) < 3 or path.is_absolute() or path_or_hub_file.startswith((".", "~")) or not all(parts[:2]):
+        raise FileNotFoundError(f"{path_or_hub_file}: no such file, and not of the form <org>/<repo>/<file>")
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]), revision=revision))

@@ -151,10 +151,12 @@ class BeamDraft:
     the beam nodes were made, so a drafter can lay them out as one growing tree.
     """
 
-    def __init__(self, root: int, topk: int, num_steps: int, num_draft_tokens: int):
+    def __init__(self, root: int, topk: int, num_steps: int, num_draft_tokens: int, token_map: torch.Tensor | None = None):
+        """token_map (FR-Spec): the distributions are over these target ids; indices map back through it."""
         if topk < 1 or num_steps < 1 or num_draft_tokens < 2:
             raise ValueError(f"topk {topk}, steps {num_steps}, draft tokens {num_draft_tokens}: need >= 1, >= 1, >= 2")
         self.root, self.topk, self.num_steps = root, topk, num_steps
+        self.token_map = token_map
         self.num_draft_tokens = num_draft_tokens
         self.step = 0
         self.scores: torch.Tensor | None = None  # [K] current beam scores
@@ -170,6 +172,7 @@ class BeamDraft:
         """probs [V]: the draft model's distribution after the root."""
         k = min(self.topk, probs.shape[-1])
         top_p, top_idx = probs.float().topk(k)
+        top_idx = self._ids(top_idx)
         self.scores = top_p
         self.flat_scores.append(top_p)
         self.flat_tokens.append(top_idx)
@@ -185,6 +188,7 @@ class BeamDraft:
         """probs [K, V]: the distribution after each current beam, in beams() order."""
         k = self.topk
         top_p, top_idx = probs.float().topk(k, dim=-1)  # [K, K]
+        top_idx = self._ids(top_idx)
         candidates = (self.scores[:, None] * top_p).flatten()  # [K*K]
         chosen = candidates.topk(k).indices
         self.scores = candidates[chosen]
@@ -208,6 +212,10 @@ class BeamDraft:
         parents = parents_from_selection(selected, self.parent_list, self.topk)
         return DraftTree(tuple([self.root, *tokens[selected].tolist()]), tuple(parents),
                          tuple([1.0, *scores[selected].tolist()]))
+
+    def _ids(self, indices: torch.Tensor) -> torch.Tensor:
+        indices = indices.cpu()
+        return indices if self.token_map is None else self.token_map[indices]
 
     def _add_beams(self, tokens: list[int], parents: list[int]) -> list[int]:
         start = len(self.beam_tokens)

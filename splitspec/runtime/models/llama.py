@@ -122,6 +122,11 @@ class LlamaForCausalLM(nn.Module):
             captured[len(self.model.layers)] = x
         return self.model.norm(x), [captured[i] for i in capture_layers]
 
+    def set_hot_tokens(self, token_ids: torch.Tensor) -> None:
+        """FR-Spec: logits() gives only these ids' logits, in this order (a draft model's cut head)."""
+        self.hot_head = self.lm_head_weight[token_ids.to(self.lm_head_weight.device)].contiguous()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] fp32 logits."""
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        """[N, H] -> [N, V] fp32 logits ([N, R] after set_hot_tokens)."""
+        weight = getattr(self, "hot_head", None)
+        return torch.nn.functional.linear(hidden, self.lm_head_weight if weight is None else weight).float()
