@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from helpers import assert_greedy_match, hf_model
 from test_eagle_head import head_state
@@ -88,11 +89,66 @@ def eagle_head_dir(tmp_path) -> str:
     return str(th.write_head(tmp_path / "eagle", config, head_state(seed=1, with_bias=True), "bin"))
 
 
-def test_eagle_drafting_keeps_greedy_output_at_batch_1_and_8(tmp_path):
+@pytest.fixture(scope="module")
+def trained_head(tmp_path_factory):
+    """An EAGLE head for the demo target, trained here in a minute on the target's own greedy
+    continuations of the code prompts (rows: token t[p+1] with state h[p]; targets: the target's
+    distribution at p+1 and its state h[p+1], EAGLE's two losses), saved in the published layout."""
+    import test_eagle_head as th
+    from transformers import AutoTokenizer, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    target_dir = demo_model_dirs()["target"]
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=16384))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    outs = run(runner, prompts, [SamplingParams(temperature=0.0, max_new_tokens=96, ignore_eos=True)] * len(prompts))
+    reference = hf_model(target_dir)
+    sequences = [torch.tensor(p + o.output_ids) for p, o in zip(prompts, outs)]
+    with torch.no_grad():
+        states = [reference.model(seq[None]).last_hidden_state[0] for seq in sequences]
+    embed, head_w = reference.model.embed_tokens.weight.detach(), reference.lm_head.weight.detach()
+    config = json.loads((target_dir / "config.json").read_text())
+    hf = LlamaConfig(hidden_size=config["hidden_size"], intermediate_size=512, num_hidden_layers=1,
+                     num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+                     vocab_size=config["vocab_size"], rms_norm_eps=1e-5, max_position_embeddings=config["max_position_embeddings"])
+    hf._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(hf, layer_idx=0)
+    layer.input_layernorm = torch.nn.Identity()
+    fc = torch.nn.Linear(2 * hf.hidden_size, hf.hidden_size)
+    rope = LlamaRotaryEmbedding(hf)
+    optimizer = torch.optim.AdamW([*layer.parameters(), *fc.parameters()], lr=2e-3)
+    for step in range(120):
+        loss = 0.0
+        for seq, h in zip(sequences[step % 4 :: 4], states[step % 4 :: 4]):
+            n = len(seq) - 2
+            x = fc(torch.cat([embed[seq[1 : n + 1]], h[:n]], -1))[None]
+            positions = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope(x, positions))
+            out = (out[0] if isinstance(out, tuple) else out)[0]
+            regression = torch.nn.functional.smooth_l1_loss(out, h[1 : n + 1])
+            target_probs = torch.softmax(h[1 : n + 1] @ head_w.T, -1)
+            classification = -(target_probs * torch.log_softmax(out @ head_w.T, -1)).sum(-1).mean()
+            loss = loss + regression + 0.1 * classification
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    state = {"embed_tokens.weight": embed.clone(), "fc.weight": fc.weight.detach(), "fc.bias": fc.bias.detach()}
+    state.update({f"layers.0.{k}": v.detach() for k, v in layer.state_dict().items()})
+    head_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hf.hidden_size,
+                   "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": hf.num_attention_heads,
+                   "num_key_value_heads": hf.num_key_value_heads, "vocab_size": hf.vocab_size, "rms_norm_eps": 1e-5,
+                   "max_position_embeddings": hf.max_position_embeddings, "torch_dtype": "float32"}
+    return str(th.write_head(tmp_path_factory.mktemp("trained") / "eagle", head_config, state, "bin"))
+
+
+def test_eagle_drafting_keeps_greedy_output_at_batch_1_and_8(trained_head):
     from transformers import AutoTokenizer
 
     target_dir = demo_model_dirs()["target"]
-    head_dir = eagle_head_dir(tmp_path)
+    head_dir = trained_head
     target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=8192))
     head = ModelRunner.load(RuntimeConfig(model_path=head_dir, dtype="float32", device="cpu", max_total_tokens=8192, family="eagle"))
     head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
@@ -107,16 +163,26 @@ def test_eagle_drafting_keeps_greedy_output_at_batch_1_and_8(tmp_path):
         for i, (p, s) in enumerate(zip(plain, spec)):
             assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"eagle prompt {i} batch {batch}")
             assert s.stats.fallbacks == 0
-        assert sum(s.stats.draft_tokens for s in spec) > 0
+        accepted, steps = sum(s.stats.accepted_tokens for s in spec), sum(s.stats.verify_steps for s in spec)
+        assert accepted > 0
+        print(f"EAGLE (head trained here) batch {batch}: accept length {1 + accepted / steps:.2f}")
         assert head.kv_cache.allocator.num_used == 0
 
 
-def test_eagle_drafter_process_over_tcp_gets_hidden_states_and_keeps_output(tmp_path):
-    """verifier + a `splitspec drafter` EAGLE process: the target's states cross as raw frames (counted),
-    greedy output equals plain at batch 1 and 8, no fallbacks."""
+def _accept_length(results) -> float:
+    accepted = sum(r["spec"].accepted_tokens for r in results.values())
+    return 1 + accepted / max(1, sum(r["spec"].verify_steps for r in results.values()))
+
+
+def test_eagle_drafters_over_tcp_get_hidden_states_keep_output_and_survive_a_repin(trained_head):
+    """verifier + two `splitspec drafter` EAGLE processes: the target's states cross as raw frames
+    (counted), greedy output equals plain at batch 1 and 8 with drafts accepted on both drafters and
+    no fallbacks; killing one mid-generation re-pins its requests with their state history, and the
+    accept length stays that of the fault-free run of the same requests."""
     import socket
     import subprocess
     import sys
+    import threading
 
     from test_verifier_service import collect, scrape, start_verifier, stop, submit
 
@@ -124,39 +190,94 @@ def test_eagle_drafter_process_over_tcp_gets_hidden_states_and_keeps_output(tmp_
     from splitspec.protos import verifier_pb2 as pb
 
     target_dir = demo_model_dirs()["target"]
-    head_dir = eagle_head_dir(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"]
-    drafter = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
-                                "--drafter-name", "eagle-1", "--speculative-algorithm", "EAGLE", "--dtype", "float32",
-                                "--model-path", str(target_dir), "--speculative-draft-model-path", head_dir, *shape,
-                                "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    process, stub = start_verifier("--max-total-tokens", "8192", "--drafter-bind-addr", address, "--wait-for-drafters", "1",
-                                   "--drafter-timeout-ms", "10000", "--speculative-algorithm", "EAGLE",
-                                   "--speculative-draft-model-path", head_dir, *shape)
+
+    def drafter(name):
+        return subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+                                 "--drafter-name", name, "--speculative-algorithm", "EAGLE", "--dtype", "float32",
+                                 "--heartbeat-interval", "0.1", "--model-path", str(target_dir),
+                                 "--speculative-draft-model-path", trained_head, *shape, "--log-level", "warning"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    drafters = {name: drafter(name) for name in ("e1", "e2")}
+    process, stub = start_verifier("--max-total-tokens", "16384", "--drafter-bind-addr", address, "--wait-for-drafters", "2",
+                                   "--drafter-timeout-ms", "3000", "--drafter-heartbeat-timeout", "1.0",
+                                   "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", trained_head, *shape)
     try:
-        prompts = [[13, 290, 350 + i, 13, 290, 350 + i, 13, 900 + i] for i in range(8)]
-        target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=4096))
-        plain = generate_ids(target, prompts, [SamplingParams(temperature=0.0, max_new_tokens=24)] * 8, set())
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        prompts = [tokenizer.encode(p) for p in PROMPTS[:8]]
+        target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=8192))
         reference = hf_model(target_dir)
+        plain = generate_ids(target, prompts, [SamplingParams(temperature=0.0, max_new_tokens=96, ignore_eos=True)] * 8, set())
         for batch in (1, 8):
             results = {}
             for start in range(0, 8, batch):
-                results.update(collect(stub, [submit(f"e{batch}-{i}", prompts[i], max_new_tokens=24)
+                results.update(collect(stub, [submit(f"e{batch}-{i}", prompts[i], max_new_tokens=24, ignore_eos=True)
                                               for i in range(start, start + batch)], batch))
             for i in range(8):
                 r = results[f"e{batch}-{i}"]
                 assert r["finish"] == pb.FINISH_REASON_LENGTH and r["spec"].fallbacks == 0, r
-                assert_greedy_match(r["tokens"], plain[i].output_ids, reference, prompts[i], f"tcp eagle b{batch} {i}")
-            assert sum(r["spec"].draft_tokens for r in results.values()) > 0
+                assert_greedy_match(r["tokens"], plain[i].output_ids[:24], reference, prompts[i], f"tcp eagle b{batch} {i}")
+            assert sum(r["spec"].accepted_tokens for r in results.values()) > 0
+            print(f"EAGLE over tcp, batch {batch}: accept length {_accept_length(results):.2f}")
         metrics = scrape(stub.metrics_url)
-        hidden_bytes = metrics[("splitspec:drafter_hidden_state_bytes_total", (("drafter", "eagle-1"),))]
-        # every token but each request's first crossed with a 384-float state (fp32 here)
-        assert hidden_bytes >= 16 * (len(prompts[0]) - 1 + 23) * 384 * 4
-        print(f"EAGLE over tcp: {hidden_bytes / 1e6:.2f} MB of hidden states for 16 requests")
+        for name in ("e1", "e2"):
+            assert metrics[("splitspec:drafter_accepted_tokens_total", (("drafter", name),))] > 0, name
+        hidden_bytes = sum(metrics[("splitspec:drafter_hidden_state_bytes_total", (("drafter", n),))] for n in ("e1", "e2"))
+        # every token after each request's first crossed with a 384-float fp32 state, except those of the
+        # last step (at most a tree's worth: they would go with the next ask, which never comes)
+        rows = hidden_bytes / (384 * 4)
+        most = 2 * sum(len(p) - 1 + 24 - 1 for p in prompts)
+        assert most - 16 * 6 <= rows <= most, (rows, most)
+        steps = sum(metrics[("splitspec:drafter_hidden_state_bytes_per_step_count", (("drafter", n),))] for n in ("e1", "e2"))
+        assert steps > 0
+        print(f"EAGLE over tcp: {hidden_bytes / 1e6:.2f} MB of hidden states for 16 requests, "
+              f"{hidden_bytes / steps / 1e3:.1f} kB per draft request")
+
+        long = [submit(f"c{i}", prompts[i], max_new_tokens=96, ignore_eos=True) for i in range(8)]
+        clean = collect(stub, long, 8)
+        killed = threading.Timer(1.5, drafters["e1"].kill)
+        killed.start()
+        faulty = collect(stub, [submit(f"k{i}", prompts[i], max_new_tokens=96, ignore_eos=True) for i in range(8)], 8)
+        killed.join()
+        for i in range(8):
+            assert clean[f"c{i}"]["tokens"] == faulty[f"k{i}"]["tokens"], f"request {i} changed when its drafter died"
+            assert_greedy_match(faulty[f"k{i}"]["tokens"], plain[i].output_ids, reference, prompts[i], f"re-pinned {i}")
+        assert scrape(stub.metrics_url)[("splitspec:drafter_repins_total", ())] > 0
+        clean_length, faulty_length = _accept_length(clean), _accept_length(faulty)
+        print(f"EAGLE accept length: fault-free {clean_length:.2f}, with a drafter killed and re-pins {faulty_length:.2f}")
+        assert faulty_length >= clean_length - 0.3
     finally:
         stop(process, stub)
-        drafter.kill()
-        drafter.wait(timeout=30)
+        for p in drafters.values():
+            p.kill()
+            p.wait(timeout=30)
+
+
+def test_a_prefix_cache_hit_keeps_the_accept_length(trained_head):
+    """The same long prompt twice with the radix cache on: the second request's accept length equals the
+    cold one's. A hidden-state drafter needs the prompt's states, which cached pages do not keep, so the
+    verifier recomputes that prompt (no cached tokens for it) instead of starving the drafter; a
+    STANDALONE request in the same engine setup reuses the pages (tests/test_standalone.py)."""
+    from transformers import AutoTokenizer
+
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+
+    target_dir = demo_model_dirs()["target"]
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=4096))
+    head = ModelRunner.load(RuntimeConfig(model_path=trained_head, dtype="float32", device="cpu", max_total_tokens=4096, family="eagle"))
+    head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
+    engine = Engine(target, InProcessDrafterClient(EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)),
+                    SpecConfig(num_draft_tokens=6), set(), prefix_cache=PrefixCache(target.kv_cache.allocator, 16))
+    prompt = tokenizer.encode(PROMPTS[13] + PROMPTS[3])
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    cold = engine.run([prompt], [params])[0]
+    warm = engine.run([prompt], [params])[0]
+    assert warm.output_ids == cold.output_ids and warm.cached_tokens == 0
+    assert cold.stats.accepted_tokens > 0 and warm.stats.mean_accept_length == cold.stats.mean_accept_length

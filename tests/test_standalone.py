@@ -168,3 +168,21 @@ def test_standalone_drafter_process_over_tcp_equals_plain():
         stop(process, stub)
         drafter.kill()
         drafter.wait(timeout=30)
+
+
+def test_a_prefix_cache_hit_keeps_the_accept_length(models):
+    """The same long prompt twice with the radix cache on: the second reuses the cached pages and its
+    accept length equals the cold request's (the draft model sees the whole sequence either way)."""
+    from splitspec.verifier_svc.engine import Engine
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+
+    dirs, target, prompts, _ = models
+    engine = Engine(target, InProcessDrafterClient(standalone(dirs, 2, 4, 8)), SpecConfig(num_draft_tokens=8), set(),
+                    prefix_cache=PrefixCache(target.kv_cache.allocator, target.kv_cache.page_size))
+    prompt = prompts[13] + prompts[3]
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    cold = engine.run([prompt], [params])[0]
+    warm = engine.run([prompt], [params])[0]
+    assert warm.cached_tokens > 0 and warm.output_ids == cold.output_ids
+    assert cold.stats.accepted_tokens > 0 and warm.stats.mean_accept_length == cold.stats.mean_accept_length
+    engine.prefix_cache.evict(target.kv_cache.num_pages)

@@ -169,6 +169,7 @@ class DrafterPool(DrafterClient):
                                                  if a.hidden is not None])
                 if frames and self.metrics is not None:
                     self.metrics.hidden_bytes.labels(drafter=drafter.name).inc(frame_bytes(frames))
+                    self.metrics.hidden_bytes_per_step.labels(drafter=drafter.name).observe(frame_bytes(frames))
                 self._send(drafter, convert.draft_request(self.epoch, session, step_id, group, infos), frames)
 
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | object]:

@@ -99,6 +99,10 @@ class PoolMetrics:
                                  "wrong_request, invalid_tree, drafter_gone).", ("drafter", "reason"), const)
         self.hidden_bytes = _labelled(Counter, registry, "drafter_hidden_state_bytes",
                                       "Bytes of target hidden states sent to each drafter (EAGLE).", ("drafter",), const)
+        self.hidden_bytes_per_step = _labelled(Histogram, registry, "drafter_hidden_state_bytes_per_step",
+                                               "Bytes of hidden states in one draft request to a drafter (EAGLE).",
+                                               ("drafter",), const,
+                                               buckets=(1e3, 1e4, 1e5, 1e6, 4e6, 1.6e7, 6.4e7, 2.56e8))
         self.heartbeats = _labelled(Counter, registry, "drafter_heartbeats", "Heartbeats received.", ("drafter",), const)
         self.draft_tokens = _labelled(Counter, registry, "drafter_draft_tokens", "Draft tokens verified, per drafter.",
                                       ("drafter",), const)
