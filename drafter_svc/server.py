@@ -106,7 +106,13 @@ class DrafterServer:
             if self.socket.poll(timeout=int(self.heartbeat_interval * 1000) or 1):
                 frames = self.socket.recv_multipart(copy=False)
                 last_heard = time.monotonic()
-                self._handle(frames)
+                try:
+                    self._handle(frames)
+                except RefusedError:
+                    raise
+                except Exception:  # a bug or a bad message must not take the drafter down; the verifier times out
+                    logger.exception("failed to handle a message from the verifier; dropped")
+                    self.dropped += 1
 
     def stop(self) -> None:
         self.stopping = True

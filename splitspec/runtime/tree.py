@@ -172,7 +172,7 @@ class BeamDraft:
         """probs [V]: the draft model's distribution after the root."""
         k = min(self.topk, probs.shape[-1])
         top_p, top_idx = probs.float().topk(k)
-        top_idx = self._ids(top_idx)
+        top_p, top_idx = top_p.cpu(), self._ids(top_idx)  # the bookkeeping is small: on the host
         self.scores = top_p
         self.flat_scores.append(top_p)
         self.flat_tokens.append(top_idx)
@@ -188,7 +188,7 @@ class BeamDraft:
         """probs [K, V]: the distribution after each current beam, in beams() order."""
         k = self.topk
         top_p, top_idx = probs.float().topk(k, dim=-1)  # [K, K]
-        top_idx = self._ids(top_idx)
+        top_p, top_idx = top_p.cpu(), self._ids(top_idx)
         candidates = (self.scores[:, None] * top_p).flatten()  # [K*K]
         chosen = candidates.topk(k).indices
         self.scores = candidates[chosen]
