@@ -75,11 +75,11 @@ class EagleDrafter(Drafter):
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
         out: list[DraftTree | None] = [None] * len(request_ids)
         asked = [(i, self.states[r], min(self.num_draft_tokens, b)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
-                 if b >= 2 and (self.states[r].pending_tokens or self.states[r].root_feature is not None)]
-        if not asked:
-            return out
+                 if self.states[r].pending_tokens or (b >= 2 and self.states[r].root_feature is not None)]
         kv = self.runner.kv_cache
+        # rows not yet in the head's KV, for every asked request (a budget below 2 only catches up)
         catch_up = [(i, s) for i, s, _ in asked if s.pending_tokens]
+        asked = [a for a in asked if a[2] >= 2]
         root_logits: dict[int, torch.Tensor] = {}
         if catch_up:
             sequences = [SequenceInput(s.table, list(s.pending_tokens), logits="last") for _, s in catch_up]
@@ -93,6 +93,8 @@ class EagleDrafter(Drafter):
                 s.root_feature = output.hidden_states[end - 1]
                 root_logits[i] = output.logits[row]
                 s.pending_tokens, s.pending_hidden = [], []
+        if not asked:
+            return out
         missing = [(i, s) for i, s, _ in asked if i not in root_logits]
         if missing:  # asked again with nothing new: the root row's logits from its stored output
             for i, s in missing:

@@ -281,3 +281,22 @@ def test_a_prefix_cache_hit_keeps_the_accept_length(trained_head):
     warm = engine.run([prompt], [params])[0]
     assert warm.output_ids == cold.output_ids and warm.cached_tokens == 0
     assert cold.stats.accepted_tokens > 0 and warm.stats.mean_accept_length == cold.stats.mean_accept_length
+
+
+def test_prompt_states_reach_the_drafter_chunk_by_chunk():
+    """A 100-token prompt prefilled 24 tokens per step: after the first step the hidden-state drafter
+    already holds that chunk's pairs (it catches up alongside chunked prefill)."""
+    target_dir = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=1024))
+    drafter = RecordingDrafter()
+    engine = Engine(runner, InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=8), set(),
+                    SchedulerConfig(chunked_prefill_size=24))
+    prompt = list(range(100, 200))
+    request = engine.add_request(prompt, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    engine.step()
+    assert not request.decoding and drafter.tokens[request.request_id] == prompt[:25]
+    engine.step()
+    assert drafter.tokens[request.request_id] == prompt[:49]
+    while engine.has_work:
+        engine.step()
+    assert drafter.tokens[request.request_id][:100] == prompt

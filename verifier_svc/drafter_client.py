@@ -94,7 +94,8 @@ class InProcessDrafterClient(DrafterClient):
 
     def request(self, asks: list[DraftAsk]) -> None:
         for ask in asks:
-            self._asked[ask.request_id] = ask.max_nodes
+            if ask.max_nodes:  # 0: a hidden-state drafter's feed during prefill, no tree wanted
+                self._asked[ask.request_id] = ask.max_nodes
             if ask.request_id in self._broken:
                 continue
             try:

@@ -327,14 +327,23 @@ class Engine:
 
     # draft ---------------------------------------------------------------------------------------
     def _request_drafts(self, only_missing: bool = False) -> None:
-        """Ask the drafter for the next tree of every decoding request that speculates."""
+        """Ask the drafter for the next tree of every decoding request that speculates. A hidden-state
+        drafter also gets each prefill chunk's (token, state) pairs as they are computed (a budget of 0:
+        no tree), so it catches up on a long prompt alongside chunked prefill, not all at once."""
         asks = []
         for request in self.running:
-            if request.speculate and request.decoding and not (only_missing and request.draft_requested):
-                hidden = torch.cat(request.unsent_hidden) if request.unsent_hidden else None
-                asks.append(DraftAsk(request.request_id, request.unsent, self.spec.num_draft_tokens, hidden))
-                request.unsent, request.unsent_hidden = [], []
+            if not request.speculate:
+                continue
+            if request.decoding and not (only_missing and request.draft_requested):
+                budget = self.spec.num_draft_tokens
                 request.draft_requested = True
+            elif not request.decoding and not only_missing and self.needs_hidden and request.unsent:
+                budget = 0  # feed only
+            else:
+                continue
+            hidden = torch.cat(request.unsent_hidden) if request.unsent_hidden else None
+            asks.append(DraftAsk(request.request_id, request.unsent, budget, hidden))
+            request.unsent, request.unsent_hidden = [], []
         if asks:
             self.drafter.request(asks)
 
