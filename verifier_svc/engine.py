@@ -184,6 +184,7 @@ class Engine:
         if request.finish_reason is not None:
             return False
         request.finish_reason = "abort"
+        request.unsent_hidden = []
         if request in self.waiting:
             self.waiting.remove(request)
             if request.speculate and request.num_preemptions:  # opened at first admission
@@ -467,7 +468,7 @@ class Engine:
         inner_end = min(chunk.end, last)
         if start < inner_end:
             request.unsent.extend(request.prompt_ids[start + 1 : inner_end + 1])
-            request.unsent_hidden.append(hidden[start - chunk.start : inner_end - chunk.start])
+            request.unsent_hidden.append(hidden[start - chunk.start : inner_end - chunk.start].clone())
         request.hidden_upto = max(request.hidden_upto, chunk.end)
         return hidden[last - chunk.start :][:1] if chunk.end == request.fill_len else None
 
@@ -484,15 +485,16 @@ class Engine:
                 request.finish_reason = "length"
             if request.finish_reason:
                 break
-        if request.speculate:
+        if request.speculate and request.finish_reason is None:  # a finished request is never asked again
             request.unsent.extend(emitted)
             if self.needs_hidden:
-                request.unsent_hidden.append(hidden[: len(emitted)])
+                request.unsent_hidden.append(hidden[: len(emitted)].clone())  # not a view of the whole step
         return StepEvent(request.request_id, emitted, request.finish_reason)
 
     def _retire(self) -> None:
         for request in self.running:
             if request.finish_reason is not None:
+                request.unsent_hidden = []  # never sent now; do not hold device memory
                 self._cache_and_release(request)
                 if request.speculate:
                     self.drafter.release(request.request_id)
