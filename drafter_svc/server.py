@@ -212,7 +212,21 @@ class DrafterServer:
                 self.drafter.extend(ask.request_id, list(ask.new_token_ids))
             kept.append(ask)
         asks = kept
-        trees = self.drafter.draft([a.request_id for a in asks], [min(a.max_nodes, self.max_nodes) for a in asks]) if asks else []
+        budgets = [min(a.max_nodes, self.max_nodes) for a in asks]
+        try:
+            trees = self.drafter.draft([a.request_id for a in asks], budgets) if asks else []
+        except Exception:  # find the request(s) it fails on; the others still get their trees
+            logger.exception("drafting a batch of %d failed; drafting them one by one", len(asks))
+            trees = []
+            for ask, budget in zip(asks, budgets):
+                try:
+                    trees.append(self.drafter.draft([ask.request_id], [budget])[0])
+                except Exception:  # its state may be broken: drop it, the verifier opens it again
+                    logger.exception("drafting %s failed; dropping it", ask.request_id)
+                    self.drafter.release(ask.request_id)
+                    self.requests.discard(ask.request_id)
+                    unknown.append(ask.request_id)
+                    trees.append(None)
         self.steps += 1
         pairs = [(a.request_id, t) for a, t in zip(asks, trees) if t is not None]
         self._send(draft_reply=convert.draft_reply(message.draft.step_id, pairs, time.perf_counter() - start, unknown))

@@ -375,3 +375,32 @@ def test_prefix_cache_evicts_under_a_small_budget(demo):
         assert_greedy_match(request.output_ids, p.output_ids, reference, prompt, "under a small budget")
     assert cache.evicted_pages > 0  # the pool was too small to keep everything: the cache gave pages back
     assert small.kv_cache.allocator.num_used == cache.num_pages <= 12
+
+
+def test_a_drafter_failing_on_one_request_does_not_cost_the_others_their_drafts(demo):
+    """The drafter raises whenever a particular request is in its batch: that request decodes plainly
+    (fallbacks counted), the others still get their trees, and every output is the target's."""
+    runner, _, prompts, reference = demo
+    chosen = [prompts[i] for i in REPETITIVE[:4]]
+
+    class Picky(NgramDrafter):
+        def draft(self, request_ids, max_nodes):
+            if self.victim in request_ids:
+                raise RuntimeError("simulated drafter bug")
+            return super().draft(request_ids, max_nodes)
+
+    picky = Picky(NgramConfig())
+    client = InProcessDrafterClient(picky)
+    from splitspec.verifier_svc.engine import Engine
+
+    engine = Engine(runner, client, SpecConfig(num_draft_tokens=8), set())
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [engine.add_request(p, params) for p in chosen]
+    picky.victim = requests[0].request_id
+    while engine.has_work:
+        engine.step()
+    plain = run(runner, chosen, [params] * len(chosen), batch=1)
+    for i, (r, p) in enumerate(zip(requests, plain)):
+        assert_greedy_match(r.output_ids, p.output_ids, reference, chosen[i], f"picky {i}")
+    assert requests[0].stats.fallbacks > 0 and requests[0].stats.accepted_tokens == 0
+    assert all(r.stats.fallbacks == 0 and r.stats.accepted_tokens > 0 for r in requests[1:])

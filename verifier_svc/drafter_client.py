@@ -115,9 +115,9 @@ class InProcessDrafterClient(DrafterClient):
         trees.update({r: DRAFT_FAULT for r in faulted})
         try:
             drafted = self.drafter.draft(asked, [self._asked[r] for r in asked]) if asked else []
-        except Exception:
-            logger.exception("drafter %s failed; decoding without drafts this step", self.drafter.name)
-            drafted = [DRAFT_FAULT] * len(asked)
+        except Exception:  # find the request(s) it fails on: the others still get their trees
+            logger.exception("drafter %s failed on a batch of %d; drafting them one by one", self.drafter.name, len(asked))
+            drafted = [self._draft_alone(r) for r in asked]
         trees.update(zip(asked, drafted))
         for r in request_ids:
             self._asked.pop(r, None)
@@ -126,6 +126,13 @@ class InProcessDrafterClient(DrafterClient):
             self.stats.empty += tree is None
             self.stats.faults += tree is DRAFT_FAULT
         return trees
+
+    def _draft_alone(self, request_id: str):
+        try:
+            return self.drafter.draft([request_id], [self._asked[request_id]])[0]
+        except Exception:
+            logger.exception("drafter %s failed on %s; it decodes a plain token this step", self.drafter.name, request_id)
+            return DRAFT_FAULT
 
     def release(self, request_id: str) -> None:
         self._asked.pop(request_id, None)
