@@ -7,8 +7,8 @@ request with its first token and then sends every later token with the state bef
     1. catch up   forward the rows not yet in the head's KV (committed); the last row holds the root
                   and its output x is the feature of the root's children
     2. step 0     the root row's distribution -> top-K beams (runtime.tree.BeamDraft)
-    3. step 1..S-1 forward all beam nodes made so far after the committed rows under their forest mask,
-                  each with its parent's output x as feature (position = root row + depth); expand
+    3. step 1..S-1 drafter_svc.beam_steps.expand_beams, each beam node with its parent's output x as
+                  feature (the root's children: the root row's x)
     4. the tree   the best N-1 candidates by probability product
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from splitspec.drafter_svc.base import Drafter
-from splitspec.drafter_svc.standalone import forest_depths, forest_mask
+from splitspec.drafter_svc.beam_steps import expand_beams
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree
+from splitspec.runtime.tree import BeamDraft, DraftTree
 
 
 class _State:
@@ -114,27 +114,7 @@ class EagleDrafter(Drafter):
             beam = BeamDraft(s.last_token, self.topk, self.num_steps, budget, self.token_map)
             beam.first(torch.softmax(root_logits[i].float(), -1))
             beams.append(beam)
-        outputs: list[list[torch.Tensor]] = [[] for _ in asked]  # head output x of each beam node
-        while beams[0].beams() is not None:
-            sequences, features, frontiers = [], [], []
-            for (i, s, _), beam, xs in zip(asked, beams, outputs):
-                root_row = s.table.num_tokens - 1
-                depths = forest_depths(beam.beam_parents)
-                sequences.append(SequenceInput(s.table, list(beam.beam_tokens), [root_row + d for d in depths],
-                                               forest_mask(beam.beam_parents), "all"))
-                features += [s.root_feature if p == NO_NODE else xs[p] for p in beam.beam_parents]
-                frontiers.append(beam.beams())
-            batch = self.runner.batch(sequences)
-            output = self.runner.forward(batch, return_hidden=True, features=torch.stack(features))
-            start = 0
-            for k, ((i, s, _), beam) in enumerate(zip(asked, beams)):
-                n = len(beam.beam_tokens)
-                kv.set_length(s.table, s.table.num_tokens)  # drop the beam nodes' KV
-                node_x = output.hidden_states[start : start + n]
-                outputs[k] = list(node_x)
-                rows = output.logits[batch.cu_logits[k] : batch.cu_logits[k + 1]][frontiers[k]]
-                beam.expand(torch.softmax(rows.float(), -1))
-                start += n
+        expand_beams(self.runner, beams, [s.table for _, s, _ in asked], [s.root_feature for _, s, _ in asked])
         for (i, _, _), beam in zip(asked, beams):
             out[i] = beam.tree()
         return out

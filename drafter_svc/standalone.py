@@ -5,13 +5,8 @@ its KV holds a prefix of it. A draft call, for all asked requests in one batch:
 
     1. catch up   forward every reported token not yet in the draft KV, the root last (committed)
     2. step 0     the root's distribution -> top-K beams (runtime.tree.BeamDraft)
-    3. step 1..S-1 forward all beam nodes made so far after the committed sequence, each under the mask
-                  of its own ancestors (positions root + depth); expand from the newest beams' rows;
-                  the beam nodes' KV is dropped after the step (the sequence is not committed past the root)
+    3. step 1..S-1 drafter_svc.beam_steps.expand_beams
     4. the tree   the best N-1 candidates by probability product (SGLang's organize step)
-
-Re-running the earlier beam nodes each step costs S*(S-1)/2*K extra token rows, cheap next to a draft
-model's per-forward overhead at these sizes, and needs no KV bookkeeping for discarded beams.
 """
 
 from __future__ import annotations
@@ -21,32 +16,13 @@ import logging
 import torch
 
 from splitspec.drafter_svc.base import Drafter
+from splitspec.drafter_svc.beam_steps import expand_beams
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree
+from splitspec.runtime.tree import BeamDraft, DraftTree
 
 logger = logging.getLogger(__name__)
-
-
-def forest_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: node i sees itself and its ancestors; parents[i] = -1 means a child of the root
-    (which sits in the committed KV before these nodes)."""
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != NO_NODE:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
-
-
-def forest_depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for p in parents:  # parents come before children
-        depths.append(1 if p == NO_NODE else depths[p] + 1)
-    return depths
 
 
 class StandaloneDrafter(Drafter):
@@ -100,20 +76,7 @@ class StandaloneDrafter(Drafter):
             beam = BeamDraft(self.sequences[request_id][-1], self.topk, self.num_steps, budget, self.token_map)
             beam.first(torch.softmax(logits[row].float(), -1))
             beams.append(beam)
-        while beams[0].beams() is not None:  # every request has the same number of steps
-            sequences, frontiers = [], []
-            for (_, request_id, _), beam in zip(asked, beams):
-                root_position = len(self.sequences[request_id]) - 1
-                depths = forest_depths(beam.beam_parents)
-                sequences.append(SequenceInput(self.tables[request_id], list(beam.beam_tokens),
-                                               [root_position + d for d in depths], forest_mask(beam.beam_parents), "all"))
-                frontiers.append(beam.beams())
-            batch = self.runner.batch(sequences)
-            logits = self.runner.forward(batch).logits
-            for i, ((_, request_id, _), beam) in enumerate(zip(asked, beams)):
-                kv.set_length(self.tables[request_id], len(self.sequences[request_id]))  # drop the beam nodes' KV
-                rows = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]][frontiers[i]]
-                beam.expand(torch.softmax(rows.float(), -1))
+        expand_beams(self.runner, beams, [self.tables[r] for _, r, _ in asked])
         for (i, _, _), beam in zip(asked, beams):
             out[i] = beam.tree()
         return out

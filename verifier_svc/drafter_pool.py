@@ -144,8 +144,10 @@ class DrafterPool(DrafterClient):
                 if history is None:
                     continue
                 history.extend(ask.new_tokens)
-                if self.needs_hidden_states and ask.new_tokens:
-                    self._hidden_history[ask.request_id].append(ask.hidden.detach().to("cpu"))
+                hidden = None
+                if self.needs_hidden_states and ask.new_tokens:  # one host copy: kept for re-pins and sent
+                    hidden = ask.hidden.detach().to("cpu")
+                    self._hidden_history[ask.request_id].append(hidden)
                 self._results.pop(ask.request_id, None)
                 self._step_of.pop(ask.request_id, None)
                 drafter = self._pins.get(ask.request_id)
@@ -157,7 +159,7 @@ class DrafterPool(DrafterClient):
                     self._results[ask.request_id] = DRAFT_FAULT  # no drafter alive: decode plainly
                     continue
                 groups.setdefault(drafter.session, []).append(
-                    DraftAsk(ask.request_id, new_tokens, ask.max_nodes, ask.hidden if new_tokens else None))
+                    DraftAsk(ask.request_id, new_tokens, ask.max_nodes, hidden if new_tokens else None))
             now = time.monotonic()
             for session, group in groups.items():
                 drafter = self._drafters[session]

@@ -213,6 +213,12 @@ class BeamDraft:
         return DraftTree(tuple([self.root, *tokens[selected].tolist()]), tuple(parents),
                          tuple([1.0, *scores[selected].tolist()]))
 
+    def layout(self) -> tuple[list[int], list[int], torch.Tensor]:
+        """The beam nodes made so far as new tokens after the (committed) root: tokens, depths (1 for
+        the root's children) and their [n, n] ancestor-or-self mask, from the tree they form with it."""
+        parents = [NO_NODE, *(p + 1 for p in self.beam_parents)]  # the root as node 0
+        return list(self.beam_tokens), depths(parents)[1:], tree_mask(parents)[1:, 1:]
+
     def _ids(self, indices: torch.Tensor) -> torch.Tensor:
         indices = indices.cpu()
         return indices if self.token_map is None else self.token_map[indices]
