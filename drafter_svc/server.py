@@ -249,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
     model = parser.add_argument_group("draft model (model drafters)")
     model.add_argument("--model-path", "--model", dest="model_path", default=None,
-                       help="EAGLE: the target model (HF directory or hub id), whose embedding and lm_head the head shares.")
+                       help="The target model (HF directory or hub id; default: the demo target). EAGLE/EAGLE3/MTP drafts share its "
+                       "embedding (and lm_head), and its config says which states EAGLE3 needs; MTP loads its MTP "
+                       "layers from it; STANDALONE checks that the draft speaks its vocabulary.")
     model.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path.")
     model.add_argument("--dtype", default="auto", help="Draft model dtype (auto = the checkpoint's; fp32 files run in bf16 on GPU).")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
@@ -282,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
                            args.heartbeat_interval, args.verifier_timeout,
                            draft_model=args.speculative_draft_model_path or "" if model_drafter else "",
                            vocab_size=drafter.vocab_size if model_drafter else 0,
-                           hidden_state_layers=(-1,) if drafter.needs_hidden_states else ())
+                           hidden_state_layers=drafter.hidden_state_layers)
     try:
         server.serve()
     except RefusedError as exc:

@@ -1,7 +1,7 @@
 """The engine's flags, SGLang's names: scheduling (--max-running-requests, --chunked-prefill-size) and
 speculation (--speculative-*), and what they build: SchedulerConfig, the drafter and SpecConfig.
 
-Only NGRAM runs in one process so far; the model drafters join with their issues.
+What the model drafters load and how is splitspec.draft_models.
 """
 
 from __future__ import annotations
@@ -34,26 +34,46 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
     """SGLang's --speculative-* flags; side="drafter" leaves out what only the verifier decides
     (acceptance rules)."""
     group = parser.add_argument_group("speculative decoding (SGLang's flags)")
-    group.add_argument("--speculative-algorithm", default=None, choices=ALGORITHMS,
+    group.add_argument("--speculative-algorithm", default=None, type=_algorithm, choices=ALGORITHMS,
                        help="Draft with this algorithm and verify losslessly (default: no speculation). NGRAM: "
                        "suffix matches in a trie of the requests' own tokens; STANDALONE: a small draft LLM sharing "
                        "the target's tokenizer (--speculative-draft-model-path); EAGLE: an EAGLE-1/2 head "
-                       "(--speculative-draft-model-path) drafting from the target's hidden states.")
+                       "(--speculative-draft-model-path) drafting from the target's final hidden states, or, without a "
+                       "draft path, the MTP layers the target ships (MiMo); NEXTN: the same as EAGLE; EAGLE3: an EAGLE-3 "
+                       "head drafting from three captured target layers.")
     group.add_argument("--speculative-draft-model-path", default=None,
-                       help="STANDALONE: the draft model; EAGLE: the EAGLE head (HF directory or hub id).")
+                       help="STANDALONE: the draft model; EAGLE/EAGLE3: the head (HF directory or hub id); leave it out "
+                       "for a target's own MTP layers.")
     group.add_argument("--speculative-draft-model-revision", default=None,
-                       help="Hub branch, tag or commit of the draft model (main when a hub id is given without one).")
+                       help="Hub branch, tag or commit of the draft model (main when a draft path is set without one).")
+    group.add_argument("--speculative-draft-load-format", default=None, choices=LOAD_FORMATS,
+                       help="How the draft's weights are read: auto (safetensors, else pytorch_model.bin), safetensors, "
+                       "pt (pytorch_model.bin, loaded weights-only) or dummy (random, for profiling). Default: "
+                       "--load-format where the command has one, else auto.")
+    group.add_argument("--speculative-draft-model-quantization", default=None, choices=("unquant", "fp8"),
+                       help="Quantization of the draft's weights: unquant (the default: the draft runs in --dtype). fp8 "
+                       "is refused at start until the GPU kernels land.")
+    group.add_argument("--speculative-moe-runner-backend", default=None, choices=MOE_RUNNER_BACKENDS,
+                       help="SGLang's MoE runner for the draft; the drafts served here are dense (MoE drafts are out "
+                       "of scope), so it is checked and logged as a no-op.")
+    group.add_argument("--speculative-moe-a2a-backend", default=None, choices=MOE_A2A_BACKENDS,
+                       help="SGLang's MoE all-to-all backend for the draft; checked and logged as a no-op (dense drafts).")
+    group.add_argument("--enable-multi-layer-eagle", action="store_true",
+                       help="MTP targets shipping several MTP layers: draft step i runs MTP layer i (a chain: "
+                       "--speculative-eagle-topk 1; auto: one step per layer).")
     group.add_argument("--speculative-token-map", default=None,
                        help="FR-Spec: a list of frequent target token ids (torch.save'd; a path or <org>/<repo>/<file> "
-                       "on the hub); the draft head keeps only those rows and drafted ids map back. EAGLE and STANDALONE.")
+                       "on the hub); the draft head keeps only those rows and drafted ids map back. EAGLE, MTP and "
+                       "STANDALONE; ignored with a warning for EAGLE3, whose heads carry their own (d2t).")
     group.add_argument("--speculative-num-steps", type=int, default=None,
-                       help="Model drafters: drafting depth (auto: 3 for STANDALONE, 5 for EAGLE). Set all three of "
+                       help="Model drafters: drafting depth (auto: 5 for EAGLE/EAGLE3 on Llama targets, else 3; multi-layer "
+                       "MTP: its number of layers). Set all three of "
                        "--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens, or none.")
     group.add_argument("--speculative-eagle-topk", type=int, default=None,
-                       help="Model drafters: branching factor per step (auto: 1 for STANDALONE, 4 for EAGLE).")
+                       help="Model drafters: branching factor per step (auto: 4 for EAGLE/EAGLE3 on Llama targets, else 1).")
     group.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                        help="Tree nodes verified per step, root included (NGRAM: the max match window size; "
-                       "auto: 4 for STANDALONE, 8 for EAGLE; with --speculative-eagle-topk 1 it becomes num-steps + 1).")
+                       "auto: 8 for EAGLE/EAGLE3 on Llama targets, else 4; with --speculative-eagle-topk 1 it becomes num-steps + 1).")
     if side == "verifier":
         group.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
                            help="Below 1.0: SGLang's lossy rule accepts a draft whose target probability reaches this.")
@@ -72,26 +92,35 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                            help="NGRAM: verify by target argmax even for sampled requests (SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True).")
 
 
-ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
-MODEL_ALGORITHMS = ("STANDALONE", "EAGLE")
-HIDDEN_STATE_ALGORITHMS = ("EAGLE",)
-# (num_steps, topk, num_draft_tokens) when all three are unset: SGLang's choices (its EAGLE auto is
-# 5/4/8 for Llama targets, the family every target here belongs to)
-AUTO_TREE = {"STANDALONE": (3, 1, 4), "EAGLE": (5, 4, 8)}
+ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")  # NEXTN is read as EAGLE (SGLang's alias)
+MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+HIDDEN_STATE_ALGORITHMS = ("EAGLE", "EAGLE3")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+# SGLang's choices (python/sglang/srt/server_args.py); the drafts served here are dense, so these are parsed,
+# checked and logged as having nothing to do
+MOE_RUNNER_BACKENDS = ("auto", "deep_gemm", "triton", "triton_kernel", "flashinfer_trtllm", "flashinfer_cutlass",
+                       "flashinfer_mxfp4", "flashinfer_cutedsl", "cutlass")
+MOE_A2A_BACKENDS = ("none", "deepep", "mooncake", "mori", "ascend_fuseep", "flashinfer")
+
+
+def _algorithm(value: str) -> str:
+    value = value.upper()
+    return "EAGLE" if value == "NEXTN" else value
 
 
 class FlagError(ValueError):
     """Flags that do not go together; the message says how to fix them."""
 
 
-def tree_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+def tree_shape(args: argparse.Namespace, auto: tuple[int, int, int]) -> tuple[int, int, int]:
     """(num_steps, topk, num_draft_tokens) of a model drafter's tree, SGLang's rules: all three flags
-    or none (auto); topk 1 makes the tree a chain of num_steps + 1 nodes."""
+    or none (`auto`, which splitspec.draft_models chooses for the target); topk 1 makes the tree a chain
+    of num_steps + 1 nodes."""
     given = {"--speculative-num-steps": args.speculative_num_steps, "--speculative-eagle-topk": args.speculative_eagle_topk,
              "--speculative-num-draft-tokens": args.speculative_num_draft_tokens}
     unset = [flag for flag, value in given.items() if value is None]
     if len(unset) == 3:
-        steps, topk, tokens = AUTO_TREE[args.speculative_algorithm]
+        steps, topk, tokens = auto
     elif unset:
         raise FlagError(f"set all of --speculative-num-steps, --speculative-eagle-topk and --speculative-num-draft-tokens, "
                         f"or none of them for the automatic choice ({', '.join(unset)} missing)")
@@ -107,62 +136,17 @@ def tree_shape(args: argparse.Namespace) -> tuple[int, int, int]:
 
 def num_draft_tokens(args: argparse.Namespace) -> int:
     if args.speculative_algorithm in MODEL_ALGORITHMS:
-        return tree_shape(args)[2]
+        from splitspec.draft_models import draft_tree_shape
+
+        return draft_tree_shape(args)[2]
     return args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size
 
 
-def draft_model_dir(args: argparse.Namespace):
-    if not args.speculative_draft_model_path:
-        raise FlagError(f"--speculative-algorithm {args.speculative_algorithm} needs --speculative-draft-model-path")
-    from splitspec.runtime.hub import resolve_model_dir
-
-    return resolve_model_dir(args.speculative_draft_model_path, args.speculative_draft_model_revision)
-
-
 def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
-    """The drafter object --speculative-algorithm names, configured by the flags. A model drafter
-    loads its model with the same --dtype, --device and --page-size, and a KV cache of
-    --max-total-tokens (else max_total_tokens) tokens. EAGLE shares the target's embedding and head:
-    `target` (a ModelRunner in this process), else read from --model-path."""
-    from splitspec.drafter_svc.base import drafter_class
+    """The drafter the flags name (splitspec.draft_models.build_drafter)."""
+    from splitspec.draft_models import build_drafter as build
 
-    cls = drafter_class(args.speculative_algorithm)
-    if args.speculative_algorithm == "NGRAM":
-        return cls(ngram_config(args))
-    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
-
-    steps, topk, tokens = tree_shape(args)
-    eagle = args.speculative_algorithm == "EAGLE"
-    runner = ModelRunner.load(RuntimeConfig(
-        model_path=str(draft_model_dir(args)), dtype=args.dtype, device=args.device, page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens or max_total_tokens,
-        mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=args.attention_backend,
-        family="eagle" if eagle else None))
-    if eagle:
-        if target is not None:
-            embed, head = target.model.model.embed_tokens.weight, target.model.lm_head_weight
-        else:
-            from splitspec.runtime.loader import read_embed_and_head
-
-            if not getattr(args, "model_path", None):
-                raise FlagError("an EAGLE drafter needs the target's --model-path (it shares the target's embedding and head)")
-            from splitspec.runtime.hub import resolve_model_dir
-
-            embed, head = read_embed_and_head(resolve_model_dir(args.model_path, getattr(args, "revision", None)),
-                                              runner.dtype, runner.device)
-    token_map = None
-    if getattr(args, "speculative_token_map", None):
-        from splitspec.runtime.token_map import load_token_map
-
-        vocab = target.config.vocab_size if target is not None else runner.config.vocab_size
-        token_map = load_token_map(args.speculative_token_map, vocab)
-        if len(token_map) < topk:
-            raise FlagError(f"--speculative-token-map lists {len(token_map)} ids, fewer than --speculative-eagle-topk {topk}")
-        if not eagle:
-            runner.model.set_hot_tokens(token_map)
-    if eagle:
-        runner.model.share_target(embed, head if token_map is None else head[token_map.to(head.device)].contiguous())
-    return cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens, token_map=token_map)
+    return build(args, max_total_tokens, target)
 
 
 def ngram_config(args: argparse.Namespace):
@@ -200,7 +184,11 @@ def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = 
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
     spec = spec_config(args)
-    return InProcessDrafterClient(build_drafter(args, max_total_tokens, target)), spec
+    drafter = build_drafter(args, max_total_tokens, target)
+    layers = drafter.hidden_state_layers
+    if layers and layers != (-1,):
+        target.set_capture_layers(layers)  # EAGLE-3: the drafter's features are these layers' inputs
+    return InProcessDrafterClient(drafter), spec
 
 
 def report(algorithm: str, stats: SpecStats) -> dict:

@@ -142,7 +142,9 @@ def _run(args: argparse.Namespace) -> int:
         args, model_dir, default_max_total_tokens=needed_pages * args.page_size))
     draft_tokens = needed_pages * args.page_size
     if args.speculative_algorithm in engine_args.MODEL_ALGORITHMS:  # room for each request's beam nodes too
-        steps, topk, _ = engine_args.tree_shape(args)
+        from splitspec.draft_models import draft_tree_shape
+
+        steps, topk, _ = draft_tree_shape(args)
         draft_tokens += len(prompts) * (steps * topk + args.page_size)
     drafter, spec = engine_args.in_process_drafter(args, max_total_tokens=draft_tokens, target=runner)
     vocab = runner.config.vocab_size

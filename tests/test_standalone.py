@@ -106,16 +106,17 @@ def _flags(**values) -> argparse.Namespace:
 
 
 def test_tree_flags_follow_sglangs_rules():
-    assert engine_args.tree_shape(_flags()) == (3, 1, 4)  # STANDALONE's automatic choice
+    assert engine_args.tree_shape(_flags(), (3, 1, 4)) == (3, 1, 4)  # all three unset: the automatic choice
     assert engine_args.tree_shape(_flags(speculative_num_steps=4, speculative_eagle_topk=2,
-                                         speculative_num_draft_tokens=8)) == (4, 2, 8)
+                                         speculative_num_draft_tokens=8), (3, 1, 4)) == (4, 2, 8)
     # topk 1: a chain of num_steps + 1 nodes whatever num_draft_tokens says
     assert engine_args.tree_shape(_flags(speculative_num_steps=5, speculative_eagle_topk=1,
-                                         speculative_num_draft_tokens=3)) == (5, 1, 6)
+                                         speculative_num_draft_tokens=3), (3, 1, 4)) == (5, 1, 6)
     with pytest.raises(engine_args.FlagError, match="--speculative-eagle-topk"):
-        engine_args.tree_shape(_flags(speculative_num_steps=4))
+        engine_args.tree_shape(_flags(speculative_num_steps=4), (3, 1, 4))
     with pytest.raises(engine_args.FlagError, match="need at least"):
-        engine_args.tree_shape(_flags(speculative_num_steps=0, speculative_eagle_topk=2, speculative_num_draft_tokens=4))
+        engine_args.tree_shape(_flags(speculative_num_steps=0, speculative_eagle_topk=2, speculative_num_draft_tokens=4),
+                               (3, 1, 4))
     result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
                              "STANDALONE", "--speculative-draft-model-path", str(demo_model_dirs()["draft"]),
                              "--speculative-num-draft-tokens", "6"], capture_output=True, text=True, timeout=300)

@@ -65,14 +65,17 @@ class _Step:
 
 class DrafterPool(DrafterClient):
     def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str | None = None,
-                 timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None, needs_hidden_states: bool = False):
+                 timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None,
+                 hidden_state_layers: tuple[int, ...] = ()):
         import zmq
 
         super().__init__()
         self.zmq = zmq
         # EAGLE-style drafters: every token after a request's first travels with the target's hidden
-        # state before it (raw frames through the tensor plane); the pool keeps them for re-pins
-        self.needs_hidden_states = needs_hidden_states
+        # state(s) before it (raw frames through the tensor plane); the pool keeps them for re-pins.
+        # hidden_state_layers: what the verifier captures (-1: the final normed state; else layer inputs)
+        self.hidden_state_layers = tuple(hidden_state_layers)
+        self.needs_hidden_states = bool(hidden_state_layers)
         self._hidden_history: dict[str, list] = {}
         self.algorithm, self.vocab_size, self.draft_model = algorithm, vocab_size, draft_model
         self.timeout, self.heartbeat_timeout = timeout, heartbeat_timeout
@@ -408,9 +411,9 @@ class DrafterPool(DrafterClient):
             problem = f"this verifier expects draft model {self.draft_model or '(none)'!r}, the drafter has {register.draft_model!r}"
         elif register.vocab_size not in (0, self.vocab_size):
             problem = f"the drafter's vocabulary has {register.vocab_size} tokens, the target's {self.vocab_size}"
-        elif list(register.hidden_state_layers) != ([FINAL_NORMED_STATE] if self.needs_hidden_states else []):
-            problem = (f"the drafter needs hidden states {list(register.hidden_state_layers)}, this verifier sends "
-                       f"{[FINAL_NORMED_STATE] if self.needs_hidden_states else 'none'} (-1 = the final normed state)")
+        elif tuple(register.hidden_state_layers) != self.hidden_state_layers:
+            problem = (f"the drafter needs hidden states {list(register.hidden_state_layers)}, this verifier captures "
+                       f"{list(self.hidden_state_layers) or 'none'} (-1 = the final normed state, else layer inputs)")
         elif register.capacity < 1 or not sender.name:
             problem = "a drafter needs a name and a capacity of at least one request"
         if problem is not None:

@@ -168,8 +168,9 @@ class Engine:
         self._ids = itertools.count()
         self.report = StepReport()  # the last step's
         self._events: list[StepEvent] = []  # ended by the scheduler this step (requests that can never fit)
-        # EAGLE-style drafters get, with every token after the first, the target's final normed hidden
-        # state of the position before it (REFERENCES §1.4: token t[p+1] pairs with h[p])
+        # EAGLE-style drafters get, with every token after the first, the target's state(s) of the position
+        # before it (REFERENCES §1.4: token t[p+1] pairs with h[p]): the final normed state, or the inputs
+        # of the layers the runner captures (EAGLE-3, concatenated)
         self.needs_hidden = drafter is not None and drafter.needs_hidden_states
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
@@ -384,7 +385,8 @@ class Engine:
             return []
         forward_start = time.perf_counter()
         batch = self.runner.batch(sequences)
-        output = self.runner.forward(batch, return_hidden=self.needs_hidden)
+        output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
+        features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         logits = output.logits  # [rows, V]
         self.report.seconds["verify"] = time.perf_counter() - forward_start
         accept_start = time.perf_counter()
@@ -399,7 +401,7 @@ class Engine:
             request.num_prefilled = chunk.end
             hidden = None
             if self.needs_hidden and request.speculate and not request.output_ids:
-                hidden = self._pair_prompt_states(request, chunk, output.hidden_states[rows[i] : rows[i + 1]])
+                hidden = self._pair_prompt_states(request, chunk, features[rows[i] : rows[i + 1]])
             if samples:
                 row = batch.cu_logits[i]
                 self.report.prompt_tokens += len(request.prompt_ids)
@@ -414,7 +416,7 @@ class Engine:
             self._count(v, acceptance)
             hidden = None
             if self.needs_hidden and v.request.speculate:  # the accepted path's states pair with the emitted tokens
-                hidden = output.hidden_states[rows[i] : rows[i + 1]][list(acceptance.path)]
+                hidden = features[rows[i] : rows[i + 1]][list(acceptance.path)]
             events.append(self._emit(v.request, acceptance.tokens, hidden))
         self.report.seconds["accept"] = time.perf_counter() - accept_start - commit_seconds
         self.report.seconds["commit"] = commit_seconds

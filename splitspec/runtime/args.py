@@ -30,7 +30,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path (default: main).")
     group.add_argument(
         "--load-format", default="auto", choices=LOAD_FORMATS,
-        help="auto/safetensors: read the weights; dummy: random weights from config.json alone.",
+        help="auto: safetensors, else pytorch_model.bin; safetensors or pt (pytorch_model.bin, loaded weights-only): only "
+        "that format; dummy: random weights from config.json alone.",
     )
     group.add_argument(
         "--dtype", default="auto", choices=("auto", *DTYPES),

@@ -27,6 +27,11 @@ ARCHITECTURE_FAMILIES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "MiMoForCausalLM": "llama",  # Qwen2 layers; its MTP layers are the drafter's (runtime.models.mtp)
+    # draft heads renamed as SGLang's copies are (most published heads say LlamaForCausalLM; the
+    # --speculative-algorithm then decides the family)
+    "LlamaForCausalLMEagle": "eagle",
+    "LlamaForCausalLMEagle3": "eagle3",
 }
 
 DTYPES = {
@@ -86,6 +91,7 @@ class ModelConfig:
     torch_dtype: str | None = None  # the checkpoint's declared dtype
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0  # MTP layers the checkpoint carries beside the model (MiMo)
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -131,7 +137,7 @@ class ModelConfig:
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported (silu only)")
         num_layers = _required(raw, "num_hidden_layers", source)
         attention_bias = bool(raw.get("attention_bias", False))
-        is_qwen2 = model_type in ("qwen2",) or architecture == "Qwen2ForCausalLM"
+        is_qwen2 = model_type in ("qwen2", "mimo") or architecture in ("Qwen2ForCausalLM", "MiMoForCausalLM")
         return cls(
             architecture=architecture,
             family=ARCHITECTURE_FAMILIES[architecture],
@@ -157,6 +163,7 @@ class ModelConfig:
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             raw=raw,
         )
 

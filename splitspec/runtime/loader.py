@@ -26,8 +26,9 @@ from splitspec.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")  # pt: pytorch_model.bin files only
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+INT_DTYPES = {"I64", "I32", "I16", "I8", "U8"}
 TORCH_DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                      torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 # checkpoint tensors that carry nothing a model needs (old Llama exports saved RoPE buffers)
@@ -41,11 +42,13 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class TensorTarget:
-    """Where a checkpoint tensor goes: rows [row_start, row_start + shape[0]) of a model parameter."""
+    """Where a checkpoint tensor goes: rows [row_start, row_start + shape[0]) of a model parameter (or
+    persistent buffer: EAGLE-3's integer d2t)."""
 
     param: str
     row_start: int
     shape: tuple[int, ...]
+    floating: bool = True  # a float tensor (cast to the model dtype); else an integer one, kept as is
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,12 @@ class TensorInfo:
     file: str
     shape: tuple[int, ...]
     dtype: str
+    key: str | None = None  # the name in the file, when the model knows the tensor by another
 
 
 def checkpoint_spec(model: nn.Module) -> dict[str, TensorTarget]:
-    """The checkpoint tensors a model expects, derived from its parameters and fused modules."""
+    """The checkpoint tensors a model expects, derived from its parameters, persistent buffers and
+    fused modules."""
     params = dict(model.named_parameters())
     spec: dict[str, TensorTarget] = {}
     fused: set[str] = set()
@@ -77,7 +82,36 @@ def checkpoint_spec(model: nn.Module) -> dict[str, TensorTarget]:
     for name, param in params.items():
         if name not in fused:
             spec[name] = TensorTarget(name, 0, tuple(param.shape))
+    for name, buffer in _persistent_buffers(model).items():
+        spec[name] = TensorTarget(name, 0, tuple(buffer.shape), buffer.is_floating_point())
     return spec
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buffer
+    return out
+
+
+def rename_for_model(model: nn.Module, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors under the model's names: a model with `checkpoint_name(key)` renames them
+    (None drops a tensor it does not own, e.g. the target's layers around its MTP layers)."""
+    rename = getattr(model, "checkpoint_name", None)
+    if rename is None:
+        return tensors
+    out: dict[str, TensorInfo] = {}
+    for key, info in tensors.items():
+        name = rename(key)
+        if name is None:
+            continue
+        if name in out:
+            raise CheckpointError(f"tensors {out[name].key!r} and {key!r} both load into {name!r}")
+        out[name] = TensorInfo(info.file, info.shape, info.dtype, key)
+    return out
+
 
 
 def _block_rows(module: nn.Module, fused_name: str, sources: tuple[str, ...]) -> tuple[int, ...]:
@@ -89,12 +123,17 @@ def _block_rows(module: nn.Module, fused_name: str, sources: tuple[str, ...]) ->
     return (total // len(sources),) * len(sources)
 
 
-def read_checkpoint_index(model_dir: Path) -> dict[str, TensorInfo]:
-    """Tensor name -> (file, shape, dtype), from the safetensors headers only (no tensor data)."""
+def read_checkpoint_index(model_dir: Path, load_format: str = "auto") -> dict[str, TensorInfo]:
+    """Tensor name -> (file, shape, dtype), from the safetensors headers only (no tensor data). auto:
+    safetensors when there are any, else pytorch_model.bin; safetensors / pt: only that format."""
     index_path = model_dir / "model.safetensors.index.json"
     bin_index = model_dir / "pytorch_model.bin.index.json"
-    if not index_path.is_file() and not any(model_dir.glob("*.safetensors")) and (
-            bin_index.is_file() or (model_dir / "pytorch_model.bin").is_file()):
+    has_bin = bin_index.is_file() or (model_dir / "pytorch_model.bin").is_file()
+    if load_format == "pt":
+        if not has_bin:
+            raise CheckpointError(f"{model_dir}: --load-format pt needs pytorch_model.bin (or its index), none found")
+        return _read_bin_index(model_dir, bin_index)
+    if load_format == "auto" and not index_path.is_file() and not any(model_dir.glob("*.safetensors")) and has_bin:
         return _read_bin_index(model_dir, bin_index)
     if index_path.is_file():
         weight_map = json.loads(index_path.read_text()).get("weight_map", {})
@@ -166,7 +205,10 @@ def validate_checkpoint(spec: dict[str, TensorTarget], tensors: dict[str, Tensor
         info, target = tensors[key], spec[key]
         if info.shape != target.shape:
             problems.append(f"tensor {key!r} in {info.file} has shape {list(info.shape)}, expected {list(target.shape)}")
-        if info.dtype not in FLOAT_DTYPES:
+        if not target.floating:
+            if info.dtype not in INT_DTYPES:
+                problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype}, expected an integer tensor")
+        elif info.dtype not in FLOAT_DTYPES:
             problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype} (quantized checkpoints are not supported)")
     if problems:
         raise CheckpointError(f"checkpoint does not match {config.architecture}: " + "; ".join(problems))
@@ -197,7 +239,7 @@ def load_model(
         logger.info("initialised %s with random (dummy) weights, seed %d", config.architecture, seed)
         return model.eval()
     model_dir = Path(model_dir)
-    tensors = read_checkpoint_index(model_dir)
+    tensors = rename_for_model(model, read_checkpoint_index(model_dir, load_format))
     validate_checkpoint(spec, tensors, config, getattr(model, "ignored_checkpoint_keys", ()))
     model.to_empty(device=device)
     _load_tensors(model, spec, tensors, model_dir, device)
@@ -206,7 +248,7 @@ def load_model(
 
 @torch.no_grad()
 def _load_tensors(model: nn.Module, spec, tensors, model_dir: Path, device: torch.device) -> None:
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_parameters()), **_persistent_buffers(model)}
     by_file: dict[str, list[str]] = {}
     for key in spec:
         by_file.setdefault(tensors[key].file, []).append(key)
@@ -221,7 +263,7 @@ def _load_tensors(model: nn.Module, spec, tensors, model_dir: Path, device: torc
             get = state.__getitem__
         for key in keys:
             target = spec[key]
-            data = get(key)
+            data = get(tensors[key].key or key)
             num_bytes += data.numel() * data.element_size()
             params[target.param][target.row_start : target.row_start + target.shape[0]].copy_(data)  # casts dtype
             bar.update()
@@ -244,6 +286,8 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             param.zero_()
         else:
             param.copy_(torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32) * 0.02)
+    for buffer in _persistent_buffers(model).values():
+        buffer.zero_()  # EAGLE-3's d2t: draft id i is target id i
 
 
 def read_embed_and_head(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

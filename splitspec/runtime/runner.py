@@ -22,6 +22,7 @@ from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.kv_cache import KVCache
 from splitspec.runtime.loader import load_model
+from splitspec.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +98,18 @@ class ModelRunner:
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
-        bad = [i for i in capture_layers if not 0 <= i <= config.num_hidden_layers]
-        if bad:
-            raise ConfigError(f"capture layers {bad} out of range for {config.num_hidden_layers} layers")
-        if list(capture_layers) != sorted(set(capture_layers)):
-            raise ConfigError(f"capture layers {list(capture_layers)} must be strictly increasing")
-        self.capture_layers = tuple(capture_layers)
+        self.set_capture_layers(capture_layers)
         self.model.rotary_emb.reserve(min(config.max_position_embeddings, INITIAL_ROPE_POSITIONS), self.device)
+
+    def set_capture_layers(self, layers: tuple[int, ...]) -> None:
+        """forward() returns the inputs of these decoder layers (i == num_layers: the last one's output
+        before the final norm) as aux_hidden_states, concatenated in this order (EAGLE-3's features)."""
+        bad = [i for i in layers if not 0 <= i <= self.config.num_hidden_layers]
+        if bad:
+            raise ConfigError(f"capture layers {bad} out of range for {self.config.num_hidden_layers} layers")
+        if len(set(layers)) != len(layers):
+            raise ConfigError(f"capture layers {list(layers)} repeat a layer")
+        self.capture_layers = tuple(layers)
 
     @classmethod
     def load(cls, rc: RuntimeConfig) -> "ModelRunner":
@@ -111,6 +117,9 @@ class ModelRunner:
         config = ModelConfig.from_dir(model_dir)
         if rc.family is not None:
             config = dataclasses.replace(config, family=rc.family)
+            adapt = getattr(model_class(config), "runtime_config", None)
+            if adapt is not None:  # a head living inside another model's checkpoint (MTP layers)
+                config = adapt(config)
         device = resolve_device(rc.device)
         dtype = resolve_dtype(rc.dtype, config, device)
         logger.info("loading %s (%s, %d layers) from %s as %s on %s", config.architecture, config.model_type,
@@ -127,11 +136,15 @@ class ModelRunner:
         return build_forward_batch(self.kv_cache, sequences, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None) -> ForwardOutput:
-        """features [T, H]: one per new token, for models that take them (EAGLE heads)."""
+    def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None,
+                draft_layer: int | None = None) -> ForwardOutput:
+        """features [T, F]: one per new token, for models that take them (draft heads); draft_layer: which
+        of a multi-layer MTP head's layers runs."""
         self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
         plan = self.backend.plan(batch.attention)
         extra = {} if features is None else {"features": features.to(self.device)}
+        if draft_layer is not None:
+            extra["draft_layer"] = draft_layer
         hidden, captured = self.model(batch.input_ids, batch.positions, self.backend, plan, self.capture_layers, **extra)
         logits = self.model.logits(hidden[batch.logits_indices])
         return ForwardOutput(

@@ -11,7 +11,10 @@ from splitspec.runtime.config import ModelConfig
 # family -> "module:Class"
 MODEL_FAMILIES: dict[str, str] = {
     "llama": "splitspec.runtime.models.llama:LlamaForCausalLM",
-    "eagle": "splitspec.runtime.models.eagle:EagleHead",  # chosen by --speculative-algorithm EAGLE, not by config
+    # draft heads: chosen by --speculative-algorithm, not by config.json
+    "eagle": "splitspec.runtime.models.eagle:EagleHead",
+    "eagle3": "splitspec.runtime.models.eagle3:Eagle3Head",
+    "mtp": "splitspec.runtime.models.mtp:MtpHead",  # a target's own MTP layers (NEXTN)
 }
 
 

@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm).
+"""The Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 (q/k/v bias), Qwen3 (q/k RMSNorm), MiMo (a Qwen2
+whose checkpoint also carries MTP layers, served by runtime.models.mtp).
 
 One decoder, switched by ModelConfig flags. Module names follow the HF checkpoints, except that
 q/k/v and gate/up are fused (`packed_modules` tells the loader how checkpoint tensors map in).
@@ -32,7 +33,8 @@ class ForwardContext:
 class Attention(nn.Module):
     packed = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
 
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, input_size: int | None = None):
+        """input_size: the width q/k/v project from (EAGLE-3's first layer: 2H), default hidden_size."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -41,7 +43,7 @@ class Attention(nn.Module):
             config.head_dim,
         )
         self.split_sizes = (config.q_size, config.kv_size, config.kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias)
+        self.qkv_proj = nn.Linear(input_size or config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.has_qk_norm = config.qk_norm
         if config.qk_norm:
@@ -62,9 +64,9 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, input_norm: bool = True):
+    def __init__(self, config: ModelConfig, layer_id: int, input_norm: bool = True, attn_input_size: int | None = None):
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
+        self.self_attn = Attention(config, layer_id, attn_input_size)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         if input_norm:  # EAGLE heads' layer 0 has none
             self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -76,6 +78,7 @@ class DecoderLayer(nn.Module):
 
 
 LlamaDecoderLayerBase = DecoderLayer
+MTP_PREFIX = "model.mtp_layers."  # MTP layers inside a target checkpoint (REFERENCES §2b)
 
 
 class LlamaModel(nn.Module):
@@ -96,6 +99,12 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
+
+    def checkpoint_name(self, key: str) -> str | None:
+        """A target shipping MTP layers (MiMo: model.mtp_layers.*) keeps them for its MTP drafter."""
+        if key.startswith(MTP_PREFIX) and self.config.num_nextn_predict_layers:
+            return None
+        return key
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

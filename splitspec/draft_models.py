@@ -1,0 +1,250 @@
+"""Model drafters from the --speculative-* flags: which kind of draft model the flags name, what the
+target must hand it, and loading it strictly.
+
+    kind         flags                                                    draft weights
+    standalone   STANDALONE + --speculative-draft-model-path              a small causal LM
+    eagle        EAGLE + a head path                                      an EAGLE-1/2 head (REFERENCES §1)
+    eagle3       EAGLE3 + a head path                                     an EAGLE-3 head (§2)
+    mtp          NEXTN (= EAGLE) without a draft path, or a draft path    the target's MTP layers (§2b)
+                 naming a checkpoint that ships MTP layers
+
+Everything here runs at start, before any request: a draft that does not fit the target (vocabulary,
+tokenizer, d2t, hidden size, missing or extra tensors) is an error that names the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from splitspec.engine_args import FlagError, tree_shape
+
+logger = logging.getLogger(__name__)
+
+FINAL_NORMED_STATE = -1  # a hidden_state_layers entry: the target's final normed hidden state (the lm_head input)
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(path: str, revision: str | None) -> Path:
+    from splitspec.runtime.hub import resolve_model_dir
+
+    return resolve_model_dir(path, revision)
+
+
+def target_dir(args: argparse.Namespace) -> Path:
+    """--model-path (the demo target when none is given, as every command reads it)."""
+    if not getattr(args, "model_path", None):
+        from splitspec.runtime.args import resolve_model
+
+        return resolve_model(args)
+    return _resolve(args.model_path, getattr(args, "revision", None))
+
+
+def target_config(args: argparse.Namespace):
+    from splitspec.runtime.config import ModelConfig
+
+    return ModelConfig.from_dir(target_dir(args))
+
+
+def _draft_raw_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        from splitspec.runtime.config import ConfigError
+
+        raise ConfigError(f"{path / 'config.json'}: cannot read the draft config ({exc})") from None
+
+
+def draft_dir(args: argparse.Namespace) -> Path:
+    """The draft checkpoint: --speculative-draft-model-path at --speculative-draft-model-revision (main by
+    default); MTP without a draft path: the target's own checkpoint."""
+    if args.speculative_draft_model_path:
+        return _resolve(args.speculative_draft_model_path, args.speculative_draft_model_revision or "main")
+    if args.speculative_algorithm == "EAGLE":
+        return target_dir(args)
+    raise FlagError(f"--speculative-algorithm {args.speculative_algorithm} needs --speculative-draft-model-path")
+
+
+def draft_kind(args: argparse.Namespace) -> str:
+    """ngram, standalone, eagle, eagle3 or mtp (see the module docstring)."""
+    algorithm = args.speculative_algorithm
+    if algorithm in ("NGRAM", "STANDALONE", "EAGLE3"):
+        return algorithm.lower()
+    if not args.speculative_draft_model_path:  # EAGLE / NEXTN with no head: the target's MTP layers
+        return "mtp"
+    return "mtp" if _draft_raw_config(draft_dir(args)).get("num_nextn_predict_layers") else "eagle"
+
+
+def auto_tree(args: argparse.Namespace, target) -> tuple[int, int, int]:
+    """SGLang's automatic (num_steps, topk, num_draft_tokens): 5/4/8 for Llama targets, 3/1/4 for the
+    others; multi-layer MTP: one step per MTP layer, a chain."""
+    kind = draft_kind(args)
+    if kind == "mtp" and getattr(args, "enable_multi_layer_eagle", False):
+        n = target.num_nextn_predict_layers
+        return (n, 1, n + 1)
+    if kind in ("eagle", "eagle3", "mtp") and target.architecture == "LlamaForCausalLM":
+        return (5, 4, 8)
+    return (3, 1, 4)
+
+
+def draft_tree_shape(args: argparse.Namespace) -> tuple[int, int, int]:
+    """tree_shape with the automatic choice resolved against the target; multi-layer MTP must be a chain."""
+    if args.speculative_algorithm == "STANDALONE":
+        return tree_shape(args, (3, 1, 4))
+    shape = tree_shape(args, auto_tree(args, target_config(args)))
+    if getattr(args, "enable_multi_layer_eagle", False) and shape[1] != 1:
+        raise FlagError(f"--enable-multi-layer-eagle drafts a chain (one MTP layer per step): --speculative-eagle-topk "
+                        f"must be 1, not {shape[1]}")
+    return shape
+
+
+def hidden_state_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
+    """What the verifier captures for the drafter each step: () nothing; (-1,) the final normed state
+    (EAGLE, MTP); EAGLE-3: the inputs of these target layers, concatenated in this order."""
+    kind = draft_kind(args)
+    if kind in ("eagle", "mtp"):
+        return (FINAL_NORMED_STATE,)
+    if kind == "eagle3":
+        from splitspec.runtime.config import ModelConfig
+        from splitspec.runtime.models.eagle3 import capture_layers
+
+        return capture_layers(ModelConfig.from_dir(draft_dir(args)), target)
+    return ()
+
+
+def validate_draft_options(args: argparse.Namespace) -> None:
+    """SGLang's draft loading flags: what this build honours, refuses or ignores (logged)."""
+    quantization = getattr(args, "speculative_draft_model_quantization", None)
+    if quantization not in (None, "unquant"):
+        raise FlagError(f"--speculative-draft-model-quantization {quantization}: not available yet (drafts load "
+                        "unquantized; use unquant)")
+    for flag in ("speculative_moe_runner_backend", "speculative_moe_a2a_backend"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            logger.info("--%s %s: the draft has no MoE layers, nothing to do", flag.replace("_", "-"), value)
+
+
+def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
+    """The drafter --speculative-algorithm names, configured by the flags. A model drafter loads its
+    model with the same --dtype, --device and --page-size and a KV cache of --max-total-tokens (else
+    max_total_tokens) tokens. EAGLE heads and MTP layers share the target's embedding (and, but for
+    EAGLE-3, its lm_head): `target` (a ModelRunner in this process), else read from --model-path. The
+    drafter's `hidden_state_layers` say what the verifier must capture for it."""
+    from splitspec.drafter_svc.base import drafter_class
+
+    kind = draft_kind(args)
+    if kind == "ngram":
+        from splitspec.engine_args import ngram_config
+
+        drafter = drafter_class("NGRAM")(ngram_config(args))
+        drafter.hidden_state_layers = ()
+        return drafter
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    validate_draft_options(args)
+    target_cfg = target.config if target is not None else target_config(args)
+    steps, topk, tokens = draft_tree_shape(args) if kind != "standalone" else tree_shape(args, (3, 1, 4))
+    path = draft_dir(args)
+    load_format = getattr(args, "speculative_draft_load_format", None) or getattr(args, "load_format", "auto")
+    runner = ModelRunner.load(RuntimeConfig(
+        model_path=str(path), dtype=args.dtype, device=args.device, page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
+        mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=args.attention_backend,
+        family=None if kind == "standalone" else kind))
+    if target_cfg is not None:
+        check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
+    token_map = None
+    if kind == "eagle3":
+        if getattr(args, "speculative_token_map", None):
+            logger.warning("--speculative-token-map %s ignored: an EAGLE-3 head maps its own draft vocabulary (d2t)",
+                           args.speculative_token_map)
+        token_map = checked_hot_tokens(runner.model, runner.config.vocab_size, path)
+    elif getattr(args, "speculative_token_map", None):
+        from splitspec.runtime.token_map import load_token_map
+
+        token_map = load_token_map(args.speculative_token_map, target_cfg.vocab_size if target_cfg else runner.config.vocab_size)
+    if token_map is not None and len(token_map) < topk:
+        raise FlagError(f"the draft vocabulary has {len(token_map)} ids, fewer than --speculative-eagle-topk {topk}")
+    if kind == "standalone" and token_map is not None:
+        runner.model.set_hot_tokens(token_map)
+    if kind != "standalone":
+        embed, head = _target_embed_and_head(args, target, runner, kind)
+        if kind in ("eagle", "mtp") and token_map is not None:
+            head = head[token_map.to(head.device)].contiguous()
+        runner.model.share_target(embed, head)
+    if kind == "mtp" and getattr(args, "enable_multi_layer_eagle", False):
+        from splitspec.drafter_svc.multi_layer_mtp import MultiLayerMtpDrafter
+
+        drafter = MultiLayerMtpDrafter(runner, steps, token_map)
+    else:
+        cls = drafter_class("STANDALONE" if kind == "standalone" else "EAGLE")
+        drafter = cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens, token_map=token_map)
+    drafter.name = args.speculative_algorithm
+    drafter.hidden_state_layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()
+    logger.info("%s drafter (%s from %s): %d steps, top-%d, %d tree nodes%s", args.speculative_algorithm, kind, path,
+                steps, topk, tokens, f", captures {list(drafter.hidden_state_layers)}" if drafter.hidden_state_layers else "")
+    return drafter
+
+
+def _target_embed_and_head(args, target, runner, kind):
+    if target is not None:
+        return target.model.model.embed_tokens.weight, target.model.lm_head_weight
+    from splitspec.runtime.loader import read_embed_and_head
+
+    embed, head = read_embed_and_head(target_dir(args), runner.dtype, runner.device)
+    return embed, (None if kind == "eagle3" else head)
+
+
+def check_vocabulary(kind: str, draft, target, draft_path: Path, target_path: Path) -> None:
+    """The draft must speak the target's token ids: the same vocabulary size and, where both ship one,
+    the same tokenizer."""
+    from splitspec.runtime.config import ConfigError
+
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens, vocab_size in {draft_path / 'config.json'}) "
+                          f"does not match the target's ({target.vocab_size}); a draft must use the target's tokenizer")
+    if kind != "mtp" and Path(draft_path).resolve() != Path(target_path).resolve():
+        check_tokenizers(Path(draft_path), Path(target_path))
+
+
+def check_tokenizers(draft_path: Path, target_path: Path) -> None:
+    from splitspec.runtime.config import ConfigError
+
+    files = [p / "tokenizer.json" for p in (draft_path, target_path)]
+    if not all(f.is_file() for f in files):
+        return
+    from tokenizers import Tokenizer
+
+    draft, target = (Tokenizer.from_file(str(f)).get_vocab(with_added_tokens=True) for f in files)
+    differ = sorted(t for t in set(draft) | set(target) if draft.get(t) != target.get(t))
+    if differ:
+        token = differ[0]
+        raise ConfigError(f"the draft's tokenizer ({files[0]}) does not match the target's ({files[1]}): {len(differ)} "
+                          f"tokens differ, e.g. {token!r} is id {draft.get(token)} in the draft and {target.get(token)} "
+                          "in the target")
+
+
+def checked_hot_tokens(head, vocab_size: int, path: Path) -> torch.Tensor | None:
+    """EAGLE-3's draft id -> target id map (d + d2t[d]), each id in the target's vocabulary and none twice."""
+    from splitspec.runtime.loader import CheckpointError
+
+    ids = head.hot_token_ids()
+    if ids is None:
+        return None
+    ids = ids.cpu()
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero().flatten()
+    if len(bad):
+        d = int(bad[0])
+        raise CheckpointError(f"{path}: d2t maps draft id {d} to target id {int(ids[d])}, outside the target's "
+                              f"vocabulary of {vocab_size} ({len(bad)} draft ids out of range)")
+    order = ids.argsort(stable=True)
+    repeated = (ids[order][1:] == ids[order][:-1]).nonzero().flatten()
+    if len(repeated):
+        a, b = int(order[repeated[0]]), int(order[repeated[0] + 1])
+        raise CheckpointError(f"{path}: d2t maps draft ids {a} and {b} to the same target id {int(ids[a])}")
+    return ids
