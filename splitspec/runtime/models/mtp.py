@@ -16,7 +16,6 @@ target's. The head is built from the *target's* config: its KV cache has one lay
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import torch
 from torch import nn
@@ -24,10 +23,8 @@ from torch import nn
 from splitspec.runtime.attention.base import AttentionBackend
 from splitspec.runtime.config import ConfigError, ModelConfig
 from splitspec.runtime.layers import RMSNorm
-from splitspec.runtime.models.llama import DecoderLayer, ForwardContext
+from splitspec.runtime.models.llama import MTP_PREFIX, DecoderLayer, ForwardContext
 from splitspec.runtime.rope import RotaryEmbedding
-
-_LAYER_KEY = re.compile(r"model\.mtp_layers\.(\d+)\.(.+)")
 
 
 class MtpLayer(DecoderLayer):
@@ -60,16 +57,16 @@ class MtpHead(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.mtp_layers = nn.ModuleList(MtpLayer(config, i) for i in range(config.num_hidden_layers))
+        self.model = nn.Module()  # parameter names are the checkpoint's: model.mtp_layers.{i}.*
+        self.model.mtp_layers = nn.ModuleList(MtpLayer(config, i) for i in range(config.num_hidden_layers))
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim, config.max_position_embeddings)
         self.embed_weight: torch.Tensor | None = None  # the target's, set by share_target
         self.lm_head_weight: torch.Tensor | None = None
 
     @staticmethod
     def checkpoint_name(key: str) -> str | None:
-        """Only the MTP layers: model.mtp_layers.{i}.X -> mtp_layers.{i}.X; the target's own tensors are not ours."""
-        match = _LAYER_KEY.fullmatch(key)
-        return f"mtp_layers.{match.group(1)}.{match.group(2)}" if match else None
+        """Only the MTP layers are ours; the target's own tensors around them are not."""
+        return key if key.startswith(MTP_PREFIX) else None
 
     def share_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         hidden = self.config.hidden_size
@@ -82,7 +79,7 @@ class MtpHead(nn.Module):
         if features is None or self.embed_weight is None:
             raise ValueError("MTP layers need the target's embedding (share_target) and a feature per token")
         ctx = ForwardContext(backend, plan, self.rotary_emb, *self.rotary_emb.cos_sin(positions))
-        layer = self.mtp_layers[draft_layer]
+        layer = self.model.mtp_layers[draft_layer]
         dtype = layer.input_proj.weight.dtype
         embeds = nn.functional.embedding(input_ids, self.embed_weight).to(dtype)
         embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
