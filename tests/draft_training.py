@@ -150,9 +150,9 @@ def train_mimo_target(out: Path, num_layers: int = 2, steps: int = 100) -> Path:
                 e[positions == 0] = 0
                 x = layer["input_proj"](torch.cat([layer["hidden_layernorm"](final[:n]), layer["token_layernorm"](e)], -1))[None]
                 mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-                out = layer["block"](x, attention_mask=mask, position_ids=positions[None],
-                                     position_embeddings=rope(x, positions[None]))
-                x = layer["final_layernorm"]((out[0] if isinstance(out, tuple) else out)[0])
+                y = layer["block"](x, attention_mask=mask, position_ids=positions[None],
+                                   position_embeddings=rope(x, positions[None]))
+                x = layer["final_layernorm"]((y[0] if isinstance(y, tuple) else y)[0])
                 target_probs = torch.softmax(final[1 + k : n + 1 + k] @ head_w.T, -1)
                 loss = loss - (target_probs * torch.log_softmax(x @ head_w.T, -1)).sum(-1).mean()
         optimizer.zero_grad()

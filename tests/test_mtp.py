@@ -235,5 +235,31 @@ def test_nextn_over_tcp_is_lossless_and_speculates(trained_mimo):
 
 
 def test_multi_layer_mtp_over_tcp_is_lossless_and_speculates(trained_mimo):
-    """--enable-multi-layer-eagle with the automatic shape: two MTP layers, two steps, a chain of 3."""
-    split_lossless(trained_mimo, ["--speculative-algorithm", "EAGLE", "--enable-multi-layer-eagle"], "mtp2")
+    """--enable-multi-layer-eagle: two MTP layers, two steps, a chain of 3 (the automatic shape, given
+    explicitly here because the test verifier's defaults set --speculative-num-draft-tokens)."""
+    split_lossless(trained_mimo, ["--speculative-algorithm", "EAGLE", "--enable-multi-layer-eagle", "--speculative-num-steps",
+                                  "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"], "mtp2")
+
+
+def test_automatic_shapes_follow_sglang(trained_mimo):
+    """Auto (all three flags unset): EAGLE/EAGLE3 on a Llama target 5/4/8; on other targets (MiMo) 3/1/4;
+    multi-layer MTP one step per layer, a chain; a multi-layer tree is refused."""
+    import argparse
+
+    from splitspec import engine_args
+    from splitspec.draft_models import draft_tree_shape
+
+    def flags(*argv):
+        parser = argparse.ArgumentParser()
+        engine_args.add_speculative_args(parser)
+        parser.add_argument("--model-path")
+        return parser.parse_args(list(argv))
+
+    assert draft_tree_shape(flags("--speculative-algorithm", "NEXTN", "--model-path", str(trained_mimo))) == (3, 1, 4)
+    assert draft_tree_shape(flags("--speculative-algorithm", "nextn", "--model-path", str(trained_mimo),
+                                  "--enable-multi-layer-eagle")) == (2, 1, 3)
+    assert draft_tree_shape(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "unused",
+                                  "--model-path", str(demo_model_dirs()["target"]))) == (5, 4, 8)
+    with pytest.raises(engine_args.FlagError, match="--enable-multi-layer-eagle drafts a chain"):
+        draft_tree_shape(flags("--speculative-algorithm", "EAGLE", "--model-path", str(trained_mimo), "--enable-multi-layer-eagle",
+                               "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"))

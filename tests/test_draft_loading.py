@@ -1,0 +1,170 @@
+"""Model drafters from the flags, end to end: EAGLE3 through real processes keeps greedy output with drafts
+accepted; SGLang's draft-loading flags are honoured (load format, revision, quantization, MoE
+backends, the EAGLE3 token map); and a draft that does not fit its target fails at start with a message
+naming the problem (vocabulary, tokenizer, d2t)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from draft_training import train_eagle3_head
+from test_eagle3_head import head_config, head_state, write_head
+from test_mtp import split_lossless
+
+from splitspec import engine_args
+from splitspec.demo import demo_model_dirs
+from splitspec.draft_models import build_drafter
+from splitspec.runtime.config import ConfigError
+from splitspec.runtime.loader import CheckpointError
+
+
+@pytest.fixture(scope="module")
+def trained_eagle3(tmp_path_factory):
+    return train_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head")
+
+
+def test_eagle3_over_tcp_is_lossless_and_speculates(trained_eagle3):
+    """The verifier captures the inputs of target layers 2, 4, 5 and ships them (3 x 384 wide) to a
+    `splitspec drafter` EAGLE3 process; its drafts over a 1024-id draft vocabulary map back through d2t."""
+    split_lossless(demo_model_dirs()["target"], ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                                                 str(trained_eagle3), "--speculative-num-steps", "3",
+                                                 "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"],
+                   "eagle3")
+
+
+def flags(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    engine_args.add_speculative_args(parser, side="drafter")
+    for flag, default in (("--model-path", None), ("--dtype", "float32"), ("--device", "cpu"), ("--page-size", 16),
+                          ("--max-total-tokens", 1024), ("--attention-backend", "torch")):
+        parser.add_argument(flag, default=default, type=type(default) if default is not None else None)
+    return parser.parse_args(list(argv))
+
+
+def eagle3_flags(head, *extra: str) -> argparse.Namespace:
+    return flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(head),
+                 "--model-path", str(demo_model_dirs()["target"]), *extra)
+
+
+def demo_shaped_head(tmp_path, edit=None, config_edit=None, fmt="bin"):
+    """A random EAGLE-3 head shaped for the demo target (hidden 384, vocab 4096), draft vocab 512."""
+    import test_eagle3_head as th
+
+    target = json.loads((demo_model_dirs()["target"] / "config.json").read_text())
+    saved = (th.H, th.HEADS, th.KV_HEADS, th.VOCAB)
+    th.H, th.HEADS, th.KV_HEADS, th.VOCAB = (target["hidden_size"], target["num_attention_heads"],
+                                             target["num_key_value_heads"], target["vocab_size"])
+    try:
+        config, state = th.head_config(draft_vocab=512), th.head_state(seed=2, draft_vocab=512)
+    finally:
+        th.H, th.HEADS, th.KV_HEADS, th.VOCAB = saved
+    config["head_dim"] = target["head_dim"]
+    if edit:
+        edit(state)
+    if config_edit:
+        config_edit(config)
+    return write_head(tmp_path / "head", config, state, fmt)
+
+
+def test_eagle3_ignores_the_token_map_with_a_warning(tmp_path, caplog):
+    head = demo_shaped_head(tmp_path)
+    token_map = tmp_path / "map.pt"
+    torch.save(list(range(100)), token_map)
+    with caplog.at_level(logging.WARNING):
+        drafter = build_drafter(eagle3_flags(head, "--speculative-token-map", str(token_map)))
+    assert f"--speculative-token-map {token_map} ignored: an EAGLE-3 head maps its own draft vocabulary (d2t)" in caplog.text
+    assert len(drafter.token_map) == 512 and drafter.hidden_state_layers == (2, 4, 5) and drafter.name == "EAGLE3"
+
+
+def test_draft_load_format_and_revision(tmp_path, caplog):
+    head = demo_shaped_head(tmp_path)  # pytorch_model.bin only
+    assert build_drafter(eagle3_flags(head, "--speculative-draft-load-format", "pt")).runner.config.hidden_size == 384
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors weights found \(found: config\.json, pytorch_model\.bin\)"):
+        build_drafter(eagle3_flags(head, "--speculative-draft-load-format", "safetensors"))
+    safetensors_head = demo_shaped_head(tmp_path / "st", fmt="safetensors")
+    with pytest.raises(CheckpointError, match=r"--load-format pt needs pytorch_model\.bin \(or its index\), none found"):
+        build_drafter(eagle3_flags(safetensors_head, "--speculative-draft-load-format", "pt"))
+    dummy = build_drafter(eagle3_flags(head, "--speculative-draft-load-format", "dummy"))  # random weights, identity d2t
+    assert torch.equal(dummy.token_map, torch.arange(512))
+    with caplog.at_level(logging.INFO):
+        build_drafter(eagle3_flags(head, "--speculative-moe-runner-backend", "triton", "--speculative-moe-a2a-backend", "deepep",
+                                   "--speculative-draft-model-quantization", "unquant"))
+    assert "--speculative-moe-runner-backend triton: the draft has no MoE layers, nothing to do" in caplog.text
+    assert "--speculative-moe-a2a-backend deepep: the draft has no MoE layers, nothing to do" in caplog.text
+    with pytest.raises(engine_args.FlagError, match=r"--speculative-draft-model-quantization fp8: not available yet"):
+        build_drafter(eagle3_flags(head, "--speculative-draft-model-quantization", "fp8"))
+    with pytest.raises(SystemExit):
+        eagle3_flags(head, "--speculative-moe-runner-backend", "nonsense")
+
+
+def test_a_hub_draft_defaults_to_revision_main(tmp_path, monkeypatch):
+    """A hub id as the draft path resolves at revision main unless one is given (SGLang's default)."""
+    from splitspec import draft_models
+
+    seen = []
+    monkeypatch.setattr(draft_models, "_resolve", lambda path, revision: seen.append((path, revision)) or tmp_path)
+    draft_models.draft_dir(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/head"))
+    draft_models.draft_dir(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/head",
+                                 "--speculative-draft-model-revision", "v2"))
+    assert seen == [("org/head", "main"), ("org/head", "v2")]
+
+
+def test_a_draft_vocabulary_that_is_not_the_targets_is_refused(tmp_path):
+    head = demo_shaped_head(tmp_path, config_edit=lambda c: c.update(vocab_size=4000),
+                            edit=lambda s: s.update(t2d=torch.zeros(4000, dtype=torch.bool)))
+    with pytest.raises(ConfigError, match=rf"the draft's vocabulary \(4000 tokens, vocab_size in {head}/config\.json\) does not "
+                                          r"match the target's \(4096\); a draft must use the target's tokenizer"):
+        build_drafter(eagle3_flags(head))
+
+
+def test_a_standalone_draft_with_another_tokenizer_is_refused(tmp_path):
+    """Same vocabulary size, different tokens: the ids would mean different things."""
+    draft = tmp_path / "draft"
+    shutil.copytree(demo_model_dirs()["draft"], draft)
+    tokenizer = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (draft / "tokenizer.json").write_text(json.dumps(tokenizer))
+    args = flags("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(draft),
+                 "--model-path", str(demo_model_dirs()["target"]))
+    with pytest.raises(ConfigError, match=rf"the draft's tokenizer \({draft}/tokenizer\.json\) does not match the target's "
+                                          r"\(.*/tokenizer\.json\): 2 tokens differ, e\.g\. .* is id \d+ in the draft and \d+ in the target"):
+        build_drafter(args)
+
+
+def test_d2t_out_of_range_or_repeated_is_refused(tmp_path):
+    def out_of_range(state):
+        state["d2t"][7] = 5000
+
+    head = demo_shaped_head(tmp_path / "a", edit=out_of_range)
+    with pytest.raises(CheckpointError, match=rf"{head}: d2t maps draft id 7 to target id \d+, outside the target's vocabulary "
+                                              r"of 4096 \(1 draft ids out of range\)"):
+        build_drafter(eagle3_flags(head))
+
+    def repeated(state):
+        used = state["d2t"] + torch.arange(512)
+        state["d2t"][9] = used[8] - 9  # draft ids 8 and 9 -> the same target id
+
+    head = demo_shaped_head(tmp_path / "b", edit=repeated)
+    with pytest.raises(CheckpointError, match=r"d2t maps draft ids 8 and 9 to the same target id \d+"):
+        build_drafter(eagle3_flags(head))
+
+
+def test_cli_names_the_problem_without_a_traceback(tmp_path):
+    head = demo_shaped_head(tmp_path, edit=lambda s: s.pop("norm.weight"))
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "EAGLE3",
+                             "--speculative-draft-model-path", str(head), "--dtype", "float32", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "missing tensors: norm.weight" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
+                             "NEXTN", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "LlamaForCausalLM declares no MTP layers" in result.stderr
+    assert "Traceback" not in result.stderr
