@@ -83,7 +83,6 @@ class MultiLayerMtpDrafter(Drafter):
     def _forward_layers(self, work: list[tuple[_State, int, list[int]]], num_layers: int) -> list[list[int]]:
         """work: (state, end row, drafts so far) per request: rows [table.num_tokens, end) through layers
         0..num_layers-1; returns each request's drafts extended by every layer's last-row top-1."""
-        kv = self.runner.kv_cache
         drafts = [list(d) for _, _, d in work]
         for layer in range(num_layers):
             sequences, features = [], []

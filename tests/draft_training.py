@@ -118,7 +118,13 @@ def mtp_state(prefix: str, layer) -> dict[str, torch.Tensor]:
 def train_mimo_target(out: Path, num_layers: int = 2, steps: int = 100) -> Path:
     """A MiMo-layout copy of the demo target: its weights with zero q/k/v biases (a Qwen2 whose outputs
     are the demo target's) plus `num_layers` MTP layers, layer k trained to predict token p+2+k from
-    (h[p], token p+1+k) as MTP layer k of a multi-layer draft does; position 0's embedding masked."""
+    (h[p], token p+1+k) as MTP layer k of a multi-layer draft does; position 0's embedding masked.
+    Trained once per session (cached), written wherever asked."""
+    return write_mimo_target(out, _trained_mtp_layers(num_layers, steps))
+
+
+@functools.lru_cache(maxsize=2)
+def _trained_mtp_layers(num_layers: int, steps: int) -> list[dict[str, torch.Tensor]]:
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
@@ -158,10 +164,10 @@ def train_mimo_target(out: Path, num_layers: int = 2, steps: int = 100) -> Path:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return write_mimo_target(out, [
+    return [
         {**mtp_state("", layer["block"]), **{f"{n}.weight": layer[n].weight.detach().clone()
                                              for n in ("token_layernorm", "hidden_layernorm", "final_layernorm")},
-         "input_proj.weight": layer["input_proj"].weight.detach().clone()} for layer in layers])
+         "input_proj.weight": layer["input_proj"].weight.detach().clone()} for layer in layers]
 
 
 def write_mimo_target(out: Path, mtp_layers: list[dict[str, torch.Tensor]]) -> Path:

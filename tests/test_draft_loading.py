@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from draft_training import train_eagle3_head
-from test_eagle3_head import head_config, head_state, write_head
+from test_eagle3_head import write_head
 from test_mtp import split_lossless
 
 from splitspec import engine_args
@@ -168,3 +168,26 @@ def test_cli_names_the_problem_without_a_traceback(tmp_path):
                              "NEXTN", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "LlamaForCausalLM declares no MTP layers" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE3", "NEXTN-multi"])
+def test_generate_in_one_process(algorithm, trained_eagle3, tmp_path_factory):
+    """`splitspec generate --json` with the drafter in the verifier's process: the same ids as plain, drafts
+    accepted, no fallback (EAGLE3 captures layers in-process; multi-layer MTP from a MiMo target)."""
+    from draft_training import train_mimo_target
+
+    if algorithm == "EAGLE3":
+        model, spec = demo_model_dirs()["target"], ["--speculative-algorithm", "EAGLE3",
+                                                    "--speculative-draft-model-path", str(trained_eagle3)]
+    else:
+        model = train_mimo_target(tmp_path_factory.mktemp("mimo") / "trained", num_layers=2)
+        spec = ["--speculative-algorithm", "NEXTN", "--enable-multi-layer-eagle"]
+    base = [sys.executable, "-P", "-m", "splitspec", "generate", "--model-path", str(model), "--dtype", "float32",
+            "--device", "cpu", "--prompt", "def read_lines(filename):\n", "--max-new-tokens", "40", "--ignore-eos", "--json"]
+    plain = subprocess.run(base, capture_output=True, text=True, timeout=600)
+    spec_run = subprocess.run(base + spec, capture_output=True, text=True, timeout=600)
+    assert plain.returncode == 0 and spec_run.returncode == 0, spec_run.stderr
+    plain_row, spec_row = json.loads(plain.stdout), json.loads(spec_run.stdout)
+    assert spec_row["output_ids"] == plain_row["output_ids"]
+    report = spec_row["speculative"]
+    assert report["accepted_tokens"] > 0 and report["draft_tokens"] > 0 and report["fallbacks"] == 0, report
