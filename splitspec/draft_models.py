@@ -156,8 +156,9 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
         mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=args.attention_backend,
         family=None if kind == "standalone" else kind))
-    if target_cfg is not None:
-        check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
+    check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
+    layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()
+    check_feature_width(kind, runner, target_cfg, layers, path)
     token_map = None
     if kind == "eagle3":
         if getattr(args, "speculative_token_map", None):
@@ -185,7 +186,7 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
         cls = drafter_class("STANDALONE" if kind == "standalone" else "EAGLE")
         drafter = cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens, token_map=token_map)
     drafter.name = args.speculative_algorithm
-    drafter.hidden_state_layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()
+    drafter.hidden_state_layers = layers
     logger.info("%s drafter (%s from %s): %d steps, top-%d, %d tree nodes%s", args.speculative_algorithm, kind, path,
                 steps, topk, tokens, f", captures {list(drafter.hidden_state_layers)}" if drafter.hidden_state_layers else "")
     return drafter
@@ -210,6 +211,20 @@ def check_vocabulary(kind: str, draft, target, draft_path: Path, target_path: Pa
                           f"does not match the target's ({target.vocab_size}); a draft must use the target's tokenizer")
     if kind != "mtp" and Path(draft_path).resolve() != Path(target_path).resolve():
         check_tokenizers(Path(draft_path), Path(target_path))
+
+
+def check_feature_width(kind: str, runner, target, layers: tuple[int, ...], path: Path) -> None:
+    """The head must take what the verifier will send: EAGLE/MTP the target's hidden size; EAGLE-3 one
+    target-sized state per captured layer into fc."""
+    from splitspec.runtime.config import ConfigError
+
+    if kind == "eagle3":
+        want = len(layers) * target.hidden_size
+        if runner.model.fc_input_size != want:
+            raise ConfigError(f"{path}: the EAGLE-3 head's fc takes {runner.model.fc_input_size} features, the target sends "
+                              f"{want} ({len(layers)} captured layers {list(layers)} x hidden size {target.hidden_size})")
+    elif kind in ("eagle", "mtp") and runner.config.hidden_size != target.hidden_size:
+        raise ConfigError(f"{path}: the head's hidden size {runner.config.hidden_size} is not the target's {target.hidden_size}")
 
 
 def check_tokenizers(draft_path: Path, target_path: Path) -> None:

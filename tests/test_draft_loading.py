@@ -191,3 +191,14 @@ def test_generate_in_one_process(algorithm, trained_eagle3, tmp_path_factory):
     assert spec_row["output_ids"] == plain_row["output_ids"]
     report = spec_row["speculative"]
     assert report["accepted_tokens"] > 0 and report["draft_tokens"] > 0 and report["fallbacks"] == 0, report
+
+
+def test_an_eagle3_head_for_another_target_width_is_refused(tmp_path):
+    """target_hidden_size says what fc expects; a head trained on a wider target cannot read these states."""
+    def wider(config):
+        config["target_hidden_size"] = 512
+
+    head = demo_shaped_head(tmp_path, config_edit=wider, edit=lambda s: s.update({"fc.weight": torch.zeros(384, 1536)}))
+    with pytest.raises(ConfigError, match=rf"{head}: the EAGLE-3 head's fc takes 1536 features, the target sends 1152 "
+                                          r"\(3 captured layers \[2, 4, 5\] x hidden size 384\)"):
+        build_drafter(eagle3_flags(head))

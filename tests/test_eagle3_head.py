@@ -247,3 +247,12 @@ def test_midlayer_and_layers_0_names_for_one_tensor_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"tensors 'midlayer\.hidden_norm\.weight' and 'layers\.0\.hidden_norm\.weight' "
                                               r"both load into 'layers\.0\.hidden_norm\.weight'"):
         load_head(write_head(tmp_path / "head", head_config(), state))
+
+
+def test_sglangs_renamed_architecture_loads(tmp_path):
+    """SGLang's copies of the heads say LlamaForCausalLMEagle3 (REFERENCES §2.1); the same files load."""
+    config = head_config()
+    config["architectures"] = ["LlamaForCausalLMEagle3"]
+    assert ModelConfig.from_dict(config).family == "eagle3"
+    runner = load_head(write_head(tmp_path / "head", config, head_state(seed=7)))
+    assert torch.equal(runner.model.hot_token_ids(), hot_ids())
