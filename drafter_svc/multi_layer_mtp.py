@@ -105,25 +105,30 @@ class MultiLayerMtpDrafter(Drafter):
 
     @torch.inference_mode()
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
+        """Asks with a budget below 2 (the verifier feeding a prompt chunk by chunk) only catch up on their
+        verified rows, so that a long prompt is not all computed at its first real ask."""
         out: list[DraftTree | None] = [None] * len(request_ids)
         kv = self.runner.kv_cache
-        asked = [(i, self.states[r], min(self.num_steps, b - 1)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
-                 if b >= 2]
-        if not asked:
-            return out
+        given = [(i, self.states[r], b) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
+                 if len(self.states[r].tokens) >= 2]  # a first token alone has no state to draft from yet
+        asked = [(i, s, min(self.num_steps, b - 1)) for i, s, b in given if b >= 2]
         steps = self.num_steps
-        # long histories first: verified rows in rounds, through every layer, committed
+        # verified rows in rounds, through every layer, committed: all of them for a feed; for an ask only
+        # a long backlog (the rest goes with the draft pass below)
         while True:
             rounds = []
-            for _, s, _ in asked:
-                if self._keep(s) - s.table.num_tokens > self.max_catch_up:
-                    rounds.append((s, s.table.num_tokens + self.max_catch_up, []))
+            for _, s, b in given:
+                backlog = self._keep(s) - s.table.num_tokens
+                if backlog > (self.max_catch_up if b >= 2 else 0):
+                    rounds.append((s, s.table.num_tokens + min(backlog, self.max_catch_up), []))
             if not rounds:
                 break
             self._forward_layers(rounds, steps)
             for s, end, _ in rounds:
                 kv.set_length(s.table, end)
                 s.forget_states_before(end)
+        if not asked:
+            return out
         for _, s, _ in asked:  # rows past the verified ones hold last call's drafts: recompute them
             kv.set_length(s.table, min(s.table.num_tokens, self._keep(s)))
         work = [(s, len(s.tokens) - 1, []) for _, s, _ in asked]

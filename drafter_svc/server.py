@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
     model = parser.add_argument_group("draft model (model drafters)")
     model.add_argument("--model-path", "--model", dest="model_path", default=None,
-                       help="The target model (HF directory or hub id; default: the demo target). EAGLE/EAGLE3/MTP drafts share its "
+                       help="The target model (HF directory or hub id), required for EAGLE/EAGLE3/NEXTN. Their drafts share its "
                        "embedding (and lm_head), and its config says which states EAGLE3 needs; MTP loads its MTP "
                        "layers from it; STANDALONE checks that the draft speaks its vocabulary.")
     model.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path.")
@@ -271,11 +271,15 @@ def run(args: argparse.Namespace) -> int:
         print("splitspec drafter: error: --speculative-algorithm is required (the algorithm this drafter runs)",
               file=__import__("sys").stderr)
         return 2
+    if args.speculative_algorithm in engine_args.HIDDEN_STATE_ALGORITHMS and not args.model_path:
+        print(f"splitspec drafter: error: --speculative-algorithm {args.speculative_algorithm} needs the target's "
+              "--model-path (the draft shares its embedding; MTP layers live in it)", file=__import__("sys").stderr)
+        return 2
     try:
         max_nodes = engine_args.num_draft_tokens(args)
         default_tokens = 65536 if args.mem_fraction_static is None else None
         drafter = engine_args.build_drafter(args, max_total_tokens=default_tokens)
-    except ValueError as exc:  # FlagError, a bad checkpoint
+    except (ValueError, OSError) as exc:  # FlagError, a bad checkpoint, a path that is not there
         print(f"splitspec drafter: error: {exc}", file=__import__("sys").stderr)
         return 2
     name = args.drafter_name or f"{socket.gethostname()}:{os.getpid()}"

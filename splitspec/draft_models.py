@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 from pathlib import Path
 
@@ -30,14 +29,15 @@ FINAL_NORMED_STATE = -1  # a hidden_state_layers entry: the target's final norme
 
 
 @functools.lru_cache(maxsize=16)
-def _resolve(path: str, revision: str | None) -> Path:
+def _resolve(path: str, revision: str | None, flag: str = "--model-path") -> Path:
     from splitspec.runtime.hub import resolve_model_dir
 
-    return resolve_model_dir(path, revision)
+    return resolve_model_dir(path, revision, flag)
 
 
 def target_dir(args: argparse.Namespace) -> Path:
-    """--model-path (the demo target when none is given, as every command reads it)."""
+    """--model-path (the demo target when none is given: generate and verifier default to it; a drafter
+    process asks for it)."""
     if not getattr(args, "model_path", None):
         from splitspec.runtime.args import resolve_model
 
@@ -51,20 +51,12 @@ def target_config(args: argparse.Namespace):
     return ModelConfig.from_dir(target_dir(args))
 
 
-def _draft_raw_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        from splitspec.runtime.config import ConfigError
-
-        raise ConfigError(f"{path / 'config.json'}: cannot read the draft config ({exc})") from None
-
-
 def draft_dir(args: argparse.Namespace) -> Path:
     """The draft checkpoint: --speculative-draft-model-path at --speculative-draft-model-revision (main by
     default); MTP without a draft path: the target's own checkpoint."""
     if args.speculative_draft_model_path:
-        return _resolve(args.speculative_draft_model_path, args.speculative_draft_model_revision or "main")
+        return _resolve(args.speculative_draft_model_path, args.speculative_draft_model_revision or "main",
+                        "--speculative-draft-model-path")
     if args.speculative_algorithm == "EAGLE":
         return target_dir(args)
     raise FlagError(f"--speculative-algorithm {args.speculative_algorithm} needs --speculative-draft-model-path")
@@ -75,29 +67,46 @@ def draft_kind(args: argparse.Namespace) -> str:
     algorithm = args.speculative_algorithm
     if algorithm in ("NGRAM", "STANDALONE", "EAGLE3"):
         return algorithm.lower()
-    if not args.speculative_draft_model_path:  # EAGLE / NEXTN with no head: the target's MTP layers
+    # EAGLE / NEXTN with no head, or the target itself as the draft (SGLang's NEXTN sets the draft path to
+    # the model path): the target's MTP layers. Decided from the flags alone, so a verifier needs no draft files.
+    draft, target = args.speculative_draft_model_path, getattr(args, "model_path", None)
+    if not draft or draft == target or (target and Path(draft).is_dir() and Path(target).is_dir()
+                                        and Path(draft).resolve() == Path(target).resolve()):
         return "mtp"
-    return "mtp" if _draft_raw_config(draft_dir(args)).get("num_nextn_predict_layers") else "eagle"
+    return "eagle"
+
+
+def multi_layer(args: argparse.Namespace) -> bool:
+    return draft_kind(args) == "mtp" and getattr(args, "enable_multi_layer_eagle", False)
 
 
 def auto_tree(args: argparse.Namespace, target) -> tuple[int, int, int]:
-    """SGLang's automatic (num_steps, topk, num_draft_tokens): 5/4/8 for Llama targets, 3/1/4 for the
-    others; multi-layer MTP: one step per MTP layer, a chain."""
-    kind = draft_kind(args)
-    if kind == "mtp" and getattr(args, "enable_multi_layer_eagle", False):
+    """SGLang's automatic (num_steps, topk, num_draft_tokens), as its speculative-decoding documentation
+    gives them: 5/4/8 for Llama targets, 3/1/4 for the others; multi-layer MTP: one step per MTP layer,
+    a chain."""
+    if multi_layer(args):
         n = target.num_nextn_predict_layers
         return (n, 1, n + 1)
-    if kind in ("eagle", "eagle3", "mtp") and target.architecture == "LlamaForCausalLM":
+    if target.architecture == "LlamaForCausalLM":
         return (5, 4, 8)
     return (3, 1, 4)
 
 
 def draft_tree_shape(args: argparse.Namespace) -> tuple[int, int, int]:
-    """tree_shape with the automatic choice resolved against the target; multi-layer MTP must be a chain."""
+    """tree_shape with the automatic choice resolved against the target (read only when all three flags
+    are unset); multi-layer MTP must be a chain; MTP needs a target that ships MTP layers."""
     if args.speculative_algorithm == "STANDALONE":
         return tree_shape(args, (3, 1, 4))
-    shape = tree_shape(args, auto_tree(args, target_config(args)))
-    if getattr(args, "enable_multi_layer_eagle", False) and shape[1] != 1:
+    target = None
+    if draft_kind(args) == "mtp":
+        target = target_config(args)
+        from splitspec.runtime.models.mtp import MtpHead
+
+        MtpHead.runtime_config(target)  # raises when it ships no MTP layers
+    unset = None in (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    auto = auto_tree(args, target or target_config(args)) if unset else (0, 0, 0)
+    shape = tree_shape(args, auto)
+    if multi_layer(args) and shape[1] != 1:
         raise FlagError(f"--enable-multi-layer-eagle drafts a chain (one MTP layer per step): --speculative-eagle-topk "
                         f"must be 1, not {shape[1]}")
     return shape
@@ -105,8 +114,12 @@ def draft_tree_shape(args: argparse.Namespace) -> tuple[int, int, int]:
 
 def hidden_state_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
     """What the verifier captures for the drafter each step: () nothing; (-1,) the final normed state
-    (EAGLE, MTP); EAGLE-3: the inputs of these target layers, concatenated in this order."""
+    (EAGLE; MTP as SGLang's EAGLE worker hands it); else the inputs of these target layers, concatenated
+    in this order (EAGLE-3: three of them; multi-layer MTP: (L,), the last layer's output before the
+    final norm, as SGLang's multi-layer worker asks with return_hidden_states_before_norm)."""
     kind = draft_kind(args)
+    if multi_layer(args):
+        return (target.num_hidden_layers,)
     if kind in ("eagle", "mtp"):
         return (FINAL_NORMED_STATE,)
     if kind == "eagle3":
@@ -178,7 +191,7 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
         if kind in ("eagle", "mtp") and token_map is not None:
             head = head[token_map.to(head.device)].contiguous()
         runner.model.share_target(embed, head)
-    if kind == "mtp" and getattr(args, "enable_multi_layer_eagle", False):
+    if multi_layer(args):
         from splitspec.drafter_svc.multi_layer_mtp import MultiLayerMtpDrafter
 
         drafter = MultiLayerMtpDrafter(runner, steps, token_map)
@@ -197,8 +210,8 @@ def _target_embed_and_head(args, target, runner, kind):
         return target.model.model.embed_tokens.weight, target.model.lm_head_weight
     from splitspec.runtime.loader import read_embed_and_head
 
-    embed, head = read_embed_and_head(target_dir(args), runner.dtype, runner.device)
-    return embed, (None if kind == "eagle3" else head)
+    with_head = kind != "eagle3" or runner.model.needs_target_head  # EAGLE-3 heads mostly have their own
+    return read_embed_and_head(target_dir(args), runner.dtype, runner.device, with_head=with_head)
 
 
 def check_vocabulary(kind: str, draft, target, draft_path: Path, target_path: Path) -> None:
@@ -209,7 +222,7 @@ def check_vocabulary(kind: str, draft, target, draft_path: Path, target_path: Pa
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(f"the draft's vocabulary ({draft.vocab_size} tokens, vocab_size in {draft_path / 'config.json'}) "
                           f"does not match the target's ({target.vocab_size}); a draft must use the target's tokenizer")
-    if kind != "mtp" and Path(draft_path).resolve() != Path(target_path).resolve():
+    if Path(draft_path).resolve() != Path(target_path).resolve():
         check_tokenizers(Path(draft_path), Path(target_path))
 
 

@@ -20,7 +20,8 @@ from splitspec.demo import demo_model_dirs
 
 @functools.lru_cache(maxsize=1)
 def greedy_corpus() -> tuple[list[torch.Tensor], tuple]:
-    """(sequences, per-sequence HF hidden states: all layer inputs + the final normed state), cached."""
+    """(sequences, per sequence ([input of layer i for i < L] + [the last layer's output before the final
+    norm], the final normed state)), cached."""
     from test_speculative import PROMPTS, run
     from transformers import AutoTokenizer
 
@@ -34,11 +35,15 @@ def greedy_corpus() -> tuple[list[torch.Tensor], tuple]:
     outs = run(runner, prompts, [SamplingParams(temperature=0.0, max_new_tokens=96, ignore_eos=True)] * len(prompts))
     reference = hf_model(target_dir)
     sequences = [torch.tensor(p + o.output_ids) for p, o in zip(prompts, outs)]
+    last_output = []  # the last decoder layer's output: the state before the final norm
+    hook = reference.model.layers[-1].register_forward_hook(
+        lambda module, args, output: last_output.append((output[0] if isinstance(output, tuple) else output)[0]))
     with torch.no_grad():
         states = []
         for seq in sequences:
             out = reference.model(seq[None], output_hidden_states=True)
-            states.append(([h[0] for h in out.hidden_states[:-1]], out.last_hidden_state[0]))
+            states.append(([h[0] for h in out.hidden_states[:-1]] + [last_output.pop()], out.last_hidden_state[0]))
+    hook.remove()
     return sequences, tuple(states)
 
 
@@ -115,16 +120,18 @@ def mtp_state(prefix: str, layer) -> dict[str, torch.Tensor]:
     return {f"{prefix}{k}": v.detach().clone() for k, v in layer.state_dict().items()}
 
 
-def train_mimo_target(out: Path, num_layers: int = 2, steps: int = 100) -> Path:
+def train_mimo_target(out: Path, num_layers: int = 2, prenorm: bool = False, steps: int = 100) -> Path:
     """A MiMo-layout copy of the demo target: its weights with zero q/k/v biases (a Qwen2 whose outputs
     are the demo target's) plus `num_layers` MTP layers, layer k trained to predict token p+2+k from
-    (h[p], token p+1+k) as MTP layer k of a multi-layer draft does; position 0's embedding masked.
-    Trained once per session (cached), written wherever asked."""
-    return write_mimo_target(out, _trained_mtp_layers(num_layers, steps))
+    (h[p], token p+1+k) as MTP layer k of a multi-layer draft does; position 0's embedding masked. h is
+    the final normed state (what SGLang's EAGLE worker hands MTP), or with prenorm the last layer's output
+    before the norm (what its multi-layer worker hands). Trained once per session (cached), written
+    wherever asked."""
+    return write_mimo_target(out, _trained_mtp_layers(num_layers, prenorm, steps))
 
 
 @functools.lru_cache(maxsize=2)
-def _trained_mtp_layers(num_layers: int, steps: int) -> list[dict[str, torch.Tensor]]:
+def _trained_mtp_layers(num_layers: int, prenorm: bool, steps: int) -> list[dict[str, torch.Tensor]]:
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
@@ -148,13 +155,14 @@ def _trained_mtp_layers(num_layers: int, steps: int) -> list[dict[str, torch.Ten
     optimizer = torch.optim.AdamW(torch.nn.ModuleList(layers).parameters(), lr=2e-3)
     for step in range(steps):
         loss = 0.0
-        for seq, (_, final) in zip(sequences[step % 4 :: 4], states[step % 4 :: 4]):
+        for seq, (layer_states, final) in zip(sequences[step % 4 :: 4], states[step % 4 :: 4]):
+            h = layer_states[-1] if prenorm else final
             for k, layer in enumerate(layers):
                 n = len(seq) - 2 - k
                 positions = torch.arange(n)
                 e = embed[seq[1 + k : n + 1 + k]].clone()
                 e[positions == 0] = 0
-                x = layer["input_proj"](torch.cat([layer["hidden_layernorm"](final[:n]), layer["token_layernorm"](e)], -1))[None]
+                x = layer["input_proj"](torch.cat([layer["hidden_layernorm"](h[:n]), layer["token_layernorm"](e)], -1))[None]
                 mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
                 y = layer["block"](x, attention_mask=mask, position_ids=positions[None],
                                    position_embeddings=rope(x, positions[None]))

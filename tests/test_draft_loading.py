@@ -16,7 +16,7 @@ import pytest
 import torch
 from draft_training import train_eagle3_head
 from test_eagle3_head import write_head
-from test_mtp import split_lossless
+from test_mtp import EAGLE3_FLOOR, split_lossless
 
 from splitspec import engine_args
 from splitspec.demo import demo_model_dirs
@@ -36,7 +36,7 @@ def test_eagle3_over_tcp_is_lossless_and_speculates(trained_eagle3):
     split_lossless(demo_model_dirs()["target"], ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
                                                  str(trained_eagle3), "--speculative-num-steps", "3",
                                                  "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"],
-                   "eagle3")
+                   "eagle3", min_accept_length=EAGLE3_FLOOR)
 
 
 def flags(*argv: str) -> argparse.Namespace:
@@ -109,7 +109,7 @@ def test_a_hub_draft_defaults_to_revision_main(tmp_path, monkeypatch):
     from splitspec import draft_models
 
     seen = []
-    monkeypatch.setattr(draft_models, "_resolve", lambda path, revision: seen.append((path, revision)) or tmp_path)
+    monkeypatch.setattr(draft_models, "_resolve", lambda path, revision, flag: seen.append((path, revision)) or tmp_path)
     draft_models.draft_dir(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/head"))
     draft_models.draft_dir(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/head",
                                  "--speculative-draft-model-revision", "v2"))
@@ -161,7 +161,8 @@ def test_d2t_out_of_range_or_repeated_is_refused(tmp_path):
 def test_cli_names_the_problem_without_a_traceback(tmp_path):
     head = demo_shaped_head(tmp_path, edit=lambda s: s.pop("norm.weight"))
     result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "EAGLE3",
-                             "--speculative-draft-model-path", str(head), "--dtype", "float32", "--device", "cpu"],
+                             "--speculative-draft-model-path", str(head), "--dtype", "float32", "--device", "cpu",
+                             "--model-path", str(demo_model_dirs()["target"])],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "missing tensors: norm.weight" in result.stderr and "Traceback" not in result.stderr
     result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
@@ -180,7 +181,7 @@ def test_generate_in_one_process(algorithm, trained_eagle3, tmp_path_factory):
         model, spec = demo_model_dirs()["target"], ["--speculative-algorithm", "EAGLE3",
                                                     "--speculative-draft-model-path", str(trained_eagle3)]
     else:
-        model = train_mimo_target(tmp_path_factory.mktemp("mimo") / "trained", num_layers=2)
+        model = train_mimo_target(tmp_path_factory.mktemp("mimo") / "multi", num_layers=2, prenorm=True)
         spec = ["--speculative-algorithm", "NEXTN", "--enable-multi-layer-eagle"]
     base = [sys.executable, "-P", "-m", "splitspec", "generate", "--model-path", str(model), "--dtype", "float32",
             "--device", "cpu", "--prompt", "def read_lines(filename):\n", "--max-new-tokens", "40", "--ignore-eos", "--json"]
@@ -188,7 +189,11 @@ def test_generate_in_one_process(algorithm, trained_eagle3, tmp_path_factory):
     spec_run = subprocess.run(base + spec, capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0 and spec_run.returncode == 0, spec_run.stderr
     plain_row, spec_row = json.loads(plain.stdout), json.loads(spec_run.stdout)
-    assert spec_row["output_ids"] == plain_row["output_ids"]
+    from helpers import assert_greedy_match, hf_model
+
+    prompt = plain_row["prompt_ids"]
+    assert_greedy_match(spec_row["output_ids"], plain_row["output_ids"], hf_model(demo_model_dirs()["target"]), prompt,
+                        f"generate {algorithm}")
     report = spec_row["speculative"]
     assert report["accepted_tokens"] > 0 and report["draft_tokens"] > 0 and report["fallbacks"] == 0, report
 
@@ -202,3 +207,29 @@ def test_an_eagle3_head_for_another_target_width_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=rf"{head}: the EAGLE-3 head's fc takes 1536 features, the target sends 1152 "
                                           r"\(3 captured layers \[2, 4, 5\] x hidden size 384\)"):
         build_drafter(eagle3_flags(head))
+
+
+def test_eagle3_head_without_its_own_lm_head_uses_the_targets(tmp_path):
+    """No draft_vocab_size and no lm_head in the checkpoint: the target's head is used (as SGLang does)."""
+    def drop(state):
+        state.pop("lm_head.weight"), state.pop("d2t"), state.pop("t2d")
+
+    head = demo_shaped_head(tmp_path, edit=drop, config_edit=lambda c: c.pop("draft_vocab_size"))
+    drafter = build_drafter(eagle3_flags(head))
+    target_head = torch.load(head / "pytorch_model.bin")  # nothing of the target's in it
+    assert "lm_head.weight" not in target_head and drafter.token_map is None
+    from splitspec.runtime.loader import read_embed_and_head
+
+    _, want = read_embed_and_head(demo_model_dirs()["target"], torch.float32, torch.device("cpu"))
+    assert torch.equal(drafter.runner.model.lm_head.weight, want)
+
+
+def test_drafter_process_needs_the_targets_path(tmp_path):
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "NEXTN"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--speculative-algorithm EAGLE needs the target's --model-path" in result.stderr
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "EAGLE3",
+                             "--model-path", str(demo_model_dirs()["target"]), "--speculative-draft-model-path",
+                             str(tmp_path / "nothing-here")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--speculative-draft-model-path '{tmp_path / 'nothing-here'}': no such directory" in result.stderr

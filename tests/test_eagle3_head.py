@@ -189,6 +189,8 @@ def test_capture_layers_default_and_explicit_ids():
     assert capture_layers(ModelConfig.from_dict(head_config()), target) == (2, 4, 5)
     explicit = ModelConfig.from_dict(head_config(aux_ids=[1, 3, 6]))
     assert capture_layers(explicit, target) == (2, 4, 7)
+    # captured in layer order whatever order the config lists (SGLang and vLLM append in the layer loop)
+    assert capture_layers(ModelConfig.from_dict(head_config(aux_ids=[6, 1, 3])), target) == (2, 4, 7)
     with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids \[1, 3, 8\]: need distinct layer ids of the "
                                           r"8-layer target \(0\.\.7\)"):
         capture_layers(ModelConfig.from_dict(head_config(aux_ids=[1, 3, 8])), target)

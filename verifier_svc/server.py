@@ -238,8 +238,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         engine_args.spec_config(args)  # flag combinations, before anything loads
-    except engine_args.FlagError as exc:
+        asyncio.run(serve(args))
+    except (ValueError, OSError) as exc:  # FlagError, ConfigError, CheckpointError, a path that is not there
         print(f"splitspec verifier: error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(args))
     return 0

@@ -23,15 +23,16 @@ class ModelNotFoundError(FileNotFoundError):
     pass
 
 
-def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
-    """A local directory as is; otherwise `org/name` from the hub (or its local cache when offline)."""
+def resolve_model_dir(name_or_path: str, revision: str | None = None, flag: str = "--model-path") -> Path:
+    """A local directory as is; otherwise `org/name` from the hub (or its local cache when offline).
+    `flag` names the option the path came from in errors."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
     if path.exists():
-        raise ModelNotFoundError(f"--model-path {name_or_path!r} is a file; give a model directory or a hub id")
+        raise ModelNotFoundError(f"{flag} {name_or_path!r} is a file; give a model directory or a hub id")
     if name_or_path.count("/") != 1 or name_or_path.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"--model-path {name_or_path!r}: no such directory, and not a hub id (org/name)")
+        raise ModelNotFoundError(f"{flag} {name_or_path!r}: no such directory, and not a hub id (org/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -48,7 +49,7 @@ def resolve_model_dir(name_or_path: str, revision: str | None = None) -> Path:
                                       ignore_patterns=HUB_IGNORE))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as exc:
         raise ModelNotFoundError(
-            f"--model-path {name_or_path!r} (revision {revision or 'main'}): not a local directory and "
+            f"{flag} {name_or_path!r} (revision {revision or 'main'}): not a local directory and "
             f"could not be resolved on the hub or in the HF cache: {exc}"
         ) from exc
 

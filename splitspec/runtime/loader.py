@@ -240,6 +240,11 @@ def load_model(
         return model.eval()
     model_dir = Path(model_dir)
     tensors = rename_for_model(model, read_checkpoint_index(model_dir, load_format))
+    # tensors a model can take from elsewhere when the checkpoint lacks them (an EAGLE-3 head without a
+    # draft vocabulary shares the target's lm_head); the model learns which ones were absent
+    optional = set(getattr(model, "optional_checkpoint_keys", ()))
+    model.absent_checkpoint_keys = sorted(k for k in optional & set(spec) if k not in tensors)
+    spec = {k: v for k, v in spec.items() if k not in model.absent_checkpoint_keys}
     validate_checkpoint(spec, tensors, config, getattr(model, "ignored_checkpoint_keys", ()))
     model.to_empty(device=device)
     _load_tensors(model, spec, tensors, model_dir, device)
@@ -290,12 +295,15 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
         buffer.zero_()  # EAGLE-3's d2t: draft id i is target id i
 
 
-def read_embed_and_head(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Llama-family target's input embedding and lm_head (the embedding when tied), read alone: what an
-    EAGLE head shares when it runs in another process than the target."""
+def read_embed_and_head(model_dir: Path, dtype: torch.dtype, device: torch.device,
+                        with_head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A Llama-family target's input embedding and lm_head (the embedding when tied; None without
+    with_head), read alone: what a draft head shares when it runs in another process than the target."""
     config = ModelConfig.from_dir(model_dir)
     tensors = read_checkpoint_index(model_dir)
-    names = ["model.embed_tokens.weight", "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    names = ["model.embed_tokens.weight"]
+    if with_head:
+        names.append("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
     missing = [n for n in names if n not in tensors]
     if missing:
         raise CheckpointError(f"{model_dir}: the target's {', '.join(sorted(set(missing)))} not found")
@@ -307,4 +315,4 @@ def read_embed_and_head(model_dir: Path, dtype: torch.dtype, device: torch.devic
                 out.append(handle.get_tensor(name).to(device=device, dtype=dtype))
         else:
             out.append(_torch_load(model_dir / file)[name].to(device=device, dtype=dtype))
-    return out[0], out[1]
+    return out[0], (out[1] if with_head else None)

@@ -38,12 +38,14 @@ def aux_layer_ids(config: ModelConfig) -> list[int] | None:
 
 
 def capture_layers(head: ModelConfig, target: ModelConfig) -> tuple[int, ...]:
-    """The target layers whose inputs feed the head, in fc's order. Default: the inputs of layers 2, L//2,
-    L-3. Explicit eagle_aux_hidden_state_layer_ids are read as SGLang reads them: id i is the output of
-    layer i, i.e. the input of layer i + 1 (vLLM would take them as-is; REFERENCES §2.3)."""
+    """The target layers whose inputs feed the head, in fc's order (ascending). Default: the inputs of
+    layers 2, L//2, L-3. Explicit eagle_aux_hidden_state_layer_ids are read as SGLang reads them: id i is
+    the output of layer i, i.e. the input of layer i + 1 (vLLM would take them as-is; REFERENCES §2.3)."""
     ids = aux_layer_ids(head)
     if ids is None:
         return target.eagle3_capture_layers()
+    # SGLang and vLLM append the captured states in layer order, whatever order the config lists
+    ids = sorted(ids)
     bad = [i for i in ids if not 0 <= i < target.num_hidden_layers]
     if bad or len(set(ids)) != len(ids) or not ids:
         raise ConfigError(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids}: need distinct layer ids of the "
@@ -87,6 +89,8 @@ class Eagle3Head(nn.Module):
         if self.draft_vocab_size > config.vocab_size:
             raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} is larger than vocab_size {config.vocab_size}")
         self.lm_head = nn.Linear(hidden, self.draft_vocab_size, bias=False)
+        if "draft_vocab_size" not in config.raw:  # no draft vocabulary: SGLang takes the target's head if absent
+            self.optional_checkpoint_keys = ("lm_head.weight",)
         if self.draft_vocab_size < config.vocab_size:  # a full draft vocabulary needs no map (EAGLE drops it)
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         else:
@@ -104,11 +108,22 @@ class Eagle3Head(nn.Module):
             return None
         return self.d2t + torch.arange(self.draft_vocab_size, device=self.d2t.device)
 
+    @property
+    def needs_target_head(self) -> bool:
+        """The checkpoint had no lm_head (and names no draft vocabulary): the target's is used."""
+        return "lm_head.weight" in getattr(self, "absent_checkpoint_keys", ())
+
     def share_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> None:
-        """The target's embedding (EAGLE-3 heads have their own lm_head; lm_head_weight is ignored)."""
+        """The target's embedding; its lm_head only when the head has none of its own."""
         if embed_weight.shape[1] != self.config.hidden_size:
             raise ValueError(f"the target's hidden size {embed_weight.shape[1]} is not the head's {self.config.hidden_size}")
         self.embed_weight = embed_weight
+        if self.needs_target_head:
+            if lm_head_weight is None or tuple(lm_head_weight.shape) != tuple(self.lm_head.weight.shape):
+                raise ValueError(f"the head has no lm_head of its own and the target's is "
+                                 f"{None if lm_head_weight is None else list(lm_head_weight.shape)}, "
+                                 f"expected {list(self.lm_head.weight.shape)}")
+            self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend, plan: object,
                 capture_layers: tuple[int, ...] = (), features: torch.Tensor | None = None):
