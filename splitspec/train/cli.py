@@ -22,11 +22,78 @@ TRAIN_FLAGS = ("steps", "batch_size", "seq_len", "lr", "warmup_steps", "weight_d
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec train", description="Train models for splitspec.")
-    sub = parser.add_subparsers(dest="what", required=True, metavar="{lm}", help="What to train.")
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{lm,eagle,eagle3}", help="What to train.")
     lm = sub.add_parser("lm", help="a tokenizer and a causal LM from scratch", description=__doc__,
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_lm_args(lm)
+    from splitspec.train import heads
+
+    for kind, label in (("eagle", "an EAGLE-2 head (EAGLE-1 format)"), ("eagle3", "an EAGLE-3 head")):
+        head = sub.add_parser(kind, help=f"{label} for a target", description=heads.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_head_args(head, kind)
     return parser
+
+
+def add_head_args(parser: argparse.ArgumentParser, kind: str) -> None:
+    from splitspec.train.heads import HeadTrainConfig
+
+    defaults = HeadTrainConfig(kind=kind)
+    parser.add_argument("--model-path", "--model", dest="model_path", required=True,
+                        help="The target (HF directory or hub id) whose hidden states the head drafts from.")
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="Training text: files and directories (every 20th file held out; one file: its last 5%%), "
+                        "or `stdlib` for the Python standard library corpus the demo models learned.")
+    parser.add_argument("--out", required=True, help="Output head directory (resumes a run interrupted there).")
+    train = parser.add_argument_group("training")
+    for name, help_text in (
+        ("steps", "Optimizer steps."), ("batch_size", "Windows per step."), ("seq_len", "Tokens per window."),
+        ("lr", "Peak learning rate (cosine decay after warm-up)."), ("warmup_steps", "Linear warm-up steps."),
+        ("grad_clip", "Gradient norm clip."),
+        ("eval_every", "Held-out evaluation interval (steps); the best weights are kept."),
+        ("eval_windows", "Held-out windows per evaluation."), ("save_every", "Resumable checkpoint interval (steps)."),
+        ("seed", "Seed of the initial weights and of every batch."),
+        ("intermediate_size", "MLP width of the head (0 = the target's)."),
+        ("time_budget_s", "Stop after this many seconds of training (0 = none); the best weights so far are saved."),
+        ("accept_prompts", "Held-out prompts of the final accept-length estimate through the real engine (0 = skip)."),
+        ("accept_new_tokens", "Tokens generated per prompt in that estimate."),
+    ):
+        default = getattr(defaults, name)
+        train.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                           help=f"{help_text} Default: {default}.")
+    if kind == "eagle3":
+        train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps,
+                           help=f"Training-time test depth: steps the head is unrolled on its own outputs. Default: {defaults.ttt_steps}.")
+        train.add_argument("--draft-vocab-size", type=int, default=defaults.draft_vocab_size,
+                           help="Draft vocabulary: the most frequent target ids of the data (at most the target's). "
+                           f"Default: {defaults.draft_vocab_size}.")
+    parser.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                        help="Dtype of the saved weights. Default: bfloat16.")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or cuda:N; auto = cuda when available (bf16 autocast there).")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+
+
+def run_head(args: argparse.Namespace) -> int:
+    import torch
+
+    from splitspec.runtime.hub import resolve_model_dir
+    from splitspec.train.heads import HeadTrainConfig, HeadTrainer, load_text_tokens
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    fields = {f for f in HeadTrainConfig.__dataclass_fields__} - {"kind", "device"}
+    cfg = HeadTrainConfig(kind=args.what, device=device, **{k: v for k, v in vars(args).items() if k in fields})
+    try:
+        target = resolve_model_dir(args.model_path)
+        train, held_out = load_text_tokens(args.data, target)
+        report = HeadTrainer(target, Path(args.out), train, held_out, cfg).train()
+    except (ValueError, OSError) as exc:
+        print(f"splitspec train {args.what}: error: {exc}", file=sys.stderr)
+        return 2
+    summary = {k: report[k] for k in ("kind", "parameters", "steps", "best_held_out_loss")}
+    if "held_out_accept" in report:
+        summary["held_out_mean_accept_length"] = report["held_out_accept"]["mean_accept_length"]
+    print(json.dumps(summary))
+    return 0
 
 
 def add_lm_args(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +148,8 @@ def train_lm(out: Path, dataset: Path, vocab_size: int, shape, cfg) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    if args.what in ("eagle", "eagle3"):
+        return run_head(args)
     shape, cfg = resolve_settings(args)
     out = Path(args.out)
     dataset = Path(args.dataset) if args.dataset else out / "dataset"
