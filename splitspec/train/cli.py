@@ -43,7 +43,8 @@ def add_head_args(parser: argparse.ArgumentParser, kind: str) -> None:
                         help="The target (HF directory or hub id) whose hidden states the head drafts from.")
     parser.add_argument("--data", nargs="+", required=True,
                         help="Training text: files and directories (every 20th file held out; one file: its last 5%%), "
-                        "or `stdlib` for the Python standard library corpus the demo models learned.")
+                        "`stdlib` for this machine's Python standard library (the demo models' corpus), or a dataset "
+                        "directory prepared for `train lm` in the target's tokenizer.")
     parser.add_argument("--out", required=True, help="Output head directory (resumes a run interrupted there).")
     train = parser.add_argument_group("training")
     for name, help_text in (

@@ -409,13 +409,24 @@ class HeadTrainer:
 def load_text_tokens(data: list[str], target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, held-out) token ids of the training text in the target's tokenizer, documents joined by
     its EOS. `data`: files and directories (every file below, sorted; every 20th file held out, or the
-    last 5% of the tokens when there is one file), or `stdlib` for the Python standard library corpus
-    the demo models were trained on (its own held-out files)."""
+    last 5% of the tokens when there is one file), `stdlib` for this machine's Python standard library
+    (the demo models' corpus, its own held-out files), or a dataset directory prepared for `train lm`
+    (tokens.safetensors in the target's tokenizer: the demo models' exact data)."""
     from tokenizers import Tokenizer
 
     from splitspec.runtime.config import ModelConfig
     from splitspec.train import corpus
 
+    from splitspec.train.dataset import TOKENS_FILE, load_tokens
+
+    if len(data) == 1 and (Path(data[0]) / TOKENS_FILE).is_file():  # a dataset prepared for `train lm`
+        dataset = Path(data[0])
+        mine, theirs = (json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
+                        for d in (dataset, Path(target_dir)))
+        if mine != theirs:
+            raise ValueError(f"--data {dataset}: its tokenizer is not the target's")
+        splits = load_tokens(dataset)
+        return splits["train"], splits["held_out"]
     tokenizer_file = Path(target_dir) / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ValueError(f"{tokenizer_file}: the target needs a tokenizer.json to tokenize --data")
