@@ -1,6 +1,8 @@
-"""`splitspec demo-models`: the demo target and standalone draft every command serves by default.
+"""`splitspec demo-models`: the demo target and standalone draft every command serves by default, and
+the target's EAGLE-2 and EAGLE-3 heads.
 
-They are trained by `splitspec train lm` on the Python standard library and shipped in the package
+The models are trained by `splitspec train lm` on the Python standard library, the heads by `splitspec
+train eagle|eagle3` on the same data for the target, and all are shipped in the package
 (`splitspec/demo_models/`, safetensors shards under 20 MiB, with `manifest.json`: corpus, command,
 seeds, metrics, file hashes). When the shipped files are missing or do not match the manifest they
 are rebuilt with the same settings: in the package directory when it is writable, otherwise in a
@@ -25,7 +27,8 @@ logger = logging.getLogger("splitspec.demo")
 
 SHIPPED_ROOT = Path(__file__).parent / "demo_models"
 MANIFEST = "manifest.json"
-MODELS = {"target": "demo-target", "draft": "demo-draft"}  # demo name -> training preset
+MODELS = {"target": "demo-target", "draft": "demo-draft"}  # demo name -> training preset (train/presets.py)
+HEADS = {"eagle": "demo-eagle", "eagle3": "demo-eagle3"}  # the target's draft heads -> head preset
 BUILD_COMMAND = "splitspec demo-models --build"
 
 # Fixed prompts of the code-completion check: greedy completions must compile() up to their last line.
@@ -60,14 +63,16 @@ def model_files(model_dir: Path) -> list[str]:
     return sorted(p.name for p in model_dir.iterdir() if p.is_file() and p.name != "training.json")
 
 
-def is_complete(root: Path) -> bool:
-    """Every file the manifest lists exists with its recorded sha256."""
+def is_complete(root: Path, section: str = "models") -> bool:
+    """Every file the manifest lists in a section ("models": target and draft; "heads": the target's
+    draft heads) exists with its recorded sha256."""
+    names = MODELS if section == "models" else HEADS
     try:
         manifest = json.loads((root / MANIFEST).read_text())
         return all(
             sha256_file(root / name / file) == digest
-            for name in MODELS
-            for file, digest in manifest["models"][name]["files"].items()
+            for name in names
+            for file, digest in manifest[section][name]["files"].items()
         )
     except (OSError, KeyError, ValueError):
         return False
@@ -131,7 +136,7 @@ def compiles_to_last_line(text: str) -> bool:
 
 
 def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: float = 0.0,
-          command: str = BUILD_COMMAND, presets: dict[str, str] = MODELS) -> None:
+          command: str = BUILD_COMMAND, presets: dict[str, str] = MODELS, head_presets: dict[str, str] = HEADS) -> None:
     """Train the demo models into root (a dataset is prepared beside them unless given). A time
     budget is split between the models (target 2/3, draft 1/3); a model that runs out of time keeps
     its best evaluated weights and its report says so."""
@@ -165,24 +170,72 @@ def build(root: Path, device: str, dataset: Path | None = None, time_budget_s: f
         "models": models,
     }
     (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if head_presets:
+        build_heads(root, device, dataset, time_budget_s=0.0, command=command, presets=head_presets)
     if (root / "dataset").exists() and dataset == root / "dataset":
         shutil.rmtree(root / "dataset")  # token ids are rebuilt in seconds; not shipped
 
 
-def demo_model_dirs(cache_dir: Path | None = None, device: str = "auto", presets: dict[str, str] = MODELS) -> dict[str, Path]:
-    """{"target": dir, "draft": dir}: the shipped models, or ones rebuilt where they can be written
-    (the package directory, else the cache directory); a file lock lets one process build at a time."""
-    if is_complete(SHIPPED_ROOT):
-        return {name: SHIPPED_ROOT / name for name in MODELS}
+def build_heads(root: Path, device: str, dataset: Path | None = None, time_budget_s: float = 0.0,
+                command: str = BUILD_COMMAND + " --heads", presets: dict[str, str] = HEADS) -> None:
+    """Train the target's draft heads (root/target) into root/eagle and root/eagle3 on the demo dataset
+    (prepared beside them unless given) and record them under the manifest's "heads"."""
+    import dataclasses
+
+    from splitspec.train.dataset import TOKENS_FILE, prepare_dataset
+    from splitspec.train.heads import HeadTrainer, load_text_tokens
+    from splitspec.train.presets import DEMO_VOCAB_SIZE, HEAD_PRESETS
+
+    dataset = dataset or root / "dataset"
+    if not (dataset / TOKENS_FILE).is_file():
+        prepare_dataset(dataset, DEMO_VOCAB_SIZE)
+    train, held_out = load_text_tokens([str(dataset)], root / "target")
+    heads = {}
+    for name, preset in presets.items():
+        cfg = dataclasses.replace(HEAD_PRESETS[preset], device=device, time_budget_s=time_budget_s / len(presets))
+        report = HeadTrainer(root / "target", root / name, train, held_out, cfg).train()
+        report["target"] = "target"  # relative to the demo root
+        (root / name / "training.json").write_text(json.dumps(report, indent=1) + "\n")
+        heads[name] = {"preset": preset, "command": command, "training": report,
+                       "files": {f: sha256_file(root / name / f) for f in model_files(root / name)}}
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["heads"] = heads
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    if (root / "dataset").exists() and dataset == root / "dataset":
+        shutil.rmtree(root / "dataset")
+
+
+def demo_model_dirs(cache_dir: Path | None = None, device: str = "auto", presets: dict[str, str] = MODELS,
+                    heads: bool = False, head_presets: dict[str, str] = HEADS) -> dict[str, Path]:
+    """{"target": dir, "draft": dir} (with heads, also "eagle" and "eagle3"): the shipped models, or ones
+    rebuilt where they can be written (the package directory, else the cache directory); a file lock
+    lets one process build at a time. Heads alone are retrained when only they are missing, and only
+    when asked for."""
+    names = (*MODELS, *HEADS) if heads else tuple(MODELS)
+    if is_complete(SHIPPED_ROOT) and (not heads or is_complete(SHIPPED_ROOT, "heads")):
+        return {name: SHIPPED_ROOT / name for name in names}
     root = SHIPPED_ROOT if is_writable(SHIPPED_ROOT.parent) else (cache_dir or default_cache_dir())
     with file_lock(root.parent / f".{root.name}.lock"):
+        built = False
         if not is_complete(root):
-            logger.warning("demo models missing or changed under %s: rebuilding them (this trains two models)", root)
-            build(root, _device(device), command=f"{BUILD_COMMAND} (automatic rebuild, device {_device(device)})",
-                  presets=presets)
-        else:
+            if root != SHIPPED_ROOT and is_complete(SHIPPED_ROOT) and presets == MODELS:  # heads only are missing
+                for name in MODELS:
+                    shutil.copytree(SHIPPED_ROOT / name, root / name, dirs_exist_ok=True)
+                shutil.copy(SHIPPED_ROOT / MANIFEST, root / MANIFEST)
+            else:
+                logger.warning("demo models missing or changed under %s: rebuilding them (this trains two models%s)",
+                               root, " and two heads" if heads else "")
+                build(root, _device(device), command=f"{BUILD_COMMAND} (automatic rebuild, device {_device(device)})",
+                      presets=presets, head_presets=head_presets if heads else {})
+                built = True
+        if heads and not is_complete(root, "heads"):
+            logger.warning("demo heads missing or changed under %s: training them for the target", root)
+            build_heads(root, _device(device), command=f"{BUILD_COMMAND} --heads (automatic rebuild, device "
+                        f"{_device(device)})", presets=head_presets)
+            built = True
+        if not built:
             logger.info("demo models found under %s", root)
-    return {name: root / name for name in MODELS}
+    return {name: root / name for name in names}
 
 
 def _device(name: str) -> str:
@@ -196,8 +249,11 @@ def _device(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec demo-models", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", action="store_true", help='Print {"target": DIR, "draft": DIR} as JSON.')
-    parser.add_argument("--build", action="store_true", help="Train the demo models afresh (into --out, or in place).")
+    parser.add_argument("--json", action="store_true",
+                        help='Print {"target": DIR, "draft": DIR, "eagle": DIR, "eagle3": DIR} as JSON.')
+    parser.add_argument("--build", action="store_true", help="Train the demo models and heads afresh (into --out, or in place).")
+    parser.add_argument("--heads", action="store_true",
+                        help="With --build: train only the target's EAGLE and EAGLE3 heads, for the target already there.")
     parser.add_argument("--out", default=None, help="Where --build writes (default: the package's demo_models/).")
     parser.add_argument("--dataset", default=None, help="With --build: a prepared dataset to train on (see train lm).")
     parser.add_argument("--device", default="auto", help="Training device for a build: cpu, cuda; auto = cuda when available.")
@@ -215,12 +271,16 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.build:
         root = Path(args.out) if args.out else SHIPPED_ROOT
+        command = " ".join(["splitspec", "demo-models", *sys.argv[2:]])
+        dataset = Path(args.dataset) if args.dataset else None
         with file_lock(root.parent / f".{root.name}.lock"):
-            build(root, _device(args.device), Path(args.dataset) if args.dataset else None, args.time_budget,
-                  command=" ".join(["splitspec", "demo-models", *sys.argv[2:]]))
-        dirs = {name: root / name for name in MODELS}
+            if args.heads:
+                build_heads(root, _device(args.device), dataset, args.time_budget, command=command)
+            else:
+                build(root, _device(args.device), dataset, args.time_budget, command=command)
+        dirs = {name: root / name for name in (*MODELS, *HEADS)}
     else:
-        dirs = demo_model_dirs(Path(args.cache_dir) if args.cache_dir else None, args.device)
+        dirs = demo_model_dirs(Path(args.cache_dir) if args.cache_dir else None, args.device, heads=True)
     if args.json:
         print(json.dumps({name: str(path) for name, path in dirs.items()}))
     else:

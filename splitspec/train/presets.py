@@ -26,3 +26,18 @@ PRESETS: dict[str, tuple[LMShape, TrainConfig]] = {
                     eval_tokens=8192, save_every=50, seed=0),
     ),
 }
+
+# draft heads for the demo target (`splitspec demo-models`), trained on its own dataset; the smoke sizes
+# are for tests (seconds on a CPU)
+from splitspec.train.heads import HeadTrainConfig  # noqa: E402
+
+_DEMO_HEAD = dict(steps=3000, batch_size=32, seq_len=512, lr=1e-3, warmup_steps=100, eval_every=100, eval_windows=64,
+                  save_every=500, accept_prompts=16, accept_new_tokens=128, save_dtype="bfloat16", seed=0)
+_SMOKE_HEAD = dict(steps=6, batch_size=2, seq_len=48, eval_every=3, eval_windows=2, save_every=1000, accept_prompts=2,
+                   accept_new_tokens=8, save_dtype="float32", seed=0)
+HEAD_PRESETS: dict[str, HeadTrainConfig] = {
+    "demo-eagle": HeadTrainConfig(kind="eagle", **_DEMO_HEAD),
+    "demo-eagle3": HeadTrainConfig(kind="eagle3", ttt_steps=3, draft_vocab_size=2048, **_DEMO_HEAD),
+    "smoke-eagle": HeadTrainConfig(kind="eagle", **_SMOKE_HEAD),
+    "smoke-eagle3": HeadTrainConfig(kind="eagle3", ttt_steps=2, draft_vocab_size=256, **_SMOKE_HEAD),
+}
