@@ -28,9 +28,9 @@ def demo_dirs() -> dict[str, Path]:
 
 
 def test_demo_models_are_shipped_complete_and_small(demo_dirs):
-    assert set(demo_dirs) == {"target", "draft"}
+    assert set(demo_dirs) == {"target", "draft", "eagle", "eagle3"}
     assert all(path.parent == demo.SHIPPED_ROOT for path in demo_dirs.values())
-    assert demo.is_complete(demo.SHIPPED_ROOT)
+    assert demo.is_complete(demo.SHIPPED_ROOT) and demo.is_complete(demo.SHIPPED_ROOT, "heads")
     for path in demo.SHIPPED_ROOT.rglob("*"):
         assert path.stat().st_size < 20 * 2**20, path
     manifest = json.loads((demo.SHIPPED_ROOT / "manifest.json").read_text())
@@ -40,6 +40,10 @@ def test_demo_models_are_shipped_complete_and_small(demo_dirs):
     for name in ("target", "draft"):
         training = manifest["models"][name]["training"]
         assert training["train"]["seed"] is not None and training["best_held_out_loss"] > 0
+    for name in ("eagle", "eagle3"):
+        head = manifest["heads"][name]
+        assert head["command"].startswith("splitspec demo-models --build --heads") and head["training"]["kind"] == name
+        assert head["training"]["held_out_accept"]["fallbacks"] == 0
 
 
 def test_sizes(demo_dirs):
@@ -155,3 +159,16 @@ print(dirs["target"])
     assert demo.is_complete(tmp_path / "cache" / "demo-models")
     assert not (tmp_path / "install").exists()
     assert hf_logits(hf_model(tmp_path / "cache" / "demo-models" / "target"), [1, 2, 3]).isfinite().all()
+
+
+@pytest.mark.parametrize("algorithm, head", [("EAGLE", "eagle"), ("EAGLE3", "eagle3")])
+def test_demo_heads_over_tcp_are_lossless_and_accept_at_least_2(demo_dirs, algorithm, head):
+    """The shipped heads through real processes (a verifier and a `splitspec drafter`), greedy, batch 1 and
+    8, on the code prompts, with SGLang's automatic tree for a Llama target (5 steps, top-4, 8 nodes)."""
+    from test_mtp import split_lossless
+
+    lengths = split_lossless(demo_dirs["target"], ["--speculative-algorithm", algorithm, "--speculative-draft-model-path",
+                                                   str(demo_dirs[head]), "--speculative-num-steps", "5",
+                                                   "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"],
+                             f"demo-{head}", min_accept_length=2.0, max_new_tokens=48)
+    print(f"demo {head}: accept length {lengths}")
