@@ -1,12 +1,14 @@
-"""Plain vs NGRAM speculative decoding with the demo target on CPU; JSON out, no assertions.
+"""Plain vs speculative decoding with the demo target on CPU, per algorithm; JSON out, no assertions.
 
     python benchmarks/speculative_cpu.py --out benchmarks/results/speculative_cpu.json
     python benchmarks/speculative_cpu.py --transports inprocess,zmq --out benchmarks/results/split_cpu.json
-    python benchmarks/speculative_cpu.py --algorithms NGRAM,STANDALONE --out benchmarks/results/standalone_cpu.json
+    python benchmarks/speculative_cpu.py --algorithms NGRAM,STANDALONE,EAGLE,EAGLE3 --transports inprocess,zmq \
+        --out benchmarks/results/algorithms_cpu.json
 
---transports zmq drafts with a `splitspec drafter` process over ZeroMQ (tcp on loopback) through the
-verifier's DrafterPool instead of the drafter object in this process; the drafter is the same NGRAM
-with the same flags, fresh for every group as the in-process one is.
+Drafters are built from the product's own flags (the demo draft model, the demo EAGLE heads), as
+`splitspec generate` builds them. --transports zmq drafts with a `splitspec drafter` process over
+ZeroMQ (tcp on loopback) through the verifier's DrafterPool instead of the drafter object in this
+process; either is fresh for every group.
 
 Prompts are the first --prompt-tokens tokens of the held-out standard-library files (code the demo
 model never trained on). Greedy decoding; each configuration runs every prompt in groups of the
@@ -26,13 +28,10 @@ from pathlib import Path
 import torch
 
 from splitspec.demo import demo_model_dirs
-from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
 from splitspec.generate import generate_ids
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.train import corpus
-from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
-from splitspec.verifier_svc.engine import SpecConfig
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,9 +43,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-draft-tokens", type=int, default=8, help="NGRAM tree budget, root included.")
     parser.add_argument("--match-type", default="BFS", choices=("BFS", "PROB"), help="NGRAM tree construction.")
     parser.add_argument("--algorithms", default="NGRAM",
-                        help="Comma-separated: NGRAM, STANDALONE (the demo draft model, --standalone-tree).")
+                        help="Comma-separated: NGRAM, STANDALONE (the demo draft model, --standalone-tree), EAGLE and "
+                        "EAGLE3 (the demo heads, --eagle-tree).")
     parser.add_argument("--standalone-tree", default="3,1,4",
                         help="STANDALONE num_steps,topk,num_draft_tokens (SGLang's automatic choice: 3,1,4).")
+    parser.add_argument("--eagle-tree", default="5,4,8",
+                        help="EAGLE/EAGLE3 num_steps,topk,num_draft_tokens (SGLang's automatic choice for Llama: 5,4,8).")
     parser.add_argument("--transports", default="inprocess",
                         help="Comma-separated: inprocess (drafter object here), zmq (a drafter process over ZeroMQ).")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
@@ -60,31 +62,55 @@ def prompts_from_held_out(tokenizer, num: int, length: int) -> list[list[int]]:
     return prompts[:num]
 
 
-def standalone_client(tree: str) -> InProcessDrafterClient:
-    from splitspec.drafter_svc.standalone import StandaloneDrafter
+def algorithm_flags(algorithm: str, args: argparse.Namespace) -> list[str]:
+    """The product's flags for one algorithm with the demo models."""
+    dirs = demo_model_dirs(heads=algorithm in ("EAGLE", "EAGLE3"))
+    if algorithm == "NGRAM":
+        return ["--speculative-algorithm", "NGRAM", "--speculative-ngram-match-type", args.match_type,
+                "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
+    draft = {"STANDALONE": dirs.get("draft"), "EAGLE": dirs.get("eagle"), "EAGLE3": dirs.get("eagle3")}[algorithm]
+    steps, topk, tokens = (args.standalone_tree if algorithm == "STANDALONE" else args.eagle_tree).split(",")
+    return ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft), "--speculative-num-steps",
+            steps, "--speculative-eagle-topk", topk, "--speculative-num-draft-tokens", tokens]
 
-    steps, topk, tokens = (int(x) for x in tree.split(","))
-    draft = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["draft"]), dtype="float32", device="cpu",
-                                           max_total_tokens=32768))
-    return InProcessDrafterClient(StandaloneDrafter(draft, topk=topk, num_steps=steps, num_draft_tokens=tokens))
+
+def parse_flags(flags: list[str], target: Path) -> argparse.Namespace:
+    from splitspec import engine_args
+
+    parser = argparse.ArgumentParser()
+    engine_args.add_speculative_args(parser)
+    for flag, default in (("--model-path", str(target)), ("--revision", None), ("--dtype", "float32"), ("--device", "cpu"),
+                          ("--page-size", 16), ("--max-total-tokens", 32768), ("--attention-backend", "torch"),
+                          ("--load-format", "auto")):
+        parser.add_argument(flag, default=default, type=type(default) if default is not None else None)
+    return parser.parse_args(flags)
 
 
 class ZmqDrafter:
-    """A DrafterPool bound on loopback with one `splitspec drafter` process registered to it."""
+    """A DrafterPool bound on loopback with one `splitspec drafter` process registered to it, running
+    the algorithm the flags name."""
 
-    def __init__(self, match_type: str, vocab_size: int):
+    def __init__(self, flags: list[str], runner, target: Path):
         import socket
         import subprocess
 
+        from splitspec import draft_models
         from splitspec.verifier_svc.drafter_pool import DrafterPool
 
+        ns = parse_flags(flags, target)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         address = f"tcp://127.0.0.1:{port}"
-        self.pool = DrafterPool(address, "NGRAM", vocab_size, timeout=5.0, heartbeat_timeout=10.0)
+        layers = draft_models.hidden_state_layers(ns, runner.config)
+        if layers and layers != (-1,):
+            runner.set_capture_layers(layers)
+        self.runner = runner
+        self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
+                                draft_model=ns.speculative_draft_model_path or "", timeout=5.0, heartbeat_timeout=10.0,
+                                hidden_state_layers=layers)
         self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
-                                         "--speculative-algorithm", "NGRAM", "--speculative-ngram-match-type", match_type,
+                                         *flags, "--model-path", str(target), "--dtype", "float32", "--device", "cpu",
                                          "--log-level", "warning"])
         if not self.pool.wait_for_drafters(1, 120):
             raise RuntimeError("the drafter process did not register")
@@ -93,21 +119,26 @@ class ZmqDrafter:
         self.process.kill()
         self.process.wait()
         self.pool.close()
+        self.runner.set_capture_layers(())
 
 
-def measure(runner, prompts, batch_size: int, new_tokens: int, spec: SpecConfig | None, match_type: str,
-            transport: str = "inprocess", algorithm: str = "NGRAM", tree: str = "3,1,4") -> dict:
+def measure(runner, prompts, batch_size: int, new_tokens: int, flags: list[str] | None, target: Path,
+            transport: str = "inprocess") -> dict:
+    """flags: the product's --speculative-* flags (None: plain decoding)."""
+    from splitspec import engine_args
+
     params = [SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
     decode_s, decode_tokens, requests = 0.0, 0, []
+    spec = engine_args.spec_config(parse_flags(flags, target)) if flags else None
     for start in range(0, len(prompts), batch_size):
         group = slice(start, start + batch_size)
-        remote = ZmqDrafter(match_type, runner.config.vocab_size) if spec and transport == "zmq" else None
+        remote = ZmqDrafter(flags, runner, target) if flags and transport == "zmq" else None
         if remote is not None:
             drafter = remote.pool
-        elif spec and algorithm == "STANDALONE":
-            drafter = standalone_client(tree)
+        elif flags:  # the drafter object in this process, as `splitspec generate` builds it (fresh per group)
+            drafter, spec = engine_args.in_process_drafter(parse_flags(flags, target), target=runner)
         else:
-            drafter = InProcessDrafterClient(NgramDrafter(NgramConfig(match_type=match_type))) if spec else None
+            drafter = None
         stamps: list[tuple[float, int]] = []
         try:
             out = generate_ids(runner, prompts[group], params[group], set(), drafter=drafter, spec=spec,
@@ -115,19 +146,20 @@ def measure(runner, prompts, batch_size: int, new_tokens: int, spec: SpecConfig 
         finally:
             if remote is not None:
                 remote.close()
+            runner.set_capture_layers(())
         decode_s += stamps[-1][0] - stamps[0][0]
         decode_tokens += sum(n for _, n in stamps[1:])
         requests += out
     verify_steps = sum(r.stats.verify_steps for r in requests)
     accepted = sum(r.stats.accepted_tokens for r in requests)
-    row = {"batch_size": batch_size, "speculative": algorithm if spec else None, "drafter": transport if spec else None,
+    algorithm = flags[flags.index("--speculative-algorithm") + 1] if flags else None
+    row = {"batch_size": batch_size, "speculative": algorithm, "drafter": transport if flags else None,
            "decode_s": round(decode_s, 3),
            "decode_tokens": decode_tokens, "decode_tok_s": round(decode_tokens / decode_s, 2)}
-    if spec:
-        row.update({"num_draft_tokens": spec.num_draft_tokens, "verify_steps": verify_steps,
-                    **({"match_type": match_type} if algorithm == "NGRAM" else {"steps_topk_tokens": tree}),
-                    "draft_tokens": sum(r.stats.draft_tokens for r in requests), "accepted_tokens": accepted,
-                    "accept_length": round(1 + accepted / verify_steps, 3) if verify_steps else None,
+    if flags:
+        row.update({"flags": " ".join(f for f in flags if "/" not in f), "num_draft_tokens": spec.num_draft_tokens,
+                    "verify_steps": verify_steps, "draft_tokens": sum(r.stats.draft_tokens for r in requests),
+                    "accepted_tokens": accepted, "accept_length": round(1 + accepted / verify_steps, 3) if verify_steps else None,
                     "fallbacks": sum(r.stats.fallbacks for r in requests)})
     return row, [r.output_ids for r in requests]
 
@@ -140,23 +172,17 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = prompts_from_held_out(tokenizer, args.num_prompts, args.prompt_tokens)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    capacity = max(batch_sizes) * (args.prompt_tokens + args.new_tokens + args.num_draft_tokens + 32)
+    capacity = max(batch_sizes) * (args.prompt_tokens + args.new_tokens + 2 * args.num_draft_tokens + 64)
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=capacity))
-    measure(runner, prompts[:2], 2, 8, None, args.match_type)  # warm-up
+    measure(runner, prompts[:2], 2, 8, None, target)  # warm-up
     results = []
     for batch_size in batch_sizes:
-        plain, plain_ids = measure(runner, prompts, batch_size, args.new_tokens, None, args.match_type)
+        plain, plain_ids = measure(runner, prompts, batch_size, args.new_tokens, None, target)
         results.append(plain)
         for algorithm in args.algorithms.split(","):
-            transports = args.transports.split(",") if algorithm == "NGRAM" else ["inprocess"]
-            if algorithm == "STANDALONE":
-                steps, topk, tokens = (int(x) for x in args.standalone_tree.split(","))
-                budget = steps + 1 if topk == 1 else tokens
-            else:
-                budget = args.num_draft_tokens
-            for transport in transports:
-                spec, spec_ids = measure(runner, prompts, batch_size, args.new_tokens, SpecConfig(num_draft_tokens=budget),
-                                         args.match_type, transport, algorithm, args.standalone_tree)
+            for transport in args.transports.split(","):
+                spec, spec_ids = measure(runner, prompts, batch_size, args.new_tokens, algorithm_flags(algorithm, args),
+                                         target, transport)
                 spec["speedup"] = round(spec["decode_tok_s"] / plain["decode_tok_s"], 3)
                 spec["outputs_equal_plain"] = sum(a == b for a, b in zip(plain_ids, spec_ids))
                 results.append(spec)
