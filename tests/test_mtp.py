@@ -193,7 +193,7 @@ def trained_mimo_multi(tmp_path_factory):
 
 
 def split_lossless(target_dir, flags: list[str], label: str, min_accept_length: float, num_prompts: int = 8,
-                   max_new_tokens: int = 24) -> dict:
+                   max_new_tokens: int = 24, prompts: list[list[int]] | None = None) -> dict:
     """A verifier and one `splitspec drafter` process with these speculative flags: greedy output equals plain
     at batch 1 and 8, every request finishes with no fallback, drafts are accepted, at least
     min_accept_length tokens per step (a floor under what the head trained here reaches, so that a
@@ -222,7 +222,7 @@ def split_lossless(target_dir, flags: list[str], label: str, min_accept_length: 
     lengths = {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        prompts = [tokenizer.encode(p) for p in PROMPTS[:num_prompts]]
+        prompts = prompts or [tokenizer.encode(p) for p in PROMPTS[:num_prompts]]
         target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=8192))
         plain = generate_ids(target, prompts, [SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)]
                              * len(prompts), set())
