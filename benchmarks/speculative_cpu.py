@@ -51,6 +51,12 @@ def parse_args() -> argparse.Namespace:
                         help="EAGLE/EAGLE3 num_steps,topk,num_draft_tokens (SGLang's automatic choice for Llama: 5,4,8).")
     parser.add_argument("--transports", default="inprocess",
                         help="Comma-separated: inprocess (drafter object here), zmq (a drafter process over ZeroMQ).")
+    parser.add_argument("--target", default=None, help="Target model directory (default: the demo target).")
+    parser.add_argument("--draft", default=None, help="STANDALONE draft model (default: the demo draft).")
+    parser.add_argument("--eagle-head", default=None, help="EAGLE head (default: the demo target's).")
+    parser.add_argument("--eagle3-head", default=None, help="EAGLE3 head (default: the demo target's).")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (target and drafters).")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and drafters).")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
     return parser.parse_args()
 
@@ -64,7 +70,10 @@ def prompts_from_held_out(tokenizer, num: int, length: int) -> list[list[int]]:
 
 def algorithm_flags(algorithm: str, args: argparse.Namespace) -> list[str]:
     """The product's flags for one algorithm with the demo models."""
-    dirs = demo_model_dirs(heads=algorithm in ("EAGLE", "EAGLE3"))
+    dirs = {}
+    if algorithm != "NGRAM" and not all((args.draft, args.eagle_head, args.eagle3_head)):
+        dirs = {k: str(v) for k, v in demo_model_dirs(heads=algorithm in ("EAGLE", "EAGLE3")).items()}
+    dirs.update({k: v for k, v in (("draft", args.draft), ("eagle", args.eagle_head), ("eagle3", args.eagle3_head)) if v})
     if algorithm == "NGRAM":
         return ["--speculative-algorithm", "NGRAM", "--speculative-ngram-match-type", args.match_type,
                 "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
@@ -74,12 +83,16 @@ def algorithm_flags(algorithm: str, args: argparse.Namespace) -> list[str]:
             steps, "--speculative-eagle-topk", topk, "--speculative-num-draft-tokens", tokens]
 
 
+RUNTIME = {"dtype": "float32", "device": "cpu"}  # set by main from --dtype / --device
+
+
 def parse_flags(flags: list[str], target: Path) -> argparse.Namespace:
     from splitspec import engine_args
 
     parser = argparse.ArgumentParser()
     engine_args.add_speculative_args(parser)
-    for flag, default in (("--model-path", str(target)), ("--revision", None), ("--dtype", "float32"), ("--device", "cpu"),
+    for flag, default in (("--model-path", str(target)), ("--revision", None), ("--dtype", RUNTIME["dtype"]),
+                          ("--device", RUNTIME["device"]),
                           ("--page-size", 16), ("--max-total-tokens", 32768), ("--attention-backend", "torch"),
                           ("--load-format", "auto")):
         parser.add_argument(flag, default=default, type=type(default) if default is not None else None)
@@ -110,7 +123,8 @@ class ZmqDrafter:
                                 draft_model=ns.speculative_draft_model_path or "", timeout=5.0, heartbeat_timeout=10.0,
                                 hidden_state_layers=layers)
         self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
-                                         *flags, "--model-path", str(target), "--dtype", "float32", "--device", "cpu",
+                                         *flags, "--model-path", str(target), "--dtype", RUNTIME["dtype"],
+                                         "--device", RUNTIME["device"],
                                          "--log-level", "warning"])
         if not self.pool.wait_for_drafters(1, 120):
             raise RuntimeError("the drafter process did not register")
@@ -168,12 +182,14 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     args = parse_args()
-    target = demo_model_dirs()["target"]
+    RUNTIME.update(dtype=args.dtype, device=args.device)
+    target = Path(args.target) if args.target else demo_model_dirs()["target"]
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = prompts_from_held_out(tokenizer, args.num_prompts, args.prompt_tokens)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     capacity = max(batch_sizes) * (args.prompt_tokens + args.new_tokens + 2 * args.num_draft_tokens + 64)
-    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=capacity))
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype=args.dtype, device=args.device,
+                                            max_total_tokens=capacity))
     measure(runner, prompts[:2], 2, 8, None, target)  # warm-up
     results = []
     for batch_size in batch_sizes:
@@ -189,7 +205,8 @@ def main() -> int:
     report = {
         "benchmark": f"demo target on CPU: plain vs {args.algorithms} speculative decoding (drafter: {args.transports}), greedy",
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "device": "cpu", "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "dtype": args.dtype,
+        "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "model": str(target.name), "prompts": f"{len(prompts)} held-out stdlib files, first {args.prompt_tokens} tokens",
         "new_tokens": args.new_tokens, "results": results,
     }
