@@ -116,8 +116,7 @@ class ZmqDrafter:
             port = s.getsockname()[1]
         address = f"tcp://127.0.0.1:{port}"
         layers = draft_models.hidden_state_layers(ns, runner.config)
-        if layers and layers != (-1,):
-            runner.set_capture_layers(layers)
+        draft_models.capture_for(runner, layers)
         self.runner = runner
         self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
                                 draft_model=ns.speculative_draft_model_path or "", timeout=5.0, heartbeat_timeout=10.0,

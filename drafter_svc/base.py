@@ -36,6 +36,36 @@ class Drafter(ABC):
         """Forget a finished request."""
 
 
+class HiddenStateDrafter(Drafter):
+    """A drafter fed the target's states (EAGLE heads, MTP layers): a request opens with its first token;
+    every later token comes with the state before it. Per-request state is `state_class(first_token)`,
+    which takes `add(tokens, hidden)` and owns a `table` in the runner's KV cache."""
+
+    needs_hidden_states = True
+    state_class: type
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.config.vocab_size
+
+    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.release(request_id)
+        if len(prompt_ids) != 1:
+            raise ValueError(f"a {self.name} drafter opens with one token and gets the rest with hidden states, "
+                             f"got {len(prompt_ids)}")
+        self.states[request_id] = self.state_class(prompt_ids[0])
+
+    def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
+        if hidden is None or hidden.shape[0] != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens need as many hidden states, got {None if hidden is None else hidden.shape[0]}")
+        self.states[request_id].add(tokens, hidden)
+
+    def release(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.runner.kv_cache.release(state.table)
+
+
 # --speculative-algorithm -> "module:Class"; model drafters join in later issues
 DRAFTERS: dict[str, str] = {
     "NGRAM": "splitspec.drafter_svc.ngram:NgramDrafter",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.drafter_svc.base import Drafter
+from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import expand_beams
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
@@ -34,10 +34,15 @@ class _State:
         self.table = BlockTable()
         self.root_feature: torch.Tensor | None = None  # the head's output at the root row (after a catch-up)
 
+    def add(self, tokens: list[int], hidden: torch.Tensor) -> None:
+        self.pending_tokens.extend(tokens)
+        self.pending_hidden.append(hidden)
+        self.last_token = tokens[-1]
 
-class EagleDrafter(Drafter):
+
+class EagleDrafter(HiddenStateDrafter):
     name = "EAGLE"
-    needs_hidden_states = True
+    state_class = _State
 
     def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int,
                  token_map: torch.Tensor | None = None):
@@ -47,30 +52,6 @@ class EagleDrafter(Drafter):
         self.token_map = token_map
         self.max_catch_up = 2048  # rows per request per forward when catching up
         self.states: dict[str, _State] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.config.vocab_size
-
-    def open(self, request_id: str, prompt_ids: list[int]) -> None:
-        """prompt_ids: the request's first token (the rest arrives through extend with hidden states)."""
-        self.release(request_id)
-        if len(prompt_ids) != 1:
-            raise ValueError(f"an EAGLE drafter opens with one token and gets the rest with hidden states, got {len(prompt_ids)}")
-        self.states[request_id] = _State(prompt_ids[0])
-
-    def extend(self, request_id: str, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
-        if hidden is None or hidden.shape[0] != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens need as many hidden states, got {None if hidden is None else hidden.shape[0]}")
-        state = self.states[request_id]
-        state.pending_tokens.extend(tokens)
-        state.pending_hidden.append(hidden)
-        state.last_token = tokens[-1]
-
-    def release(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is not None:
-            self.runner.kv_cache.release(state.table)
 
     @torch.inference_mode()
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from splitspec.drafter_svc.base import Drafter
+from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
@@ -34,6 +34,10 @@ class _State:
         self.hidden_start = 0
         self.table = BlockTable()
 
+    def add(self, tokens: list[int], hidden: torch.Tensor) -> None:
+        self.tokens.extend(tokens)
+        self.hidden.append(hidden)
+
     def states(self, start: int, end: int) -> torch.Tensor:
         if len(self.hidden) > 1:
             self.hidden = [torch.cat(self.hidden)]
@@ -45,9 +49,9 @@ class _State:
             self.hidden_start = position
 
 
-class MultiLayerMtpDrafter(Drafter):
+class MultiLayerMtpDrafter(HiddenStateDrafter):
     name = "EAGLE"
-    needs_hidden_states = True
+    state_class = _State
 
     def __init__(self, runner: ModelRunner, num_steps: int, token_map: torch.Tensor | None = None):
         num_layers = runner.config.num_hidden_layers
@@ -57,28 +61,6 @@ class MultiLayerMtpDrafter(Drafter):
         self.runner, self.num_steps, self.token_map = runner, num_steps, token_map
         self.max_catch_up = 2048  # verified rows per request per forward when catching up
         self.states: dict[str, _State] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.config.vocab_size
-
-    def open(self, request_id: str, prompt_ids: list[int]) -> None:
-        self.release(request_id)
-        if len(prompt_ids) != 1:
-            raise ValueError(f"an MTP drafter opens with one token and gets the rest with hidden states, got {len(prompt_ids)}")
-        self.states[request_id] = _State(prompt_ids[0])
-
-    def extend(self, request_id: str, tokens: list[int], hidden: torch.Tensor | None = None) -> None:
-        if hidden is None or hidden.shape[0] != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens need as many hidden states, got {None if hidden is None else hidden.shape[0]}")
-        state = self.states[request_id]
-        state.tokens.extend(tokens)
-        state.hidden.append(hidden)
-
-    def release(self, request_id: str) -> None:
-        state = self.states.pop(request_id, None)
-        if state is not None:
-            self.runner.kv_cache.release(state.table)
 
     def _forward_layers(self, work: list[tuple[_State, int, list[int]]], num_layers: int) -> list[list[int]]:
         """work: (state, end row, drafts so far) per request: rows [table.num_tokens, end) through layers

@@ -130,6 +130,13 @@ def hidden_state_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
     return ()
 
 
+def capture_for(runner, layers: tuple[int, ...]) -> None:
+    """Make the target's forward return what a drafter with these hidden_state_layers needs: layer inputs
+    are captured; the final normed state (-1) comes with every forward that asks for hidden states."""
+    if layers and layers != (FINAL_NORMED_STATE,):
+        runner.set_capture_layers(layers)
+
+
 def validate_draft_options(args: argparse.Namespace) -> None:
     """SGLang's draft loading flags: what this build honours, refuses or ignores (logged)."""
     quantization = getattr(args, "speculative_draft_model_quantization", None)

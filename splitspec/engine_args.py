@@ -185,9 +185,9 @@ def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = 
 
     spec = spec_config(args)
     drafter = build_drafter(args, max_total_tokens, target)
-    layers = drafter.hidden_state_layers
-    if layers and layers != (-1,):
-        target.set_capture_layers(layers)  # EAGLE-3: the drafter's features are these layers' inputs
+    from splitspec.draft_models import capture_for
+
+    capture_for(target, drafter.hidden_state_layers)
     return InProcessDrafterClient(drafter), spec
 
 

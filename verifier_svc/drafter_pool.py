@@ -36,7 +36,6 @@ from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 
 logger = logging.getLogger(__name__)
-FINAL_NORMED_STATE = -1  # Register.hidden_state_layers entry: the target's final normed hidden state (EAGLE)
 
 
 @dataclass

@@ -179,12 +179,11 @@ async def serve(args: argparse.Namespace) -> None:
         from splitspec.verifier_svc.drafter_pool import DrafterPool
         from splitspec.verifier_svc.metrics import PoolMetrics
 
-        from splitspec.draft_models import FINAL_NORMED_STATE, hidden_state_layers
+        from splitspec.draft_models import capture_for, hidden_state_layers
 
         spec = engine_args.spec_config(args)
         layers = hidden_state_layers(args, runner.config)
-        if layers and layers != (FINAL_NORMED_STATE,):
-            runner.set_capture_layers(layers)  # EAGLE-3: the drafters' features are these layers' inputs
+        capture_for(runner, layers)
         drafter = DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
                               draft_model=(args.speculative_draft_model_path or "") if args.speculative_algorithm != "NGRAM" else "",
                               timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,

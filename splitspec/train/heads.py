@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +33,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
+
+from splitspec.train.lm import learning_rate  # the same warm-up + cosine schedule (reads lr, warmup_steps, steps)
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +65,6 @@ class HeadTrainConfig:
     time_budget_s: float = 0.0  # > 0: stop after this many seconds of training
     accept_prompts: int = 8  # held-out prompts of the final accept-length estimate (0 = skip it)
     accept_new_tokens: int = 64
-
-
-def learning_rate(step: int, cfg: HeadTrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
 def head_config(target: dict, cfg: HeadTrainConfig, capture: tuple[int, ...]) -> dict:
@@ -276,11 +270,8 @@ class HeadTrainer:
             self.best_loss = loss
             self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.head.state_dict().items()}
 
-    def _trainable_state(self) -> dict:
-        return {k: v for k, v in self.head.state_dict().items()}
-
     def _save_state(self) -> None:
-        state = {"head": self._trainable_state(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+        state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                  "best_loss": self.best_loss, "best_state": self.best_state, "history": self.history, "cfg": asdict(self.cfg)}
         tmp = self.out_dir / (STATE_FILE + ".tmp")
         torch.save(state, tmp)
