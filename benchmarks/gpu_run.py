@@ -2,12 +2,12 @@
 EAGLE3 heads on the demo dataset, then measure every algorithm against plain decoding; JSON out only,
 a hard time budget per phase (the whole run fits in 9.5 minutes of wall time).
 
-    # on the GPU machine (device tool, carry [".whl", ".demo-data"]):
+    # on the GPU machine (device tool, carry [".demo-data"]):
     . scripts/gpu_env.sh && python3 -P benchmarks/gpu_run.py --dataset .demo-data --out $OUT/gpu_run.json
 
 Phases (seconds of training each): target 130, draft 35, eagle 50, eagle3 80; then
 benchmarks/speculative_cpu.py on the GPU (bf16, in process, 8 held-out prompts, 96 new tokens, batch
-1 and 8) with a 170 s limit. The JSON is rewritten after every phase, so a run cut short still reports
+1 and 8, each algorithm warmed up first) with a 200 s limit. The JSON is rewritten after every phase, so a run cut short still reports
 what it finished.
 """
 
@@ -32,7 +32,7 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/gpu-run", help="Where the models are written.")
     parser.add_argument("--out", required=True, help="The JSON report.")
     parser.add_argument("--budgets", default="130,35,50,80", help="Training seconds: target, draft, eagle, eagle3.")
-    parser.add_argument("--measure-timeout", type=float, default=170.0, help="Seconds for the measurement phase.")
+    parser.add_argument("--measure-timeout", type=float, default=200.0, help="Seconds for the measurement phase.")
     args = parser.parse_args()
     from splitspec.train.cli import train_lm
     from splitspec.train.heads import HeadTrainer, load_text_tokens

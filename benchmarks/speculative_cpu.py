@@ -11,9 +11,16 @@ ZeroMQ (tcp on loopback) through the verifier's DrafterPool instead of the draft
 process; either is fresh for every group.
 
 Prompts are the first --prompt-tokens tokens of the held-out standard-library files (code the demo
-model never trained on). Greedy decoding; each configuration runs every prompt in groups of the
-batch size. Decode throughput counts the tokens after each request's first (the prefill's) over the
-time from the first step's end to the last step's end, summed over groups.
+model never trained on). Greedy decoding unless --temperature; each configuration runs every prompt in
+groups of the batch size, after an untimed warm-up of its own (two prompts, 8 tokens). Decode
+throughput counts the tokens after each request's first (the prefill's) over the time from the first
+step's end to the last step's end, summed over groups. In process, `draft_s` is the time spent inside
+the drafter's calls (synchronized on a GPU), the rest of decode_s being the verifier's.
+
+Where a speculative output differs from plain decoding (possible only in low precision: the tree
+verify and the one-token decode round differently), `divergences` gives the first differing position
+and the target's float32 logit gap there between the two tokens: a near-tie (a gap of a few hundredths)
+is rounding, a large gap would be a bug.
 """
 
 from __future__ import annotations
@@ -57,6 +64,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eagle3-head", default=None, help="EAGLE3 head (default: the demo target's).")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (target and drafters).")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (target and drafters).")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy. Above 0: seeded sampling (request i uses seed i), which the product keeps "
+                        "token for token under speculation (position-keyed noise, ARCHITECTURE §3.2).")
+    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling when --temperature > 0.")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
     return parser.parse_args()
 
@@ -135,13 +146,37 @@ class ZmqDrafter:
         self.runner.set_capture_layers(())
 
 
+class TimedDrafter:
+    """The in-process drafter with the time spent inside its calls summed (synchronized on a GPU)."""
+
+    def __init__(self, drafter):
+        self._drafter, self.seconds = drafter, 0.0
+
+    def __getattr__(self, name):
+        attr = getattr(self._drafter, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                if RUNTIME["device"].startswith("cuda"):
+                    torch.cuda.synchronize()
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
 def measure(runner, prompts, batch_size: int, new_tokens: int, flags: list[str] | None, target: Path,
-            transport: str = "inprocess") -> dict:
+            transport: str = "inprocess", temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """flags: the product's --speculative-* flags (None: plain decoding)."""
     from splitspec import engine_args
 
-    params = [SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
-    decode_s, decode_tokens, requests = 0.0, 0, []
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_new_tokens=new_tokens, ignore_eos=True)
+              for i in range(len(prompts))]
+    decode_s, decode_tokens, draft_s, requests = 0.0, 0, 0.0, []
     spec = engine_args.spec_config(parse_flags(flags, target)) if flags else None
     for start in range(0, len(prompts), batch_size):
         group = slice(start, start + batch_size)
@@ -150,6 +185,7 @@ def measure(runner, prompts, batch_size: int, new_tokens: int, flags: list[str] 
             drafter = remote.pool
         elif flags:  # the drafter object in this process, as `splitspec generate` builds it (fresh per group)
             drafter, spec = engine_args.in_process_drafter(parse_flags(flags, target), target=runner)
+            drafter = TimedDrafter(drafter)
         else:
             drafter = None
         stamps: list[tuple[float, int]] = []
@@ -160,6 +196,8 @@ def measure(runner, prompts, batch_size: int, new_tokens: int, flags: list[str] 
             if remote is not None:
                 remote.close()
             runner.set_capture_layers(())
+        if isinstance(drafter, TimedDrafter):
+            draft_s += drafter.seconds
         decode_s += stamps[-1][0] - stamps[0][0]
         decode_tokens += sum(n for _, n in stamps[1:])
         requests += out
@@ -174,7 +212,32 @@ def measure(runner, prompts, batch_size: int, new_tokens: int, flags: list[str] 
                     "verify_steps": verify_steps, "draft_tokens": sum(r.stats.draft_tokens for r in requests),
                     "accepted_tokens": accepted, "accept_length": round(1 + accepted / verify_steps, 3) if verify_steps else None,
                     "fallbacks": sum(r.stats.fallbacks for r in requests)})
+        if transport == "inprocess":
+            row["draft_s"] = round(draft_s, 3)  # includes the prefill step's drafting, which decode_s does not
     return row, [r.output_ids for r in requests]
+
+
+def divergences(target: Path, prompts, plain_ids, spec_ids) -> list[dict]:
+    """For each output that differs from plain decoding: the first differing position and the target's
+    float32 logit gap there between plain's token and the speculative one (HF transformers, on --device)."""
+    from transformers import AutoModelForCausalLM
+
+    rows = [(i, next(j for j, (a, b) in enumerate(zip(p, q)) if a != b))
+            for i, (p, q) in enumerate(zip(plain_ids, spec_ids)) if p != q and any(a != b for a, b in zip(p, q))]
+    if not rows:
+        return []
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(RUNTIME["device"]).eval()
+    out = []
+    with torch.no_grad():
+        for i, j in rows:
+            ids = torch.tensor([prompts[i] + plain_ids[i][:j]], device=RUNTIME["device"])
+            logits = model(ids).logits[0, -1].float()
+            a, b = plain_ids[i][j], spec_ids[i][j]
+            out.append({"prompt": i, "position": j, "plain_token": a, "speculative_token": b,
+                        "float32_logit_gap": round(float(logits[a] - logits[b]), 4),
+                        "float32_top2_gap": round(float(logits.topk(2).values.diff().abs()), 4)})
+    del model
+    return out
 
 
 def main() -> int:
@@ -189,20 +252,27 @@ def main() -> int:
     capacity = max(batch_sizes) * (args.prompt_tokens + args.new_tokens + 2 * args.num_draft_tokens + 64)
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype=args.dtype, device=args.device,
                                             max_total_tokens=capacity))
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     measure(runner, prompts[:2], 2, 8, None, target)  # warm-up
     results = []
     for batch_size in batch_sizes:
-        plain, plain_ids = measure(runner, prompts, batch_size, args.new_tokens, None, target)
+        plain, plain_ids = measure(runner, prompts, batch_size, args.new_tokens, None, target, **sampling)
         results.append(plain)
         for algorithm in args.algorithms.split(","):
             for transport in args.transports.split(","):
+                if batch_size == batch_sizes[0]:  # warm-up of this drafter (kernels, allocator), untimed
+                    measure(runner, prompts[:2], 2, 8, algorithm_flags(algorithm, args), target, transport, **sampling)
                 spec, spec_ids = measure(runner, prompts, batch_size, args.new_tokens, algorithm_flags(algorithm, args),
-                                         target, transport)
+                                         target, transport, **sampling)
                 spec["speedup"] = round(spec["decode_tok_s"] / plain["decode_tok_s"], 3)
                 spec["outputs_equal_plain"] = sum(a == b for a, b in zip(plain_ids, spec_ids))
+                if spec["outputs_equal_plain"] < len(prompts) and args.temperature == 0:
+                    spec["divergences"] = divergences(target, prompts, plain_ids, spec_ids)
                 results.append(spec)
     report = {
-        "benchmark": f"demo target on CPU: plain vs {args.algorithms} speculative decoding (drafter: {args.transports}), greedy",
+        "benchmark": f"demo target on CPU: plain vs {args.algorithms} speculative decoding (drafter: {args.transports}), "
+                     + (f"sampling at temperature {args.temperature}, top_p {args.top_p}, seed = prompt index"
+                        if args.temperature > 0 else "greedy"),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "dtype": args.dtype,
         "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),

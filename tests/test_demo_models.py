@@ -164,10 +164,14 @@ print(dirs["target"])
 def test_every_algorithm_through_processes_on_held_out_code(demo_dirs):
     """Through real processes (a verifier and a `splitspec drafter`), greedy, batch 1 and 8, on the first 64
     tokens of 8 held-out standard-library files: every algorithm keeps the target's output with drafts
-    accepted and no fallback; the demo EAGLE heads accept at least 2 tokens per step and both beat
-    STANDALONE (SGLang's automatic trees: 5/4/8 for the heads on a Llama target, 3/1/4 STANDALONE). NGRAM
-    is not beaten here: the demo target's greedy continuations fall into loops within 48 tokens, which
-    NGRAM predicts nearly whole (measured: 7.71 against 3.27 / 3.40 for the heads)."""
+    accepted and no fallback; the demo EAGLE heads accept at least 2 tokens per step and both beat NGRAM
+    and STANDALONE (SGLang's automatic trees: 5/4/8 for the heads on a Llama target, 3/1/4 STANDALONE;
+    NGRAM with 8 draft tokens).
+
+    The comparison uses the first pass (batch 1), where every prompt is new to the drafter. The batch-8
+    pass repeats the same prompts to the same drafter process, and NGRAM's cache, shared across requests
+    as in SGLang, then holds the first pass's outputs and predicts them nearly whole (measured: 7.71), which
+    is a property of repeated requests, not of drafting held-out code."""
     from test_mtp import split_lossless
     from transformers import AutoTokenizer
 
@@ -184,7 +188,7 @@ def test_every_algorithm_through_processes_on_held_out_code(demo_dirs):
         "EAGLE3": (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(demo_dirs["eagle3"]), *tree], 2.0),
     }
     lengths = {name: split_lossless(demo_dirs["target"], flags, f"demo-{name.lower()}", min_accept_length=floor,
-                                    max_new_tokens=48, prompts=prompts)[8]
+                                    max_new_tokens=48, prompts=prompts)[1]
                for name, (flags, floor) in runs.items()}
     print("accept lengths on held-out code:", {k: round(v, 2) for k, v in lengths.items()})
-    assert min(lengths["EAGLE"], lengths["EAGLE3"]) > lengths["STANDALONE"], lengths
+    assert min(lengths["EAGLE"], lengths["EAGLE3"]) > max(lengths["NGRAM"], lengths["STANDALONE"]), lengths
