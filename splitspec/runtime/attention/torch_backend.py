@@ -5,10 +5,12 @@ the reference every faster backend is tested against.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
 from splitspec.runtime.kv_cache import slot_ids
@@ -56,6 +58,12 @@ def build_masks(batch: AttentionBatch, windows: set, device: torch.device) -> di
     return masks
 
 
+# On a GPU, torch may pick cuDNN's attention for a boolean mask, which builds a graph for every new
+# shape: tens of milliseconds of CPU each time the batch's longest key length changes (every decode
+# step). The memory-efficient kernel takes any mask with no per-shape setup; math is the fallback.
+_CUDA_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
@@ -88,12 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_requests = plan.kv_slots.shape[0]
         queries = q.new_zeros(num_requests, plan.max_q, q.shape[1], q.shape[2])
         queries[plan.row_request, plan.row_offset] = q
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),  # [B, Hq, max_q, D]
-            keys,
-            values,
-            attn_mask=plan.masks[self.config.sliding_windows[layer_id]],
-            scale=self.scaling,
-            enable_gqa=True,
-        )
+        with sdpa_kernel(_CUDA_SDPA) if q.is_cuda else nullcontext():
+            out = F.scaled_dot_product_attention(
+                queries.transpose(1, 2),  # [B, Hq, max_q, D]
+                keys,
+                values,
+                attn_mask=plan.masks[self.config.sliding_windows[layer_id]],
+                scale=self.scaling,
+                enable_gqa=True,
+            )
         return out.transpose(1, 2)[plan.row_request, plan.row_offset]  # [T, Hq, D]
