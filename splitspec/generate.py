@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass (1.0 = off).")
     sampling.add_argument("--top-k", type=int, default=-1, help="Keep the k most likely tokens (-1 = off).")
     sampling.add_argument("--seed", type=int, default=None, help="Sampling seed (default: random per request).")
+    sampling.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="Subtract this per occurrence of a token in the output so far (-2..2).")
+    sampling.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="Subtract this once from every token present in the output (-2..2).")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="Divide positive (multiply negative) logits of tokens seen in prompt or output (1 = off).")
     engine_args.add_scheduler_args(parser)
     engine_args.add_speculative_args(parser)
     out = parser.add_argument_group("output")
@@ -126,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
+        max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, repetition_penalty=args.repetition_penalty,
     )
     model_dir = runtime_args.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))

@@ -200,6 +200,9 @@ def test_bad_requests_are_refused_by_name_while_others_run(verifier):
         "huge": (submit("huge", [1, 2], max_new_tokens=10**7), "exceeds the context"),
         "temp": (submit("temp", [1, 2], temperature=-1.0), "temperature must be >= 0"),
         "topp": (submit("topp", [1, 2], top_p=1.5), "top_p must be in (0, 1]"),
+        "freq": (submit("freq", [1, 2], frequency_penalty=2.5), "frequency_penalty must be in [-2, 2]"),
+        "rep": (submit("rep", [1, 2], repetition_penalty=0.0), "repetition_penalty must be in (0, 10]"),
+        "lps": (submit("lps", [1, 2], top_logprobs=21), "top logprobs must be in [0, 20]"),
     }
     messages = [submit("good-a", PROMPTS[0])] + [m for m, _ in bad.values()] + [submit("good-b", PROMPTS[1])]
     results = collect(verifier, messages, len(messages))
@@ -209,6 +212,36 @@ def test_bad_requests_are_refused_by_name_while_others_run(verifier):
         assert results[name]["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     for name in ("good-a", "good-b"):
         assert results[name]["finish"] == pb.FINISH_REASON_LENGTH and len(results[name]["tokens"]) == 32
+
+
+def test_penalties_and_logprobs_over_the_wire(verifier):
+    """The wire's penalty and logprob fields reach the engine: speculative output with penalties equals
+    offline plain decoding with them, and every token comes with its logprob and top-k."""
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=2048))
+    params = SamplingParams(temperature=0.0, max_new_tokens=32, frequency_penalty=0.5, repetition_penalty=1.2, logprobs=3)
+    plain = generate_ids(runner, PROMPTS[:4], [params] * 4, set())
+    messages = [submit(f"p{i}", p, frequency_penalty=0.5, repetition_penalty=1.2, top_logprobs=3)
+                for i, p in enumerate(PROMPTS[:4])]
+    stream = verifier.Generate(iter(messages), timeout=300)
+    got: dict[str, list] = {}
+    finished, accepted = set(), 0
+    for response in stream:
+        for d in response.deltas:
+            assert len(d.logprobs) == len(d.token_ids)
+            got.setdefault(d.request_id, []).extend(
+                (t, lp.logprob, list(lp.top_token_ids)) for t, lp in zip(d.token_ids, d.logprobs))
+            if d.finish_reason:
+                finished.add(d.request_id)
+                accepted += d.speculation.accepted_tokens
+        if len(finished) == 4:
+            stream.cancel()
+            break
+    assert accepted > 0  # NGRAM drafted and the penalised target accepted some
+    for i, request in enumerate(plain):
+        rows = got[f"p{i}"]
+        assert [t for t, _, _ in rows] == request.output_ids
+        assert all(abs(lp - ref.logprob) < 1e-3 and len(top) == 3 for (_, lp, top), ref in zip(rows, request.logprobs))
 
 
 def test_abort_and_model_info(verifier):

@@ -18,6 +18,9 @@ def sampling_params(wire: pb.SamplingParams) -> SamplingParams:
         temperature=wire.temperature, top_p=wire.top_p if wire.top_p else 1.0, top_k=wire.top_k if wire.top_k else -1,
         seed=wire.seed if wire.HasField("seed") else None, max_new_tokens=wire.max_new_tokens,
         ignore_eos=wire.ignore_eos, stop_token_ids=tuple(wire.stop_token_ids),
+        frequency_penalty=wire.frequency_penalty, presence_penalty=wire.presence_penalty,
+        repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0,
+        logprobs=wire.top_logprobs if wire.HasField("top_logprobs") else None,
     )
 
 
@@ -37,9 +40,12 @@ def status_code(message: str) -> int:
 
 
 def delta(client_id: str, request: Request | None, token_ids: list[int], finish_reason: str | None,
-          first: bool, error: str = "") -> pb.TokenDelta:
+          first: bool, error: str = "", logprobs=None) -> pb.TokenDelta:
     message = pb.TokenDelta(request_id=client_id, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason],
                             error=error, error_code=status_code(error) if error else 0)
+    if logprobs:
+        message.logprobs.extend(pb.TokenLogprob(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                                                top_logprobs=[v for _, v in lp.top]) for lp in logprobs)
     if request is not None:
         message.speculation.CopyFrom(speculation(request.stats))
         message.num_preemptions = request.num_preemptions

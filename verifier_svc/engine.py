@@ -31,6 +31,7 @@ import torch
 
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
+from splitspec.runtime.penalties import apply_penalties, path_tokens
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_logits, sample
 from splitspec.runtime.sampling_params import SamplingParams
@@ -96,6 +97,7 @@ class Request:
     arrival: int = 0  # admission priority: lower runs first and is preempted last
     num_preemptions: int = 0
     draft_requested: bool = False  # its next tree was asked for at the end of the last step
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
 
     def __post_init__(self):
         self.fill_len = self.fill_len or len(self.prompt_ids)
@@ -146,6 +148,29 @@ class StepEvent:
     new_token_ids: list[int]
     finish_reason: str | None
     error: str = ""  # with finish_reason "error": what went wrong
+    logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for them
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of an emitted token and of its most likely alternatives, from the raw
+    logits (before penalties, temperature and filtering; vLLM's default `raw_logprobs`)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams) -> list[TokenLogprob] | None:
+    """logits [k, V]: row j predicts tokens[j]. None when the request did not ask for logprobs."""
+    if params.logprobs is None:
+        return None
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)].tolist()
+    if not params.logprobs:
+        return [TokenLogprob(lp) for lp in chosen]
+    values, ids = logprobs.topk(min(params.logprobs, logprobs.shape[-1]), dim=-1)
+    return [TokenLogprob(lp, tuple(zip(row_ids, row_values)))
+            for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]
 
 
 @dataclass
@@ -405,7 +430,10 @@ class Engine:
             if samples:
                 row = batch.cu_logits[i]
                 self.report.prompt_tokens += len(request.prompt_ids)
-                events.append(self._emit(request, [sample(logits[row : row + 1], [request.params], [0]).item()], hidden))
+                row_logits = logits[row : row + 1]
+                token = sample(apply_penalties(row_logits, request.params, request.prompt_ids, []), [request.params],
+                               [0]).item()
+                events.append(self._emit(request, [token], hidden, token_logprobs(row_logits, [token], request.params)))
         commit_seconds = 0.0
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
@@ -417,7 +445,8 @@ class Engine:
             hidden = None
             if self.needs_hidden and v.request.speculate:  # the accepted path's states pair with the emitted tokens
                 hidden = features[rows[i] : rows[i + 1]][list(acceptance.path)]
-            events.append(self._emit(v.request, acceptance.tokens, hidden))
+            logprobs = token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
+            events.append(self._emit(v.request, acceptance.tokens, hidden, logprobs))
         self.report.seconds["accept"] = time.perf_counter() - accept_start - commit_seconds
         self.report.seconds["commit"] = commit_seconds
         return events
@@ -427,6 +456,9 @@ class Engine:
         next_token, next_sibling = child_links(tree.parents)
         output_positions = [len(request.output_ids) + d for d in depths(tree.parents)]
         params = request.params
+        if params.has_penalties:  # each node with the drafts on its own path counted (lossless, see penalties)
+            node_logits = apply_penalties(node_logits, params, request.prompt_ids, request.output_ids,
+                                          path_tokens(list(tree.parents), list(tree.tokens)))
         if params.is_greedy or self.spec.force_greedy_verify or self.spec.lossless:
             greedy = params.is_greedy or self.spec.force_greedy_verify
             target = node_logits.argmax(-1) if greedy else sample(node_logits, [params] * tree.num_nodes, output_positions)
@@ -474,7 +506,8 @@ class Engine:
         request.hidden_upto = max(request.hidden_upto, chunk.end)
         return hidden[last - chunk.start :][:1] if chunk.end == request.fill_len else None
 
-    def _emit(self, request: Request, tokens: list[int], hidden: torch.Tensor | None = None) -> StepEvent:
+    def _emit(self, request: Request, tokens: list[int], hidden: torch.Tensor | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> StepEvent:
         """Append tokens until a stop condition; what follows a stop is dropped. hidden: one state per
         token (a hidden-state drafter's pairing), kept for the emitted ones."""
         emitted = []
@@ -491,7 +524,10 @@ class Engine:
             request.unsent.extend(emitted)
             if self.needs_hidden:
                 request.unsent_hidden.append(hidden[: len(emitted)].clone())  # not a view of the whole step
-        return StepEvent(request.request_id, emitted, request.finish_reason)
+        if logprobs is not None:
+            logprobs = logprobs[: len(emitted)]
+            request.logprobs.extend(logprobs)
+        return StepEvent(request.request_id, emitted, request.finish_reason, logprobs=logprobs)
 
     def _retire(self) -> None:
         for request in self.running:

@@ -71,7 +71,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         def deliver_from_worker(submission: Submission, first: list[bool]):
             def deliver(request, event):
                 message = convert.delta(submission.client_id, request, event.new_token_ids, event.finish_reason, first[0],
-                                        event.error)
+                                        event.error, event.logprobs)
                 first[0] = False
                 loop.call_soon_threadsafe(outbox.put_nowait, (submission.client_id, message))
             return deliver

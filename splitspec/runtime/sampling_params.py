@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 MAX_SEED = 2**63 - 1
 # As SGLang: a temperature this small means greedy (dividing logits by it would overflow).
 GREEDY_TEMPERATURE_EPS = 1e-6
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,14 @@ class SamplingParams:
     max_new_tokens: int = 128
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # vLLM's penalties on the target's logits, before temperature: frequency and presence count the
+    # output so far (OpenAI's range [-2, 2]); repetition divides (or, below zero, multiplies) the logits
+    # of tokens seen in the prompt or the output (1.0 = off).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # None: no logprobs; k >= 0: the chosen token's logprob and the k most likely tokens' (at most 20).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -33,6 +42,17 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     @property
     def is_greedy(self) -> bool:

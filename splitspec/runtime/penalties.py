@@ -1,0 +1,57 @@
+"""Frequency, presence and repetition penalties on the target's logits, as vLLM applies them, for
+every node of a draft tree at once.
+
+A node's logits predict the token after the node, so its context is the request's output so far plus
+the draft tokens on its path from the root (the root itself is the last output token, already in the
+output). Penalising each node with its own path keeps verification lossless: a path is accepted only
+where each draft equals the token the penalised target picks given everything before it, which is what
+plain decoding with the same penalties would produce (vLLM's golden vectors, REFERENCES §4, check that
+tokens accepted earlier in a row count).
+
+Order (vLLM `apply_penalties`): the repetition penalty first, on tokens seen in the prompt or the output
+(positive logits divided by it, others multiplied), then `logits -= frequency * count + presence * (count > 0)`
+with counts over the output only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from splitspec.runtime.sampling_params import SamplingParams
+
+
+def path_tokens(parents: list[int], tokens: list[int]) -> list[list[int]]:
+    """For each node, the draft tokens from the root's child down to the node itself (empty for the root)."""
+    paths: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        paths.append([] if parent < 0 else paths[parent] + [tokens[i]])
+    return paths
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                    paths: list[list[int]] | None = None) -> torch.Tensor:
+    """logits [N, V] for N positions of one request -> penalised copy (float32). paths[i]: tokens
+    after output_ids in row i's context (None: none for every row)."""
+    if not params.has_penalties:
+        return logits
+    rows, vocab = logits.shape
+    device = logits.device
+    logits = logits.float().clone()
+    counts = torch.zeros(rows, vocab, device=device)
+    if output_ids:
+        counts += torch.bincount(torch.tensor(output_ids, device=device), minlength=vocab)[:vocab].float()
+    if paths and any(paths):
+        index = [(r, t) for r, path in enumerate(paths) for t in path]
+        r, t = torch.tensor(index, device=device).T
+        counts.index_put_((r, t), torch.ones(len(index), device=device), accumulate=True)
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_ids:
+            seen |= (torch.bincount(torch.tensor(prompt_ids, device=device), minlength=vocab)[:vocab] > 0)[None, :]
+        factor = torch.where(seen, torch.tensor(params.repetition_penalty, device=device), torch.tensor(1.0, device=device))
+        logits = torch.where(logits > 0, logits / factor, logits * factor)
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (counts > 0).float()
+    return logits
