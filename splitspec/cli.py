@@ -12,6 +12,7 @@ import sys
 
 # command name -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "gateway": ("splitspec.gateway.server", "OpenAI-compatible HTTP in front of a verifier (never imports torch)"),
     "generate": ("splitspec.generate", "offline generation in one process, plain decoding"),
     "verifier": ("splitspec.verifier_svc.server", "the target model and step loop behind the gRPC API"),
     "drafter": ("splitspec.drafter_svc.server", "one drafting algorithm serving a verifier's pool over ZeroMQ"),

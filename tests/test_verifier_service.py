@@ -56,7 +56,7 @@ def start_verifier(*extra: str):
         assert time.time() < deadline, "verifier did not become healthy"
         time.sleep(0.3)
     stub = pb_grpc.VerifierStub(channel)
-    stub.metrics_port = metrics_port
+    stub.metrics_port, stub.port = metrics_port, port
     stub.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     stub.channel = channel
     return process, stub

@@ -1,0 +1,123 @@
+"""The gateway's side of the verifier's gRPC API: one long-lived Generate stream carries every request's
+submission and abort one way and the per-step token deltas the other (grpc.aio).
+
+Submissions queued in the same event-loop turn go out back to back on the stream, so the verifier sees
+requests that arrived together as one batch. Deltas are routed to each request's queue by id. When the
+stream breaks (the verifier died or restarted), every request on it ends with an error event (the HTTP
+side turns it into a 503) and the next submission opens a new stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitspec.protos import verifier_pb2 as pb
+from splitspec.protos import verifier_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("splitspec.gateway")
+SERVICE = "splitspec.v1.Verifier"
+
+
+class VerifierUnavailable(Exception):
+    """The verifier cannot be reached or is not serving."""
+
+
+class StreamBroken:
+    """Put on a request's queue when its stream failed: code is the gRPC status name."""
+
+    def __init__(self, code: str, details: str):
+        self.code, self.details = code, details
+
+
+class VerifierClient:
+    def __init__(self, address: str, on_grpc_error=None):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.stub = pb_grpc.VerifierStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: pb.ModelInfo | None = None
+        self._outbox: asyncio.Queue | None = None
+        self._reader: asyncio.Task | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._ids = itertools.count()
+        self._on_grpc_error = on_grpc_error or (lambda code: None)
+
+    async def model_info(self, timeout: float = 5.0) -> pb.ModelInfo:
+        self.info = await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+        return self.info
+
+    async def serving(self, timeout: float = 2.0) -> bool:
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: pb.SamplingParams, speculate: bool) -> asyncio.Queue:
+        """Queue a submission; returns the queue its deltas (and a StreamBroken on failure) arrive on."""
+        self._ensure_stream()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._outbox.put_nowait(pb.GenerateClientMessage(submit=pb.SubmitRequest(
+            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, speculate=speculate)))
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone, stop string hit); its final ABORT delta is dropped."""
+        if self._queues.pop(request_id, None) is not None and self._outbox is not None:
+            self._outbox.put_nowait(pb.GenerateClientMessage(abort=pb.AbortRequest(request_id=request_id)))
+
+    def done(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    def _ensure_stream(self) -> None:
+        if self._reader is not None and not self._reader.done():
+            return
+        self._outbox = asyncio.Queue()
+        self._reader = asyncio.get_running_loop().create_task(self._run(self._outbox))
+
+    async def _run(self, outbox: asyncio.Queue) -> None:
+        async def messages():
+            while True:
+                yield await outbox.get()
+
+        call = self.stub.Generate(messages())
+        code, details = "UNAVAILABLE", "the Generate stream ended"
+        try:
+            async for response in call:
+                for delta in response.deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code().name, exc.details() or str(exc)
+            logger.warning("verifier stream failed (%s: %s); %d request(s) end with an error", code, details,
+                           len(self._queues))
+            self._on_grpc_error(code)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        finally:
+            if self._outbox is outbox:
+                self._outbox = None
+        broken = StreamBroken(code, details)
+        for queue in self._queues.values():
+            queue.put_nowait(broken)
+        self._queues.clear()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        await self.channel.close()

@@ -1,0 +1,38 @@
+"""The gateway's Prometheus metrics (vLLM's latency names, prefixed splitspec:), served on its own
+`/metrics`."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "splitspec:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class GatewayMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = {"model_name": model_name}
+        reg = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to its first token sent.",
+                              labels, buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds",
+                             "Gap between successive token deliveries of a request (one per verifier step; a step may "
+                             "carry several accepted tokens).", labels, buckets=LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to its last token.", labels,
+                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.http = Counter(PREFIX + "gateway_http_requests", "HTTP requests answered, by endpoint and status code.",
+                            ["endpoint", "status_code"], registry=reg)
+        self.finished = Counter(PREFIX + "gateway_finished_choices", "Choices that ended, by finish reason.",
+                                [*labels, "finish_reason"], registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "gateway_prompt_tokens", "Prompt tokens of admitted requests.", labels,
+                                     registry=reg)
+        self.completion_tokens = Counter(PREFIX + "gateway_completion_tokens", "Tokens generated for clients.", labels,
+                                         registry=reg)
+        self.in_flight = Gauge(PREFIX + "gateway_requests_in_flight", "HTTP generation requests being served.", labels,
+                               registry=reg)
+        self.grpc_errors = Counter(PREFIX + "gateway_grpc_errors", "Failed gRPC calls and streams to the verifier, by code.",
+                                   ["code"], registry=reg)
+        self.aborts = Counter(PREFIX + "gateway_aborts", "Verifier requests aborted by the gateway, by cause.",
+                              ["cause"], registry=reg)

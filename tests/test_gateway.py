@@ -1,0 +1,349 @@
+"""The gateway against real processes: a `splitspec verifier` (demo target), a `splitspec drafter`
+(the demo EAGLE head, over ZeroMQ) and a `splitspec gateway`, driven by the official `openai` client and
+raw HTTP. Every body is validated against OpenAI's OpenAPI document (../shared/schemas)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_verifier_service import free_port, scrape, start_verifier, stop
+
+from splitspec.demo import demo_model_dirs
+
+SCHEMAS = [Path(os.environ.get("SPLITSPEC_SCHEMAS", "")), Path(__file__).resolve().parents[2] / "shared" / "schemas",
+           Path("/work/shared/schemas")]
+MODEL = "demo-code"
+
+
+def openapi_validator():
+    from jsonschema import Draft202012Validator
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT202012
+
+    path = next((p / "openai-openapi.json" for p in SCHEMAS if (p / "openai-openapi.json").is_file()), None)
+    if path is None:
+        pytest.skip("../shared/schemas/openai-openapi.json is not on this machine (CI always has it)")
+    document = openapi_nullable(json.loads(path.read_text()))
+    registry = Registry().with_resource("urn:openai", Resource.from_contents(document, default_specification=DRAFT202012))
+
+    def validate(body: dict, name: str) -> None:
+        validator = Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{name}"}, registry=registry)
+        errors = sorted(validator.iter_errors(body), key=lambda e: list(e.path))
+        assert not errors, f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
+
+    return validate
+
+
+def openapi_nullable(node):
+    """The document still marks some schemas with OpenAPI 3.0's `nullable: true`, which JSON Schema does
+    not know: read each as OpenAPI defines it, the schema or null."""
+    if isinstance(node, list):
+        return [openapi_nullable(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: openapi_nullable(v) for k, v in node.items()}
+    if node.pop("nullable", False) is True:
+        annotations = {k: node.pop(k) for k in ("description", "deprecated", "default") if k in node}
+        return {"anyOf": [node, {"type": "null"}], **annotations}
+    return node
+
+
+@pytest.fixture(scope="module")
+def validate():
+    return openapi_validator()
+
+
+def start_gateway(verifier_port: int, *extra: str):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(port), "--verifier",
+                                f"127.0.0.1:{verifier_port}", "--log-level", "warning", *extra],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    process.kill()
+    raise AssertionError("the gateway did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """verifier (EAGLE, demo target) + drafter process (demo EAGLE head) + gateway."""
+    dirs = demo_model_dirs(heads=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    flags = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(dirs["eagle"]),
+             "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
+    drafter = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+                                "--model-path", str(dirs["target"]), "--dtype", "float32", *flags, "--log-level", "warning"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    verifier, stub = start_verifier("--model-path", str(dirs["target"]), "--max-total-tokens", "32768",
+                                    "--served-model-name", MODEL, "--drafter-bind-addr", address, "--wait-for-drafters", "1",
+                                    *flags)
+    port = stub.port
+    gateway, url = start_gateway(port)
+    yield {"url": url, "stub": stub, "dirs": dirs, "gateway": gateway}
+    gateway.kill()
+    gateway.wait(timeout=30)
+    stop(verifier, stub)
+    drafter.kill()
+    drafter.wait(timeout=30)
+
+
+def client(stack):
+    from openai import OpenAI
+
+    return OpenAI(base_url=stack["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def sse(url: str, body: dict) -> list[dict]:
+    """A streamed request read line by line: the JSON chunks, ending with [DONE] (checked)."""
+    chunks, done = [], False
+    with httpx.stream("POST", url, json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                done = True
+                continue
+            assert not done
+            chunks.append(json.loads(line[len("data: "):]))
+    assert done
+    return chunks
+
+
+CHATS = [[{"role": "user", "content": "def fibonacci(n):"}],
+         [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "import os\n\ndef walk(path):"}],
+         [{"role": "user", "content": "class Stack:"}, {"role": "assistant", "content": "    def __init__(self):"},
+          {"role": "user", "content": "go on"}],
+         [{"role": "user", "content": "for i in range(10):\n    print(i)\nfor i in range(10):"}]]
+
+
+def test_chat_equals_transformers_and_speculates(stack, validate):
+    """Greedy chat text equals transformers' apply_chat_template + generate on the demo target; the
+    response validates and reports accepted drafts."""
+    from helpers import hf_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack["dirs"]["target"])
+    model = hf_model(stack["dirs"]["target"])  # float32, as the verifier runs here
+    accepted = 0
+    for messages in CHATS:
+        raw = client(stack).chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=40,
+                                                                      temperature=0)
+        body = json.loads(raw.text)
+        validate(body, "CreateChatCompletionResponse")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, max_new_tokens=40, do_sample=False)
+        expected = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert body["choices"][0]["message"]["content"] == expected
+        assert body["usage"]["prompt_tokens"] == ids["input_ids"].shape[1]
+        spec = body["speculative"]
+        assert spec["algorithm"] == "EAGLE" and spec["verify_steps"] > 0
+        accepted += spec["accepted_tokens"]
+    assert accepted > 0
+
+
+def test_streams_equal_whole_responses_and_validate(stack, validate):
+    url = stack["url"]
+    for chat in (True, False):
+        body = {"model": MODEL, "max_tokens": 32, "temperature": 0.8, "seed": 11, "n": 2}
+        body.update({"messages": CHATS[0]} if chat else {"prompt": "import sys\n\n\ndef main():\n"})
+        endpoint = url + ("/v1/chat/completions" if chat else "/v1/completions")
+        whole = httpx.post(endpoint, json=body, timeout=120).json()
+        validate(whole, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse")
+        chunks = sse(endpoint, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        texts = {0: "", 1: ""}
+        for chunk in chunks:
+            if chat:
+                validate(chunk, "CreateChatCompletionStreamResponse")
+            else:  # OpenAI streams finish_reason null until the end, which the shared schema does not allow
+                fixed = {**chunk, "choices": [{**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]}
+                validate(fixed, "CreateCompletionResponse")
+            for c in chunk["choices"]:
+                texts[c["index"]] += (c["delta"].get("content") or "") if chat else c["text"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+        assert all(c.get("usage", "absent") == (None if chat else "absent") for c in chunks[:-1])
+        if chat:
+            assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert len(finals) == 2 and all(f["speculative"]["algorithm"] == "EAGLE" for f in finals)
+        for choice in whole["choices"]:
+            text = choice["message"]["content"] if chat else choice["text"]
+            assert texts[choice["index"]] == text
+        assert whole["choices"][0] != whole["choices"][1]  # two samples (seeds 11 and 12)
+
+
+def test_openai_client_streaming_logprobs_models_and_stop(stack, validate):
+    c = client(stack)
+    models = json.loads(c.models.with_raw_response.list().text)
+    validate(models, "ListModelsResponse")
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL
+    pieces = [chunk.choices[0].delta.content or "" for chunk in c.chat.completions.create(
+        model=MODEL, messages=CHATS[1], max_tokens=24, temperature=0, stream=True) if chunk.choices]
+    whole = c.chat.completions.create(model=MODEL, messages=CHATS[1], max_tokens=24, temperature=0)
+    assert "".join(pieces) == whole.choices[0].message.content
+    lp = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=12, temperature=0, logprobs=True,
+                                   top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(bytes(t.bytes).decode("utf-8", "replace") for t in content) == lp.choices[0].message.content
+    assert all(t.logprob == t.top_logprobs[0].logprob for t in content)  # greedy: the chosen token is the likeliest
+    completion = c.completions.create(model=MODEL, prompt="import os\n", max_tokens=10, temperature=0, logprobs=2)
+    assert len(completion.choices[0].logprobs.tokens) == 10
+    # a stop string: the text ends right before it, in both shapes
+    text = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=40, temperature=0).choices[0].text
+    stop = text[12:15]
+    assert len(stop) == 3 and text.find(stop) >= 0
+    stopped = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=40, temperature=0, stop=[stop, "@@@"])
+    assert stopped.choices[0].text == text[: text.find(stop)] and stopped.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="def f(x):\n", max_tokens=40, temperature=0, stop=stop, stream=True) if ch.choices)
+    assert streamed == text[: text.find(stop)]
+
+
+def test_speculation_can_be_switched_off_per_request(stack):
+    body = {"model": MODEL, "prompt": "for i in range(3):\n", "max_tokens": 24, "temperature": 0}
+    on = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=60).json()
+    off = httpx.post(stack["url"] + "/v1/completions", json={**body, "speculative": False}, timeout=60).json()
+    assert on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert on["speculative"]["verify_steps"] > 0 and off["speculative"]["verify_steps"] == 0
+    assert off["speculative"]["algorithm"] is None
+
+
+def test_hostile_bodies_get_openai_errors_never_5xx(stack, validate):
+    url = stack["url"] + "/v1/chat/completions"
+    good = {"model": MODEL, "messages": CHATS[0], "max_tokens": 4}
+    cases = {
+        "invalid json": (b"{not json", 400), "invalid utf-8": (b'{"model": "\xff\xfe"}', 400),
+        "not an object": (b"[1, 2]", 400), "no messages": ({"model": MODEL}, 400),
+        "empty messages": ({**good, "messages": []}, 400),
+        "unknown role": ({**good, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        "empty role": ({**good, "messages": [{"role": "", "content": "x"}]}, 400),
+        "content type": ({**good, "messages": [{"role": "user", "content": 5}]}, 400),
+        "max_tokens string": ({**good, "max_tokens": "many"}, 400), "max_tokens negative": ({**good, "max_tokens": -1}, 400),
+        "max_tokens huge": ({**good, "max_tokens": 10**12}, 400), "temperature": ({**good, "temperature": -0.5}, 400),
+        "temperature nan": (b'{"model": "demo-code", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
+        "top_p": ({**good, "top_p": 0}, 400), "n": ({**good, "n": 0}, 400), "bool as int": ({**good, "n": True}, 400),
+        "stop": ({**good, "stop": ["a", "b", "c", "d", "e"]}, 400), "penalty": ({**good, "frequency_penalty": 3}, 400),
+        "top_logprobs alone": ({**good, "top_logprobs": 2}, 400), "unknown parameter": ({**good, "foo": 1}, 400),
+        "tools": ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+        "unknown model": ({**good, "model": "gpt-9"}, 404),
+        "context length": ({**good, "messages": [{"role": "user", "content": "x " * 5000}]}, 400),
+        "oversized": (b'{"model": "' + b"a" * (9 << 20) + b'"}', 413),
+        "lone surrogate": (b'{"model": "demo-code", "messages": [{"role": "user", "content": "\\ud800"}]}', 400),
+    }
+    for name, (body, status) in cases.items():
+        if isinstance(body, bytes):
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+        else:
+            r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == status, (name, r.status_code, r.text[:300])
+        validate(r.json(), "ErrorResponse")
+    completions = stack["url"] + "/v1/completions"
+    for body in ({"model": MODEL, "prompt": [1, 99999]}, {"model": MODEL, "prompt": ""}, {"model": MODEL, "prompt": 5},
+                 {"model": MODEL, "prompt": "x", "echo": True}, {"model": MODEL, "prompt": "x", "logprobs": 9}):
+        r = httpx.post(completions, json=body, timeout=60)
+        assert r.status_code == 400, (body, r.text)
+        validate(r.json(), "ErrorResponse")
+    r = httpx.get(stack["url"] + "/v1/nothing", timeout=10)
+    assert r.status_code == 404
+    validate(r.json(), "ErrorResponse")
+    ok = httpx.post(url, json={**good, "logit_bias": {}, "response_format": {"type": "text"}, "store": False}, timeout=60)
+    assert ok.status_code == 200  # OpenAI parameters at their neutral values are accepted
+
+
+def test_sixty_four_concurrent_streams_equal_their_twins(stack):
+    url = stack["url"] + "/v1/completions"
+    prompts = [f"def task_{i}(x):\n    return x" for i in range(64)]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=200)) as http:
+            async def streamed(prompt):
+                text = ""
+                async with http.stream("POST", url, json={"model": MODEL, "prompt": prompt, "max_tokens": 16,
+                                                          "temperature": 0, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                return text
+
+            async def whole(prompt):
+                r = await http.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0})
+                return r.json()["choices"][0]["text"]
+
+            streams = await asyncio.gather(*(streamed(p) for p in prompts))
+            twins = await asyncio.gather(*(whole(p) for p in prompts))
+            return streams, twins
+
+    streams, twins = asyncio.run(main())
+    assert streams == twins and all(streams)
+
+
+def test_disconnect_mid_stream_frees_the_kv_pages(stack):
+    metrics_url = stack["stub"].metrics_url
+
+    def used_pages():  # pages held by running requests (the prefix cache keeps finished prompts' pages)
+        values = scrape(metrics_url)
+        return sum(v for (name, _), v in values.items() if name == "splitspec:kv_pages_used") - sum(
+            v for (name, _), v in values.items() if name == "splitspec:prefix_cache_pages")
+
+    with httpx.stream("POST", stack["url"] + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "import os\n", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+                            "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert used_pages() > 0
+    deadline = time.time() + 10
+    while used_pages() > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert used_pages() == 0
+    gateway_metrics = httpx.get(stack["url"] + "/metrics", timeout=10).text
+    assert 'splitspec:gateway_aborts_total{cause="disconnect"}' in gateway_metrics
+
+
+def test_api_key(stack):
+    port = stack["stub"].port
+    process, url = start_gateway(port, "--api-key", "sekret")
+    try:
+        from openai import AuthenticationError, OpenAI
+
+        with pytest.raises(AuthenticationError):
+            OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert ok.completions.create(model=MODEL, prompt="x = ", max_tokens=2).choices[0].finish_reason == "length"
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_the_gateway_never_imports_torch(stack):
+    """The gateway process's modules, read through /proc: no torch (it serves text and token ids only)."""
+    pid = stack["gateway"].pid
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in maps and "/torch/" not in maps
+    code = ("import sys; from splitspec.gateway.server import run, build_parser; import splitspec.gateway.app; "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
