@@ -49,14 +49,17 @@ class GatewayConfig:
 
 
 class Tokenizing:
-    """Requests that arrive in the same event-loop turn are rendered and encoded together, in a worker
-    thread (the event loop never runs the tokenizer)."""
+    """Requests are rendered and encoded in batches, in a worker thread (the event loop never runs the
+    tokenizer): those that arrive in the same event-loop turn, and those that arrive while a batch is
+    being encoded, go together in the next batch."""
 
-    def __init__(self, codec: TextCodec, threads: int):
+    def __init__(self, codec: TextCodec, threads: int, batch_metric=None):
         self.codec = codec
+        self.batch_metric = batch_metric
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
         self.pending: list[tuple[Generation, asyncio.Future]] = []
-        self.batch_sizes: list[int] = []
+        self.busy = False
+        self.scheduled = False
 
     async def prompt_ids(self, g: Generation) -> list[int]:
         if g.prompt_ids is not None:
@@ -64,13 +67,19 @@ class Tokenizing:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.pending.append((g, future))
-        if len(self.pending) == 1:
+        if not self.busy and not self.scheduled:
+            self.scheduled = True
             loop.call_soon(self._flush)
         return await future
 
     def _flush(self) -> None:
+        self.scheduled = False
+        if not self.pending:
+            return
         jobs, self.pending = self.pending, []
-        self.batch_sizes.append(len(jobs))
+        self.busy = True
+        if self.batch_metric is not None:
+            self.batch_metric.observe(len(jobs))
         work = asyncio.get_running_loop().run_in_executor(self.executor, self._work, [g for g, _ in jobs])
 
         def resolve(done: asyncio.Future) -> None:
@@ -82,6 +91,8 @@ class Tokenizing:
                     future.set_exception(result)
                 else:
                     future.set_result(result)
+            self.busy = False
+            self._flush()  # whatever arrived meanwhile
 
         work.add_done_callback(resolve)
 
@@ -139,6 +150,7 @@ class Gateway:
         self.created = int(time.time())
         self.model_name = config.served_model_name
         self.ready = False
+        self.admitted = 0  # choices admitted and not yet finished (the --max-queued-requests budget)
         self._connector: asyncio.Task | None = None
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -162,7 +174,8 @@ class Gateway:
             self.codec = TextCodec(self.config.tokenizer_path or info.model_path)
         if self.metrics is None:
             self.metrics = GatewayMetrics(self.model_name)
-        self.tokenizing = Tokenizing(self.codec, self.config.tokenizer_threads)
+        self.tokenizing = Tokenizing(self.codec, self.config.tokenizer_threads,
+                                     self.metrics.tokenize_batch.labels(**self.metrics.model))
         self.ready = True
         logger.info("serving %s (context %d tokens, speculation %s) from the verifier at %s", self.model_name,
                      info.max_context_tokens, info.speculative_algorithm or "off", self.config.verifier)
@@ -188,12 +201,20 @@ class Gateway:
             raise APIError(404, f"The model '{name}' does not exist (this server serves '{self.model_name}')",
                            "invalid_request_error", "model", "model_not_found")
 
-    async def prepare(self, g: Generation) -> list[int]:
+    def admit(self, g: Generation) -> int:
+        """Reserve the request's choices in the queue budget (released by release())."""
         self.check_ready()
         self.check_model(g.model)
-        if self.client.in_flight + g.n > self.config.max_queued_requests:
+        if self.admitted + g.n > self.config.max_queued_requests:
             raise APIError(429, f"the server is at its limit of {self.config.max_queued_requests} queued requests; "
                            "retry shortly", "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
+        self.admitted += g.n
+        return g.n
+
+    def release(self, n: int) -> None:
+        self.admitted -= n
+
+    async def prepare(self, g: Generation) -> list[int]:
         prompt = await self.tokenizing.prompt_ids(g)
         context = self.client.info.max_context_tokens
         if not prompt:
@@ -371,19 +392,25 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
 
     async def generate(request: Request, endpoint: str, chat: bool):
         arrival = time.perf_counter()
+        admitted = 0
         try:
             body = await read_body(request)
             gateway.check_ready()
             g = parse_chat(body) if chat else parse_completion(body, gateway.client.info.vocab_size)
+            admitted = gateway.admit(g)
             prompt = await gateway.prepare(g)
         except APIError as exc:
+            gateway.release(admitted)
             return error_response(exc, endpoint)
+        except BaseException:
+            gateway.release(admitted)
+            raise
         choices = gateway.submit(g, prompt)
         gateway.metrics.in_flight.labels(**gateway.metrics.model).inc()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if g.stream:
             gateway.metrics.http.labels(endpoint, "200").inc()
-            return StreamingResponse(stream(g, prompt, choices, rid, chat, arrival), media_type="text/event-stream",
+            return StreamingResponse(stream(g, prompt, choices, rid, chat, arrival, admitted), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         task = asyncio.current_task()
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, task))
@@ -394,6 +421,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
             raise
         finally:
             watcher.cancel()
+            gateway.release(admitted)
             gateway.metrics.in_flight.labels(**gateway.metrics.model).dec()
         for choice in choices:
             gateway.finished(choice)
@@ -434,7 +462,8 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                                         "logprobs": gateway.completion_logprobs(c.logprobs) if g.logprobs else None})
         return body
 
-    async def stream(g: Generation, prompt: list[int], choices: list[Choice], rid: str, chat: bool, arrival: float):
+    async def stream(g: Generation, prompt: list[int], choices: list[Choice], rid: str, chat: bool, arrival: float,
+                     admitted: int):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -511,6 +540,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                 task.cancel()
             if not sent_done:
                 gateway.abort_unfinished(choices, "disconnect")
+            gateway.release(admitted)
             gateway.metrics.in_flight.labels(**gateway.metrics.model).dec()
 
     @app.post("/v1/chat/completions")

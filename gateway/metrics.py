@@ -34,5 +34,8 @@ class GatewayMetrics:
                                registry=reg)
         self.grpc_errors = Counter(PREFIX + "gateway_grpc_errors", "Failed gRPC calls and streams to the verifier, by code.",
                                    ["code"], registry=reg)
+        self.tokenize_batch = Histogram(PREFIX + "gateway_tokenize_batch_size",
+                                        "Requests rendered and encoded together (those that arrived in one event-loop turn).",
+                                        labels, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=reg)
         self.aborts = Counter(PREFIX + "gateway_aborts", "Verifier requests aborted by the gateway, by cause.",
                               ["cause"], registry=reg)

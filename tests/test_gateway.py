@@ -298,6 +298,11 @@ def test_sixty_four_concurrent_streams_equal_their_twins(stack):
 
     streams, twins = asyncio.run(main())
     assert streams == twins and all(streams)
+    metrics = {line.split(" ")[0]: float(line.split(" ")[1]) for line in httpx.get(stack["url"] + "/metrics").text.splitlines()
+               if line.startswith("splitspec:gateway_tokenize_batch_size_")}
+    batches = next(v for k, v in metrics.items() if k.startswith("splitspec:gateway_tokenize_batch_size_count"))
+    requests = next(v for k, v in metrics.items() if k.startswith("splitspec:gateway_tokenize_batch_size_sum"))
+    assert requests > batches  # requests that arrived together were tokenized together
 
 
 def test_disconnect_mid_stream_frees_the_kv_pages(stack):
@@ -347,3 +352,114 @@ def test_the_gateway_never_imports_torch(stack):
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_metrics_through_prometheus(stack, tmp_path):
+    """A fresh gateway on the same verifier, scraped by a real Prometheus server: its counters and
+    histograms say what the responses said."""
+    from test_verifier_service import Prometheus
+
+    process, url = start_gateway(stack["stub"].port)
+    port = int(url.rsplit(":", 1)[1])
+    server = Prometheus(tmp_path, [port])
+    try:
+        bodies = [{"model": MODEL, "prompt": f"def f{i}(x):\n", "max_tokens": 8 + i, "temperature": 0} for i in range(4)]
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(*(http.post(url + "/v1/completions", json=b) for b in bodies))
+
+        answers = [r.json() for r in asyncio.run(burst())]
+        streamed = sse(url + "/v1/chat/completions", {"model": MODEL, "messages": CHATS[0], "max_tokens": 6,
+                                                      "temperature": 0, "stream": True})
+        assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+        assert httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ""}, timeout=30).status_code == 400
+        completion = sum(a["usage"]["completion_tokens"] for a in answers) + 6
+        q = server.wait_for
+        assert q("sum(splitspec:gateway_completion_tokens_total)", completion) == completion
+        assert q("sum(splitspec:time_to_first_token_seconds_count)", 5) == 5
+        assert q("sum(splitspec:e2e_request_latency_seconds_count)", 5) == 5
+        assert q("sum(splitspec:inter_token_latency_seconds_count) > bool 0", 1) == 1
+        assert q('sum(splitspec:gateway_http_requests_total{endpoint="/v1/completions",status_code="200"})', 4) == 4
+        assert q('sum(splitspec:gateway_http_requests_total{status_code="400"})', 1) == 1
+        assert q('sum(splitspec:gateway_finished_choices_total{finish_reason="length"})', 5) == 5
+        assert q("sum(splitspec:gateway_requests_in_flight)", 0) == 0
+        prompt_tokens = sum(a["usage"]["prompt_tokens"] for a in answers)
+        assert q("sum(splitspec:gateway_prompt_tokens_total) - " + str(prompt_tokens) + " > bool 0", 1) == 1
+        assert q("sum(splitspec:gateway_tokenize_batch_size_sum)", 5) == 5  # every tokenized request, once
+    finally:
+        server.close()
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_queue_limit_answers_429_with_retry_after(stack, validate):
+    process, url = start_gateway(stack["stub"].port, "--max-queued-requests", "2")
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as http:
+                return await asyncio.gather(*(http.post(url + "/v1/completions", json={
+                    "model": MODEL, "prompt": f"class C{i}:\n", "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+                    for i in range(6)))
+
+        answers = asyncio.run(burst())
+        codes = sorted(r.status_code for r in answers)
+        assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+        for r in answers:
+            if r.status_code == 429:
+                assert r.headers["retry-after"] == "1"
+                validate(r.json(), "ErrorResponse")
+        after = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)
+        assert after.status_code == 200  # the budget came back
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_verifier_down_is_503_and_a_dying_verifier_ends_requests_with_503(validate):
+    process, url = None, None
+    port = free_port()
+    gateway = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(gw := free_port()),
+                                "--verifier", f"127.0.0.1:{port}", "--log-level", "warning"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{gw}"
+    try:
+        deadline = time.time() + 60
+        while True:  # up, though the verifier is not
+            try:
+                health = httpx.get(url + "/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.time() < deadline and gateway.poll() is None
+                time.sleep(0.3)
+        assert health.status_code == 503
+        for r in (httpx.get(url + "/v1/models", timeout=10),
+                  httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)):
+            assert r.status_code == 503
+            validate(r.json(), "ErrorResponse")
+        process, stub = start_verifier("--max-total-tokens", "8192", "--served-model-name", MODEL, port=port)
+        deadline = time.time() + 60
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.time() < deadline, "the gateway did not connect to the verifier that came up"
+            time.sleep(0.3)
+        ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200
+
+        async def doomed():
+            async with httpx.AsyncClient(timeout=120) as http:
+                task = asyncio.ensure_future(http.post(url + "/v1/completions", json={
+                    "model": MODEL, "prompt": "import os\n", "max_tokens": 1900, "ignore_eos": True}))
+                await asyncio.sleep(1.5)
+                process.kill()
+                return await task
+
+        r = asyncio.run(doomed())
+        assert r.status_code == 503, r.text
+        validate(r.json(), "ErrorResponse")
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+    finally:
+        gateway.kill()
+        gateway.wait(timeout=30)
+        if process is not None:
+            process.kill()
+            process.wait(timeout=30)

@@ -34,9 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_verifier(*extra: str):
+def start_verifier(*extra: str, port: int | None = None):
     """A `splitspec verifier` process with metrics; returns (process, stub). stub.metrics_port is set."""
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = port or free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--metrics-port", str(metrics_port),
          "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
