@@ -219,6 +219,9 @@ def test_openai_client_streaming_logprobs_models_and_stop(stack, validate):
     streamed = "".join(ch.choices[0].text for ch in c.completions.create(
         model=MODEL, prompt="def f(x):\n", max_tokens=40, temperature=0, stop=stop, stream=True) if ch.choices)
     assert streamed == text[: text.find(stop)]
+    aborts = [line for line in httpx.get(stack["url"] + "/metrics", timeout=10).text.splitlines()
+              if line.startswith('splitspec:gateway_aborts_total{cause="stop_string"}')]
+    assert aborts and float(aborts[0].split()[-1]) >= 2  # each hit stopped the verifier's request
 
 
 def test_speculation_can_be_switched_off_per_request(stack):

@@ -1,0 +1,85 @@
+"""The gateway's text layer without services: chat templates render as transformers renders them,
+incremental detokenization never splits a character, stop strings are found across token boundaries
+and never sent."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitspec.demo import demo_model_dirs
+from splitspec.gateway.text import IncrementalDecoder, StopMatcher, TemplateError, TextCodec
+
+# A template in the style of Llama 3 / Qwen: a system default, loops, filters, tojson, raise_exception.
+RICH_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = 'You are helpful.' %}{% endif %}"
+    "<|system|>\n{{ system | trim }}\n"
+    "{% for message in messages %}{% if message['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{% if loop.last and message['role'] == 'user' %}"
+    " {{ {'n': loop.index, 'text': 'é'} | tojson }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+MESSAGES = [
+    [{"role": "user", "content": "def fibonacci(n):"}],
+    [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "hello"}, {"role": "user", "content": "多谢 🎉"}],
+]
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return TextCodec(demo_model_dirs()["target"])
+
+
+def test_chat_templates_render_as_transformers(codec, tmp_path):
+    from transformers import AutoTokenizer
+
+    target = demo_model_dirs()["target"]
+    reference = AutoTokenizer.from_pretrained(target)
+    for messages in MESSAGES:
+        text = codec.render_chat(messages)
+        assert text == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+        assert codec.encode_batch([text], add_special_tokens=False)[0] == list(ids["input_ids"])
+    # the same tokenizer with a richer template in tokenizer_config.json
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((target / name).read_text())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": RICH_TEMPLATE}))
+    rich, reference = TextCodec(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for messages in MESSAGES:
+        assert rich.render_chat(messages) == reference.apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
+    with pytest.raises(TemplateError, match="roles must be user or assistant"):
+        rich.render_chat([{"role": "tool", "content": "x"}])
+
+
+def test_incremental_decoding_never_splits_a_character(codec):
+    text = "héllo → 世界 🎉 def f():\n    return '日本語'"
+    ids = codec.encode_batch([text], add_special_tokens=False)[0]
+    decoder = IncrementalDecoder(codec)
+    pieces = [decoder.step(i) for i in ids]
+    assert "".join(pieces) + decoder.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert sum(p == "" for p in pieces) > 0  # some tokens carried part of a character and waited
+    broken = IncrementalDecoder(codec)  # a dangling partial character is flushed as U+FFFD at the end
+    partial = [i for i in ids if codec.token_bytes(i) and codec.token_bytes(i)[0] >= 0xE0 and len(codec.token_bytes(i)) == 1]
+    assert partial, "expected a token holding a lone leading byte"
+    assert broken.step(partial[0]) == "" and broken.flush() == "\ufffd"
+
+
+def test_stop_strings_across_token_boundaries():
+    m = StopMatcher(["STOP", "\n\n"])
+    sent = [m.feed(p) for p in ["abc S", "T", "xST", "O", "P and more"]]
+    assert "".join(sent) == "abc STx" and m.hit == "STOP"  # "abc STxSTOP and more" ends before STOP
+    assert sent[0] == "abc " and sent[1] == ""  # "S" and "ST" were held back: they could begin STOP
+    assert m.feed("later") == "" and m.finish() == ""
+    m = StopMatcher(["\n\n"])
+    assert m.feed("line\n") == "line" and m.feed("next") == "\nnext" and m.finish() == ""
+    m = StopMatcher(["xyz"])
+    assert m.feed("abxy") == "ab" and m.finish() == "xy" and m.hit is None  # no hit: the held text is sent at the end
+    m = StopMatcher(["b", "abc"])
+    assert m.feed("zabcd") == "z" and m.hit == "abc"  # the hit that starts first wins
