@@ -327,8 +327,17 @@ def test_disconnect_mid_stream_frees_the_kv_pages(stack):
     while used_pages() > 0 and time.time() < deadline:
         time.sleep(0.1)
     assert used_pages() == 0
-    gateway_metrics = httpx.get(stack["url"] + "/metrics", timeout=10).text
-    assert 'splitspec:gateway_aborts_total{cause="disconnect"}' in gateway_metrics
+    # a non-streamed request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(stack["url"] + "/v1/completions", timeout=httpx.Timeout(60, read=2.0),
+                   json={"model": MODEL, "prompt": "import sys\n", "max_tokens": 1500, "temperature": 0, "ignore_eos": True})
+    deadline = time.time() + 10
+    while used_pages() > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert used_pages() == 0
+    aborts = [line for line in httpx.get(stack["url"] + "/metrics", timeout=10).text.splitlines()
+              if line.startswith('splitspec:gateway_aborts_total{cause="disconnect"}')]
+    assert aborts and float(aborts[0].split()[-1]) >= 2
 
 
 def test_api_key(stack):
