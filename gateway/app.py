@@ -57,16 +57,17 @@ class Tokenizing:
         self.codec = codec
         self.batch_metric = batch_metric
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
-        self.pending: list[tuple[Generation, asyncio.Future]] = []
+        self.pending: list[tuple[list[dict] | str, asyncio.Future]] = []
         self.busy = False
         self.scheduled = False
 
-    async def prompt_ids(self, g: Generation) -> list[int]:
-        if g.prompt_ids is not None:
-            return g.prompt_ids
+    async def prompt_ids(self, job: list[dict] | str | list[int]) -> list[int]:
+        """job: chat messages, a completion text, or token ids (returned as they are)."""
+        if isinstance(job, list) and (not job or isinstance(job[0], int)):
+            return job
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.pending.append((g, future))
+        self.pending.append((job, future))
         if not self.busy and not self.scheduled:
             self.scheduled = True
             loop.call_soon(self._flush)
@@ -80,7 +81,7 @@ class Tokenizing:
         self.busy = True
         if self.batch_metric is not None:
             self.batch_metric.observe(len(jobs))
-        work = asyncio.get_running_loop().run_in_executor(self.executor, self._work, [g for g, _ in jobs])
+        work = asyncio.get_running_loop().run_in_executor(self.executor, self._work, [job for job, _ in jobs])
 
         def resolve(done: asyncio.Future) -> None:
             results = done.result() if done.exception() is None else [done.exception()] * len(jobs)
@@ -96,11 +97,11 @@ class Tokenizing:
 
         work.add_done_callback(resolve)
 
-    def _work(self, jobs: list[Generation]) -> list:
+    def _work(self, jobs: list[list[dict] | str]) -> list:
         texts, results = [], []
-        for g in jobs:
+        for job in jobs:
             try:
-                texts.append((self.codec.render_chat(g.messages), False) if g.messages is not None else (g.prompt_text, True))
+                texts.append((job, True) if isinstance(job, str) else (self.codec.render_chat(job), False))
                 results.append(None)
             except TemplateError as exc:
                 texts.append(None)
@@ -117,7 +118,7 @@ class Tokenizing:
                     try:
                         encoded.append(self.codec.encode_batch([texts[i][0]], add_special_tokens=special)[0])
                     except Exception as exc:  # noqa: BLE001
-                        encoded.append(invalid("messages" if jobs[i].messages is not None else "prompt",
+                        encoded.append(invalid("prompt" if isinstance(jobs[i], str) else "messages",
                                                f"the text cannot be tokenized: {exc}"))
             for i, ids in zip(index, encoded):
                 results[i] = ids
@@ -205,37 +206,43 @@ class Gateway:
         """Reserve the request's choices in the queue budget (released by release())."""
         self.check_ready()
         self.check_model(g.model)
-        if self.admitted + g.n > self.config.max_queued_requests:
+        n = g.n * max(1, len(g.prompts))
+        if self.admitted + n > self.config.max_queued_requests:
             raise APIError(429, f"the server is at its limit of {self.config.max_queued_requests} queued requests; "
                            "retry shortly", "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
-        self.admitted += g.n
-        return g.n
+        self.admitted += n
+        return n
 
     def release(self, n: int) -> None:
         self.admitted -= n
 
-    async def prepare(self, g: Generation) -> list[int]:
-        prompt = await self.tokenizing.prompt_ids(g)
+    async def prepare(self, g: Generation) -> list[list[int]]:
+        """The request's prompts as token ids, each checked against the context."""
+        jobs = [g.messages] if g.messages is not None else g.prompts
+        prompts = await asyncio.gather(*(self.tokenizing.prompt_ids(job) for job in jobs))
         context = self.client.info.max_context_tokens
-        if not prompt:
-            raise invalid("messages" if g.messages is not None else "prompt", "the prompt is empty after tokenization")
-        if len(prompt) >= context:
-            raise invalid("messages" if g.messages is not None else "prompt",
-                          f"This model's maximum context length is {context} tokens; the prompt has {len(prompt)} tokens",
-                          "context_length_exceeded")
-        if g.max_tokens is None:
-            g.max_tokens = context - len(prompt)
-        elif len(prompt) + g.max_tokens > context:
-            raise invalid("max_tokens", f"This model's maximum context length is {context} tokens; the prompt has "
-                          f"{len(prompt)} tokens and max_tokens asks for {g.max_tokens} more", "context_length_exceeded")
-        return prompt
+        for i, prompt in enumerate(prompts):
+            where = "messages" if g.messages is not None else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not prompt:
+                raise invalid(where, "the prompt is empty after tokenization")
+            if len(prompt) >= context:
+                raise invalid(where, f"This model's maximum context length is {context} tokens; the prompt has "
+                              f"{len(prompt)} tokens", "context_length_exceeded")
+            if g.max_tokens is not None and len(prompt) + g.max_tokens > context:
+                raise invalid("max_tokens", f"This model's maximum context length is {context} tokens; the prompt has "
+                              f"{len(prompt)} tokens and max_tokens asks for {g.max_tokens} more", "context_length_exceeded")
+        return list(prompts)
 
-    def submit(self, g: Generation, prompt: list[int]) -> list[Choice]:
+    def submit(self, g: Generation, prompts: list[list[int]]) -> list[Choice]:
+        """n choices per prompt, indexed prompt by prompt (OpenAI's order for a batch)."""
         base = self.client.new_id(uuid.uuid4().hex[:12])
         choices = []
-        for i in range(g.n):
+        context = self.client.info.max_context_tokens
+        for index in range(len(prompts) * g.n):
+            prompt, i = prompts[index // g.n], index % g.n
             sampling = pb.SamplingParams(
-                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=g.max_tokens,
+                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                max_new_tokens=g.max_tokens if g.max_tokens is not None else context - len(prompt),
                 ignore_eos=g.ignore_eos, frequency_penalty=g.frequency_penalty, presence_penalty=g.presence_penalty)
             if g.seed is not None:
                 sampling.seed = (g.seed + i) % (2**63 - 1)  # each choice its own sample, reproducibly
@@ -243,10 +250,10 @@ class Gateway:
                 sampling.repetition_penalty = g.repetition_penalty
             if g.logprobs:
                 sampling.top_logprobs = g.top_logprobs
-            choice = Choice(i, f"{base}-{i}", IncrementalDecoder(self.codec), StopMatcher(g.stop))
+            choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec), StopMatcher(g.stop))
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)
-        self.metrics.prompt_tokens.labels(**self.metrics.model).inc(len(prompt))
+        self.metrics.prompt_tokens.labels(**self.metrics.model).inc(sum(len(p) for p in prompts))
         return choices
 
     def absorb(self, choice: Choice, delta: pb.TokenDelta | StreamBroken) -> str:
@@ -309,9 +316,10 @@ class Gateway:
                 "draft_tokens": sum(c.draft_tokens for c in counts), "accepted_tokens": accepted,
                 "mean_accept_length": round(1 + accepted / steps, 4) if steps else None}
 
-    def usage(self, choices: list[Choice], prompt: list[int]) -> dict:
+    def usage(self, choices: list[Choice], prompts: list[list[int]]) -> dict:
         completion = sum(c.tokens for c in choices)
-        return {"prompt_tokens": len(prompt), "completion_tokens": completion, "total_tokens": len(prompt) + completion,
+        prompt = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": max((c.cached_tokens for c in choices), default=0)}}
 
     def chat_logprobs(self, entries: list) -> dict:
@@ -398,19 +406,19 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
             gateway.check_ready()
             g = parse_chat(body) if chat else parse_completion(body, gateway.client.info.vocab_size)
             admitted = gateway.admit(g)
-            prompt = await gateway.prepare(g)
+            prompts = await gateway.prepare(g)
         except APIError as exc:
             gateway.release(admitted)
             return error_response(exc, endpoint)
         except BaseException:
             gateway.release(admitted)
             raise
-        choices = gateway.submit(g, prompt)
+        choices = gateway.submit(g, prompts)
         gateway.metrics.in_flight.labels(**gateway.metrics.model).inc()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if g.stream:
             gateway.metrics.http.labels(endpoint, "200").inc()
-            return StreamingResponse(stream(g, prompt, choices, rid, chat, arrival, admitted), media_type="text/event-stream",
+            return StreamingResponse(stream(g, prompts, choices, rid, chat, arrival, admitted), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         task = asyncio.current_task()
         watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, task))
@@ -429,7 +437,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         if failed is not None:
             return error_response(failed, endpoint)
         gateway.metrics.http.labels(endpoint, "200").inc()
-        return JSONResponse(whole_response(g, prompt, choices, rid, chat))
+        return JSONResponse(whole_response(g, prompts, choices, rid, chat))
 
     async def collect(choices: list[Choice], arrival: float) -> None:
         first, last = None, None
@@ -447,9 +455,9 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                 gateway.absorb(choice, delta)
         gateway.metrics.e2e.labels(**gateway.metrics.model).observe(time.perf_counter() - arrival)
 
-    def whole_response(g: Generation, prompt: list[int], choices: list[Choice], rid: str, chat: bool) -> dict:
+    def whole_response(g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool) -> dict:
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": gateway.model_name, "choices": [], "usage": gateway.usage(choices, prompt),
+                "model": gateway.model_name, "choices": [], "usage": gateway.usage(choices, prompts),
                 "speculative": gateway.speculative(choices, g)}
         for c in choices:
             finish = c.finish_reason if c.finish_reason in ("stop", "length") else "stop"
@@ -462,7 +470,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                                         "logprobs": gateway.completion_logprobs(c.logprobs) if g.logprobs else None})
         return body
 
-    async def stream(g: Generation, prompt: list[int], choices: list[Choice], rid: str, chat: bool, arrival: float,
+    async def stream(g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool, arrival: float,
                      admitted: int):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -531,7 +539,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                 gateway.metrics.e2e.labels(**gateway.metrics.model).observe(time.perf_counter() - arrival)
                 if g.include_usage:
                     body = {"id": rid, "object": kind, "created": created, "model": gateway.model_name, "choices": [],
-                            "usage": gateway.usage(choices, prompt)}
+                            "usage": gateway.usage(choices, prompts)}
                     yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
             sent_done = True

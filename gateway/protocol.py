@@ -17,6 +17,7 @@ from splitspec.runtime.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
 MAX_N = 16
+MAX_BATCH_CHOICES = 128  # completions: prompts x n in one request
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -42,8 +43,7 @@ class Generation:
     """What one request asks for, endpoint-independent."""
 
     model: str
-    prompt_text: str | None = None  # completions: text to encode (with special tokens)
-    prompt_ids: list[int] | None = None  # completions: token ids given directly
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token ids, one or a batch
     messages: list[dict] | None = None  # chat
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -252,23 +252,27 @@ def parse_completion(body, vocab_size: int) -> Generation:
         raise invalid(None, "the request body must be a JSON object", "invalid_type")
     g = _common(body, NEUTRAL_COMPLETION, COMPLETION_SERVED)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or isinstance(prompt[0], list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("prompt", "'prompt' is empty")
-        g.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise invalid("prompt", f"token id {bad} in 'prompt' is outside the vocabulary [0, {vocab_size})")
-        g.prompt_ids = list(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise invalid("prompt", "a batch of several prompts is not supported; send one request per prompt (or use 'n')",
-                      "unsupported_parameter")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        batch = prompt  # OpenAI's batch: several texts or token-id lists
     else:
-        raise invalid("prompt", "'prompt' must be a non-empty string or a list of token ids",
+        raise invalid("prompt", "'prompt' must be a string, a list of token ids, or a non-empty list of either",
                       "missing_required_parameter" if prompt is None else "invalid_type")
+    if len(batch) * g.n > MAX_BATCH_CHOICES:
+        raise invalid("prompt", f"{len(batch)} prompts x n={g.n} choices is more than {MAX_BATCH_CHOICES}")
+    for i, p in enumerate(batch):
+        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            if not p:
+                raise invalid(where, f"'{where}' is empty")
+        elif not p or not all(_is_int(t) for t in p):
+            raise invalid(where, f"'{where}' must be a non-empty string or list of token ids", "invalid_type")
+        else:
+            bad = next((t for t in p if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise invalid(where, f"token id {bad} in '{where}' is outside the vocabulary [0, {vocab_size})")
+        g.prompts.append(p if isinstance(p, str) else list(p))
     g.max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)  # OpenAI's default for completions
     lp = _int(body, "logprobs", None, 0, 5)  # OpenAI's limit for completions
     g.logprobs, g.top_logprobs = lp is not None, lp or 0

@@ -95,6 +95,7 @@ def stack():
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     verifier, stub = start_verifier("--model-path", str(dirs["target"]), "--max-total-tokens", "32768",
                                     "--served-model-name", MODEL, "--drafter-bind-addr", address, "--wait-for-drafters", "1",
+                                    "--drafter-timeout-ms", "5000",
                                     *flags)
     port = stub.port
     gateway, url = start_gateway(port)
@@ -224,6 +225,23 @@ def test_openai_client_streaming_logprobs_models_and_stop(stack, validate):
     assert aborts and float(aborts[0].split()[-1]) >= 2  # each hit stopped the verifier's request
 
 
+def test_a_batch_of_prompts_with_n(stack, validate):
+    """OpenAI's batched completions: choices indexed prompt by prompt, n each, texts and token ids mixed."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack["dirs"]["target"])
+    prompts = ["def add(a, b):\n", tokenizer.encode("class Point:\n"), "import json\n"]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 12, "temperature": 0}
+    r = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=120).json()
+    validate(r, "CreateCompletionResponse")
+    assert [c["index"] for c in r["choices"]] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        alone = httpx.post(stack["url"] + "/v1/completions", json={**body, "prompt": prompt, "n": 1}, timeout=60).json()
+        assert r["choices"][2 * i]["text"] == r["choices"][2 * i + 1]["text"] == alone["choices"][0]["text"]
+    assert r["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts)
+    assert r["usage"]["completion_tokens"] == 6 * 12
+
+
 def test_speculation_can_be_switched_off_per_request(stack):
     body = {"model": MODEL, "prompt": "for i in range(3):\n", "max_tokens": 24, "temperature": 0}
     on = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=60).json()
@@ -264,6 +282,7 @@ def test_hostile_bodies_get_openai_errors_never_5xx(stack, validate):
         validate(r.json(), "ErrorResponse")
     completions = stack["url"] + "/v1/completions"
     for body in ({"model": MODEL, "prompt": [1, 99999]}, {"model": MODEL, "prompt": ""}, {"model": MODEL, "prompt": 5},
+                 {"model": MODEL, "prompt": ["ok", ""]}, {"model": MODEL, "prompt": [[1, 2], [3, "x"]]},
                  {"model": MODEL, "prompt": "x", "echo": True}, {"model": MODEL, "prompt": "x", "logprobs": 9}):
         r = httpx.post(completions, json=body, timeout=60)
         assert r.status_code == 400, (body, r.text)
