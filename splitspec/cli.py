@@ -12,6 +12,7 @@ import sys
 
 # command name -> (module, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("splitspec.launcher", "gateway + verifier + drafters as local processes (the compose topology), demo models by default"),
     "gateway": ("splitspec.gateway.server", "OpenAI-compatible HTTP in front of a verifier (never imports torch)"),
     "generate": ("splitspec.generate", "offline generation in one process, plain decoding"),
     "verifier": ("splitspec.verifier_svc.server", "the target model and step loop behind the gRPC API"),
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     module = load_command(name)
     parser = module.build_parser()
     flags = argv[1:] + _sglang_env_flags(parser)
+    if getattr(module, "PASS_THROUGH", False):  # `up`: flags it does not know go on to the services
+        args, rest = parser.parse_known_args(flags)
+        args.passthrough = rest
+        return module.run(args)
     return module.run(parser.parse_args(flags))
 
 

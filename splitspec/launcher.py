@@ -1,0 +1,253 @@
+"""`splitspec up`: the whole topology as local processes, the way docker compose runs it: a verifier, N
+drafters and the gateway, each exec'd as `splitspec <service> ...`.
+
+- With no `--model-path` it serves the demo models and maps the algorithm to its demo draft
+  (STANDALONE: the demo draft LLM; EAGLE / EAGLE3: the demo heads; NGRAM needs none).
+- Flags it does not know go to the verifier (SGLang's server flags); the `--speculative-*` flags,
+  the model and the dtype/device go to the drafters too.
+- It waits until the gateway answers /health (the verifier serving behind it), then prints the URL
+  and examples to paste; every service's log lines are prefixed with its name.
+- A service that exits is reported and restarted (compose's `restart: unless-stopped`), with a short
+  back-off; Ctrl-C (SIGINT) or SIGTERM stops them all, drafters and gateway first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+PASS_THROUGH = True  # cli.main hands unknown flags over as args.passthrough
+DEMO_DRAFT = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}
+# The demo algorithm that decodes fastest here, from benchmarks/results/algorithms_cpu.json (split, batch 1:
+# NGRAM 1.62x plain; STANDALONE, EAGLE, EAGLE3 0.60-0.63x on two CPU cores).
+DEFAULT_ALGORITHM = "NGRAM"
+DEMO_NAME = "splitspec-demo"  # the served model name of the demo target
+DEMO_MAX_TOTAL_TOKENS = "32768"  # KV tokens for the demo target when none are given (8 KiB each in fp32)
+MODEL_FLAGS = ("--model-path", "--model", "--dtype", "--device", "--revision", "--trust-remote-code")
+PREFIX_WIDTH = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitspec up",
+        description="Start the gateway, the verifier and --drafters drafters as local processes (the compose "
+        "topology), wait until they serve, and keep them running. Unknown flags (SGLang's server flags) go to "
+        "the verifier; --speculative-* flags and the model go to the drafters too.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="Address the gateway listens on (0.0.0.0: every interface).")
+    parser.add_argument("--port", type=int, default=30000,
+                        help="Gateway HTTP port; the verifier takes port+1 (gRPC), port+2 (metrics), port+3 (drafters).")
+    parser.add_argument("--drafters", type=int, default=1,
+                        help="Drafter processes (0: the verifier drafts in its own process).")
+    parser.add_argument("--model-path", "--model", dest="model_path", default=None,
+                        help="Target model directory or hub id (default: the demo target, with its demo drafts).")
+    parser.add_argument("--speculative-algorithm", default=None,
+                        help=f"NGRAM, STANDALONE, EAGLE, EAGLE3, NEXTN, or none (default: {DEFAULT_ALGORITHM} on the demo "
+                        "models, where it is the fastest; off for another model unless given).")
+    parser.add_argument("--speculative-draft-model-path", default=None,
+                        help="Draft model or head (default with the demo target: the algorithm's demo draft).")
+    parser.add_argument("--served-model-name", default=None, help="The model name clients use.")
+    parser.add_argument("--api-key", default=None, help="Passed to the gateway: required as 'Authorization: Bearer KEY'.")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="Log level of every service.")
+    parser.add_argument("--health-timeout", type=float, default=600.0,
+                        help="Seconds to wait for the services to serve before giving up.")
+    parser.add_argument("--max-restarts", type=int, default=10,
+                        help="Restarts of one service before the launcher gives up on it.")
+    return parser
+
+
+@dataclass
+class Service:
+    name: str
+    argv: list[str]
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    started: float = 0.0
+    threads: list = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, extra: list[str]):
+        self.args = args
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.services = self._plan(args, extra)
+
+    def _plan(self, args, extra: list[str]) -> list[Service]:
+        from splitspec.demo import demo_model_dirs
+
+        algorithm = args.speculative_algorithm
+        if algorithm is not None and algorithm.lower() == "none":
+            algorithm = None
+        elif algorithm is None and args.model_path is None:
+            algorithm = DEFAULT_ALGORITHM
+        model, draft = args.model_path, args.speculative_draft_model_path
+        served = args.served_model_name
+        if model is None:
+            dirs = demo_model_dirs(heads=algorithm in ("EAGLE", "EAGLE3"))
+            model = str(dirs["target"])
+            if draft is None and algorithm in DEMO_DRAFT:
+                draft = str(dirs[DEMO_DRAFT[algorithm]])
+            served = served or DEMO_NAME
+            if not any(f.split("=", 1)[0] == "--max-total-tokens" for f in extra):
+                extra = [*extra, "--max-total-tokens", DEMO_MAX_TOTAL_TOKENS]
+        port = args.port
+        self.url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
+        self.model_name = served or model
+        spec = ["--speculative-algorithm", algorithm] if algorithm else []
+        if draft:
+            spec += ["--speculative-draft-model-path", draft]
+        spec_extra = _speculative_and_model_flags(extra)
+        command = [sys.executable, "-m", "splitspec"]
+        verifier = [*command, "verifier", "--model-path", model, "--port", str(port + 1), "--metrics-port", str(port + 2),
+                    "--log-level", args.log_level, *spec, *extra]
+        if served:
+            verifier += ["--served-model-name", served]
+        services = []
+        drafter_addr = f"tcp://127.0.0.1:{port + 3}"
+        if algorithm and args.drafters > 0:
+            verifier += ["--drafter-bind-addr", drafter_addr, "--wait-for-drafters", "1"]
+        services.append(Service("verifier", verifier))
+        for i in range(args.drafters if algorithm else 0):
+            services.append(Service(f"drafter-{i + 1}", [*command, "drafter", "--verifier-drafter-addr", drafter_addr,
+                                                          "--drafter-name", f"drafter-{i + 1}", "--model-path", model,
+                                                          "--log-level", args.log_level, *spec, *spec_extra]))
+        gateway = [*command, "gateway", "--host", args.host, "--port", str(port), "--verifier", f"127.0.0.1:{port + 1}",
+                   "--log-level", args.log_level]
+        if args.api_key:
+            gateway += ["--api-key", args.api_key]
+        services.append(Service("gateway", gateway))
+        return services
+
+    # processes ---------------------------------------------------------------------------------------
+    def start(self, service: Service) -> None:
+        service.process = subprocess.Popen(service.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                           bufsize=1, errors="replace", start_new_session=True)
+        service.started = time.monotonic()
+        thread = threading.Thread(target=self._pump, args=(service, service.process), daemon=True)
+        thread.start()
+        self.say(f"started {service.name} (pid {service.process.pid})")
+
+    def _pump(self, service: Service, process: subprocess.Popen) -> None:
+        prefix = f"{service.name:<{PREFIX_WIDTH}}| "
+        for line in process.stdout:
+            with self.lock:
+                sys.stdout.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+                sys.stdout.flush()
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            sys.stdout.write(f"{'up':<{PREFIX_WIDTH}}| {message}\n")
+            sys.stdout.flush()
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def run(self) -> int:
+        for service in self.services:
+            self.start(service)
+        deadline = time.monotonic() + self.args.health_timeout
+        while not self.healthy():
+            if self.stopping:
+                return self.stop_all()
+            self.supervise()
+            if time.monotonic() > deadline:
+                self.say(f"the services did not serve within {self.args.health_timeout:.0f} s; stopping")
+                self.stop_all()
+                return 1
+            time.sleep(0.5)
+        self.say(self.ready_message())
+        while not self.stopping:
+            if self.supervise() is False:
+                self.stop_all()
+                return 1
+            time.sleep(0.25)
+        return self.stop_all()
+
+    def supervise(self) -> bool:
+        """Restart services that exited; False once one has exceeded --max-restarts."""
+        for service in self.services:
+            code = service.process.poll()
+            if code is None or self.stopping:
+                continue
+            service.restarts += 1
+            if service.restarts > self.args.max_restarts:
+                self.say(f"{service.name} exited with code {code}; it was restarted {self.args.max_restarts} times, "
+                         "giving up")
+                return False
+            lived = time.monotonic() - service.started
+            delay = 0.0 if lived > 30 else min(0.5 * 2 ** (service.restarts - 1), 10.0)
+            self.say(f"{service.name} exited with code {code} after {lived:.1f} s; restarting it"
+                     + (f" in {delay:.1f} s" if delay else "") + f" (restart {service.restarts})")
+            time.sleep(delay)
+            self.start(service)
+        return True
+
+    def stop_all(self) -> int:
+        self.stopping = True
+        self.say("stopping")
+        for group in (["gateway"], [s.name for s in self.services if s.name.startswith("drafter")], ["verifier"]):
+            chosen = [s for s in self.services if s.name in group and s.process is not None and s.process.poll() is None]
+            for service in chosen:
+                service.process.terminate()
+            for service in chosen:
+                try:
+                    service.process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    service.process.kill()
+                    service.process.wait()
+        self.say("all services stopped")
+        return 0
+
+    def ready_message(self) -> str:
+        drafters = sum(s.name.startswith("drafter") for s in self.services)
+        key = f" -H 'Authorization: Bearer {self.args.api_key}'" if self.args.api_key else ""
+        return (f"serving {self.model_name} at {self.url}/v1 ({drafters} drafter process(es))\n"
+                f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'{key} \\\n"
+                f"    -d '{{\"model\": \"{self.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                f"\"def fibonacci(n):\"}}], \"max_tokens\": 64, \"temperature\": 0}}'\n"
+                f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{self.url}/v1', "
+                f"api_key='{self.args.api_key or 'none'}'); print(c.completions.create(model='{self.model_name}', "
+                f"prompt='def fibonacci(n):', max_tokens=64, temperature=0).choices[0].text)\"\n"
+                f"  metrics: {self.url}/metrics (gateway), http://127.0.0.1:{self.args.port + 2}/metrics (verifier); "
+                "Ctrl-C stops everything")
+
+
+def _speculative_and_model_flags(extra: list[str]) -> list[str]:
+    """The pass-through flags the drafters need as well: --speculative-* and the model's dtype/device."""
+    out, i = [], 0
+    while i < len(extra):
+        flag = extra[i]
+        name = flag.split("=", 1)[0]
+        takes_value = "=" not in flag and i + 1 < len(extra) and not extra[i + 1].startswith("--")
+        if name.startswith("--speculative-") or name in MODEL_FLAGS or name == "--enable-multi-layer-eagle":
+            out.append(flag)
+            if takes_value:
+                out.append(extra[i + 1])
+        i += 2 if takes_value else 1
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    launcher = Launcher(args, getattr(args, "passthrough", []))
+
+    def on_signal(signum, frame):
+        launcher.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    return launcher.run()
