@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    runtime_args.check_sglang_server_flags(args, "splitspec generate")
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, frequency_penalty=args.frequency_penalty,

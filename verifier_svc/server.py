@@ -229,13 +229,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     runtime_args.setup_logging(args.log_level)
-    if args.max_total_tokens is None and args.mem_fraction_static is None and args.device in ("auto", "cpu"):
-        import torch
-
-        if args.device == "cpu" or not torch.cuda.is_available():
-            print("splitspec verifier: error: on CPU the KV cache is sized by --max-total-tokens", file=sys.stderr)
-            return 2
     try:
+        runtime_args.check_sglang_server_flags(args, "splitspec verifier")
         engine_args.spec_config(args)  # flag combinations, before anything loads
         asyncio.run(serve(args))
     except (ValueError, OSError) as exc:  # FlagError, ConfigError, CheckpointError, a path that is not there

@@ -17,6 +17,10 @@ from splitspec.runtime.loader import LOAD_FORMATS
 from splitspec.runtime.runner import RuntimeConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# SGLang's --attention-backend values that splitspec does not implement yet: accepted, served by torch
+SGLANG_ATTENTION_BACKENDS = ("flashinfer", "fa3", "fa4", "triton", "torch_native", "flex_attention", "trtllm_mha",
+                             "aiter", "wave", "ascend", "intel_amx", "cutlass_mla", "flashmla")
+logger = logging.getLogger("splitspec")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +48,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     memory.add_argument(
         "--max-total-tokens", type=int, default=None,
         help="KV-cache capacity in tokens; overrides --mem-fraction-static. generate sizes the cache to its "
-        "prompts when neither is given.",
+        "prompts when neither is given; a service on CPU takes four contexts (at most 65536 tokens and a tenth of "
+        "the free memory).",
     )
     memory.add_argument(
         "--mem-fraction-static", type=float, default=None,
@@ -52,10 +57,51 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "GPU memory).",
     )
     parser.add_argument(
-        "--attention-backend", default="torch", choices=sorted(ATTENTION_BACKENDS),
-        help="Attention kernels: torch (reference, any device).",
+        "--attention-backend", default="torch", choices=sorted({*ATTENTION_BACKENDS, *SGLANG_ATTENTION_BACKENDS}),
+        help="Attention kernels: torch (reference, any device). SGLang's other names are accepted and served by "
+        "torch until their kernels land (logged).",
     )
+    sglang = parser.add_argument_group("SGLang server flags (accepted so SGLang launch lines run unchanged)")
+    sglang.add_argument("--trust-remote-code", action="store_true",
+                        help="Accepted: splitspec runs its own code for the architectures it supports and never "
+                        "executes code shipped in a checkpoint.")
+    sglang.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                        help="Largest batch captured in CUDA graphs; a logged no-op (no CUDA graphs yet; on CPU never).")
+    sglang.add_argument("--disable-cuda-graph", action="store_true", help="Accepted; a no-op (no CUDA graphs yet).")
+    sglang.add_argument("--enable-torch-compile", action="store_true",
+                        help="torch.compile the model; a logged no-op until compiled steps land.")
+    sglang.add_argument("--torch-compile-max-bs", type=int, default=None,
+                        help="Largest batch torch.compile covers; a logged no-op with --enable-torch-compile.")
+    sglang.add_argument("--enable-dp-attention", action="store_true",
+                        help="Refused: splitspec has no data-parallel attention, and SGLang's speculative decoding "
+                        "does not support it either (STANDALONE, NGRAM).")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
+
+
+def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
+    """Refuse what cannot be honoured, log what is accepted as a no-op, and map SGLang's attention
+    backends to an implemented one. Raises ValueError naming the flag."""
+    if getattr(args, "enable_dp_attention", False):
+        raise ValueError("--enable-dp-attention is not supported: splitspec has no data-parallel attention, and "
+                         "speculative decoding does not support it in SGLang either")
+    device = getattr(args, "device", "auto")
+    on_cpu = device == "cpu"
+    if device == "auto":
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    where = "on CPU" if on_cpu else "until CUDA graphs land"
+    if getattr(args, "cuda_graph_max_bs", None) is not None:
+        logger.info("%s: --cuda-graph-max-bs %d is a no-op %s", command, args.cuda_graph_max_bs, where)
+    if getattr(args, "enable_torch_compile", False):
+        logger.info("%s: --enable-torch-compile (max bs %s) is a no-op until compiled steps land", command,
+                    args.torch_compile_max_bs)
+    if getattr(args, "trust_remote_code", False):
+        logger.info("%s: --trust-remote-code accepted; no checkpoint code is executed", command)
+    if getattr(args, "attention_backend", "torch") not in ATTENTION_BACKENDS:
+        logger.warning("%s: --attention-backend %s is not implemented yet; serving with torch", command,
+                       args.attention_backend)
+        args.attention_backend = "torch"
 
 
 def setup_logging(level: str) -> None:

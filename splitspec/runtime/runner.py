@@ -77,12 +77,24 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
     return torch.bfloat16 if declared == torch.float32 else declared
 
 
+CPU_DEFAULT_MAX_TOKENS = 65536
+
+
 def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
     """Pages from --max-total-tokens, or on a GPU from --mem-fraction-static of its memory."""
     if rc.max_total_tokens is not None:
         return -(-rc.max_total_tokens // rc.page_size)
-    if device.type != "cuda":
-        raise ConfigError("on CPU the KV cache is sized by --max-total-tokens")
+    if device.type != "cuda":  # CPU: four full contexts, at most 64Ki tokens and a tenth of the memory available now
+        import os
+
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        per_token = KVCache.bytes_per_token(config, dtype)
+        num_tokens = min(4 * config.max_position_embeddings, CPU_DEFAULT_MAX_TOKENS, int(0.1 * available // per_token))
+        if num_tokens < rc.page_size:
+            raise ConfigError("not enough free memory for a KV cache on CPU; set --max-total-tokens")
+        logger.info("KV cache on CPU: %d tokens (%.0f MiB); --max-total-tokens sets it", num_tokens,
+                    num_tokens * per_token / 2**20)
+        return num_tokens // rc.page_size
     free, total = torch.cuda.mem_get_info(device)
     fraction = rc.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
     budget = total * fraction - (total - free)
