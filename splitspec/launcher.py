@@ -100,33 +100,12 @@ class Launcher:
             served = served or DEMO_NAME
             if not any(f.split("=", 1)[0] == "--max-total-tokens" for f in extra):
                 extra = [*extra, "--max-total-tokens", DEMO_MAX_TOTAL_TOKENS]
-        port = args.port
-        self.url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
+        self.url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         self.model_name = served or model
-        spec = ["--speculative-algorithm", algorithm] if algorithm else []
-        if draft:
-            spec += ["--speculative-draft-model-path", draft]
-        spec_extra = _speculative_and_model_flags(extra)
-        command = [sys.executable, "-m", "splitspec"]
-        verifier = [*command, "verifier", "--model-path", model, "--port", str(port + 1), "--metrics-port", str(port + 2),
-                    "--log-level", args.log_level, *spec, *extra]
-        if served:
-            verifier += ["--served-model-name", served]
-        services = []
-        drafter_addr = f"tcp://127.0.0.1:{port + 3}"
-        if algorithm and args.drafters > 0:
-            verifier += ["--drafter-bind-addr", drafter_addr, "--wait-for-drafters", "1"]
-        services.append(Service("verifier", verifier))
-        for i in range(args.drafters if algorithm else 0):
-            services.append(Service(f"drafter-{i + 1}", [*command, "drafter", "--verifier-drafter-addr", drafter_addr,
-                                                          "--drafter-name", f"drafter-{i + 1}", "--model-path", model,
-                                                          "--log-level", args.log_level, *spec, *spec_extra]))
-        gateway = [*command, "gateway", "--host", args.host, "--port", str(port), "--verifier", f"127.0.0.1:{port + 1}",
-                   "--log-level", args.log_level]
-        if args.api_key:
-            gateway += ["--api-key", args.api_key]
-        services.append(Service("gateway", gateway))
-        return services
+        commands = service_commands(model, draft, algorithm, served, extra, args.drafters, args.port, args.host,
+                                    args.log_level, args.api_key)
+        python = [sys.executable, "-m", "splitspec"]
+        return [Service(name, python + argv[1:]) for name, argv in commands]
 
     # processes ---------------------------------------------------------------------------------------
     def start(self, service: Service) -> None:
@@ -224,6 +203,42 @@ class Launcher:
                 f"prompt='def fibonacci(n):', max_tokens=64, temperature=0).choices[0].text)\"\n"
                 f"  metrics: {self.url}/metrics (gateway), http://127.0.0.1:{self.args.port + 2}/metrics (verifier); "
                 "Ctrl-C stops everything")
+
+
+def service_commands(model: str, draft: str | None, algorithm: str | None, served: str | None, extra: list[str],
+                     drafters: int, port: int, host: str, log_level: str, api_key: str | None = None,
+                     topology: str = "local") -> list[tuple[str, list[str]]]:
+    """(service name, `splitspec ...` argv) of every service. topology "local": processes on this machine
+    (verifier on 127.0.0.1, drafters named drafter-i); "compose": containers (every service binds
+    0.0.0.0 and finds the verifier by its service name; one drafter service, scaled, names its replicas
+    by hostname)."""
+    compose = topology == "compose"
+    verifier_host = "verifier" if compose else "127.0.0.1"
+    spec = ["--speculative-algorithm", algorithm] if algorithm else []
+    if draft:
+        spec += ["--speculative-draft-model-path", draft]
+    verifier = ["splitspec", "verifier", "--model-path", model, *(["--host", "0.0.0.0"] if compose else []),
+                "--port", str(port + 1), "--metrics-port", str(port + 2), "--log-level", log_level, *spec, *extra]
+    if served:
+        verifier += ["--served-model-name", served]
+    drafter_addr = f"tcp://{verifier_host}:{port + 3}"
+    if algorithm and drafters > 0:
+        bind = f"tcp://0.0.0.0:{port + 3}" if compose else drafter_addr
+        verifier += ["--drafter-bind-addr", bind, "--wait-for-drafters", "1"]
+    commands = [("verifier", verifier)]
+    drafter = ["splitspec", "drafter", "--verifier-drafter-addr", drafter_addr, "--model-path", model,
+               "--log-level", log_level, *spec, *_speculative_and_model_flags(extra)]
+    if algorithm and compose and drafters > 0:
+        commands.append(("drafter", drafter))
+    elif algorithm:
+        commands += [(f"drafter-{i + 1}", [*drafter[:4], "--drafter-name", f"drafter-{i + 1}", *drafter[4:]])
+                     for i in range(drafters)]
+    gateway = ["splitspec", "gateway", "--host", "0.0.0.0" if compose else host, "--port", str(port),
+               "--verifier", f"{verifier_host}:{port + 1}", "--log-level", log_level]
+    if api_key:
+        gateway += ["--api-key", api_key]
+    commands.append(("gateway", gateway))
+    return commands
 
 
 def _speculative_and_model_flags(extra: list[str]) -> list[str]:
