@@ -111,3 +111,22 @@ def test_prometheus_config_passes_promtool():
     assert result.returncode == 0, result.stdout + result.stderr
     datasource = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_gpu_override_gives_each_drafter_its_own_gpu():
+    from jsonschema import Draft7Validator
+
+    doc = yaml.safe_load((COMPOSE / "compose.gpu.yaml").read_text())
+    path = next((p / "compose-spec.json" for p in SCHEMAS if (p / "compose-spec.json").is_file()), None)
+    if path is not None:
+        errors = list(Draft7Validator(json.loads(path.read_text())).iter_errors(doc))
+        assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
+    devices = {}
+    for name, service in doc["services"].items():
+        reservations = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        for device in reservations:
+            devices[name] = tuple(device["device_ids"])
+    drafters = [n for n in doc["services"] if n.startswith("drafter-gpu")]
+    assert len(drafters) >= 2 and all(doc["services"][n]["build"]["target"] == "drafter" for n in drafters)
+    assert len(set(devices.values())) == len(devices)  # no two services share a GPU
+    assert doc["services"]["drafter"]["deploy"]["replicas"] == 0
