@@ -141,6 +141,28 @@ class Choice:
     error: APIError | None = None
 
 
+class LatencyClock:
+    """A request's latency metrics: time to first token, the gaps between token deliveries, end to end."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival: float):
+        self.metrics, self.arrival = metrics, arrival
+        self.last: float | None = None
+
+    def delivered(self, delta) -> None:
+        if isinstance(delta, StreamBroken) or not delta.token_ids:
+            return
+        now = time.perf_counter()
+        model = self.metrics.model
+        if self.last is None:
+            self.metrics.ttft.labels(**model).observe(now - self.arrival)
+        else:
+            self.metrics.itl.labels(**model).observe(now - self.last)
+        self.last = now
+
+    def done(self) -> None:
+        self.metrics.e2e.labels(**self.metrics.model).observe(time.perf_counter() - self.arrival)
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig, codec: TextCodec | None = None):
         self.config = config
@@ -369,11 +391,13 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "server_error", code="internal_error")
                             .body(), status_code=500)
 
+    def authorized(request: Request) -> None:
+        if config.api_key is not None and request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+            raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                           "invalid_request_error", code="invalid_api_key")
+
     async def read_body(request: Request):
-        if config.api_key is not None:
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                               "invalid_request_error", code="invalid_api_key")
+        authorized(request)
         limit = config.max_request_body_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -440,20 +464,13 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         return JSONResponse(whole_response(g, prompts, choices, rid, chat))
 
     async def collect(choices: list[Choice], arrival: float) -> None:
-        first, last = None, None
+        clock = LatencyClock(gateway.metrics, arrival)
         for choice in choices:
             while choice.finish_reason is None:
                 delta = await choice.queue.get()
-                now = time.perf_counter()
-                if not isinstance(delta, StreamBroken) and delta.token_ids:
-                    if first is None:
-                        first = now
-                        gateway.metrics.ttft.labels(**gateway.metrics.model).observe(now - arrival)
-                    elif last is not None:
-                        gateway.metrics.itl.labels(**gateway.metrics.model).observe(now - last)
-                    last = now
+                clock.delivered(delta)
                 gateway.absorb(choice, delta)
-        gateway.metrics.e2e.labels(**gateway.metrics.model).observe(time.perf_counter() - arrival)
+        clock.done()
 
     def whole_response(g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool) -> dict:
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -500,7 +517,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                     return
 
         pumps = [asyncio.get_running_loop().create_task(pump(c)) for c in choices]
-        first, last, sent_done = None, None, False
+        clock, sent_done = LatencyClock(gateway.metrics, arrival), False
         try:
             if chat:
                 for c in choices:
@@ -513,14 +530,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                     continue
                 before = len(c.logprobs)
                 text = gateway.absorb(c, delta)
-                now = time.perf_counter()
-                if not isinstance(delta, StreamBroken) and delta.token_ids:
-                    if first is None:
-                        first = now
-                        gateway.metrics.ttft.labels(**gateway.metrics.model).observe(now - arrival)
-                    elif last is not None:
-                        gateway.metrics.itl.labels(**gateway.metrics.model).observe(now - last)
-                    last = now
+                clock.delivered(delta)
                 if c.error is not None:
                     open_choices -= 1
                     gateway.finished(c)
@@ -536,7 +546,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                     gateway.finished(c)
                     yield chunk(piece_body(c, "", [], finish or "stop"), speculative=gateway.speculative([c], g))
             else:
-                gateway.metrics.e2e.labels(**gateway.metrics.model).observe(time.perf_counter() - arrival)
+                clock.done()
                 if g.include_usage:
                     body = {"id": rid, "object": kind, "created": created, "model": gateway.model_name, "choices": [],
                             "usage": gateway.usage(choices, prompts)}
@@ -563,11 +573,6 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         info = gateway.client.info
         return {"id": gateway.model_name, "object": "model", "created": gateway.created, "owned_by": "splitspec",
                 "root": info.model_path, "max_model_len": info.max_context_tokens}
-
-    def authorized(request: Request) -> None:
-        if config.api_key is not None and request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-            raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                           "invalid_request_error", code="invalid_api_key")
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -78,10 +78,6 @@ class VerifierClient:
     def done(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._queues)
-
     def _ensure_stream(self) -> None:
         if self._reader is not None and not self._reader.done():
             return

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 PASS_THROUGH = True  # cli.main hands unknown flags over as args.passthrough
 DEMO_DRAFT = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}
@@ -72,7 +72,6 @@ class Service:
     process: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
-    threads: list = field(default_factory=list)
 
 
 class Launcher:
