@@ -14,9 +14,10 @@ def envelope(name: str, epoch: int, session: int, **kind) -> pb.DrafterMessage:
     return message
 
 
-def register(algorithm: str, draft_model: str, vocab_size: int, layers: list[int], capacity: int, max_nodes: int) -> pb.Register:
+def register(algorithm: str, draft_model: str, vocab_size: int, layers: list[int], capacity: int, max_nodes: int,
+             metrics_port: int = 0, metrics_host: str = "") -> pb.Register:
     return pb.Register(algorithm=algorithm, draft_model=draft_model, vocab_size=vocab_size, hidden_state_layers=layers,
-                       capacity=capacity, max_tree_nodes=max_nodes)
+                       capacity=capacity, max_tree_nodes=max_nodes, metrics_port=metrics_port, metrics_host=metrics_host)
 
 
 def heartbeat(num_requests: int, steps: int) -> pb.Heartbeat:

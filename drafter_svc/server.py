@@ -34,7 +34,8 @@ class RefusedError(RuntimeError):
 class DrafterServer:
     def __init__(self, drafter: Drafter, address: str, name: str, capacity: int, max_nodes: int,
                  heartbeat_interval: float = 0.25, verifier_timeout: float = 5.0, draft_model: str = "",
-                 vocab_size: int = 0, hidden_state_layers: tuple[int, ...] = ()):
+                 vocab_size: int = 0, hidden_state_layers: tuple[int, ...] = (), metrics=None,
+                 metrics_port: int = 0, metrics_host: str = ""):
         import zmq
 
         self.zmq = zmq
@@ -49,6 +50,8 @@ class DrafterServer:
         self.steps = 0
         self.dropped = 0  # messages from the verifier that could not be used
         self.plane = FramePlane()
+        self.metrics = metrics  # DrafterMetrics or None
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host  # told to the verifier at registration
         runner = getattr(drafter, "runner", None)
         self.device = runner.device if runner is not None else "cpu"
         self.context = zmq.Context.instance()
@@ -66,13 +69,19 @@ class DrafterServer:
 
     def _send(self, **kind) -> None:
         message = convert.envelope(self.name, self.epoch, self.session, **kind)
+        data = message.SerializeToString()
         try:
-            self.socket.send(message.SerializeToString(), self.zmq.NOBLOCK)
+            self.socket.send(data, self.zmq.NOBLOCK)
         except self.zmq.Again:  # no verifier connected (yet): registration and heartbeats retry
-            pass
+            return
+        if self.metrics is not None:
+            self.metrics.bytes.labels(direction="sent").inc(len(data))
 
     # state ------------------------------------------------------------------------------------------
-    def _reset(self, why: str) -> None:
+    def _reset(self, why: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.resets.labels(reason=reason).inc()
+            self.metrics.registered.set(0)
         if self.session or self.requests:
             logger.warning("%s: dropping %d requests of session %d and registering again", why, len(self.requests), self.session)
         for request_id in self.requests:
@@ -82,7 +91,7 @@ class DrafterServer:
 
     def _register(self) -> None:
         self._send(register=convert.register(self.drafter.name, self.draft_model, self.vocab_size, self.hidden_state_layers,
-                                             self.capacity, self.max_nodes))
+                                             self.capacity, self.max_nodes, self.metrics_port, self.metrics_host))
 
     # loop -------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -100,26 +109,35 @@ class DrafterServer:
                 self._send(heartbeat=convert.heartbeat(len(self.requests), self.steps))
                 last_heartbeat = now
             if self.session and now - last_heard > self.verifier_timeout:
-                self._reset(f"no word from the verifier for {self.verifier_timeout:.1f} s")
+                self._reset(f"no word from the verifier for {self.verifier_timeout:.1f} s", "verifier_silent")
                 self._connect()
                 last_heard = now
             if self.socket.poll(timeout=int(self.heartbeat_interval * 1000) or 1):
                 frames = self.socket.recv_multipart(copy=False)
                 last_heard = time.monotonic()
+                if self.metrics is not None:
+                    self.metrics.bytes.labels(direction="received").inc(sum(len(f) for f in frames))
                 try:
                     self._handle(frames)
                 except RefusedError:
                     raise
                 except Exception:  # a bug or a bad message must not take the drafter down; the verifier times out
                     logger.exception("failed to handle a message from the verifier; dropped")
-                    self.dropped += 1
+                    self._count_drop()
+                if self.metrics is not None:
+                    self.metrics.held.set(len(self.requests))
 
     def stop(self) -> None:
         self.stopping = True
 
     def _drop(self, why: str) -> None:
-        self.dropped += 1
+        self._count_drop()
         logger.warning("dropped a message from the verifier: %s", why)
+
+    def _count_drop(self) -> None:
+        self.dropped += 1
+        if self.metrics is not None:
+            self.metrics.dropped.inc()
 
     def _handle(self, frames) -> None:
         try:
@@ -137,15 +155,18 @@ class DrafterServer:
                 if reply.heartbeat_timeout_seconds > 0:  # beat well inside the verifier's patience
                     self.heartbeat_interval = min(self.heartbeat_interval, reply.heartbeat_timeout_seconds / 4)
                 logger.info("registered with verifier epoch %d as session %d", self.verifier_epoch, self.session)
+                if self.metrics is not None:
+                    self.metrics.registered.set(1)
+                    self.metrics.registrations.inc()
             return
         if self.session == 0 or message.session != self.session:
             return  # for an old session: stale
         if message.verifier_epoch != self.verifier_epoch:
-            self._reset("the verifier restarted")
+            self._reset("the verifier restarted", "verifier_restarted")
             return
         if kind == "heartbeat_reply":
             if not message.heartbeat_reply.known:
-                self._reset("the verifier no longer knows this session")
+                self._reset("the verifier no longer knows this session", "unknown_session")
         elif kind == "open":
             self._open(message, frames[1:])
         elif kind == "draft":
@@ -229,7 +250,21 @@ class DrafterServer:
                     trees.append(None)
         self.steps += 1
         pairs = [(a.request_id, t) for a, t in zip(asks, trees) if t is not None]
-        self._send(draft_reply=convert.draft_reply(message.draft.step_id, pairs, time.perf_counter() - start, unknown))
+        seconds = time.perf_counter() - start
+        self._send(draft_reply=convert.draft_reply(message.draft.step_id, pairs, seconds, unknown))
+        if self.metrics is not None:
+            self._observe_step(len(asks), pairs, seconds)
+
+    def _observe_step(self, batch: int, pairs, seconds: float) -> None:
+        metrics = self.metrics
+        metrics.steps.inc()
+        metrics.batch.observe(batch)
+        metrics.compute.observe(seconds)
+        metrics.trees.inc(len(pairs))
+        metrics.proposed.inc(sum(len(tree.tokens) - 1 for _, tree in pairs))
+        cache = getattr(getattr(self.drafter, "runner", None), "kv_cache", None)
+        if cache is not None:
+            metrics.kv_usage.set(cache.allocator.num_used / cache.allocator.num_pages)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Seconds between heartbeats to the verifier.")
     group.add_argument("--verifier-timeout", type=float, default=5.0,
                        help="Seconds without a word from the verifier before dropping all requests and registering again.")
+    group.add_argument("--metrics-port", type=int, default=None,
+                       help="Serve this drafter's Prometheus metrics on this port at /metrics; 0 picks a free port "
+                       "(default: no metrics server). The verifier lists the endpoint in its service discovery "
+                       "(GET /sd/drafters on its --metrics-port) while this drafter is registered.")
+    group.add_argument("--metrics-host", default="127.0.0.1",
+                       help="Address the metrics endpoint binds. 0.0.0.0 (or ::) lets other hosts scrape it; the "
+                       "verifier then advertises the address it sees this drafter connect from.")
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
     model = parser.add_argument_group("draft model (model drafters)")
     model.add_argument("--model-path", "--model", dest="model_path", default=None,
@@ -284,11 +326,33 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = args.drafter_name or f"{socket.gethostname()}:{os.getpid()}"
     model_drafter = args.speculative_algorithm in engine_args.MODEL_ALGORITHMS
+    metrics, metrics_port, metrics_host = None, 0, ""
+    if args.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from splitspec.drafter_svc.metrics import DrafterMetrics
+        from splitspec.metrics_http import start_metrics_server
+
+        registry = CollectorRegistry()
+        runner = getattr(drafter, "runner", None)
+        metrics = DrafterMetrics(registry, name, args.speculative_algorithm,
+                                 args.speculative_draft_model_path or "" if model_drafter else "",
+                                 runner.device if runner is not None else "cpu")
+        try:
+            http = start_metrics_server(registry, args.metrics_host, args.metrics_port)
+        except OSError as exc:
+            print(f"splitspec drafter: error: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: {exc}",
+                  file=__import__("sys").stderr)
+            return 2
+        metrics_port = http.server_address[1]
+        metrics_host = "" if args.metrics_host in ("0.0.0.0", "::", "") else args.metrics_host
+        logger.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics_port)
     server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,
                            args.heartbeat_interval, args.verifier_timeout,
                            draft_model=args.speculative_draft_model_path or "" if model_drafter else "",
                            vocab_size=drafter.vocab_size if model_drafter else 0,
-                           hidden_state_layers=drafter.hidden_state_layers)
+                           hidden_state_layers=drafter.hidden_state_layers, metrics=metrics,
+                           metrics_port=metrics_port, metrics_host=metrics_host)
     try:
         server.serve()
     except RefusedError as exc:

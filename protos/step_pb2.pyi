@@ -31,20 +31,24 @@ class DrafterIdentity(_message.Message):
     def __init__(self, name: _Optional[str] = ..., instance_epoch: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("algorithm", "draft_model", "vocab_size", "hidden_state_layers", "capacity", "max_tree_nodes")
+    __slots__ = ("algorithm", "draft_model", "vocab_size", "hidden_state_layers", "capacity", "max_tree_nodes", "metrics_port", "metrics_host")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_HOST_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     draft_model: str
     vocab_size: int
     hidden_state_layers: _containers.RepeatedScalarFieldContainer[int]
     capacity: int
     max_tree_nodes: int
-    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    metrics_port: int
+    metrics_host: str
+    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("num_requests", "steps")

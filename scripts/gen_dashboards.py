@@ -1,6 +1,8 @@
 """Writes the provisioned Grafana dashboards (deploy/compose/grafana/dashboards/*.json) from the panel
-lists below: `python scripts/gen_dashboards.py`. tests/test_dashboards.py checks the committed files
-equal this output, validates them, and runs every panel's PromQL against a real Prometheus under load.
+lists below, and compose's Prometheus configuration (deploy/compose/prometheus.yml, the launcher's
+prometheus_config): `python scripts/gen_dashboards.py`. tests/test_dashboards.py checks the committed
+files equal this output, validates them, and runs every panel's PromQL against a real Prometheus
+under load.
 
 Panels follow vLLM's speculative-decoding dashboard (acceptance rate and length, per-position
 acceptance, drafts/s, draft tokens proposed/accepted/rejected, share of output from drafts,
@@ -15,7 +17,8 @@ import sys
 from pathlib import Path
 
 DATASOURCE = {"type": "prometheus", "uid": "splitspec-prometheus"}
-OUT = Path(__file__).resolve().parent.parent / "deploy" / "compose" / "grafana" / "dashboards"
+COMPOSE = Path(__file__).resolve().parent.parent / "deploy" / "compose"
+OUT = COMPOSE / "grafana" / "dashboards"
 W = "[1m]"
 
 
@@ -95,6 +98,27 @@ DASHBOARDS = {
         ("Re-pins and registrations", "timeseries", "short",
          [("sum(splitspec:drafter_repins_total)", "re-pinned requests"),
           ("sum by (outcome) (splitspec:drafter_registrations_total)", "registrations {{outcome}}")]),
+        # the drafters' own endpoints, found through the verifier's /sd/drafters
+        ("Drafter endpoints up", "stat", "short", [('sum(up{job="splitspec-drafters"})', "up")]),
+        ("Requests held by drafter (its own count)", "timeseries", "short",
+         [("sum by (drafter) (splitspec:drafter_held_requests)", "{{drafter}}")]),
+        ("Drafter compute per step (s)", "timeseries", "s", q("splitspec:drafter_compute_seconds", (0.5, 0.99), by="drafter")),
+        ("Drafter batch size (mean requests per step)", "timeseries", "short",
+         [(f"{rate('splitspec:drafter_step_batch_size_sum', 'drafter')} / {rate('splitspec:drafter_step_batch_size_count', 'drafter')}",
+           "{{drafter}}")]),
+        ("Draft tokens proposed/s by drafter", "timeseries", "short",
+         [(rate("splitspec:drafter_proposed_tokens_total", "drafter"), "{{drafter}}")]),
+        ("Draft-model KV cache usage", "timeseries", "percentunit",
+         [("max by (drafter) (splitspec:drafter_kv_cache_usage)", "{{drafter}}")]),
+        ("Drafter CPU (cores)", "timeseries", "short",
+         [('rate(process_cpu_seconds_total{job="splitspec-drafters"}[1m]) * on (instance) group_left (drafter) '
+           "splitspec:drafter_info", "{{drafter}}")]),
+        ("Drafter memory (RSS)", "timeseries", "bytes",
+         [('process_resident_memory_bytes{job="splitspec-drafters"} * on (instance) group_left (drafter) '
+           "splitspec:drafter_info", "{{drafter}}")]),
+        ("Drafter session resets and dropped messages", "timeseries", "short",
+         [("sum by (reason) (splitspec:drafter_session_resets_total) or vector(0)", "resets {{reason}}"),
+          ("sum(splitspec:drafter_dropped_messages_total)", "dropped messages")]),
     ]),
 }
 
@@ -120,11 +144,19 @@ def render() -> dict[str, str]:
             for uid, (title, panels) in DASHBOARDS.items()}
 
 
+def render_prometheus() -> str:
+    from splitspec.launcher import prometheus_config
+
+    return prometheus_config("compose", 30000)
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     for name, text in render().items():
         (OUT / name).write_text(text)
         print(f"wrote {OUT / name}", file=sys.stderr)
+    (COMPOSE / "prometheus.yml").write_text(render_prometheus())
+    print(f"wrote {COMPOSE / 'prometheus.yml'}", file=sys.stderr)
     return 0
 
 

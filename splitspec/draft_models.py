@@ -137,6 +137,18 @@ def capture_for(runner, layers: tuple[int, ...]) -> None:
         runner.set_capture_layers(layers)
 
 
+def draft_attention_backend(args: argparse.Namespace) -> str:
+    """--speculative-draft-attention-backend, else --attention-backend; a name whose kernels are not
+    implemented yet (SGLang's) is served by torch, logged."""
+    from splitspec.runtime.attention import ATTENTION_BACKENDS
+
+    name = getattr(args, "speculative_draft_attention_backend", None) or getattr(args, "attention_backend", "torch")
+    if name not in ATTENTION_BACKENDS:
+        logger.warning("draft attention backend %s is not implemented yet; the draft model runs with torch", name)
+        return "torch"
+    return name
+
+
 def validate_draft_options(args: argparse.Namespace) -> None:
     """SGLang's draft loading flags: what this build honours, refuses or ignores (logged)."""
     quantization = getattr(args, "speculative_draft_model_quantization", None)
@@ -174,7 +186,7 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
     runner = ModelRunner.load(RuntimeConfig(
         model_path=str(path), dtype=args.dtype, device=args.device, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
-        mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=args.attention_backend,
+        mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=draft_attention_backend(args),
         family=None if kind == "standalone" else kind))
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
     layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()

@@ -33,6 +33,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
 def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier") -> None:
     """SGLang's --speculative-* flags; side="drafter" leaves out what only the verifier decides
     (acceptance rules)."""
+    from splitspec.runtime.args import ATTENTION_BACKENDS, SGLANG_ATTENTION_BACKENDS
+
     group = parser.add_argument_group("speculative decoding (SGLang's flags)")
     group.add_argument("--speculative-algorithm", default=None, type=_algorithm, choices=ALGORITHMS,
                        help="Draft with this algorithm and verify losslessly (default: no speculation). NGRAM: "
@@ -53,6 +55,13 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
     group.add_argument("--speculative-draft-model-quantization", default=None, choices=("unquant", "fp8"),
                        help="Quantization of the draft's weights: unquant (the default: the draft runs in --dtype). fp8 "
                        "is refused at start until the GPU kernels land.")
+    group.add_argument("--speculative-draft-attention-backend", default=None, choices=sorted({*ATTENTION_BACKENDS, *SGLANG_ATTENTION_BACKENDS}),
+                       help="Attention kernels of the draft model (default: the same as --attention-backend). SGLang's "
+                       "names that are not implemented yet are served by torch (logged).")
+    group.add_argument("--speculative-attention-mode", default="prefill", choices=("prefill", "decode"),
+                       help="SGLang's attention mode for target verification and draft extension. Accepted either way: "
+                       "splitspec verifies a tree and extends a draft with one masked attention pass over the paged "
+                       "cache, which is both.")
     group.add_argument("--speculative-moe-runner-backend", default=None, choices=MOE_RUNNER_BACKENDS,
                        help="SGLang's MoE runner for the draft; the drafts served here are dense (MoE drafts are out "
                        "of scope), so it is checked and logged as a no-op.")

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Seconds to wait for the services to serve before giving up.")
     parser.add_argument("--max-restarts", type=int, default=10,
                         help="Restarts of one service before the launcher gives up on it.")
+    parser.add_argument("--prometheus-config", default=None, metavar="FILE",
+                        help="Write a Prometheus configuration that scrapes this launch (the gateway, the verifier, and "
+                        "every drafter through the verifier's service discovery) to FILE; run "
+                        "`prometheus --config.file=FILE`. deploy/compose/prometheus.yml is the same for compose.")
     return parser
 
 
@@ -104,6 +108,9 @@ class Launcher:
         commands = service_commands(model, draft, algorithm, served, extra, args.drafters, args.port, args.host,
                                     args.log_level, args.api_key)
         python = [sys.executable, "-m", "splitspec"]
+        if args.prometheus_config:
+            with open(args.prometheus_config, "w") as f:
+                f.write(prometheus_config("local", args.port, self.url.split("//", 1)[1].rsplit(":", 1)[0]))
         return [Service(name, python + argv[1:]) for name, argv in commands]
 
     # processes ---------------------------------------------------------------------------------------
@@ -200,8 +207,10 @@ class Launcher:
                 f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{self.url}/v1', "
                 f"api_key='{self.args.api_key or 'none'}'); print(c.completions.create(model='{self.model_name}', "
                 f"prompt='def fibonacci(n):', max_tokens=64, temperature=0).choices[0].text)\"\n"
-                f"  metrics: {self.url}/metrics (gateway), http://127.0.0.1:{self.args.port + 2}/metrics (verifier); "
-                "Ctrl-C stops everything")
+                f"  metrics: {self.url}/metrics (gateway), http://127.0.0.1:{self.args.port + 2}/metrics (verifier), "
+                f"drafters listed at http://127.0.0.1:{self.args.port + 2}/sd/drafters"
+                + (f"; prometheus --config.file={self.args.prometheus_config}" if self.args.prometheus_config else "")
+                + "\n  Ctrl-C stops everything")
 
 
 def service_commands(model: str, draft: str | None, algorithm: str | None, served: str | None, extra: list[str],
@@ -225,8 +234,11 @@ def service_commands(model: str, draft: str | None, algorithm: str | None, serve
         bind = f"tcp://0.0.0.0:{port + 3}" if compose else drafter_addr
         verifier += ["--drafter-bind-addr", bind, "--wait-for-drafters", "1"]
     commands = [("verifier", verifier)]
+    # drafters serve their own /metrics (the verifier advertises them at /sd/drafters): in a container
+    # on a fixed port, on every interface; as local processes on a free port each
+    metrics = ["--metrics-host", "0.0.0.0", "--metrics-port", str(port + 4)] if compose else ["--metrics-port", "0"]
     drafter = ["splitspec", "drafter", "--verifier-drafter-addr", drafter_addr, "--model-path", model,
-               "--log-level", log_level, *spec, *_speculative_and_model_flags(extra)]
+               "--log-level", log_level, *metrics, *spec, *_speculative_and_model_flags(extra)]
     if algorithm and compose and drafters > 0:
         commands.append(("drafter", drafter))
     elif algorithm:
@@ -238,6 +250,31 @@ def service_commands(model: str, draft: str | None, algorithm: str | None, serve
         gateway += ["--api-key", api_key]
     commands.append(("gateway", gateway))
     return commands
+
+
+def prometheus_config(topology: str, port: int, host: str = "127.0.0.1", scrape_interval: str = "5s") -> str:
+    """The Prometheus configuration for a launch: the gateway and the verifier by address, the drafters
+    by the verifier's HTTP service discovery (they come, go and move; the verifier knows which are
+    registered and where their /metrics are). topology "compose" addresses services by name."""
+    gateway, verifier = (("gateway", "verifier") if topology == "compose" else (host, "127.0.0.1"))
+    return f"""# Prometheus for splitspec ({topology}): written by `splitspec up --prometheus-config` and
+# scripts/gen_dashboards.py. The gateway and the verifier are scraped by address; the drafters through the
+# verifier's HTTP service discovery (GET /sd/drafters), which lists every registered drafter's /metrics.
+global:
+  scrape_interval: {scrape_interval}
+  evaluation_interval: {scrape_interval}
+scrape_configs:
+  - job_name: splitspec-gateway
+    static_configs:
+      - targets: ["{gateway}:{port}"]
+  - job_name: splitspec-verifier
+    static_configs:
+      - targets: ["{verifier}:{port + 2}"]
+  - job_name: splitspec-drafters
+    http_sd_configs:
+      - url: http://{verifier}:{port + 2}/sd/drafters
+        refresh_interval: {scrape_interval}
+"""
 
 
 def _speculative_and_model_flags(extra: list[str]) -> list[str]:

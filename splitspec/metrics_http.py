@@ -8,8 +8,11 @@ stores none of the samples. The text format keeps the names intact, so the endpo
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -22,17 +25,24 @@ def metrics_text(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> ThreadingHTTPServer:
-    """Serve GET /metrics on host:port from a daemon thread; returns the server (its port is bound)."""
+def start_metrics_server(registry: CollectorRegistry, host: str, port: int,
+                         json_routes: dict[str, Callable[[], object]] | None = None) -> ThreadingHTTPServer:
+    """Serve GET /metrics on host:port from a daemon thread; returns the server (its port is bound).
+    json_routes: more paths, each answered with its callable's result as JSON (e.g. /sd/drafters)."""
+    json_routes = dict(json_routes or {})
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
-            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                self.send_error(404, "only /metrics is served here")
+            path = self.path.split("?", 1)[0]
+            if path in json_routes:
+                body, content_type = json.dumps(json_routes[path]()).encode(), "application/json"
+            elif path in ("/metrics", "/"):
+                body, content_type = metrics_text(registry), CONTENT_TYPE
+            else:
+                self.send_error(404, f"served here: /metrics {' '.join(json_routes)}".strip())
                 return
-            body = metrics_text(registry)
             self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -40,7 +50,13 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> T
         def log_message(self, format, *args):  # scrapes every few seconds would flood the log
             logger.debug("metrics: " + format, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server_class = ThreadingHTTPServer
+    if ":" in host:  # an IPv6 address
+
+        class server_class(ThreadingHTTPServer):  # noqa: N801
+            address_family = socket.AF_INET6
+
+    server = server_class((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server

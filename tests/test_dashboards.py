@@ -1,7 +1,8 @@
 """The provisioned Grafana dashboards: the committed JSON is what scripts/gen_dashboards.py writes; every
 panel uses the provisioned datasource, has a unique id and a query; and under load on `splitspec up`
-(EAGLE drafters in their own processes) a real Prometheus scraping the gateway and the verifier returns
-data for every query of every panel."""
+(EAGLE drafters in their own processes) a real Prometheus running the configuration the launcher writes
+(the gateway and the verifier by address, the drafters through the verifier's /sd/drafters) has every
+target up and returns data for every query of every panel."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def dashboards() -> dict[str, dict]:
 
 def test_dashboards_are_generated_and_valid():
     assert {name: json.dumps(d, indent=2) + "\n" for name, d in dashboards().items()} == generator().render()
+    # compose's Prometheus configuration is the launcher's, for the compose topology
+    assert (REPO / "deploy" / "compose" / "prometheus.yml").read_text() == generator().render_prometheus()
     datasource = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())["datasources"][0]
     provider = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "splitspec.yml").read_text())["providers"][0]
     compose = yaml.safe_load((REPO / "deploy" / "compose" / "compose.yaml").read_text())
@@ -61,12 +64,19 @@ def test_dashboards_are_generated_and_valid():
 def test_every_panel_query_returns_data_under_load(tmp_path):
     from test_verifier_service import Prometheus
 
-    up = Up("--drafters", "2", "--speculative-algorithm", "EAGLE", "--log-level", "warning")
+    config_file = tmp_path / "prometheus-up.yml"
+    up = Up("--drafters", "2", "--speculative-algorithm", "EAGLE", "--log-level", "warning",
+            "--prometheus-config", str(config_file))
     server, workers = None, []
     stop = threading.Event()
     try:
         up.wait_for_line(r"serving splitspec-demo at ")
-        server = Prometheus(tmp_path, [up.port, up.port + 2])
+        config = yaml.safe_load(config_file.read_text())
+        assert {job["job_name"] for job in config["scrape_configs"]} == {"splitspec-gateway", "splitspec-verifier",
+                                                                         "splitspec-drafters"}
+        config["global"] = {"scrape_interval": "500ms", "evaluation_interval": "500ms"}  # the test's pace
+        config["scrape_configs"][-1]["http_sd_configs"][0]["refresh_interval"] = "1s"
+        server = Prometheus(tmp_path, config_text=yaml.safe_dump(config))
 
         def load():
             prompts = [f"def handler_{i}(request):\n" for i in range(6)]
@@ -83,7 +93,12 @@ def test_every_panel_query_returns_data_under_load(tmp_path):
             w.start()
         deadline = time.time() + 120  # scrapes every 0.5 s; rates need two samples with traffic between them
         while True:
-            empty = []
+            targets = server.targets()
+            empty = [f"target {t['scrapeUrl']} ({t['labels']['job']}): {t['health']} {t['lastError']}"
+                     for t in targets if t["health"] != "up"]
+            jobs = sorted(t["labels"]["job"] for t in targets)
+            if jobs != ["splitspec-drafters", "splitspec-drafters", "splitspec-gateway", "splitspec-verifier"]:
+                empty.append(f"targets: {jobs}")
             for name, board in dashboards().items():
                 for panel in board["panels"]:
                     for target in panel["targets"]:

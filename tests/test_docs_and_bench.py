@@ -33,22 +33,37 @@ def test_cli_lists_commands_and_refuses_unknown():
 
 
 def test_readme_main_command_runs():
-    """The README's main command, as written there, minus the set-up wrapper (the suite runs in it):
-    it serves the demo target with no --model-path and prints a completion."""
+    """The README's main command, as written there minus the set-up wrapper (the suite runs in it) and on
+    a free port: `splitspec up` serves the demo models with no --model-path; the curl and the openai
+    examples it prints, run as printed, get completions; Ctrl-C stops it."""
+    import re
     import shlex
 
+    from test_launcher import Up
+
     readme = (REPO / "README.md").read_text()
-    block = readme.split("```bash\nbash scripts/run.sh generate", 1)[1].split("```", 1)[0]
+    block = readme.split("```bash\nbash scripts/run.sh up", 1)[1].split("```", 1)[0]
     flags = shlex.split(block.replace("\\\n", " "))
-    assert "--model-path" not in flags
-    command = [sys.executable, "-P", "-m", "splitspec", "generate", *flags, "--log-level", "warning"]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
-    as_json = subprocess.run([*command, "--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
-    out = json.loads(as_json.stdout)
-    assert out["finish_reason"] in ("stop", "length") and 0 < len(out["output_ids"]) <= 64
-    assert result.stdout == out["text"] + "\n"
+    assert "--model-path" not in flags and "--model" not in flags
+    up = Up(*flags)
+    try:
+        up.wait_for_line(r"serving splitspec-demo at ")
+        lines = up.lines[next(i for i, line in enumerate(up.lines) if "serving splitspec-demo at " in line):]
+        curl = next(i for i, line in enumerate(lines) if line.strip().startswith("curl "))
+        command = lines[curl].strip() + "\n" + lines[curl + 1].strip()  # printed on two lines, joined by a backslash
+        answer = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+        assert answer.returncode == 0, answer.stderr
+        reply = json.loads(answer.stdout)
+        assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"], reply
+        assert reply["speculative"]["algorithm"] == "NGRAM", reply  # the demo speculates with NGRAM by default
+        python = next(line.strip() for line in lines if line.strip().startswith("python -c "))
+        code = shlex.split(python)[2]
+        printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert printed.returncode == 0 and printed.stdout.strip(), printed.stderr
+        assert re.search(r"Ctrl-C stops everything", "\n".join(lines))
+    finally:
+        code = up.stop()
+    assert code == 0 and up.lines[-1].endswith("all services stopped")
 
 
 def test_decode_benchmark_reports_json(tmp_path):

@@ -112,6 +112,17 @@ def test_up_serves_survives_a_killed_drafter_and_stops_on_sigint():
         while drafter_tokens(metrics_url, "drafter-2") <= before:  # the restarted drafter gets work again
             assert time.time() < deadline, "the restarted drafter-2 never drafted"
             asyncio.run(load(None))
+        # the verifier's service discovery lists the three drafters' own endpoints, the restarted one's too
+        groups = httpx.get(f"http://127.0.0.1:{up.port + 2}/sd/drafters", timeout=10).json()
+        assert sorted(g["labels"]["__meta_splitspec_drafter"] for g in groups) == ["drafter-1", "drafter-2", "drafter-3"]
+        for group in groups:
+            (target,) = group["targets"]
+            own = httpx.get(f"http://{target}/metrics", timeout=10).text
+            name = group["labels"]["__meta_splitspec_drafter"]
+            assert f'splitspec:drafter_registered{{algorithm="NGRAM",drafter="{name}"}} 1.0' in own
+            steps = [float(line.rsplit(" ", 1)[1]) for line in own.splitlines()
+                     if line.startswith("splitspec:drafter_steps_total{")]
+            assert steps and steps[0] > 0, own
         assert any(line.startswith("verifier  | ") for line in up.lines)  # service logs come prefixed
     finally:
         code = up.stop()

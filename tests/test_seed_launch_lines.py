@@ -93,3 +93,27 @@ def test_every_seed_launch_line_runs_as_splitspec_up(local_models):
             assert response.model_extra["speculative"]["algorithm"] == algorithm, (flags, response.model_extra)
         finally:
             assert up.stop() == 0, "\n".join(up.lines[-30:])
+
+
+def test_every_flag_the_seed_names_is_a_verifier_flag():
+    """Every --flag in the seed page (its tables, launch lines and tips) parses in `splitspec verifier`;
+    the ones that cannot be honoured are refused at start with the reason, SGLang's backend names map
+    to an implemented backend."""
+    from splitspec.cli import load_command
+    from splitspec.draft_models import draft_attention_backend
+    from splitspec.runtime.args import check_sglang_server_flags
+
+    path = next((p / "speculative_decoding.md" for p in SEEDS if (p / "speculative_decoding.md").is_file()), None)
+    if path is None:
+        pytest.skip("../shared/seed/speculative_decoding.md is not on this machine (CI always has it)")
+    named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]+", path.read_text()))
+    parser = load_command("verifier").build_parser()
+    known = {option for action in parser._actions for option in action.option_strings}
+    assert sorted(named - known) == [], "seed flags the verifier does not parse"
+    base = ["--device", "cpu", "--speculative-algorithm", "EAGLE"]
+    args = parser.parse_args([*base, "--speculative-draft-attention-backend", "fa3", "--speculative-attention-mode", "decode"])
+    assert draft_attention_backend(args) == "torch"  # fa3's kernels are not here: the draft runs with torch
+    assert draft_attention_backend(parser.parse_args(base)) == "torch"
+    for refused, flag in ((["--quantization", "fp8"], "--quantization fp8"), (["--enable-dp-attention"], "--enable-dp-attention")):
+        with pytest.raises(ValueError, match=flag):
+            check_sglang_server_flags(parser.parse_args([*base, *refused]), "splitspec verifier")

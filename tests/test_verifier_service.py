@@ -84,9 +84,10 @@ def tiny_verifier():
 
 
 class Prometheus:
-    """A real Prometheus server scraping the given /metrics ports every 0.5 s; query() asks its HTTP API."""
+    """A real Prometheus server scraping the given /metrics ports every 0.5 s (or running the given
+    configuration); query() asks its HTTP API."""
 
-    def __init__(self, tmp_path, targets: list[int]):
+    def __init__(self, tmp_path, targets: list[int] = (), config_text: str | None = None):
         import shutil
 
         binary = shutil.which("prometheus")
@@ -95,7 +96,7 @@ class Prometheus:
                 pytest.fail("prometheus is not installed (.ci/run installs Debian's prometheus package)")
             pytest.skip("prometheus is not installed (apt-get install prometheus)")
         config = tmp_path / "prometheus.yml"
-        config.write_text("global:\n  scrape_interval: 500ms\n  evaluation_interval: 500ms\nscrape_configs:\n"
+        config.write_text(config_text or "global:\n  scrape_interval: 500ms\n  evaluation_interval: 500ms\nscrape_configs:\n"
                           "  - job_name: splitspec-verifier\n    static_configs:\n"
                           f"      - targets: [{', '.join(repr(f'127.0.0.1:{t}') for t in targets)}]\n")
         self.port = free_port()
@@ -114,6 +115,11 @@ class Prometheus:
             return urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2).status == 200
         except OSError:
             return False
+
+    def targets(self) -> list[dict]:
+        """The active scrape targets: job, scrapeUrl, health ("up", "down", "unknown"), lastError."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/targets?state=active"
+        return json.loads(urllib.request.urlopen(url, timeout=10).read())["data"]["activeTargets"]
 
     def query(self, promql: str) -> float | None:
         url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": promql})

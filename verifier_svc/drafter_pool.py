@@ -47,6 +47,8 @@ class _Drafter:
     capacity: int
     max_nodes: int
     last_seen: float
+    metrics_target: str | None = None  # host:port of its Prometheus endpoint, when it serves one
+    algorithm: str = ""
     alive: bool = True
     pinned: set[str] = field(default_factory=set)
 
@@ -119,6 +121,16 @@ class DrafterPool(DrafterClient):
     def num_alive(self) -> int:
         with self._cond:
             return len(self._drafters)
+
+    def scrape_targets(self) -> list[dict]:
+        """Prometheus HTTP service discovery (http_sd_configs) of the live drafters' /metrics endpoints:
+        one target group per drafter, its pool name, algorithm and session as __meta_splitspec_* labels
+        (for relabelling; the drafters' samples carry their own `drafter` label)."""
+        with self._cond:
+            return [{"targets": [d.metrics_target],
+                     "labels": {"__meta_splitspec_drafter": d.name, "__meta_splitspec_algorithm": d.algorithm,
+                                "__meta_splitspec_session": str(d.session)}}
+                    for d in sorted(self._drafters.values(), key=lambda d: d.name) if d.metrics_target]
 
     def wait_for_drafters(self, count: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -380,7 +392,7 @@ class DrafterPool(DrafterClient):
         kind = message.WhichOneof("kind")
         with self._cond:
             if kind == "register":
-                self._register(identity, message)
+                self._register(identity, message, self._peer_host(frames[1]))
                 return
             drafter = self._drafters.get(message.sender.session)
             if drafter is None or drafter.identity != identity or drafter.instance_epoch != message.sender.instance_epoch:
@@ -401,7 +413,17 @@ class DrafterPool(DrafterClient):
             else:
                 self._drop(drafter.name, "malformed", f"unexpected message kind {kind!r}")
 
-    def _register(self, identity: bytes, message) -> None:
+    def _peer_host(self, frame) -> str:
+        """The address a message came from (its TCP peer); 127.0.0.1 for ipc/inproc peers (this host)."""
+        if not self.address.startswith("tcp://"):
+            return "127.0.0.1"
+        try:
+            host = frame.get("Peer-Address")
+        except Exception:  # noqa: BLE001 (libzmq without message metadata)
+            return ""
+        return f"[{host}]" if ":" in host else host
+
+    def _register(self, identity: bytes, message, peer_host: str = "") -> None:
         register, sender = message.register, message.sender
         problem = None
         if register.algorithm != self.algorithm:
@@ -428,11 +450,15 @@ class DrafterPool(DrafterClient):
                 return
             if other.name == sender.name:  # the same name again: a restarted drafter
                 self._declare_dead(other, "it registered again")
+        host = register.metrics_host or peer_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        target = f"{host}:{register.metrics_port}" if register.metrics_port and host else None
         drafter = _Drafter(identity, sender.name, sender.instance_epoch, next(self._sessions), register.capacity,
-                           register.max_tree_nodes, time.monotonic())
+                           register.max_tree_nodes, time.monotonic(), target, register.algorithm)
         self._drafters[drafter.session] = drafter
-        logger.info("drafter %s joined (%s, capacity %d, session %d); %d alive", drafter.name, register.algorithm,
-                    drafter.capacity, drafter.session, len(self._drafters))
+        logger.info("drafter %s joined (%s, capacity %d, session %d%s); %d alive", drafter.name, register.algorithm,
+                    drafter.capacity, drafter.session, f", metrics at {target}" if target else "", len(self._drafters))
         if self.metrics is not None:
             self.metrics.registrations.labels(outcome="accepted").inc()
             self.metrics.alive.set(len(self._drafters))

@@ -173,8 +173,6 @@ async def serve(args: argparse.Namespace) -> None:
 
         registry = CollectorRegistry()
         metrics = EngineMetrics(registry, model_id)
-        start_metrics_server(registry, args.host, args.metrics_port)
-        logger.info("metrics on http://%s:%d/metrics", args.host, args.metrics_port)
     if args.drafter_bind_addr and args.speculative_algorithm:
         from splitspec.verifier_svc.drafter_pool import DrafterPool
         from splitspec.verifier_svc.metrics import PoolMetrics
@@ -191,6 +189,11 @@ async def serve(args: argparse.Namespace) -> None:
                               metrics=PoolMetrics(registry, model_id) if registry is not None else None)
     else:
         drafter, spec = engine_args.in_process_drafter(args, target=runner)
+    if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters
+        pool = drafter if args.drafter_bind_addr and args.speculative_algorithm else None
+        start_metrics_server(registry, args.host, args.metrics_port,
+                             json_routes={"/sd/drafters": pool.scrape_targets if pool is not None else list})
+        logger.info("metrics on http://%s:%d/metrics, drafter discovery at /sd/drafters", args.host, args.metrics_port)
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)

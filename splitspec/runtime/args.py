@@ -43,6 +43,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
     group.add_argument("--random-seed", type=int, default=0, help="Seed of --load-format dummy weights.")
+    group.add_argument("--quantization", default=None,
+                       help="SGLang's weight quantization (fp8, awq, gptq, ...): refused at start with the reason until "
+                       "quantized kernels land; weights load in --dtype.")
     memory = parser.add_argument_group("memory")
     memory.add_argument("--page-size", type=int, default=16, help="Tokens per KV-cache page.")
     memory.add_argument(
@@ -98,6 +101,9 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
                     args.torch_compile_max_bs)
     if getattr(args, "trust_remote_code", False):
         logger.info("%s: --trust-remote-code accepted; no checkpoint code is executed", command)
+    if getattr(args, "quantization", None) is not None:
+        raise ValueError(f"--quantization {args.quantization} is not available yet: weights load unquantized in --dtype "
+                         "(--dtype bfloat16 or float16 halves fp32 memory)")
     if getattr(args, "attention_backend", "torch") not in ATTENTION_BACKENDS:
         logger.warning("%s: --attention-backend %s is not implemented yet; serving with torch", command,
                        args.attention_backend)
