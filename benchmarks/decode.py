@@ -1,7 +1,7 @@
 """Plain-decode throughput of the splitspec runtime at several batch sizes; JSON out, no assertions.
 
     python benchmarks/decode.py --out benchmarks/results/decode_cpu.json
-    python benchmarks/decode.py --device cuda --preset llama-3.1-8b --dtype bfloat16 --batch-sizes 1,8,32
+    python benchmarks/decode.py --device cuda --preset llama-3.1-8b --dtype bfloat16 --batch-sizes 1,8,32 --phases
 
 By default it builds a Llama-architecture model of a preset shape (dummy weights, labelled as such)
 from a config alone; --model-path measures any HF checkpoint instead. Decode throughput excludes prefill: each point runs
@@ -23,8 +23,12 @@ from pathlib import Path
 import torch
 
 from splitspec.generate import generate_ids
+from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.runtime.tree import positions as tree_positions
+from splitspec.runtime.tree import tree_mask
 
 SMALL_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408,
@@ -54,6 +58,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64, help="Tokens generated per request.")
     parser.add_argument("--repeats", type=int, default=3, help="Runs per point (the median is reported).")
     parser.add_argument("--dtype", default="float32", help="Model dtype.")
+    parser.add_argument("--attention-backend", default="auto", help="auto, flashinfer or torch.")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="Run decode steps eagerly.")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None, help="Largest batch replayed from a CUDA graph.")
+    parser.add_argument("--phases", action="store_true",
+                        help="Also time one step's phases at each batch size: building the batch (host), the forward "
+                        "(planning, kernels, synchronised), sampling; for a plain decode step and for the verification "
+                        "of a --tree-nodes tree, and their ratio.")
+    parser.add_argument("--tree-nodes", type=int, default=16, help="Nodes of the tree --phases verifies (root included).")
+    parser.add_argument("--phase-iters", type=int, default=50, help="Steps timed per phase measurement (median kept).")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
     parser.add_argument("--quick", action="store_true", help="The quick preset and few tokens (a smoke run for tests).")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
@@ -100,6 +113,54 @@ def measure(runner, batch_size: int, args) -> dict:
     }
 
 
+def _sync(runner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def phases(runner, batch_size: int, args) -> dict:
+    """Median milliseconds of one step's phases: batch (host: pages, index tensors), forward (plan +
+    kernels, synchronised), sample (greedy argmax to host); plain decode and a tree verification."""
+    g = torch.Generator().manual_seed(100 + batch_size)
+    vocab = runner.config.vocab_size
+    tables = [BlockTable() for _ in range(batch_size)]
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch_size)]
+    runner.forward(runner.batch([SequenceInput(t, p) for t, p in zip(tables, prompts)]))
+    for t, p in zip(tables, prompts):
+        runner.kv_cache.set_length(t, len(p))
+    nodes = args.tree_nodes
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]  # a binary tree of `nodes` nodes, breadth first
+    mask = tree_mask(parents)
+
+    def timed(make) -> dict:
+        samples = {"batch": [], "forward": [], "sample": []}
+        for it in range(args.phase_iters + 5):
+            _sync(runner)
+            t0 = time.perf_counter()
+            batch = runner.batch(make())
+            t1 = time.perf_counter()
+            out = runner.forward(batch)
+            _sync(runner)
+            t2 = time.perf_counter()
+            out.logits.argmax(-1).tolist()
+            t3 = time.perf_counter()
+            for t in tables:  # keep one token, as a decode step or a verification accepting nothing does
+                runner.kv_cache.set_length(t, t.num_tokens + 1)
+            if it >= 5:  # the first steps warm caches and plans
+                for key, value in zip(samples, (t1 - t0, t2 - t1, t3 - t2)):
+                    samples[key].append(value)
+        return {f"{k}_ms": round(1000 * statistics.median(v), 4) for k, v in samples.items()} | {
+            "step_ms": round(1000 * sum(statistics.median(v) for v in samples.values()), 4)}
+
+    decode = timed(lambda: [SequenceInput(t, [7]) for t in tables])
+    verify = timed(lambda: [SequenceInput(t, list(range(5, 5 + nodes)), positions=tree_positions(parents, t.num_tokens),
+                                          mask=mask, logits="all") for t in tables])
+    for t in tables:
+        runner.kv_cache.release(t)
+    return {"batch_size": batch_size, "decode": decode, f"verify_{nodes}_nodes": verify,
+            "verify_over_decode_forward": round(verify["forward_ms"] / decode["forward_ms"], 3)}
+
+
 def main() -> int:
     args = parse_args()
     if args.quick:
@@ -112,13 +173,23 @@ def main() -> int:
         if model_path is None:
             model_path, load_format = scratch, "dummy"
             (Path(scratch) / "config.json").write_text(json.dumps(PRESETS[args.preset]))
-        capacity = max(batch_sizes) * (args.prompt_len + args.new_tokens + 16)
+        extra = args.phase_iters + 5 if args.phases else 0
+        capacity = max(batch_sizes) * (args.prompt_len + args.new_tokens + 2 * extra + args.tree_nodes + 64)
         runner = ModelRunner.load(RuntimeConfig(model_path=model_path, load_format=load_format, dtype=args.dtype,
-                                                device=args.device, max_total_tokens=capacity))
+                                                device=args.device, max_total_tokens=capacity,
+                                                attention_backend=args.attention_backend,
+                                                disable_cuda_graph=args.disable_cuda_graph,
+                                                cuda_graph_max_bs=args.cuda_graph_max_bs))
+        runner.capture_cuda_graphs()
         results = [measure(runner, b, args) for b in batch_sizes]
+        phase_results = [phases(runner, b, args) for b in batch_sizes] if args.phases else None
     cfg = runner.config
+    graphs = runner.graphs
     report = {
-        "benchmark": f"plain decode throughput, splitspec runtime, {runner.backend.name} attention backend, no CUDA graphs",
+        "benchmark": f"plain decode throughput, splitspec runtime, {runner.backend.name} attention backend, "
+                     + (f"CUDA graphs for batch sizes {graphs.sizes}" if graphs else "no CUDA graphs"),
+        "cuda_graphs": {"sizes": graphs.sizes, "capture_s": round(graphs.capture_seconds, 3),
+                        "memory_mib": round(graphs.memory_bytes / 2**20, 1)} if graphs else None,
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "commit": git_commit(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -137,6 +208,8 @@ def main() -> int:
         },
         "results": results,
     }
+    if phase_results is not None:
+        report["phases"] = phase_results
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -302,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Draft KV-cache capacity in tokens (default: 65536 on CPU, --mem-fraction-static on GPU).")
     model.add_argument("--mem-fraction-static", type=float, default=None,
                        help="GPU only: fraction of GPU memory for the draft model's weights plus KV cache.")
-    model.add_argument("--attention-backend", default="torch", help="Attention kernels of the draft model.")
+    model.add_argument("--attention-backend", default="auto",
+                       help="Attention kernels of the draft model: auto (flashinfer on CUDA when it imports, else torch), "
+                       "flashinfer or torch; SGLang's other names are served by auto.")
     engine_args.add_speculative_args(parser, side="drafter")
     return parser
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Source on the GPU machine from the repo root: installs the carried wheels (.whl/) into /tmp/site and
-# puts them and the mapped splitspec package on PYTHONPATH.
 #   . scripts/gpu_env.sh
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+# Source on the GPU machine from the repo root: installs the carried wheels (.whl/ for the services, .fi/
+# for FlashInfer) into /tmp/site and puts them and the mapped splitspec package on PYTHONPATH; FlashInfer's
+# JIT cache goes to /tmp/flashinfer (or $FLASHINFER_WORKSPACE_BASE).
+wheels=$(compgen -G ".whl/*.whl"; compgen -G ".fi/*.whl")
+if [[ -n "$wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || return 1
 fi
+export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}"
 export PYTHONPATH="$(bash scripts/import_tree.sh):/tmp/site" PYTHONUNBUFFERED=1
 if [[ -f .whl/prometheus.gz ]]; then
     mkdir -p /tmp/bin && gunzip -c .whl/prometheus.gz > /tmp/bin/prometheus && chmod +x /tmp/bin/prometheus

@@ -139,13 +139,13 @@ def capture_for(runner, layers: tuple[int, ...]) -> None:
 
 def draft_attention_backend(args: argparse.Namespace) -> str:
     """--speculative-draft-attention-backend, else --attention-backend; a name whose kernels are not
-    implemented yet (SGLang's) is served by torch, logged."""
+    implemented yet (SGLang's) is served by auto (flashinfer on CUDA, torch on CPU), logged."""
     from splitspec.runtime.attention import ATTENTION_BACKENDS
 
-    name = getattr(args, "speculative_draft_attention_backend", None) or getattr(args, "attention_backend", "torch")
-    if name not in ATTENTION_BACKENDS:
-        logger.warning("draft attention backend %s is not implemented yet; the draft model runs with torch", name)
-        return "torch"
+    name = getattr(args, "speculative_draft_attention_backend", None) or getattr(args, "attention_backend", "auto")
+    if name not in ("auto", *ATTENTION_BACKENDS):
+        logger.warning("draft attention backend %s is not implemented yet; the draft model runs with auto", name)
+        return "auto"
     return name
 
 
@@ -187,6 +187,7 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
         model_path=str(path), dtype=args.dtype, device=args.device, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
         mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=draft_attention_backend(args),
+        disable_cuda_graph=True,  # draft steps are trees and catch-ups; the decode graphs are the target's
         family=None if kind == "standalone" else kind))
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
     layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()

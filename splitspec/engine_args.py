@@ -55,7 +55,7 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
     group.add_argument("--speculative-draft-model-quantization", default=None, choices=("unquant", "fp8"),
                        help="Quantization of the draft's weights: unquant (the default: the draft runs in --dtype). fp8 "
                        "is refused at start until the GPU kernels land.")
-    group.add_argument("--speculative-draft-attention-backend", default=None, choices=sorted({*ATTENTION_BACKENDS, *SGLANG_ATTENTION_BACKENDS}),
+    group.add_argument("--speculative-draft-attention-backend", default=None, choices=["auto", *sorted({*ATTENTION_BACKENDS, *SGLANG_ATTENTION_BACKENDS})],
                        help="Attention kernels of the draft model (default: the same as --attention-backend). SGLang's "
                        "names that are not implemented yet are served by torch (logged).")
     group.add_argument("--speculative-attention-mode", default="prefill", choices=("prefill", "decode"),

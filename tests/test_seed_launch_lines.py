@@ -112,8 +112,10 @@ def test_every_flag_the_seed_names_is_a_verifier_flag():
     assert sorted(named - known) == [], "seed flags the verifier does not parse"
     base = ["--device", "cpu", "--speculative-algorithm", "EAGLE"]
     args = parser.parse_args([*base, "--speculative-draft-attention-backend", "fa3", "--speculative-attention-mode", "decode"])
-    assert draft_attention_backend(args) == "torch"  # fa3's kernels are not here: the draft runs with torch
-    assert draft_attention_backend(parser.parse_args(base)) == "torch"
-    for refused, flag in ((["--quantization", "fp8"], "--quantization fp8"), (["--enable-dp-attention"], "--enable-dp-attention")):
+    assert draft_attention_backend(args) == "auto"  # fa3's kernels are not here: flashinfer on CUDA, torch on CPU
+    assert draft_attention_backend(parser.parse_args(base)) == "auto"
+    assert draft_attention_backend(parser.parse_args([*base, "--attention-backend", "torch"])) == "torch"
+    for refused, flag in ((["--quantization", "fp8"], "--quantization fp8"), (["--enable-dp-attention"], "--enable-dp-attention"),
+                          (["--attention-backend", "flashinfer"], "--attention-backend flashinfer")):
         with pytest.raises(ValueError, match=flag):
             check_sglang_server_flags(parser.parse_args([*base, *refused]), "splitspec verifier")

@@ -194,6 +194,7 @@ async def serve(args: argparse.Namespace) -> None:
         start_metrics_server(registry, args.host, args.metrics_port,
                              json_routes={"/sd/drafters": pool.scrape_targets if pool is not None else list})
         logger.info("metrics on http://%s:%d/metrics, drafter discovery at /sd/drafters", args.host, args.metrics_port)
+    runner.capture_cuda_graphs()  # after the drafter chose the layers to capture; before serving
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)

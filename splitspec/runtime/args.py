@@ -18,7 +18,7 @@ from splitspec.runtime.runner import RuntimeConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # SGLang's --attention-backend values that splitspec does not implement yet: accepted, served by torch
-SGLANG_ATTENTION_BACKENDS = ("flashinfer", "fa3", "fa4", "triton", "torch_native", "flex_attention", "trtllm_mha",
+SGLANG_ATTENTION_BACKENDS = ("fa3", "fa4", "triton", "torch_native", "flex_attention", "trtllm_mha",
                              "aiter", "wave", "ascend", "intel_amx", "cutlass_mla", "flashmla")
 logger = logging.getLogger("splitspec")
 
@@ -60,17 +60,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "GPU memory).",
     )
     parser.add_argument(
-        "--attention-backend", default="torch", choices=sorted({*ATTENTION_BACKENDS, *SGLANG_ATTENTION_BACKENDS}),
-        help="Attention kernels: torch (reference, any device). SGLang's other names are accepted and served by "
-        "torch until their kernels land (logged).",
+        "--attention-backend", default="auto", choices=["auto", *sorted({*ATTENTION_BACKENDS, *SGLANG_ATTENTION_BACKENDS})],
+        help="Attention kernels: auto (flashinfer on CUDA when the package imports, else torch), flashinfer (CUDA: "
+        "paged decode, prefill and tree masks; CUDA graphs), torch (the reference, any device). SGLang's other "
+        "names are accepted and served by auto (logged).",
     )
     sglang = parser.add_argument_group("SGLang server flags (accepted so SGLang launch lines run unchanged)")
     sglang.add_argument("--trust-remote-code", action="store_true",
                         help="Accepted: splitspec runs its own code for the architectures it supports and never "
                         "executes code shipped in a checkpoint.")
     sglang.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                        help="Largest batch captured in CUDA graphs; a logged no-op (no CUDA graphs yet; on CPU never).")
-    sglang.add_argument("--disable-cuda-graph", action="store_true", help="Accepted; a no-op (no CUDA graphs yet).")
+                        help="Largest decode batch replayed from CUDA graphs (captured at start for 1, 2, 4, 8, then "
+                        "every 8; default 32). Needs a CUDA device and the flashinfer backend; a logged no-op elsewhere.")
+    sglang.add_argument("--disable-cuda-graph", action="store_true", help="Run every step eagerly (no CUDA graphs).")
     sglang.add_argument("--enable-torch-compile", action="store_true",
                         help="torch.compile the model; a logged no-op until compiled steps land.")
     sglang.add_argument("--torch-compile-max-bs", type=int, default=None,
@@ -93,9 +95,12 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
         import torch
 
         on_cpu = not torch.cuda.is_available()
-    where = "on CPU" if on_cpu else "until CUDA graphs land"
     if getattr(args, "cuda_graph_max_bs", None) is not None:
-        logger.info("%s: --cuda-graph-max-bs %d is a no-op %s", command, args.cuda_graph_max_bs, where)
+        if args.cuda_graph_max_bs < 1:
+            raise ValueError(f"--cuda-graph-max-bs {args.cuda_graph_max_bs}: must be at least 1 (--disable-cuda-graph "
+                             "turns graphs off)")
+        if on_cpu:
+            logger.info("%s: --cuda-graph-max-bs %d is a no-op on CPU", command, args.cuda_graph_max_bs)
     if getattr(args, "enable_torch_compile", False):
         logger.info("%s: --enable-torch-compile (max bs %s) is a no-op until compiled steps land", command,
                     args.torch_compile_max_bs)
@@ -104,10 +109,12 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
     if getattr(args, "quantization", None) is not None:
         raise ValueError(f"--quantization {args.quantization} is not available yet: weights load unquantized in --dtype "
                          "(--dtype bfloat16 or float16 halves fp32 memory)")
-    if getattr(args, "attention_backend", "torch") not in ATTENTION_BACKENDS:
-        logger.warning("%s: --attention-backend %s is not implemented yet; serving with torch", command,
-                       args.attention_backend)
-        args.attention_backend = "torch"
+    if on_cpu and getattr(args, "attention_backend", "auto") == "flashinfer":
+        raise ValueError("--attention-backend flashinfer needs a CUDA device; on CPU use auto or torch")
+    if getattr(args, "attention_backend", "auto") not in ("auto", *ATTENTION_BACKENDS):
+        logger.warning("%s: --attention-backend %s is not implemented yet; serving with auto (flashinfer on CUDA, "
+                       "torch on CPU)", command, args.attention_backend)
+        args.attention_backend = "auto"
 
 
 def setup_logging(level: str) -> None:
@@ -140,5 +147,7 @@ def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_
         max_total_tokens=max_total,
         mem_fraction_static=args.mem_fraction_static,
         attention_backend=args.attention_backend,
+        cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
+        disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
         seed=args.random_seed,
     )

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from splitspec import kernels
+from splitspec.kernels import torch_ops
 from splitspec.runtime.config import RopeConfig
 
 
@@ -122,12 +124,10 @@ class RotaryEmbedding(nn.Module):
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        """Rotate with gathered cos/sin (the torch path, differentiable: the head trainer uses it)."""
+        return torch_ops.rotate(q, cos, sin, self.rot_dim), torch_ops.rotate(k, cos, sin, self.rot_dim)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """NeoX-style (rotate_half) rotation of the first rot_dim dims, as HF Llama/Qwen do."""
-        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NeoX-style (rotate_half) rotation of the first rot_dim dims at `positions` (reserved), as HF
+        Llama/Qwen do: one Triton kernel on a GPU (splitspec.kernels), the torch twin elsewhere."""
+        return kernels.apply_rope(q, k, self._cos, self._sin, positions, self.rot_dim)

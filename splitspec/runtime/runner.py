@@ -27,6 +27,7 @@ from splitspec.runtime.models import model_class
 logger = logging.getLogger(__name__)
 
 DEFAULT_GPU_MEM_FRACTION = 0.85
+DEFAULT_CUDA_GRAPH_MAX_BS = 32
 INITIAL_ROPE_POSITIONS = 32768  # the RoPE cache starts this large and grows when a batch needs more
 
 
@@ -42,7 +43,9 @@ class RuntimeConfig:
     page_size: int = 16
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when it imports, else torch
+    cuda_graph_max_bs: int | None = None  # decode graphs up to this batch size (None: DEFAULT_CUDA_GRAPH_MAX_BS)
+    disable_cuda_graph: bool = False
     seed: int = 0
     capture_layers: tuple[int, ...] = ()  # layer inputs returned as aux hidden states
     family: str | None = None  # model family regardless of config.json (EAGLE heads look like Llama configs)
@@ -53,6 +56,24 @@ class ForwardOutput:
     logits: torch.Tensor  # [N, V] fp32, rows = batch.logits_indices
     hidden_states: torch.Tensor | None = None  # [T, H] final normed state of every new token
     aux_hidden_states: torch.Tensor | None = None  # [T, len(capture_layers) * H] captured layer inputs
+
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """auto: FlashInfer on a CUDA device for fp16/bf16 models of its head sizes when the package imports,
+    else the torch reference."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in FLASHINFER_HEAD_DIMS:
+        try:
+            import flashinfer  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 (missing, or built for another torch/CUDA)
+            logger.warning("flashinfer does not import (%s); attention runs on the torch backend", exc)
+            return "torch"
+        return "flashinfer"
+    return "torch"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,10 +127,14 @@ def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtyp
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
-                 capture_layers: tuple[int, ...] = (), model_dir: Path | None = None):
+                 capture_layers: tuple[int, ...] = (), model_dir: Path | None = None, cuda_graph_max_bs: int = 0):
+        """cuda_graph_max_bs > 0: decode steps of up to that many requests replay CUDA graphs (captured by
+        capture_cuda_graphs(), or at the first decode step); needs a backend that plans into fixed buffers."""
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
+        self.cuda_graph_max_bs = cuda_graph_max_bs if hasattr(backend, "graph_state") and self.device.type == "cuda" else 0
+        self.graphs = None
         self.set_capture_layers(capture_layers)
         self.model.rotary_emb.reserve(min(config.max_position_embeddings, INITIAL_ROPE_POSITIONS), self.device)
 
@@ -121,7 +146,19 @@ class ModelRunner:
             raise ConfigError(f"capture layers {bad} out of range for {self.config.num_hidden_layers} layers")
         if len(set(layers)) != len(layers):
             raise ConfigError(f"capture layers {list(layers)} repeat a layer")
+        if getattr(self, "capture_layers", None) != tuple(layers) and getattr(self, "graphs", None) is not None:
+            self.kv_cache.allocator.decref([self.graphs.scratch_page])  # the graphs captured other outputs
+            self.graphs = None
         self.capture_layers = tuple(layers)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs now (servers do this before serving; otherwise the first decode step)."""
+        if self.cuda_graph_max_bs and self.graphs is None:
+            from splitspec.runtime.cuda_graph import DecodeGraphs
+
+            graphs = DecodeGraphs(self, self.cuda_graph_max_bs)
+            graphs.capture()
+            self.graphs = graphs
 
     @classmethod
     def load(cls, rc: RuntimeConfig) -> "ModelRunner":
@@ -141,8 +178,13 @@ class ModelRunner:
         kv_cache = KVCache(config, num_pages, rc.page_size, dtype, device)
         logger.info("KV cache: %d pages x %d tokens (%.1f MB)", num_pages, rc.page_size,
                     num_pages * rc.page_size * KVCache.bytes_per_token(config, dtype) / 1e6)
-        backend = get_attention_backend(rc.attention_backend)(config, kv_cache)
-        return cls(config, model, kv_cache, backend, rc.capture_layers, model_dir)
+        backend_name = resolve_attention_backend(rc.attention_backend, device, dtype, config.head_dim)
+        backend = get_attention_backend(backend_name)(config, kv_cache)
+        max_bs = 0 if rc.disable_cuda_graph else (rc.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS)
+        logger.info("attention backend %s%s", backend_name,
+                    f", CUDA graphs for decode batches up to {max_bs}" if max_bs and device.type == "cuda"
+                    and hasattr(backend, "graph_state") else "")
+        return cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs)
 
     def batch(self, sequences: list[SequenceInput]) -> ForwardBatch:
         return build_forward_batch(self.kv_cache, sequences, self.device)
@@ -153,6 +195,13 @@ class ModelRunner:
         """features [T, F]: one per new token, for models that take them (draft heads); draft_layer: which
         of a multi-layer MTP head's layers runs."""
         self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
+        if self.cuda_graph_max_bs and features is None and draft_layer is None:
+            if self.graphs is None:
+                self.capture_cuda_graphs()
+            if self.graphs.fits(batch):
+                hidden, captured, logits = self.graphs.run(batch)
+                return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None,
+                                     aux_hidden_states=torch.cat(captured, dim=-1) if captured else None)
         plan = self.backend.plan(batch.attention)
         extra = {} if features is None else {"features": features.to(self.device)}
         if draft_layer is not None:

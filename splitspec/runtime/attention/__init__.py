@@ -8,6 +8,7 @@ from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
 # name -> "module:Class"
 ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "splitspec.runtime.attention.torch_backend:TorchAttentionBackend",
+    "flashinfer": "splitspec.runtime.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
 
 

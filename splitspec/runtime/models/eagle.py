@@ -64,7 +64,7 @@ class EagleHead(nn.Module):
                 capture_layers: tuple[int, ...] = (), features: torch.Tensor | None = None):
         if features is None or self.embed_weight is None:
             raise ValueError("an EAGLE head needs the target's embedding (share_target) and a feature per token")
-        ctx = ForwardContext(backend, plan, self.rotary_emb, *self.rotary_emb.cos_sin(positions))
+        ctx = ForwardContext(backend, plan, self.rotary_emb, positions)
         embeds = nn.functional.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)
         x = self.fc(torch.cat([embeds, features.to(self.fc.weight.dtype)], dim=-1))
         x = self.layers[0](positions, x, ctx)

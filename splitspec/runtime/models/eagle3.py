@@ -129,7 +129,7 @@ class Eagle3Head(nn.Module):
                 capture_layers: tuple[int, ...] = (), features: torch.Tensor | None = None):
         if features is None or self.embed_weight is None:
             raise ValueError("an EAGLE-3 head needs the target's embedding (share_target) and a feature per token")
-        ctx = ForwardContext(backend, plan, self.rotary_emb, *self.rotary_emb.cos_sin(positions))
+        ctx = ForwardContext(backend, plan, self.rotary_emb, positions)
         dtype = self.fc.weight.dtype
         h = features.to(dtype)
         if h.shape[-1] == self.fc_input_size:

@@ -21,13 +21,12 @@ from splitspec.runtime.rope import RotaryEmbedding
 @dataclass
 class ForwardContext:
     """What every layer needs for one batch: the attention backend and its plan, RoPE and the
-    batch's cos/sin (gathered once, used by every layer)."""
+    batch's positions."""
 
     backend: AttentionBackend
     plan: object
     rope: RotaryEmbedding
-    cos: torch.Tensor  # [T, 1, rot_dim // 2]
-    sin: torch.Tensor
+    positions: torch.Tensor  # [T]
 
 
 class Attention(nn.Module):
@@ -58,7 +57,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.rope.apply(q, k, ctx.cos, ctx.sin)
+        q, k = ctx.rope.rotate(q, k, ctx.positions)
         out = ctx.backend.run(self.layer_id, q, k, v, ctx.plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -75,6 +74,20 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                      ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with the residual stream carried apart: the layer's input is residual + h (h alone
+        for the first layer); returns (this layer's MLP output, its attention output's residual), whose
+        sum is forward()'s result. Each residual add is fused into the next RMSNorm (one kernel on a
+        GPU), and rounds as forward()'s add does."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 LlamaDecoderLayerBase = DecoderLayer
@@ -120,16 +133,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final normed hidden state [T, H] and, for each i in capture_layers, the input of
         decoder layer i [T, H] (i == num_layers: the last layer's output before the final norm)."""
-        ctx = ForwardContext(backend, plan, self.rotary_emb, *self.rotary_emb.cos_sin(positions))
-        x = self.model.embed_tokens(input_ids)
+        ctx = ForwardContext(backend, plan, self.rotary_emb, positions)
+        h, residual = self.model.embed_tokens(input_ids), None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             if i in capture_layers:
-                captured[i] = x
-            x = layer(positions, x, ctx)
+                captured[i] = h if residual is None else residual + h
+            h, residual = layer.forward_fused(positions, h, residual, ctx)
         if len(self.model.layers) in capture_layers:
-            captured[len(self.model.layers)] = x
-        return self.model.norm(x), [captured[i] for i in capture_layers]
+            captured[len(self.model.layers)] = residual + h
+        return self.model.norm(h, residual)[0], [captured[i] for i in capture_layers]
 
     def set_hot_tokens(self, token_ids: torch.Tensor) -> None:
         """FR-Spec: logits() gives only these ids' logits, in this order (a draft model's cut head)."""

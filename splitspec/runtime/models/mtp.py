@@ -78,7 +78,7 @@ class MtpHead(nn.Module):
                 capture_layers: tuple[int, ...] = (), features: torch.Tensor | None = None, draft_layer: int = 0):
         if features is None or self.embed_weight is None:
             raise ValueError("MTP layers need the target's embedding (share_target) and a feature per token")
-        ctx = ForwardContext(backend, plan, self.rotary_emb, *self.rotary_emb.cos_sin(positions))
+        ctx = ForwardContext(backend, plan, self.rotary_emb, positions)
         layer = self.model.mtp_layers[draft_layer]
         dtype = layer.input_proj.weight.dtype
         embeds = nn.functional.embedding(input_ids, self.embed_weight).to(dtype)

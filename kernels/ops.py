@@ -1,0 +1,53 @@
+"""Dispatch: the Triton kernel for CUDA tensors when Triton imports, else the torch twin.
+SPLITSPEC_KERNELS=torch forces the twins everywhere (to compare, or to rule the kernels out)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from splitspec.kernels import torch_ops
+
+
+@functools.cache
+def _triton():
+    if os.environ.get("SPLITSPEC_KERNELS", "auto") == "torch":
+        return None
+    try:
+        from splitspec.kernels import triton_ops
+    except Exception:  # noqa: BLE001 (no triton, or no GPU toolchain: the twins serve)
+        return None
+    return triton_ops
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins)."""
+    return x.is_cuda and not torch.is_grad_enabled() and _triton() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x) and weight.dtype == x.dtype:
+        return _triton().rms_norm(x, weight, eps)
+    return torch_ops.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x) and weight.dtype == x.dtype == residual.dtype:
+        return _triton().add_rms_norm(x, residual, weight, eps)
+    return torch_ops.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if use_triton(gate_up):
+        return _triton().silu_and_mul(gate_up)
+    return torch_ops.silu_and_mul(gate_up)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+               positions: torch.Tensor, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(q) and cos_cache.dtype == torch.float32:
+        return _triton().apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
+    return torch_ops.apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)

@@ -1,0 +1,124 @@
+"""Triton kernels (CUDA only). Each rounds where its torch twin (kernels/torch_ops.py) rounds, so on
+the same inputs the two agree to the last bit but for the order of a row's sum of squares."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out, n, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    keep = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=keep, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=keep, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum, rounded as torch's add rounds it
+        tl.store(res_out_ptr + row * n + cols, x, mask=keep)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
+    y = (h * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (y * w).to(x.dtype), mask=keep)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    rows = _rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    n = rows.shape[1]
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, rows.stride(0), rows.stride(0), out.stride(0), n, eps,
+                                       HAS_RESIDUAL=False, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, res = _rows(x), _rows(residual)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    n = rows.shape[1]
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, res_out, rows.stride(0), res.stride(0), out.stride(0), n,
+                                       eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < n
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=keep, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n + cols, mask=keep, other=0.0)
+    g = gate.to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # silu, rounded as F.silu rounds it
+    tl.store(out_ptr + row * n + cols, (s * up.to(tl.float32)).to(gate.dtype), mask=keep)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    rows = _rows(gate_up)
+    n = rows.shape[1] // 2
+    out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), n, BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, head_dim, half,
+                 HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    pos = tl.load(pos_ptr + token)
+    cols = tl.arange(0, HALF_BLOCK)
+    keep = cols < half
+    src = x_ptr + token * stride_t + head * stride_h
+    dst = out_ptr + (token * num_heads + head) * head_dim
+    x1 = tl.load(src + cols, mask=keep, other=0.0)
+    x2 = tl.load(src + half + cols, mask=keep, other=0.0)
+    dtype = x1.dtype
+    c = tl.load(cos_ptr + pos * half + cols, mask=keep, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + pos * half + cols, mask=keep, other=0.0).to(dtype).to(tl.float32)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # each product and the sum rounded to the input dtype, as the twin's bf16 arithmetic does
+    o1 = ((a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(dst + cols, o1, mask=keep)
+    tl.store(dst + half + cols, o2, mask=keep)
+    if REST_BLOCK > 0:  # partial rotary: the rest passes through
+        rest = tl.arange(0, REST_BLOCK)
+        more = 2 * half + rest < head_dim
+        tl.store(dst + 2 * half + rest, tl.load(src + 2 * half + rest, mask=more, other=0.0), mask=more)
+
+
+def _rope_one(x: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor,
+              rot_dim: int) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    half = rot_dim // 2
+    rest = head_dim - rot_dim
+    _rope_kernel[(num_tokens, num_heads)](x, out, cos_cache, sin_cache, positions, x.stride(0), x.stride(1), head_dim, half,
+                                          HALF_BLOCK=triton.next_power_of_2(half),
+                                          REST_BLOCK=triton.next_power_of_2(rest) if rest else 0, num_warps=1)
+    return out
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+               positions: torch.Tensor, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_rope_one(q, cos_cache, sin_cache, positions, rot_dim), _rope_one(k, cos_cache, sin_cache, positions, rot_dim))

@@ -1,0 +1,197 @@
+"""FlashInfer attention over the paged KV cache (CUDA): paged decode, paged prefill/append with causal
+masks, and tree verification with custom masks, each planned once per batch and run per layer.
+
+A batch is split into groups that one planned FlashInfer wrapper each serves:
+- every request decodes one token (q_len 1, no tree mask): BatchDecodeWithPagedKVCacheWrapper
+  (tensor cores for grouped-query heads, as SGLang and vLLM choose);
+- requests without a tree mask (prompt chunks): BatchPrefillWithPagedKVCacheWrapper, causal, aligned
+  to the end of each request's keys;
+- requests with a tree mask: the same wrapper kind with a custom mask over all of the request's keys
+  (the cached prefix visible, the new tokens by their mask), packed to bits by FlashInfer.
+A mixed batch runs each group on its rows of q. Sliding-window layers get wrappers of their own:
+FlashInfer's window_left for causal groups, the window folded into the custom mask for trees (whose
+positions are not their key indices).
+
+Our cache layer [2, pages, page_size, kv_heads, head_dim] is FlashInfer's NHD layout as a (K, V) pair.
+New K/V are written by slot before the layer attends, as the torch backend does.
+
+CUDA graphs (`graph_plan`): a decode wrapper with fixed buffers per captured batch size; planning
+copies the batch's page tables into them and the captured kernels read them at replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
+
+
+@dataclass
+class _Group:
+    wrapper: object
+    rows: torch.Tensor | None  # rows of q it serves; None = all
+
+
+@dataclass
+class FlashInferPlan:
+    out_slots: torch.Tensor  # [T] flat slot where each new token's K/V goes
+    groups: dict = field(default_factory=dict)  # window (None = full) -> [_Group]
+
+
+@dataclass
+class GraphState:
+    """What a captured decode graph of one batch size reads: its wrappers' fixed buffers and the slots."""
+
+    batch_size: int
+    wrappers: dict  # window -> decode wrapper in CUDA-graph mode
+    out_slots: torch.Tensor  # [batch_size] int64, static
+    plan: FlashInferPlan
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, config, kv_cache):
+        super().__init__(config, kv_cache)
+        import flashinfer
+
+        if kv_cache.device.type != "cuda":
+            raise ValueError("--attention-backend flashinfer needs a CUDA device (use torch on CPU)")
+        self.flashinfer = flashinfer
+        self.device = kv_cache.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.windows = sorted(set(config.sliding_windows), key=lambda w: -1 if w is None else w)
+        group_size = config.num_attention_heads // config.num_key_value_heads
+        self.decode_tensor_cores = group_size >= 4
+        self._wrappers: dict = {}
+
+    # wrappers ----------------------------------------------------------------------------------------
+    def _wrapper(self, kind: str, window):
+        key = (kind, window)
+        if key not in self._wrappers:
+            if kind == "decode":
+                self._wrappers[key] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
+            else:
+                self._wrappers[key] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        return self._wrappers[key]
+
+    def _common(self):
+        c, dtype = self.config, self.kv_cache.dtype
+        return dict(num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads, page_size=self.kv_cache.page_size,
+                    q_data_type=dtype, kv_data_type=dtype, sm_scale=self.scaling)
+
+    @staticmethod
+    def _pages(batch: AttentionBatch, requests: list[int], page_size: int):
+        """(kv page indptr, page indices, last page lengths) of these requests, int32 on CPU."""
+        counts = [-(-batch.kv_lens[i] // page_size) for i in requests]
+        indptr = torch.zeros(len(requests) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
+        indices = torch.tensor([p for i, n in zip(requests, counts) for p in batch.page_tables[i][:n]], dtype=torch.int32)
+        last = torch.tensor([batch.kv_lens[i] - (n - 1) * page_size for i, n in zip(requests, counts)], dtype=torch.int32)
+        return indptr, indices, last
+
+    # planning ----------------------------------------------------------------------------------------
+    def plan(self, batch: AttentionBatch) -> FlashInferPlan:
+        page_size = self.kv_cache.page_size
+        n = batch.num_requests
+        decode = all(q == 1 for q in batch.q_lens) and all(m is None for m in batch.masks)
+        causal = [i for i in range(n) if batch.masks[i] is None]
+        tree = [i for i in range(n) if batch.masks[i] is not None]
+        starts = [0]
+        for q in batch.q_lens:
+            starts.append(starts[-1] + q)
+        plan = FlashInferPlan(out_slots=batch.out_slots.to(self.device, non_blocking=True))
+        common = self._common()
+        head_dim = self.config.head_dim
+        for window in self.windows:
+            groups = []
+            if decode:
+                indptr, indices, last = self._pages(batch, list(range(n)), page_size)
+                wrapper = self._wrapper("decode", window)
+                wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, head_dim=head_dim,
+                             window_left=-1 if window is None else window - 1, **common)
+                groups.append(_Group(wrapper, None))
+            else:
+                for kind, requests in (("causal", causal), ("tree", tree)):
+                    if not requests:
+                        continue
+                    rows = None if len(requests) == n else torch.cat(
+                        [torch.arange(starts[i], starts[i + 1]) for i in requests]).to(self.device, non_blocking=True)
+                    indptr, indices, last = self._pages(batch, requests, page_size)
+                    qo_indptr = torch.zeros(len(requests) + 1, dtype=torch.int32)
+                    qo_indptr[1:] = torch.cumsum(torch.tensor([batch.q_lens[i] for i in requests], dtype=torch.int32), 0)
+                    wrapper = self._wrapper(kind, window)
+                    if kind == "causal":
+                        wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
+                                     causal=True, window_left=-1 if window is None else window - 1, **common)
+                    else:
+                        mask = self._tree_mask(batch, requests, starts, window)
+                        wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
+                                     custom_mask=mask.to(self.device, non_blocking=True), **common)
+                    groups.append(_Group(wrapper, rows))
+            plan.groups[window] = groups
+        return plan
+
+    @staticmethod
+    def _tree_mask(batch: AttentionBatch, requests: list[int], starts: list[int], window) -> torch.Tensor:
+        """Each request's [q_len, kv_len] bool (prefix visible, new tokens by their mask), flattened and
+        concatenated; a sliding window is applied by positions."""
+        positions = batch.positions.cpu()
+        parts = []
+        for i in requests:
+            q_len, kv_len = batch.q_lens[i], batch.kv_lens[i]
+            prefix = kv_len - q_len
+            full = torch.ones(q_len, kv_len, dtype=torch.bool)
+            full[:, prefix:] = batch.masks[i].to("cpu", torch.bool)
+            if window is not None:
+                q_pos = positions[starts[i]:starts[i + 1]]
+                k_pos = torch.cat([torch.arange(prefix), q_pos])
+                full &= (q_pos[:, None] - k_pos[None, :]) < window
+            parts.append(full.flatten())
+        return torch.cat(parts)
+
+    # CUDA graphs -------------------------------------------------------------------------------------
+    def graph_state(self, batch_size: int, max_pages: int) -> GraphState:
+        """Fixed buffers and wrappers for a decode graph of `batch_size` requests holding at most
+        `max_pages` pages in all."""
+        wrappers = {}
+        for window in self.windows:
+            wrappers[window] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
+                paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device))
+        out_slots = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        plan = FlashInferPlan(out_slots=out_slots, groups={w: [_Group(wr, None)] for w, wr in wrappers.items()})
+        return GraphState(batch_size, wrappers, out_slots, plan)
+
+    def graph_plan(self, state: GraphState, batch: AttentionBatch) -> FlashInferPlan:
+        """Plan a decode batch of exactly state.batch_size requests into the graph's fixed buffers."""
+        assert batch.num_requests == state.batch_size
+        indptr, indices, last = self._pages(batch, list(range(batch.num_requests)), self.kv_cache.page_size)
+        common = self._common()
+        for window, wrapper in state.wrappers.items():
+            wrapper.plan(indptr, indices, last, head_dim=self.config.head_dim,
+                         window_left=-1 if window is None else window - 1, **common)
+        state.out_slots.copy_(batch.out_slots, non_blocking=True)
+        return state.plan
+
+    # per layer ---------------------------------------------------------------------------------------
+    def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashInferPlan) -> torch.Tensor:
+        cache = self.kv_cache.layers[layer_id]
+        k_flat, v_flat = self.kv_cache.flat_kv(layer_id)
+        k_flat[plan.out_slots] = k.to(k_flat.dtype)
+        v_flat[plan.out_slots] = v.to(v_flat.dtype)
+        paged = (cache[0], cache[1])
+        groups = plan.groups[self.config.sliding_windows[layer_id]]
+        if len(groups) == 1 and groups[0].rows is None:
+            return groups[0].wrapper.run(q.contiguous(), paged)
+        out = torch.empty_like(q)
+        for group in groups:
+            out[group.rows] = group.wrapper.run(q[group.rows].contiguous(), paged)
+        return out

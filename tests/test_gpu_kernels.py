@@ -1,0 +1,154 @@
+"""The GPU paths against their references, on a CUDA device (skipped elsewhere, with the reason):
+- each Triton kernel against its torch twin (splitspec.kernels);
+- the FlashInfer attention backend against the torch backend on the same bf16 weights: chunked
+  prefill, decode, tree verification, a mixed batch, sliding windows;
+- decode steps replayed from CUDA graphs against the same steps run eagerly.
+Run there: `SPLITSPEC_TEST_DEVICE=cuda pytest tests/test_gpu_kernels.py` (scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from helpers import randomize, save_checkpoint
+
+from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.tree import positions, tree_mask
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (the CPU path is the torch twins, tested everywhere)")
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                                      reason="flashinfer is not installed (scripts/gpu_wheels.txt carries it to the GPU)")
+
+
+# Triton kernels ------------------------------------------------------------------------------------
+def test_triton_kernels_match_their_twins():
+    from splitspec.kernels import torch_ops, triton_ops
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, width in ((1, 4096), (7, 384), (33, 1000)):
+        x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, generator=g)
+        r = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).bfloat16()
+        with torch.no_grad():
+            torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5), rtol=2**-7, atol=0)
+            got, got_res = triton_ops.add_rms_norm(x, r, w, 1e-5)
+            want, want_res = torch_ops.add_rms_norm(x, r, w, 1e-5)
+            assert torch.equal(got_res, want_res)
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+            gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16, generator=g)
+            assert torch.equal(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up))
+    for head_dim, rot_dim in ((128, 128), (64, 32)):
+        qkv = torch.randn(5, (8 + 2 + 2) * head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = qkv[:, : 8 * head_dim].view(5, 8, head_dim)  # strided views, as the model splits its fused qkv
+        k = qkv[:, 8 * head_dim : 10 * head_dim].view(5, 2, head_dim)
+        freqs = torch.arange(64, device="cuda").float()[:, None] * torch.rand(rot_dim // 2, device="cuda", generator=g)[None]
+        cos, sin = freqs.cos(), freqs.sin()
+        positions = torch.tensor([0, 3, 9, 63, 17], device="cuda")
+        with torch.no_grad():
+            for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, positions, rot_dim),
+                                 torch_ops.apply_rope(q, k, cos, sin, positions, rot_dim)):
+                assert torch.equal(got, want)
+
+
+# FlashInfer against torch --------------------------------------------------------------------------
+def checkpoint(tmp_path, **overrides):
+    import transformers
+
+    config = dict(hidden_size=512, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)  # head_dim 64, four query heads per KV head
+    config.update(overrides)
+    cls = transformers.Qwen2Config if "sliding_window" in overrides else transformers.LlamaConfig
+    model = transformers.AutoModelForCausalLM.from_config(cls(**config), dtype=torch.float32)
+    randomize(model, 5)
+    return save_checkpoint(model.eval(), tmp_path / "model")
+
+
+def runner(path, backend: str, graphs: bool = False):
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    return ModelRunner.load(RuntimeConfig(model_path=str(path), dtype="bfloat16", device="cuda", page_size=4,
+                                          max_total_tokens=4096, attention_backend=backend, disable_cuda_graph=not graphs,
+                                          cuda_graph_max_bs=8))
+
+
+def step(r, tables, inputs):
+    """One forward of (request index, tokens, tree parents or None) on runner r; each request's logits."""
+    seqs = []
+    for i, ids, parents in inputs:
+        if parents is None:
+            seqs.append(SequenceInput(tables[i], ids, logits="all"))
+        else:  # tree nodes sit at the request's length + their depth, under the tree mask
+            seqs.append(SequenceInput(tables[i], ids, positions=positions(parents, tables[i].num_tokens),
+                                      mask=tree_mask(parents), logits="all"))
+    out = r.forward(r.batch(seqs))
+    rows, start = [], 0
+    for seq in seqs:
+        rows.append(out.logits[start : start + len(seq.input_ids)])
+        start += len(seq.input_ids)
+    return rows
+
+
+def commit(r, tables, inputs):
+    """Every token of a chunk; a tree's root only (as if nothing was accepted)."""
+    for i, ids, parents in inputs:
+        r.kv_cache.set_length(tables[i], tables[i].num_tokens + (len(ids) if parents is None else 1))
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest logit difference relative to the logits' spread."""
+    return ((a - b).abs().max() / b.std()).item()
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 7, "use_sliding_window": True, "max_window_layers": 1}],
+                         ids=["llama", "qwen2-sliding"])
+def test_flashinfer_backend_matches_torch(tmp_path, overrides):
+    path = checkpoint(tmp_path, **overrides)
+    runners = {name: runner(path, name) for name in ("torch", "flashinfer")}
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (13, 6, 22)]
+    tokens, parents = [5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 2]
+    tables = {name: [BlockTable() for _ in prompts] for name in runners}
+    schedule = [
+        [(0, prompts[0][:8], None), (1, prompts[1], None)],  # chunked prefill
+        [(0, prompts[0][8:], None), (2, prompts[2], None)],  # the rest, a request joining
+        [(0, [4], None), (1, [5], None), (2, [6], None)],  # decode
+        [(0, tokens, parents), (1, tokens, parents)],  # tree verification
+        [(0, [7], None), (1, tokens, parents), (2, [8, 9, 10], None)],  # mixed
+    ]
+    for inputs in schedule:
+        got = {name: step(r, tables[name], inputs) for name, r in runners.items()}
+        for (i, _, _), want, have in zip(inputs, got["torch"], got["flashinfer"]):
+            assert close(have, want) < 0.02, (inputs, i)
+        for name, r in runners.items():
+            commit(r, tables[name], inputs)
+
+
+@needs_flashinfer
+def test_cuda_graph_decode_equals_eager(tmp_path):
+    path = checkpoint(tmp_path)
+    eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True)
+    graphed.capture_cuda_graphs()
+    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8]
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
+    tables = {id(r): [BlockTable() for _ in prompts] for r in (eager, graphed)}
+    for r in (eager, graphed):
+        step(r, tables[id(r)], [(i, p, None) for i, p in enumerate(prompts)])
+        commit(r, tables[id(r)], [(i, p, None) for i, p in enumerate(prompts)])
+    replays = 0
+    for n in (5, 3, 1, 5):  # batch sizes that pad to captured sizes 8, 4, 1, 8
+        inputs = [(i, [10 + i], None) for i in range(n)]
+        want = step(eager, tables[id(eager)], inputs)
+        before = graphed.graphs.replays
+        have = step(graphed, tables[id(graphed)], inputs)
+        replays += graphed.graphs.replays - before
+        for a, b in zip(have, want):
+            assert close(a, b) < 1e-2
+        commit(eager, tables[id(eager)], inputs)
+        commit(graphed, tables[id(graphed)], inputs)
+    assert replays == 4  # every decode step replayed a graph
