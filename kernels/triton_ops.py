@@ -1,5 +1,5 @@
-"""Triton kernels (CUDA only). Each rounds where its torch twin (kernels/torch_ops.py) rounds, so on
-the same inputs the two agree to the last bit but for the order of a row's sum of squares."""
+"""Triton kernels (CUDA only). Each rounds to the input dtype where its torch twin (kernels/torch_ops.py)
+rounds, so the two agree to within a rounding (the norms sum a row's squares in another order)."""
 
 from __future__ import annotations
 

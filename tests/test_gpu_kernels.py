@@ -50,7 +50,9 @@ def test_triton_kernels_match_their_twins():
         with torch.no_grad():
             for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, positions, rot_dim),
                                  torch_ops.apply_rope(q, k, cos, sin, positions, rot_dim)):
-                assert torch.equal(got, want)
+                differ = (got != want).float().mean().item()
+                torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7,
+                                           msg=lambda m: f"{m} ({differ:.2%} of elements differ)")
 
 
 # FlashInfer against torch --------------------------------------------------------------------------
@@ -67,10 +69,10 @@ def checkpoint(tmp_path, **overrides):
     return save_checkpoint(model.eval(), tmp_path / "model")
 
 
-def runner(path, backend: str, graphs: bool = False):
+def runner(path, backend: str, graphs: bool = False, dtype: str = "bfloat16"):
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
-    return ModelRunner.load(RuntimeConfig(model_path=str(path), dtype="bfloat16", device="cuda", page_size=4,
+    return ModelRunner.load(RuntimeConfig(model_path=str(path), dtype=dtype, device="cuda", page_size=4,
                                           max_total_tokens=4096, attention_backend=backend, disable_cuda_graph=not graphs,
                                           cuda_graph_max_bs=8))
 
@@ -107,8 +109,10 @@ def close(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("overrides", [{}, {"sliding_window": 7, "use_sliding_window": True, "max_window_layers": 1}],
                          ids=["llama", "qwen2-sliding"])
 def test_flashinfer_backend_matches_torch(tmp_path, overrides):
+    """FlashInfer in bf16 is as close to the fp32 torch forward as the torch backend in bf16 is."""
     path = checkpoint(tmp_path, **overrides)
-    runners = {name: runner(path, name) for name in ("torch", "flashinfer")}
+    runners = {"fp32": runner(path, "torch", dtype="float32"), "torch": runner(path, "torch"),
+               "flashinfer": runner(path, "flashinfer")}
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (13, 6, 22)]
     tokens, parents = [5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 1, 2]
@@ -122,8 +126,9 @@ def test_flashinfer_backend_matches_torch(tmp_path, overrides):
     ]
     for inputs in schedule:
         got = {name: step(r, tables[name], inputs) for name, r in runners.items()}
-        for (i, _, _), want, have in zip(inputs, got["torch"], got["flashinfer"]):
-            assert close(have, want) < 0.02, (inputs, i)
+        for (i, _, _), truth, torch_bf16, flashinfer in zip(inputs, got["fp32"], got["torch"], got["flashinfer"]):
+            assert close(flashinfer, truth) <= 1.5 * close(torch_bf16, truth) + 0.01, (
+                i, close(flashinfer, truth), close(torch_bf16, truth), inputs)
         for name, r in runners.items():
             commit(r, tables[name], inputs)
 

@@ -48,6 +48,7 @@ class DecodeGraphs:
         self.pool = None
         self.replays = 0
 
+    @torch.inference_mode()
     def capture(self) -> None:
         from splitspec.runtime.attention.base import AttentionBatch
 

@@ -129,10 +129,11 @@ class FlashInferAttentionBackend(AttentionBackend):
                     if kind == "causal":
                         wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
                                      causal=True, window_left=-1 if window is None else window - 1, **common)
-                    else:
+                    else:  # FlashInfer packs the mask to bits on the GPU, with index arrays there too
                         mask = self._tree_mask(batch, requests, starts, window)
-                        wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
-                                     custom_mask=mask.to(self.device, non_blocking=True), **common)
+                        to = [t.to(self.device, non_blocking=True) for t in (qo_indptr, indptr, indices, last)]
+                        wrapper.plan(*to, head_dim_qk=head_dim, custom_mask=mask.to(self.device, non_blocking=True),
+                                     **common)
                     groups.append(_Group(wrapper, rows))
             plan.groups[window] = groups
         return plan
