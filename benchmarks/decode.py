@@ -74,7 +74,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def git_commit() -> str | None:
-    """HEAD of the checkout, or None where there is no .git (the GPU machine gets a bare copy)."""
+    """$SPLITSPEC_COMMIT (set it where the copy's .git is not the checkout's: the GPU machine), else HEAD."""
+    import os
+
+    if os.environ.get("SPLITSPEC_COMMIT"):
+        return os.environ["SPLITSPEC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()
@@ -180,16 +184,20 @@ def main() -> int:
                                                 attention_backend=args.attention_backend,
                                                 disable_cuda_graph=args.disable_cuda_graph,
                                                 cuda_graph_max_bs=args.cuda_graph_max_bs))
-        runner.capture_cuda_graphs()
+        runner.capture_cuda_graphs(tree_nodes=(args.tree_nodes,) if args.phases else ())
         results = [measure(runner, b, args) for b in batch_sizes]
         phase_results = [phases(runner, b, args) for b in batch_sizes] if args.phases else None
     cfg = runner.config
     graphs = runner.graphs
     report = {
         "benchmark": f"plain decode throughput, splitspec runtime, {runner.backend.name} attention backend, "
-                     + (f"CUDA graphs for batch sizes {graphs.sizes}" if graphs else "no CUDA graphs"),
-        "cuda_graphs": {"sizes": graphs.sizes, "capture_s": round(graphs.capture_seconds, 3),
-                        "memory_mib": round(graphs.memory_bytes / 2**20, 1)} if graphs else None,
+                     + (f"CUDA graphs (decode{''.join(f', {q}-node trees' for q in graphs.tree_sizes)}) for batch "
+                        f"sizes {graphs.sizes}" if graphs else "no CUDA graphs"),
+        "cuda_graphs": {"batch_sizes": graphs.sizes,
+                        "capture_s": {("decode" if q == 1 else f"verify_{q}_nodes"): round(s, 3)
+                                      for q, s in graphs.capture_seconds.items()},
+                        "memory_mib": {("decode" if q == 1 else f"verify_{q}_nodes"): round(b / 2**20, 1)
+                                       for q, b in graphs.memory_bytes.items()}} if graphs else None,
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "commit": git_commit(),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",

@@ -21,6 +21,11 @@ Where a speculative output differs from plain decoding (possible only in low pre
 verify and the one-token decode round differently), `divergences` gives the first differing position
 and the target's float32 logit gap there between the two tokens: a near-tie (a gap of a few hundredths)
 is rounding, a large gap would be a bug.
+
+On a GPU (--device cuda --dtype bfloat16) the target runs as the verifier runs it: FlashInfer attention
+and CUDA graphs of the decode step and of full trees. --preset llama-3.1-8b swaps the target for a
+dummy model of that shape (random weights; NGRAM only, since no draft fits it); its divergences report
+the gap in the runner's own logits at that position (no float32 twin of random weights exists).
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--transports", default="inprocess",
                         help="Comma-separated: inprocess (drafter object here), zmq (a drafter process over ZeroMQ).")
     parser.add_argument("--target", default=None, help="Target model directory (default: the demo target).")
+    parser.add_argument("--preset", default=None,
+                        help="Instead of --target, a dummy (random-weight) target of a benchmarks/decode.py preset shape, "
+                        "e.g. llama-3.1-8b (NGRAM only).")
     parser.add_argument("--draft", default=None, help="STANDALONE draft model (default: the demo draft).")
     parser.add_argument("--eagle-head", default=None, help="EAGLE head (default: the demo target's).")
     parser.add_argument("--eagle3-head", default=None, help="EAGLE3 head (default: the demo target's).")
@@ -104,7 +112,7 @@ def parse_flags(flags: list[str], target: Path) -> argparse.Namespace:
     engine_args.add_speculative_args(parser)
     for flag, default in (("--model-path", str(target)), ("--revision", None), ("--dtype", RUNTIME["dtype"]),
                           ("--device", RUNTIME["device"]),
-                          ("--page-size", 16), ("--max-total-tokens", 32768), ("--attention-backend", "torch"),
+                          ("--page-size", 16), ("--max-total-tokens", 32768), ("--attention-backend", "auto"),
                           ("--load-format", "auto")):
         parser.add_argument(flag, default=default, type=type(default) if default is not None else None)
     return parser.parse_args(flags)
@@ -240,18 +248,55 @@ def divergences(target: Path, prompts, plain_ids, spec_ids) -> list[dict]:
     return out
 
 
+def runner_divergences(runner, prompts, plain_ids, spec_ids) -> list[dict]:
+    """divergences() for a target with no float32 twin: the gap in the runner's own logits (one plain
+    forward of the prompt and plain's tokens before the divergence)."""
+    from splitspec.runtime.batch import SequenceInput
+    from splitspec.runtime.kv_cache import BlockTable
+
+    out = []
+    for i, (p, q) in enumerate(zip(plain_ids, spec_ids)):
+        j = next((j for j, (a, b) in enumerate(zip(p, q)) if a != b), None)
+        if j is None:
+            continue
+        table = BlockTable()
+        logits = runner.forward(runner.batch([SequenceInput(table, prompts[i] + p[:j])])).logits[0]
+        runner.kv_cache.release(table)
+        a, b = p[j], q[j]
+        out.append({"prompt": i, "position": j, "plain_token": a, "speculative_token": b,
+                    "runner_logit_gap": round(float(logits[a] - logits[b]), 4),
+                    "runner_top2_gap": round(float(logits.topk(2).values.diff().abs()), 4)})
+    return out
+
+
 def main() -> int:
     from transformers import AutoTokenizer
 
     args = parse_args()
     RUNTIME.update(dtype=args.dtype, device=args.device)
-    target = Path(args.target) if args.target else demo_model_dirs()["target"]
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    demo = demo_model_dirs()["target"]
+    target = Path(args.target) if args.target else demo
+    tokenizer = AutoTokenizer.from_pretrained(demo if args.preset else target)
     prompts = prompts_from_held_out(tokenizer, args.num_prompts, args.prompt_tokens)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     capacity = max(batch_sizes) * (args.prompt_tokens + args.new_tokens + 2 * args.num_draft_tokens + 64)
+    load_format = "auto"
+    if args.preset:
+        import importlib.util
+        import tempfile
+
+        spec = importlib.util.spec_from_file_location("decode_bench", Path(__file__).parent / "decode.py")
+        decode_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(decode_bench)
+        target, load_format = Path(tempfile.mkdtemp(prefix="splitspec-preset-")), "dummy"
+        (target / "config.json").write_text(json.dumps(decode_bench.PRESETS[args.preset]))
+        if args.algorithms != "NGRAM":
+            raise SystemExit("--preset: only NGRAM drafts for a dummy target")
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype=args.dtype, device=args.device,
-                                            max_total_tokens=capacity))
+                                            max_total_tokens=capacity, load_format=load_format))
+    trees = {"NGRAM": args.num_draft_tokens, "STANDALONE": int(args.standalone_tree.split(",")[2]),
+             "EAGLE": int(args.eagle_tree.split(",")[2]), "EAGLE3": int(args.eagle_tree.split(",")[2])}
+    runner.capture_cuda_graphs(tree_nodes=tuple(sorted({trees[a] for a in args.algorithms.split(",") if a in trees})))
     sampling = {"temperature": args.temperature, "top_p": args.top_p}
     measure(runner, prompts[:2], 2, 8, None, target)  # warm-up
     results = []
@@ -267,7 +312,8 @@ def main() -> int:
                 spec["speedup"] = round(spec["decode_tok_s"] / plain["decode_tok_s"], 3)
                 spec["outputs_equal_plain"] = sum(a == b for a, b in zip(plain_ids, spec_ids))
                 if spec["outputs_equal_plain"] < len(prompts) and args.temperature == 0:
-                    spec["divergences"] = divergences(target, prompts, plain_ids, spec_ids)
+                    spec["divergences"] = (runner_divergences(runner, prompts, plain_ids, spec_ids) if args.preset
+                                           else divergences(target, prompts, plain_ids, spec_ids))
                 results.append(spec)
     report = {
         "benchmark": f"demo target on CPU: plain vs {args.algorithms} speculative decoding (drafter: {args.transports}), "
@@ -276,7 +322,10 @@ def main() -> int:
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu", "dtype": args.dtype,
         "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "model": str(target.name), "prompts": f"{len(prompts)} held-out stdlib files, first {args.prompt_tokens} tokens",
+        "torch": torch.__version__, "attention_backend": runner.backend.name,
+        "cuda_graphs": {"batch_sizes": runner.graphs.sizes, "tree_sizes": runner.graphs.tree_sizes,
+                        "replays": runner.graphs.replays} if runner.graphs else None,
+        "model": f"dummy {args.preset} (random weights)" if args.preset else str(target.name), "prompts": f"{len(prompts)} held-out stdlib files, first {args.prompt_tokens} tokens",
         "new_tokens": args.new_tokens, "results": results,
     }
     text = json.dumps(report, indent=2)

@@ -1,25 +1,46 @@
 #!/usr/bin/env bash
 # The GPU benchmark, from a clean checkout on the lent GPU machine (the `device` tool), carrying .fi/
 # (scripts/gpu_fetch_wheels.sh fills it):
-#   bash scripts/gpu_bench.sh            # results in $OUT (default /tmp/splitspec-gpu)
-# 1. plain decode (below), then the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
-#    CUDA-graph decode vs eager (tests/test_gpu_kernels.py), and the runtime suite with forwards on CUDA;
-# 2. plain decode of a Llama-3.1-8B-shaped dummy model in bf16 (FlashInfer, CUDA graphs) at batch 1 and 8,
-#    with step phases and the 16-node tree verification's time over a decode step's;
-# 3. the same eagerly (--disable-cuda-graph), to show what the graphs are worth.
+#   bash scripts/gpu_bench.sh [STAGE...]      # results in $OUT (default /tmp/splitspec-gpu)
+# Stages (default: all, in this order; a device call has 10 minutes, so name a few per call):
+#   decode    plain decode of a Llama-3.1-8B-shaped dummy model in bf16 (FlashInfer, CUDA graphs of the decode
+#             step and of 16-node trees) at batch 1 and 8, step phases, and the tree verification's time over
+#             a decode step's
+#   lossless  greedy plain vs speculative decoding in bf16 on the GPU: the demo target with NGRAM, STANDALONE,
+#             EAGLE, EAGLE3, and the 8B-shaped dummy with NGRAM (outputs equal, or near-ties recorded)
+#   profile   the 8B decode step's kernel time by kernel (torch.profiler) against its graph and eager wall time
+#   eager     the decode stage without CUDA graphs
+#   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
+#             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
+#             suite with forwards on CUDA
 set -uo pipefail
 OUT="${OUT:-/tmp/splitspec-gpu}"
 mkdir -p "$OUT"
 . scripts/gpu_env.sh || exit 1
 export SPLITSPEC_TEST_DEVICE=cuda
+stages=("$@")
+[[ ${#stages[@]} -eq 0 ]] && stages=(decode lossless profile eager tests)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/gpu.txt"
 bench=(python3 -P benchmarks/decode.py --device cuda --preset llama-3.1-8b --dtype bfloat16 --batch-sizes 1,8
        --prompt-len 128 --new-tokens 128 --phases --tree-nodes 16)
-"${bench[@]}" --out "$OUT/decode_8b_graphs.json" 2>&1 | tail -5; graphs_rc=${PIPESTATUS[0]}
-python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_model_equivalence.py \
-    tests/test_paged_attention.py tests/test_rope.py 2>&1 | tee "$OUT/pytest_cuda.log"
-tests_rc=${PIPESTATUS[0]}
-"${bench[@]}" --disable-cuda-graph --repeats 1 --out "$OUT/decode_8b_eager.json" 2>&1 | tail -5; eager_rc=${PIPESTATUS[0]}
-echo "pytest rc=$tests_rc bench rc=$graphs_rc/$eager_rc"
-exit $(( tests_rc || graphs_rc || eager_rc ))
+spec=(python3 -P benchmarks/speculative_cpu.py --device cuda --dtype bfloat16 --batch-sizes 1 --num-prompts 8
+      --new-tokens 64)
+failed=0
+for stage in "${stages[@]}"; do
+    echo "== $stage"
+    case "$stage" in
+        decode) "${bench[@]}" --out "$OUT/decode_8b_graphs.json" > "$OUT/decode.log" 2>&1 ;;
+        eager) "${bench[@]}" --disable-cuda-graph --repeats 1 --out "$OUT/decode_8b_eager.json" > "$OUT/eager.log" 2>&1 ;;
+        lossless) "${spec[@]}" --algorithms NGRAM,STANDALONE,EAGLE,EAGLE3 --out "$OUT/lossless_demo.json" > "$OUT/lossless.log" 2>&1 &&
+                  "${spec[@]}" --preset llama-3.1-8b --algorithms NGRAM --out "$OUT/lossless_8b.json" >> "$OUT/lossless.log" 2>&1 ;;
+        profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
+        tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_model_equivalence.py \
+                   tests/test_paged_attention.py tests/test_rope.py > "$OUT/pytest_cuda.log" 2>&1 ;;
+        *) echo "unknown stage $stage"; false ;;
+    esac
+    rc=$?
+    echo "== $stage rc=$rc"
+    [[ $rc -ne 0 ]] && failed=1
+done
+exit $failed

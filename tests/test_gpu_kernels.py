@@ -137,8 +137,8 @@ def test_flashinfer_backend_matches_torch(tmp_path, overrides):
 def test_cuda_graph_decode_equals_eager(tmp_path):
     path = checkpoint(tmp_path)
     eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True)
-    graphed.capture_cuda_graphs()
-    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8]
+    graphed.capture_cuda_graphs(tree_nodes=(6,))
+    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8] and graphed.graphs.tree_sizes == [6]
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
     tables = {id(r): [BlockTable() for _ in prompts] for r in (eager, graphed)}
@@ -156,4 +156,20 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
             assert close(a, b) < 1e-2
         commit(eager, tables[id(eager)], inputs)
         commit(graphed, tables[id(graphed)], inputs)
-    assert replays == 4  # every decode step replayed a graph
+    tokens, parents = [20, 21, 22, 23, 24, 25], [-1, 0, 0, 1, 2, 2]
+    for n in (3, 5, 1):  # 6-node trees of 3, 5 and 1 requests: padded to 4, 8 and 1
+        inputs = [(i, [t + i for t in tokens], parents) for i in range(n)]
+        want = step(eager, tables[id(eager)], inputs)
+        before = graphed.graphs.replays
+        have = step(graphed, tables[id(graphed)], inputs)
+        replays += graphed.graphs.replays - before
+        for a, b in zip(have, want):
+            assert close(a, b) < 1e-2
+        commit(eager, tables[id(eager)], inputs)
+        commit(graphed, tables[id(graphed)], inputs)
+    mixed = [(0, [9], None), (1, tokens, parents)]  # not graph-shaped: runs eagerly
+    before = graphed.graphs.replays
+    for a, b in zip(step(graphed, tables[id(graphed)], mixed), step(eager, tables[id(eager)], mixed)):
+        assert close(a, b) < 1e-2
+    assert graphed.graphs.replays == before
+    assert replays == 7  # every decode step and every tree verification replayed a graph

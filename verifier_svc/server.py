@@ -194,7 +194,8 @@ async def serve(args: argparse.Namespace) -> None:
         start_metrics_server(registry, args.host, args.metrics_port,
                              json_routes={"/sd/drafters": pool.scrape_targets if pool is not None else list})
         logger.info("metrics on http://%s:%d/metrics, drafter discovery at /sd/drafters", args.host, args.metrics_port)
-    runner.capture_cuda_graphs()  # after the drafter chose the layers to capture; before serving
+    # after the drafter chose the layers to capture; before serving: decode, and full trees
+    runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,) if args.speculative_algorithm else ())
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)

@@ -1,12 +1,15 @@
-"""CUDA graphs of the decode forward: every request adds one token (no tree), for batch sizes up to
+"""CUDA graphs of the steps that repeat: decode (every request adds one token) and tree verification
+(every request adds a tree of the same node count, under its mask), for batch sizes up to
 --cuda-graph-max-bs. A step's ~10 kernels per layer launch as one graph replay instead of one Python
-call each, which is most of an eager decode step's time at small batch sizes.
+call each, which is most of an eager step's time at small batch sizes.
 
-Each captured size has static inputs (token ids, positions, KV slots, FlashInfer's page-table buffers)
-and static outputs (final hidden states, captured layer inputs, logits). A batch of r requests runs in
-the smallest captured size b >= r: its inputs are copied in, the b - r padding rows decode a dummy token
-into a scratch page of their own, and the first r rows of the outputs are returned (copied, since the
-next replay overwrites them). The graphs share one memory pool, captured largest first.
+Each captured shape (batch size b, tokens per request q) has static inputs (token ids, positions, KV
+slots, FlashInfer's page-table and mask buffers) and static outputs (final hidden states, captured
+layer inputs, logits of every row). A batch of r requests runs in the smallest captured b >= r: its
+inputs are copied in, the b - r padding requests run a dummy chain in scratch pages of their own, and
+the first r requests' rows of the outputs are returned (copied: the next replay overwrites them). The
+graphs share one memory pool, captured largest first. Other batches (prompt chunks, mixed batches,
+trees of another size, EAGLE head forwards) run eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import logging
 import time
 
 import torch
+
+from splitspec.runtime.attention.base import AttentionBatch
 
 logger = logging.getLogger(__name__)
 
@@ -28,96 +33,133 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class _Graph:
-    def __init__(self, batch_size: int, state, graph, hidden, captured, logits):
-        self.batch_size, self.state, self.graph = batch_size, state, graph
+    def __init__(self, state, graph, hidden, captured, logits):
+        self.state, self.graph = state, graph
         self.hidden, self.captured, self.logits = hidden, captured, logits
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, runner, max_bs: int):
         self.runner = runner
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        self.graphs: dict[int, _Graph] = {}
-        self.capture_seconds = 0.0
-        self.memory_bytes = 0
-        cache = runner.kv_cache
-        self.scratch_page = cache.allocator.alloc(1)[0]  # the padding rows' own page, never freed
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=runner.device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=runner.device)
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # (batch size, tokens per request) -> graph
+        self.capture_seconds: dict[int, float] = {}  # tokens per request -> seconds capturing its sizes
+        self.memory_bytes: dict[int, int] = {}
+        self.scratch_pages: list[int] = []  # the padding requests' own pages, never freed
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # q -> static (ids, positions)
         self.pool = None
         self.replays = 0
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        from splitspec.runtime.attention.base import AttentionBatch
+    @property
+    def tree_sizes(self) -> list[int]:
+        return sorted(q for q in self.capture_seconds if q > 1)
 
+    def _scratch(self, num_tokens: int) -> list[int]:
+        cache = self.runner.kv_cache
+        missing = cache.pages_for(num_tokens) - len(self.scratch_pages)
+        if missing > 0:
+            self.scratch_pages += cache.allocator.alloc(missing)
+        return self.scratch_pages[: cache.pages_for(num_tokens)]
+
+    def _dummy(self, q: int):
+        """A padding request: a chain of q tokens at positions 0..q-1 in the scratch pages."""
+        pages = self._scratch(q)
+        page_size = self.runner.kv_cache.page_size
+        slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(q)], dtype=torch.long)
+        mask = None if q == 1 else torch.ones(q, q, dtype=torch.bool).tril()
+        return q, pages, slots, torch.arange(q), mask
+
+    @torch.inference_mode()
+    def capture(self, q: int = 1) -> None:
+        """Capture every batch size for requests of q new tokens (1: decode; more: trees of q nodes)."""
+        if q in self.capture_seconds:
+            return
         runner = self.runner
         config = runner.config
-        runner.model.rotary_emb.reserve(config.max_position_embeddings, runner.device)  # never grows after this
-        torch.cuda.synchronize(runner.device)
-        free_before = torch.cuda.mem_get_info(runner.device)[0]
+        device = runner.device
+        runner.model.rotary_emb.reserve(config.max_position_embeddings, device)  # never grows after this
+        torch.cuda.synchronize(device)
+        free_before, reserved_before = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         start = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(runner.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        ids = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
+        positions = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
+        self.inputs[q] = (ids, positions)
+        max_kv = min(runner.kv_cache.capacity_tokens, config.max_position_embeddings + q)
+        stream = torch.cuda.Stream(device)
         for bs in sorted(self.sizes, reverse=True):
-            state = runner.backend.graph_state(bs, runner.kv_cache.num_pages)
-            runner.backend.graph_plan(state, self._dummy(bs, AttentionBatch))
-            ids, pos = self.input_ids[:bs], self.positions[:bs]
+            state = runner.backend.graph_state(bs, runner.kv_cache.num_pages, q_len=q, max_kv_len=max_kv)
+            runner.backend.graph_plan(state, self._pad([], bs, q))
+            ids_b, pos_b = ids[: bs * q], positions[: bs * q]
 
             def forward():
-                hidden, captured = runner.model(ids, pos, runner.backend, state.plan, runner.capture_layers)
+                hidden, captured = runner.model(ids_b, pos_b, runner.backend, state.plan, runner.capture_layers)
                 return hidden, captured, runner.model.logits(hidden)
 
-            stream.wait_stream(torch.cuda.current_stream(runner.device))
+            stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up outside the graph (lazy inits, Triton autotuning)
+                for _ in range(2):  # warm up outside the graph (lazy inits, Triton compilation)
                     forward()
-            torch.cuda.current_stream(runner.device).wait_stream(stream)
+            torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 hidden, captured, logits = forward()
-            self.graphs[bs] = _Graph(bs, state, graph, hidden, captured, logits)
-        torch.cuda.synchronize(runner.device)
-        self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(runner.device)[0])
-        logger.info("captured CUDA graphs of the decode step for batch sizes %s in %.1f s (%.0f MiB of GPU memory)",
-                    self.sizes, self.capture_seconds, self.memory_bytes / 2**20)
+            self.graphs[(bs, q)] = _Graph(state, graph, hidden, captured, logits)
+        torch.cuda.synchronize(device)
+        self.capture_seconds[q] = time.perf_counter() - start
+        self.memory_bytes[q] = max(free_before - torch.cuda.mem_get_info(device)[0],
+                                   torch.cuda.memory_reserved(device) - reserved_before, 0)
+        logger.info("captured CUDA graphs of the %s step for batch sizes %s in %.1f s (%.0f MiB of GPU memory)",
+                    "decode" if q == 1 else f"{q}-node tree verification", self.sizes, self.capture_seconds[q],
+                    self.memory_bytes[q] / 2**20)
 
-    def _dummy(self, bs: int, batch_type):
-        page_size = self.runner.kv_cache.page_size
-        slots = torch.full((bs,), self.scratch_page * page_size, dtype=torch.long)
-        return batch_type(q_lens=[1] * bs, kv_lens=[1] * bs, page_tables=[[self.scratch_page]] * bs, out_slots=slots,
-                          positions=torch.zeros(bs, dtype=torch.long), masks=[None] * bs)
+    def _pad(self, real: list, bs: int, q: int) -> AttentionBatch:
+        """An attention batch of the real requests' (q_len, kv_len, pages, slots, positions, mask) plus
+        dummies up to bs requests."""
+        rows = list(real) + [self._dummy_row(q)] * (bs - len(real))
+        return AttentionBatch(q_lens=[q] * bs, kv_lens=[r[0] for r in rows], page_tables=[r[1] for r in rows],
+                              out_slots=torch.cat([r[2] for r in rows]), positions=torch.cat([r[3] for r in rows]),
+                              masks=[r[4] for r in rows])
 
-    def fits(self, batch) -> bool:
+    def _dummy_row(self, q: int):
+        return self._dummy(q)
+
+    def tokens_per_request(self, batch) -> int | None:
+        """q when the batch is graph-shaped: at most max_bs requests of q tokens each (q = 1 without masks,
+        q > 1 each under a tree mask), every row asking for logits; None otherwise."""
         attention = batch.attention
         n = attention.num_requests
-        return (n <= self.max_bs and all(q == 1 for q in attention.q_lens) and all(m is None for m in attention.masks)
-                and batch.cu_logits == list(range(n + 1)))
+        q = attention.q_lens[0]
+        if n > self.max_bs or any(x != q for x in attention.q_lens):
+            return None
+        if q == 1:
+            ok = all(m is None for m in attention.masks) and batch.cu_logits == list(range(n + 1))
+        else:
+            ok = all(m is not None for m in attention.masks) and batch.cu_logits == list(range(0, n * q + 1, q))
+        return q if ok else None
 
-    def run(self, batch):
-        """(hidden [r, H], captured [r, ...] list, logits [r, V]) of a decode batch that fits."""
-        from splitspec.runtime.attention.base import AttentionBatch
-
+    def run(self, batch, q: int):
+        """(hidden [r*q, H], captured list, logits [r*q, V]) of a graph-shaped batch (see tokens_per_request)."""
         attention = batch.attention
         r = attention.num_requests
         bs = next(b for b in self.sizes if b >= r)
-        entry = self.graphs[bs]
-        pad = bs - r
-        page_size = self.runner.kv_cache.page_size
-        padded = AttentionBatch(
-            q_lens=[1] * bs, kv_lens=attention.kv_lens + [1] * pad,
-            page_tables=attention.page_tables + [[self.scratch_page]] * pad,
-            out_slots=torch.cat([attention.out_slots, torch.full((pad,), self.scratch_page * page_size, dtype=torch.long)])
-            if pad else attention.out_slots,
-            positions=attention.positions, masks=[None] * bs)
-        self.runner.backend.graph_plan(entry.state, padded)
-        self.input_ids[:r].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:r].copy_(batch.positions, non_blocking=True)
-        if pad:
-            self.input_ids[r:bs].zero_()
-            self.positions[r:bs].zero_()
+        entry = self.graphs[(bs, q)]
+        real = []
+        start = 0
+        for i in range(r):
+            real.append((attention.kv_lens[i], attention.page_tables[i], attention.out_slots[start : start + q],
+                         attention.positions[start : start + q], attention.masks[i]))
+            start += q
+        self.runner.backend.graph_plan(entry.state, self._pad(real, bs, q))
+        ids, positions = self.inputs[q]
+        rows = r * q
+        ids[:rows].copy_(batch.input_ids, non_blocking=True)
+        positions[:rows].copy_(batch.positions, non_blocking=True)
+        if bs > r:
+            ids[rows : bs * q].zero_()
+            positions[rows : bs * q].zero_()
         entry.graph.replay()
         self.replays += 1
-        return entry.hidden[:r].clone(), [c[:r].clone() for c in entry.captured], entry.logits[:r].clone()
+        return entry.hidden[:rows].clone(), [c[:rows].clone() for c in entry.captured], entry.logits[:rows].clone()

@@ -147,18 +147,22 @@ class ModelRunner:
         if len(set(layers)) != len(layers):
             raise ConfigError(f"capture layers {list(layers)} repeat a layer")
         if getattr(self, "capture_layers", None) != tuple(layers) and getattr(self, "graphs", None) is not None:
-            self.kv_cache.allocator.decref([self.graphs.scratch_page])  # the graphs captured other outputs
+            self.kv_cache.allocator.decref(self.graphs.scratch_pages)  # the graphs captured other outputs
             self.graphs = None
         self.capture_layers = tuple(layers)
 
-    def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs now (servers do this before serving; otherwise the first decode step)."""
-        if self.cuda_graph_max_bs and self.graphs is None:
-            from splitspec.runtime.cuda_graph import DecodeGraphs
+    def capture_cuda_graphs(self, tree_nodes: tuple[int, ...] = ()) -> None:
+        """Capture the decode graphs, and the verification graphs of trees of these node counts, now
+        (servers do this before serving; otherwise the decode graphs are captured at the first decode step)."""
+        if not self.cuda_graph_max_bs:
+            return
+        if self.graphs is None:
+            from splitspec.runtime.cuda_graph import StepGraphs
 
-            graphs = DecodeGraphs(self, self.cuda_graph_max_bs)
-            graphs.capture()
-            self.graphs = graphs
+            self.graphs = StepGraphs(self, self.cuda_graph_max_bs)
+        for q in (1, *tree_nodes):
+            if q >= 1:
+                self.graphs.capture(q)
 
     @classmethod
     def load(cls, rc: RuntimeConfig) -> "ModelRunner":
@@ -198,8 +202,9 @@ class ModelRunner:
         if self.cuda_graph_max_bs and features is None and draft_layer is None:
             if self.graphs is None:
                 self.capture_cuda_graphs()
-            if self.graphs.fits(batch):
-                hidden, captured, logits = self.graphs.run(batch)
+            q = self.graphs.tokens_per_request(batch)
+            if q is not None and q in self.graphs.capture_seconds:
+                hidden, captured, logits = self.graphs.run(batch, q)
                 return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None,
                                      aux_hidden_states=torch.cat(captured, dim=-1) if captured else None)
         plan = self.backend.plan(batch.attention)

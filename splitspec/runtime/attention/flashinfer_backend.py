@@ -15,8 +15,10 @@ positions are not their key indices).
 Our cache layer [2, pages, page_size, kv_heads, head_dim] is FlashInfer's NHD layout as a (K, V) pair.
 New K/V are written by slot before the layer attends, as the torch backend does.
 
-CUDA graphs (`graph_plan`): a decode wrapper with fixed buffers per captured batch size; planning
-copies the batch's page tables into them and the captured kernels read them at replay.
+CUDA graphs (`graph_state`, `graph_plan`): wrappers with fixed buffers per captured shape, a decode
+wrapper for one token per request, a prefill wrapper with a custom-mask buffer for trees of a fixed
+size; planning copies the batch's page tables (and packed masks) into them and the captured kernels
+read them at replay.
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ class FlashInferPlan:
 
 @dataclass
 class GraphState:
-    """What a captured decode graph of one batch size reads: its wrappers' fixed buffers and the slots."""
+    """What a captured graph of one shape reads: its wrappers' fixed buffers and the slots."""
 
     batch_size: int
-    wrappers: dict  # window -> decode wrapper in CUDA-graph mode
-    out_slots: torch.Tensor  # [batch_size] int64, static
+    q_len: int  # new tokens per request: 1 (decode) or a tree's node count
+    wrappers: dict  # window -> wrapper in CUDA-graph mode
+    out_slots: torch.Tensor  # [batch_size * q_len] int64, static
     plan: FlashInferPlan
 
 
@@ -157,28 +160,50 @@ class FlashInferAttentionBackend(AttentionBackend):
         return torch.cat(parts)
 
     # CUDA graphs -------------------------------------------------------------------------------------
-    def graph_state(self, batch_size: int, max_pages: int) -> GraphState:
-        """Fixed buffers and wrappers for a decode graph of `batch_size` requests holding at most
-        `max_pages` pages in all."""
+    def graph_state(self, batch_size: int, max_pages: int, q_len: int = 1, max_kv_len: int = 0) -> GraphState:
+        """Fixed buffers and wrappers for a graph of `batch_size` requests of `q_len` new tokens each (1:
+        decode; more: trees, whose requests hold at most `max_kv_len` keys), `max_pages` pages in all."""
+        def buffer(n):
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+
         wrappers = {}
         for window in self.windows:
-            wrappers[window] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
-                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
-                paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device))
-        out_slots = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+            if q_len == 1:
+                wrappers[window] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+                    paged_kv_indptr_buffer=buffer(batch_size + 1), paged_kv_indices_buffer=buffer(max_pages),
+                    paged_kv_last_page_len_buffer=buffer(batch_size))
+            else:  # each request's mask is q_len x kv_len bits, packed to whole bytes
+                mask_bytes = batch_size * (-(-q_len * max_kv_len // 8))
+                wrappers[window] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(batch_size + 1),
+                    paged_kv_indptr_buf=buffer(batch_size + 1), paged_kv_indices_buf=buffer(max_pages),
+                    paged_kv_last_page_len_buf=buffer(batch_size),
+                    custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=self.device),
+                    mask_indptr_buf=buffer(batch_size + 1))
+        out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
         plan = FlashInferPlan(out_slots=out_slots, groups={w: [_Group(wr, None)] for w, wr in wrappers.items()})
-        return GraphState(batch_size, wrappers, out_slots, plan)
+        return GraphState(batch_size, q_len, wrappers, out_slots, plan)
 
     def graph_plan(self, state: GraphState, batch: AttentionBatch) -> FlashInferPlan:
-        """Plan a decode batch of exactly state.batch_size requests into the graph's fixed buffers."""
-        assert batch.num_requests == state.batch_size
-        indptr, indices, last = self._pages(batch, list(range(batch.num_requests)), self.kv_cache.page_size)
+        """Plan a batch of exactly state.batch_size requests of state.q_len tokens into the graph's buffers."""
+        n = batch.num_requests
+        assert n == state.batch_size and all(q == state.q_len for q in batch.q_lens)
+        requests = list(range(n))
+        indptr, indices, last = self._pages(batch, requests, self.kv_cache.page_size)
         common = self._common()
+        if state.q_len > 1:
+            qo_indptr = torch.arange(0, (n + 1) * state.q_len, state.q_len, dtype=torch.int32)
+            starts = qo_indptr.tolist()
+            to = [t.to(self.device, non_blocking=True) for t in (qo_indptr, indptr, indices, last)]
         for window, wrapper in state.wrappers.items():
-            wrapper.plan(indptr, indices, last, head_dim=self.config.head_dim,
-                         window_left=-1 if window is None else window - 1, **common)
+            if state.q_len == 1:
+                wrapper.plan(indptr, indices, last, head_dim=self.config.head_dim,
+                             window_left=-1 if window is None else window - 1, **common)
+            else:
+                mask = self._tree_mask(batch, requests, starts, window)
+                wrapper.plan(*to, head_dim_qk=self.config.head_dim, custom_mask=mask.to(self.device, non_blocking=True),
+                             **common)
         state.out_slots.copy_(batch.out_slots, non_blocking=True)
         return state.plan
 
