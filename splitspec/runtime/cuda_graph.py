@@ -90,7 +90,9 @@ class StepGraphs:
         max_kv = min(runner.kv_cache.capacity_tokens, config.max_position_embeddings + q)
         stream = torch.cuda.Stream(device)
         for bs in sorted(self.sizes, reverse=True):
-            state = runner.backend.graph_state(bs, runner.kv_cache.num_pages, q_len=q, max_kv_len=max_kv)
+            # page-table entries: every page once, plus the padding requests' scratch pages, listed per request
+            max_pages = runner.kv_cache.num_pages + bs * runner.kv_cache.pages_for(q)
+            state = runner.backend.graph_state(bs, max_pages, q_len=q, max_kv_len=max_kv)
             runner.backend.graph_plan(state, self._pad([], bs, q))
             ids_b, pos_b = ids[: bs * q], positions[: bs * q]
 
