@@ -51,3 +51,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_ca
     if use_triton(q) and cos_cache.dtype == torch.float32:
         return _triton().apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
     return torch_ops.apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                   positions: torch.Tensor, rot_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k, k and v stored into the paged cache at their slots, in one kernel on a GPU; returns q."""
+    if use_triton(q) and cos_cache.dtype == torch.float32 and k_cache.dtype == k.dtype == v.dtype and k_cache.is_contiguous():
+        return _triton().rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
+    return torch_ops.rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)

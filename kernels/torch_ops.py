@@ -37,3 +37,13 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_ca
                positions: torch.Tensor, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_cache[positions].unsqueeze(1), sin_cache[positions].unsqueeze(1)
     return rotate(q, cos, sin, rot_dim), rotate(k, cos, sin, rot_dim)
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                   positions: torch.Tensor, rot_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+    """apply_rope, then k and v written to the flat caches ([slots, kv_heads, head_dim]) at slots; returns q."""
+    q, k = apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+    return q

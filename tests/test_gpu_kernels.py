@@ -53,6 +53,14 @@ def test_triton_kernels_match_their_twins():
                 differ = (got != want).float().mean().item()
                 torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7,
                                            msg=lambda m: f"{m} ({differ:.2%} of elements differ)")
+            v = qkv[:, 10 * head_dim :].view(5, 2, head_dim)
+            slots = torch.tensor([7, 0, 31, 12, 3], device="cuda")
+            caches = [[torch.zeros(40, 2, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
+            q_fused = triton_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[0], slots)
+            q_twin = torch_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[1], slots)
+            torch.testing.assert_close(q_fused, q_twin, rtol=2**-7, atol=2**-7)
+            torch.testing.assert_close(caches[0][0], caches[1][0], rtol=2**-7, atol=2**-7)  # rotated keys at their slots
+            assert torch.equal(caches[0][1], caches[1][1])  # values copied as they are
 
 
 # FlashInfer against torch --------------------------------------------------------------------------

@@ -103,6 +103,14 @@ class RotaryEmbedding(nn.Module):
         self._device: torch.device | None = None  # as the caller names it ("cuda" and "cuda:0" differ)
 
     @property
+    def cos_cache(self) -> torch.Tensor:
+        return self._cos
+
+    @property
+    def sin_cache(self) -> torch.Tensor:
+        return self._sin
+
+    @property
     def num_cached_positions(self) -> int:
         return 0 if self._cos is None else self._cos.shape[0]
 

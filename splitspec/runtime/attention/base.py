@@ -52,3 +52,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D]."""
+
+    def run_rope(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, rope,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """RoPE on q and k at positions, then run(); a backend may fuse the rotation with its K/V write."""
+        q, k = rope.rotate(q, k, positions)
+        return self.run(layer_id, q, k, v, plan)

@@ -209,10 +209,23 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # per layer ---------------------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashInferPlan) -> torch.Tensor:
-        cache = self.kv_cache.layers[layer_id]
         k_flat, v_flat = self.kv_cache.flat_kv(layer_id)
         k_flat[plan.out_slots] = k.to(k_flat.dtype)
         v_flat[plan.out_slots] = v.to(v_flat.dtype)
+        return self._attend(layer_id, q, plan)
+
+    def run_rope(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashInferPlan, rope,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """One kernel rotates q and k and writes k and v into the cache (splitspec.kernels.rope_and_store)."""
+        from splitspec import kernels
+
+        k_flat, v_flat = self.kv_cache.flat_kv(layer_id)
+        q = kernels.rope_and_store(q, k, v, rope.cos_cache, rope.sin_cache, positions, rope.rot_dim, k_flat, v_flat,
+                                   plan.out_slots)
+        return self._attend(layer_id, q, plan)
+
+    def _attend(self, layer_id: int, q: torch.Tensor, plan: FlashInferPlan) -> torch.Tensor:
+        cache = self.kv_cache.layers[layer_id]
         paged = (cache[0], cache[1])
         groups = plan.groups[self.config.sliding_windows[layer_id]]
         if len(groups) == 1 and groups[0].rows is None:

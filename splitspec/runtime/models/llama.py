@@ -57,8 +57,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ctx.rope.rotate(q, k, ctx.positions)
-        out = ctx.backend.run(self.layer_id, q, k, v, ctx.plan)  # [T, Hq, D]
+        out = ctx.backend.run_rope(self.layer_id, q, k, v, ctx.plan, ctx.rope, ctx.positions)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
