@@ -30,22 +30,8 @@ from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import positions as tree_positions
 from splitspec.runtime.tree import tree_mask
 
-SMALL_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408,
-    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-}
-PRESETS = {
-    "small": SMALL_LLAMA,
-    "quick": {**SMALL_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500},
-    # Llama-3.1-8B's shape (REFERENCES: 32 layers, GQA 32/8, 128256 vocab, llama3 rope)
-    "llama-3.1-8b": {**SMALL_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-                     "max_position_embeddings": 131072, "rope_theta": 500000.0,
-                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
-}
+from model_shapes import PRESETS, dummy_model_dir  # benchmarks/ (this script's folder) is on sys.path
+
 
 
 def parse_args() -> argparse.Namespace:
@@ -175,8 +161,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as scratch:
         model_path, load_format = args.model_path, "auto"
         if model_path is None:
-            model_path, load_format = scratch, "dummy"
-            (Path(scratch) / "config.json").write_text(json.dumps(PRESETS[args.preset]))
+            model_path, load_format = str(dummy_model_dir(args.preset, scratch)), "dummy"
         extra = args.phase_iters + 5 if args.phases else 0
         capacity = max(batch_sizes) * (args.prompt_len + args.new_tokens + 2 * extra + args.tree_nodes + 64)
         runner = ModelRunner.load(RuntimeConfig(model_path=model_path, load_format=load_format, dtype=args.dtype,

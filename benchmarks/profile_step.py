@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from model_shapes import dummy_model_dir  # benchmarks/ (this script's folder) is on sys.path
 
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
@@ -34,12 +33,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="Profiled steps.")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("decode_bench", Path(__file__).parent / "decode.py")
-    decode_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode_bench)
-    scratch = tempfile.mkdtemp(prefix="splitspec-profile-")
-    (Path(scratch) / "config.json").write_text(json.dumps(decode_bench.PRESETS[args.preset]))
-    runner = ModelRunner.load(RuntimeConfig(model_path=scratch, load_format="dummy", dtype="bfloat16", device="cuda",
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(dummy_model_dir(args.preset)), load_format="dummy", dtype="bfloat16", device="cuda",
                                             max_total_tokens=args.batch_size * (args.prompt_len + 4 * args.steps + 64)))
     tables = [BlockTable() for _ in range(args.batch_size)]
     runner.forward(runner.batch([SequenceInput(t, list(range(3, 3 + args.prompt_len))) for t in tables]))

@@ -282,14 +282,9 @@ def main() -> int:
     capacity = max(batch_sizes) * (args.prompt_tokens + args.new_tokens + 2 * args.num_draft_tokens + 64)
     load_format = "auto"
     if args.preset:
-        import importlib.util
-        import tempfile
+        from model_shapes import dummy_model_dir  # benchmarks/ (this script's folder) is on sys.path
 
-        spec = importlib.util.spec_from_file_location("decode_bench", Path(__file__).parent / "decode.py")
-        decode_bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(decode_bench)
-        target, load_format = Path(tempfile.mkdtemp(prefix="splitspec-preset-")), "dummy"
-        (target / "config.json").write_text(json.dumps(decode_bench.PRESETS[args.preset]))
+        target, load_format = dummy_model_dir(args.preset), "dummy"
         if args.algorithms != "NGRAM":
             raise SystemExit("--preset: only NGRAM drafts for a dummy target")
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype=args.dtype, device=args.device,

@@ -12,22 +12,20 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-PREFIX = "splitspec:"
+from splitspec.metrics_http import labelled
 
 
 class DrafterMetrics:
     def __init__(self, registry: CollectorRegistry, name: str, algorithm: str, draft_model: str, device: str):
         labels = {"drafter": name, "algorithm": algorithm}
-        names = list(labels)
         ProcessCollector(registry=registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
 
         def make(kind, metric, doc, extra=(), **kwargs):
-            built = kind(PREFIX + metric, doc, [*names, *extra], registry=registry, **kwargs)
-            return built.labels(**labels) if not extra else _Partial(built, labels)
+            bound = labelled(kind, registry, metric, doc, extra, labels, **kwargs)
+            return bound if extra else bound.labels()
 
-        info = Gauge(PREFIX + "drafter_info", "1, labelled with what the drafter runs.",
-                     [*names, "draft_model", "device"], registry=registry)
-        info.labels(**labels, draft_model=draft_model or "", device=str(device)).set(1)
+        info = make(Gauge, "drafter_info", "1, labelled with what the drafter runs.", extra=("draft_model", "device"))
+        info.labels(draft_model=draft_model or "", device=str(device)).set(1)
         self.registered = make(Gauge, "drafter_registered", "1 while registered with a verifier, else 0.")
         self.held = make(Gauge, "drafter_held_requests", "Requests this drafter holds (opened, not released).")
         self.steps = make(Counter, "drafter_steps", "Draft requests answered (one per verifier step that asked this drafter).")
@@ -48,12 +46,3 @@ class DrafterMetrics:
         self.bytes = make(Counter, "drafter_wire_bytes", "Bytes on the step channel, by direction (received, sent).",
                           extra=("direction",))
 
-
-class _Partial:
-    """A labelled metric with the drafter's labels filled in; .labels(**rest) gives the child."""
-
-    def __init__(self, metric, labels: dict):
-        self.metric, self.fixed = metric, labels
-
-    def labels(self, **labels):
-        return self.metric.labels(**self.fixed, **labels)

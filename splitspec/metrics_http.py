@@ -18,7 +18,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, generate_latest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "splitspec:"  # every metric's name starts so, as vLLM's start with vllm:
 logger = logging.getLogger(__name__)
+
+
+class Bound:
+    """A metric with its constant labels filled in: .labels(**rest) gives the child."""
+
+    def __init__(self, metric, const: dict):
+        self.metric, self.const = metric, const
+
+    def labels(self, **labels):
+        return self.metric.labels(**self.const, **labels)
+
+
+def labelled(kind, registry, name, doc, names, const, **kwargs) -> Bound:
+    """A PREFIXed prometheus_client metric labelled by const's keys and then names, const filled in."""
+    return Bound(kind(PREFIX + name, doc, [*const, *names], registry=registry, **kwargs), const)
 
 
 def metrics_text(registry: CollectorRegistry) -> bytes:

@@ -153,31 +153,22 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     for r in (eager, graphed):
         step(r, tables[id(r)], [(i, p, None) for i, p in enumerate(prompts)])
         commit(r, tables[id(r)], [(i, p, None) for i, p in enumerate(prompts)])
-    replays = 0
-    for n in (5, 3, 1, 5):  # batch sizes that pad to captured sizes 8, 4, 1, 8
-        inputs = [(i, [10 + i], None) for i in range(n)]
+
+    def compare(inputs) -> int:
+        """One step on both runners (the graphed one's logits match the eager ones); the replays it made."""
         want = step(eager, tables[id(eager)], inputs)
         before = graphed.graphs.replays
         have = step(graphed, tables[id(graphed)], inputs)
-        replays += graphed.graphs.replays - before
         for a, b in zip(have, want):
             assert close(a, b) < 1e-2
         commit(eager, tables[id(eager)], inputs)
         commit(graphed, tables[id(graphed)], inputs)
+        return graphed.graphs.replays - before
+
+    # decode batches that pad to captured sizes 8, 4, 1, 8
+    replays = sum(compare([(i, [10 + i], None) for i in range(n)]) for n in (5, 3, 1, 5))
     tokens, parents = [20, 21, 22, 23, 24, 25], [-1, 0, 0, 1, 2, 2]
-    for n in (3, 5, 1):  # 6-node trees of 3, 5 and 1 requests: padded to 4, 8 and 1
-        inputs = [(i, [t + i for t in tokens], parents) for i in range(n)]
-        want = step(eager, tables[id(eager)], inputs)
-        before = graphed.graphs.replays
-        have = step(graphed, tables[id(graphed)], inputs)
-        replays += graphed.graphs.replays - before
-        for a, b in zip(have, want):
-            assert close(a, b) < 1e-2
-        commit(eager, tables[id(eager)], inputs)
-        commit(graphed, tables[id(graphed)], inputs)
-    mixed = [(0, [9], None), (1, tokens, parents)]  # not graph-shaped: runs eagerly
-    before = graphed.graphs.replays
-    for a, b in zip(step(graphed, tables[id(graphed)], mixed), step(eager, tables[id(eager)], mixed)):
-        assert close(a, b) < 1e-2
-    assert graphed.graphs.replays == before
+    # 6-node trees of 3, 5 and 1 requests: padded to 4, 8 and 1
+    replays += sum(compare([(i, [t + i for t in tokens], parents) for i in range(n)]) for n in (3, 5, 1))
+    assert compare([(0, [9], None), (1, tokens, parents)]) == 0  # not graph-shaped: runs eagerly
     assert replays == 7  # every decode step and every tree verification replayed a graph

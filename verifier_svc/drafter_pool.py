@@ -418,10 +418,9 @@ class DrafterPool(DrafterClient):
         if not self.address.startswith("tcp://"):
             return "127.0.0.1"
         try:
-            host = frame.get("Peer-Address")
+            return frame.get("Peer-Address")
         except Exception:  # noqa: BLE001 (libzmq without message metadata)
             return ""
-        return f"[{host}]" if ":" in host else host
 
     def _register(self, identity: bytes, message, peer_host: str = "") -> None:
         register, sender = message.register, message.sender

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from splitspec.metrics_http import PREFIX, labelled
 from splitspec.verifier_svc.engine import Engine
-
-PREFIX = "splitspec:"
 
 
 class EngineMetrics:
@@ -85,46 +84,32 @@ class PoolMetrics:
 
     def __init__(self, registry: CollectorRegistry, model_name: str):
         const = {"model_name": model_name}
-        self.pinned = _labelled(Gauge, registry, "drafter_requests_pinned", "Requests pinned to each drafter.", ("drafter",), const)
-        self.round_trip = _labelled(Histogram, registry, "drafter_round_trip_seconds",
+        self.pinned = labelled(Gauge, registry, "drafter_requests_pinned", "Requests pinned to each drafter.", ("drafter",), const)
+        self.round_trip = labelled(Histogram, registry, "drafter_round_trip_seconds",
                                     "From sending a step's draft request to filing the drafter's reply.", ("drafter",), const,
                                     buckets=(5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        self.draft_seconds = _labelled(Histogram, registry, "drafter_step_seconds",
+        self.draft_seconds = labelled(Histogram, registry, "drafter_step_seconds",
                                        "Time the drafter reports spending on a step's trees.", ("drafter",), const,
                                        buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
-        self.bytes = _labelled(Counter, registry, "drafter_bytes", "Bytes on the step channel (envelopes and tensor frames).",
+        self.bytes = labelled(Counter, registry, "drafter_bytes", "Bytes on the step channel (envelopes and tensor frames).",
                                ("drafter", "direction"), const)
-        self.dropped = _labelled(Counter, registry, "drafter_drafts_dropped",
+        self.dropped = labelled(Counter, registry, "drafter_drafts_dropped",
                                  "Drafter messages or trees dropped, by reason (timeout, late, stale, malformed, "
                                  "wrong_request, invalid_tree, drafter_gone).", ("drafter", "reason"), const)
-        self.hidden_bytes = _labelled(Counter, registry, "drafter_hidden_state_bytes",
+        self.hidden_bytes = labelled(Counter, registry, "drafter_hidden_state_bytes",
                                       "Bytes of target hidden states sent to each drafter (EAGLE).", ("drafter",), const)
-        self.hidden_bytes_per_step = _labelled(Histogram, registry, "drafter_hidden_state_bytes_per_step",
+        self.hidden_bytes_per_step = labelled(Histogram, registry, "drafter_hidden_state_bytes_per_step",
                                                "Bytes of hidden states in one draft request to a drafter (EAGLE).",
                                                ("drafter",), const,
                                                buckets=(1e3, 1e4, 1e5, 1e6, 4e6, 1.6e7, 6.4e7, 2.56e8))
-        self.heartbeats = _labelled(Counter, registry, "drafter_heartbeats", "Heartbeats received.", ("drafter",), const)
-        self.draft_tokens = _labelled(Counter, registry, "drafter_draft_tokens", "Draft tokens verified, per drafter.",
+        self.heartbeats = labelled(Counter, registry, "drafter_heartbeats", "Heartbeats received.", ("drafter",), const)
+        self.draft_tokens = labelled(Counter, registry, "drafter_draft_tokens", "Draft tokens verified, per drafter.",
                                       ("drafter",), const)
-        self.accepted_tokens = _labelled(Counter, registry, "drafter_accepted_tokens", "Draft tokens accepted, per drafter.",
+        self.accepted_tokens = labelled(Counter, registry, "drafter_accepted_tokens", "Draft tokens accepted, per drafter.",
                                          ("drafter",), const)
-        self.registrations = _labelled(Counter, registry, "drafter_registrations", "Drafter registrations, by outcome.",
+        self.registrations = labelled(Counter, registry, "drafter_registrations", "Drafter registrations, by outcome.",
                                        ("outcome",), const)
         self.repins = Counter(PREFIX + "drafter_repins", "Requests moved to another drafter after theirs died or stalled.",
                               ["model_name"], registry=registry).labels(**const)
         self.alive = Gauge(PREFIX + "drafters_alive", "Drafters registered and heartbeating.", ["model_name"],
                            registry=registry).labels(**const)
-
-
-class _Bound:
-    """A metric with its constant labels filled in: .labels(**rest) gives the child."""
-
-    def __init__(self, metric, const: dict):
-        self.metric, self.const = metric, const
-
-    def labels(self, **labels):
-        return self.metric.labels(**self.const, **labels)
-
-
-def _labelled(kind, registry, name, doc, names, const, **kwargs):
-    return _Bound(kind(PREFIX + name, doc, [*const, *names], registry=registry, **kwargs), const)

@@ -48,6 +48,7 @@ class StepGraphs:
         self.memory_bytes: dict[int, int] = {}
         self.scratch_pages: list[int] = []  # the padding requests' own pages, never freed
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # q -> static (ids, positions)
+        self.dummies: dict[int, tuple] = {}  # q -> the padding request of q tokens
         self.pool = None
         self.replays = 0
 
@@ -62,13 +63,16 @@ class StepGraphs:
             self.scratch_pages += cache.allocator.alloc(missing)
         return self.scratch_pages[: cache.pages_for(num_tokens)]
 
-    def _dummy(self, q: int):
-        """A padding request: a chain of q tokens at positions 0..q-1 in the scratch pages."""
-        pages = self._scratch(q)
-        page_size = self.runner.kv_cache.page_size
-        slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(q)], dtype=torch.long)
-        mask = None if q == 1 else torch.ones(q, q, dtype=torch.bool).tril()
-        return q, pages, slots, torch.arange(q), mask
+    def _dummy(self, q: int) -> tuple:
+        """A padding request, built once per q: (kv_len, pages, slots, positions, mask) of a chain of q
+        tokens at positions 0..q-1 in the scratch pages."""
+        if q not in self.dummies:
+            pages = self._scratch(q)
+            page_size = self.runner.kv_cache.page_size
+            slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(q)], dtype=torch.long)
+            mask = None if q == 1 else torch.ones(q, q, dtype=torch.bool).tril()
+            self.dummies[q] = (q, pages, slots, torch.arange(q), mask)
+        return self.dummies[q]
 
     @torch.inference_mode()
     def capture(self, q: int = 1) -> None:
@@ -93,7 +97,7 @@ class StepGraphs:
             # page-table entries: every page once, plus the padding requests' scratch pages, listed per request
             max_pages = runner.kv_cache.num_pages + bs * runner.kv_cache.pages_for(q)
             state = runner.backend.graph_state(bs, max_pages, q_len=q, max_kv_len=max_kv)
-            runner.backend.graph_plan(state, self._pad([], bs, q))
+            runner.backend.graph_plan(state, self._pad(None, bs, q))
             ids_b, pos_b = ids[: bs * q], positions[: bs * q]
 
             def forward():
@@ -117,16 +121,19 @@ class StepGraphs:
                     "decode" if q == 1 else f"{q}-node tree verification", self.sizes, self.capture_seconds[q],
                     self.memory_bytes[q] / 2**20)
 
-    def _pad(self, real: list, bs: int, q: int) -> AttentionBatch:
-        """An attention batch of the real requests' (q_len, kv_len, pages, slots, positions, mask) plus
-        dummies up to bs requests."""
-        rows = list(real) + [self._dummy_row(q)] * (bs - len(real))
-        return AttentionBatch(q_lens=[q] * bs, kv_lens=[r[0] for r in rows], page_tables=[r[1] for r in rows],
-                              out_slots=torch.cat([r[2] for r in rows]), positions=torch.cat([r[3] for r in rows]),
-                              masks=[r[4] for r in rows])
-
-    def _dummy_row(self, q: int):
-        return self._dummy(q)
+    def _pad(self, attention: AttentionBatch | None, bs: int, q: int) -> AttentionBatch:
+        """The attention batch (None: no request) with padding requests appended up to bs requests."""
+        pad = bs - (attention.num_requests if attention is not None else 0)
+        if pad == 0:
+            return attention
+        kv_len, pages, slots, positions, mask = self._dummy(q)
+        if attention is None:
+            attention = AttentionBatch([], [], [], slots[:0], positions[:0], [])
+        return AttentionBatch(q_lens=[q] * bs, kv_lens=attention.kv_lens + [kv_len] * pad,
+                              page_tables=attention.page_tables + [pages] * pad,
+                              out_slots=torch.cat([attention.out_slots, slots.repeat(pad)]),
+                              positions=torch.cat([attention.positions, positions.repeat(pad)]),
+                              masks=attention.masks + [mask] * pad)
 
     def tokens_per_request(self, batch) -> int | None:
         """q when the batch is graph-shaped: at most max_bs requests of q tokens each (q = 1 without masks,
@@ -148,13 +155,7 @@ class StepGraphs:
         r = attention.num_requests
         bs = next(b for b in self.sizes if b >= r)
         entry = self.graphs[(bs, q)]
-        real = []
-        start = 0
-        for i in range(r):
-            real.append((attention.kv_lens[i], attention.page_tables[i], attention.out_slots[start : start + q],
-                         attention.positions[start : start + q], attention.masks[i]))
-            start += q
-        self.runner.backend.graph_plan(entry.state, self._pad(real, bs, q))
+        self.runner.backend.graph_plan(entry.state, self._pad(attention, bs, q))
         ids, positions = self.inputs[q]
         rows = r * q
         ids[:rows].copy_(batch.input_ids, non_blocking=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
@@ -100,46 +101,56 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # planning ----------------------------------------------------------------------------------------
     def plan(self, batch: AttentionBatch) -> FlashInferPlan:
-        page_size = self.kv_cache.page_size
         n = batch.num_requests
-        decode = all(q == 1 for q in batch.q_lens) and all(m is None for m in batch.masks)
-        causal = [i for i in range(n) if batch.masks[i] is None]
-        tree = [i for i in range(n) if batch.masks[i] is not None]
+        starts = self._starts(batch)
+        if all(q == 1 for q in batch.q_lens) and all(m is None for m in batch.masks):
+            kinds = [("decode", list(range(n)))]
+        else:
+            kinds = [(kind, requests) for kind, requests in
+                     (("causal", [i for i in range(n) if batch.masks[i] is None]),
+                      ("tree", [i for i in range(n) if batch.masks[i] is not None])) if requests]
+        groups = []  # (kind, requests, rows of q, pages), the same for every window
+        for kind, requests in kinds:
+            rows = None if len(requests) == n else torch.cat(
+                [torch.arange(starts[i], starts[i + 1]) for i in requests]).to(self.device, non_blocking=True)
+            groups.append((kind, requests, rows, self._pages(batch, requests, self.kv_cache.page_size)))
+        plan = FlashInferPlan(out_slots=batch.out_slots.to(self.device, non_blocking=True))
+        for window in self.windows:
+            plan.groups[window] = []
+            for kind, requests, rows, pages in groups:
+                wrapper = self._wrapper(kind, window)
+                self._plan_wrapper(wrapper, kind, batch, requests, starts, pages, window)
+                plan.groups[window].append(_Group(wrapper, rows))
+        return plan
+
+    @staticmethod
+    def _starts(batch: AttentionBatch) -> list[int]:
+        """Row of q where each request's new tokens start (and the total at the end)."""
         starts = [0]
         for q in batch.q_lens:
             starts.append(starts[-1] + q)
-        plan = FlashInferPlan(out_slots=batch.out_slots.to(self.device, non_blocking=True))
+        return starts
+
+    def _plan_wrapper(self, wrapper, kind: str, batch: AttentionBatch, requests: list[int], starts: list[int], pages,
+                      window) -> None:
+        """Plan one wrapper for these requests: kind "decode" (one token each), "causal" (prompt chunks)
+        or "tree" (custom masks; FlashInfer packs them to bits on the GPU, its index arrays there too)."""
+        indptr, indices, last = pages
         common = self._common()
+        window_left = -1 if window is None else window - 1
         head_dim = self.config.head_dim
-        for window in self.windows:
-            groups = []
-            if decode:
-                indptr, indices, last = self._pages(batch, list(range(n)), page_size)
-                wrapper = self._wrapper("decode", window)
-                wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, head_dim=head_dim,
-                             window_left=-1 if window is None else window - 1, **common)
-                groups.append(_Group(wrapper, None))
-            else:
-                for kind, requests in (("causal", causal), ("tree", tree)):
-                    if not requests:
-                        continue
-                    rows = None if len(requests) == n else torch.cat(
-                        [torch.arange(starts[i], starts[i + 1]) for i in requests]).to(self.device, non_blocking=True)
-                    indptr, indices, last = self._pages(batch, requests, page_size)
-                    qo_indptr = torch.zeros(len(requests) + 1, dtype=torch.int32)
-                    qo_indptr[1:] = torch.cumsum(torch.tensor([batch.q_lens[i] for i in requests], dtype=torch.int32), 0)
-                    wrapper = self._wrapper(kind, window)
-                    if kind == "causal":
-                        wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
-                                     causal=True, window_left=-1 if window is None else window - 1, **common)
-                    else:  # FlashInfer packs the mask to bits on the GPU, with index arrays there too
-                        mask = self._tree_mask(batch, requests, starts, window)
-                        to = [t.to(self.device, non_blocking=True) for t in (qo_indptr, indptr, indices, last)]
-                        wrapper.plan(*to, head_dim_qk=head_dim, custom_mask=mask.to(self.device, non_blocking=True),
-                                     **common)
-                    groups.append(_Group(wrapper, rows))
-            plan.groups[window] = groups
-        return plan
+        if kind == "decode":
+            wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, head_dim=head_dim,
+                         window_left=window_left, **common)
+            return
+        qo_indptr = torch.tensor([0] + [starts[i + 1] - starts[i] for i in requests]).cumsum(0).to(torch.int32)
+        if kind == "causal":
+            wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
+                         causal=True, window_left=window_left, **common)
+        else:
+            mask = self._tree_mask(batch, requests, starts, window)
+            wrapper.plan(*(t.to(self.device, non_blocking=True) for t in (qo_indptr, indptr, indices, last)),
+                         head_dim_qk=head_dim, custom_mask=mask.to(self.device, non_blocking=True), **common)
 
     @staticmethod
     def _tree_mask(batch: AttentionBatch, requests: list[int], starts: list[int], window) -> torch.Tensor:
@@ -190,20 +201,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         n = batch.num_requests
         assert n == state.batch_size and all(q == state.q_len for q in batch.q_lens)
         requests = list(range(n))
-        indptr, indices, last = self._pages(batch, requests, self.kv_cache.page_size)
-        common = self._common()
-        if state.q_len > 1:
-            qo_indptr = torch.arange(0, (n + 1) * state.q_len, state.q_len, dtype=torch.int32)
-            starts = qo_indptr.tolist()
-            to = [t.to(self.device, non_blocking=True) for t in (qo_indptr, indptr, indices, last)]
+        pages = self._pages(batch, requests, self.kv_cache.page_size)
+        starts = self._starts(batch)
         for window, wrapper in state.wrappers.items():
-            if state.q_len == 1:
-                wrapper.plan(indptr, indices, last, head_dim=self.config.head_dim,
-                             window_left=-1 if window is None else window - 1, **common)
-            else:
-                mask = self._tree_mask(batch, requests, starts, window)
-                wrapper.plan(*to, head_dim_qk=self.config.head_dim, custom_mask=mask.to(self.device, non_blocking=True),
-                             **common)
+            self._plan_wrapper(wrapper, "decode" if state.q_len == 1 else "tree", batch, requests, starts, pages, window)
         state.out_slots.copy_(batch.out_slots, non_blocking=True)
         return state.plan
 
@@ -217,8 +218,6 @@ class FlashInferAttentionBackend(AttentionBackend):
     def run_rope(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashInferPlan, rope,
                  positions: torch.Tensor) -> torch.Tensor:
         """One kernel rotates q and k and writes k and v into the cache (splitspec.kernels.rope_and_store)."""
-        from splitspec import kernels
-
         k_flat, v_flat = self.kv_cache.flat_kv(layer_id)
         q = kernels.rope_and_store(q, k, v, rope.cos_cache, rope.sin_cache, positions, rope.rot_dim, k_flat, v_flat,
                                    plan.out_slots)

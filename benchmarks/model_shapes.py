@@ -1,0 +1,31 @@
+"""Model shapes the benchmarks build as dummy (random-weight) checkpoints from a config alone."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+SMALL_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, "intermediate_size": 1408,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+PRESETS = {
+    "small": SMALL_LLAMA,
+    "quick": {**SMALL_LLAMA, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500},
+    # Llama-3.1-8B's shape (REFERENCES: 32 layers, GQA 32/8, 128256 vocab, llama3 rope)
+    "llama-3.1-8b": {**SMALL_LLAMA, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                     "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+}
+
+
+def dummy_model_dir(preset: str, directory: str | Path | None = None) -> Path:
+    """A directory (new, unless given) holding only the preset's config.json: load it with load_format "dummy"."""
+    path = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix=f"splitspec-{preset}-"))
+    (path / "config.json").write_text(json.dumps(PRESETS[preset]))
+    return path
