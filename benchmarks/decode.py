@@ -23,15 +23,13 @@ from pathlib import Path
 import torch
 
 from splitspec.generate import generate_ids
+from splitspec.model_shapes import PRESETS, dummy_model_dir
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import positions as tree_positions
 from splitspec.runtime.tree import tree_mask
-
-from model_shapes import PRESETS, dummy_model_dir  # benchmarks/ (this script's folder) is on sys.path
-
 
 
 def parse_args() -> argparse.Namespace:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from model_shapes import dummy_model_dir  # benchmarks/ (this script's folder) is on sys.path
 
+from splitspec.model_shapes import dummy_model_dir
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig

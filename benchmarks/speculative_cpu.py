@@ -282,7 +282,7 @@ def main() -> int:
     capacity = max(batch_sizes) * (args.prompt_tokens + args.new_tokens + 2 * args.num_draft_tokens + 64)
     load_format = "auto"
     if args.preset:
-        from model_shapes import dummy_model_dir  # benchmarks/ (this script's folder) is on sys.path
+        from splitspec.model_shapes import dummy_model_dir
 
         target, load_format = dummy_model_dir(args.preset), "dummy"
         if args.algorithms != "NGRAM":

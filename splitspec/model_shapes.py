@@ -1,4 +1,4 @@
-"""Model shapes the benchmarks build as dummy (random-weight) checkpoints from a config alone."""
+"""Model shapes that benchmarks build as dummy (random-weight) checkpoints from a config alone."""
 
 from __future__ import annotations
 
