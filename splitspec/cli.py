@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("splitspec.generate", "offline generation in one process, plain decoding"),
     "verifier": ("splitspec.verifier_svc.server", "the target model and step loop behind the gRPC API"),
     "drafter": ("splitspec.drafter_svc.server", "one drafting algorithm serving a verifier's pool over ZeroMQ"),
+    "bench": ("splitspec.bench", "speculative decoding measured over a grid of batch size x tree shape, in process or against a deployment"),
     "demo-models": ("splitspec.demo", "print (building if needed) the demo target and draft directories"),
     "train": ("splitspec.train.cli", "train models: `train lm` (tokenizer + causal LM from scratch), `train eagle|eagle3` (draft heads)"),
 }

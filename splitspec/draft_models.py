@@ -166,7 +166,21 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
     model with the same --dtype, --device and --page-size and a KV cache of --max-total-tokens (else
     max_total_tokens) tokens. EAGLE heads and MTP layers share the target's embedding (and, but for
     EAGLE-3, its lm_head): `target` (a ModelRunner in this process), else read from --model-path. The
-    drafter's `hidden_state_layers` say what the verifier must capture for it."""
+    drafter's `hidden_state_layers` say what the verifier must capture for it. With --speculative-replay
+    it is wrapped in the (simulated) replay drafter."""
+    drafter = _build_drafter(args, max_total_tokens, target)
+    if getattr(args, "speculative_replay", None):
+        from splitspec.drafter_svc import replay
+        from splitspec.engine_args import num_draft_tokens
+
+        tokens = num_draft_tokens(args)  # NGRAM: a chain as deep as its budget
+        shape = getattr(drafter, "num_steps", tokens - 1), getattr(drafter, "topk", 1), tokens
+        vocab = target.config.vocab_size if target is not None else target_config(args).vocab_size
+        drafter = replay.wrap(drafter, args, vocab, shape)
+    return drafter
+
+
+def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, target):
     from splitspec.drafter_svc.base import drafter_class
 
     kind = draft_kind(args)

@@ -96,6 +96,19 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                        help="NGRAM: BFS (recency) or PROB (frequency) tree construction.")
     group.add_argument("--speculative-ngram-branch-length", type=int, default=18, help="NGRAM: recent tokens inserted per step.")
     group.add_argument("--speculative-ngram-capacity", type=int, default=10_000_000, help="NGRAM: trie nodes kept (LRU).")
+    sim = parser.add_argument_group("simulated speculation (benchmarks only; results are labelled simulated)")
+    sim.add_argument("--speculative-replay", default=None, metavar="FILE",
+                     help="Drafter side: propose the target's own greedy continuation recorded in FILE (JSON lines with "
+                     "prompt_ids and output_ids, as `splitspec generate --json` prints them) instead of the drafted tokens, "
+                     "accepted as --speculative-replay-profile draws. The drafter the other flags name still drafts for "
+                     "real (its cost; --speculative-draft-load-format dummy gives a head of any shape), and its tree is "
+                     "discarded. For measuring targets no draft fits, e.g. dummy 8B-shaped ones.")
+    sim.add_argument("--speculative-replay-profile", default="accept-length:3", metavar="PROFILE",
+                     help="With --speculative-replay: accept-length:L (depth d accepted with rate q^d, 1 + q + ... + "
+                     "q^steps = L), or comma-separated rates a_1,a_2,...: the fraction of steps accepting at least d "
+                     "drafts (a real run's accepted_per_position / verify_steps).")
+    sim.add_argument("--speculative-replay-seed", type=int, default=0,
+                     help="With --speculative-replay: seed of the acceptance draws (the same draws in every run).")
     if side == "verifier":
         group.add_argument("--speculative-ngram-force-greedy-verify", action="store_true",
                            help="NGRAM: verify by target argmax even for sampled requests (SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True).")

@@ -24,6 +24,20 @@ PRESETS = {
 }
 
 
+
+def eagle3_head(target: dict, draft_vocab_size: int = 32000) -> dict:
+    """An EAGLE-3 head for a target of this shape, as published for Llama-3.1-8B (one decoder layer of the
+    target's width, a draft vocabulary of 32000 ids, three captured layers: the inputs of 2, L//2, L-3)."""
+    layers = target["num_hidden_layers"]
+    aux = [1, layers // 2 - 1, layers - 4] if layers >= 7 else sorted({0, layers // 2, layers - 1})
+    return {**target, "num_hidden_layers": 1, "draft_vocab_size": min(draft_vocab_size, target["vocab_size"]),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True},
+            "target_hidden_size": target["hidden_size"]}
+
+
+PRESETS.update({f"eagle3-{name}": eagle3_head(shape) for name, shape in list(PRESETS.items())})
+
+
 def dummy_model_dir(preset: str, directory: str | Path | None = None) -> Path:
     """A directory (new, unless given) holding only the preset's config.json: load it with load_format "dummy"."""
     path = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix=f"splitspec-{preset}-"))

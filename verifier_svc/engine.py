@@ -182,7 +182,10 @@ class _Verify:
 
 class Engine:
     def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int],
-                 scheduler: SchedulerConfig | None = None, prefix_cache=None):
+                 scheduler: SchedulerConfig | None = None, prefix_cache=None, sync_timing: bool = False):
+        """sync_timing: on a GPU, wait for the device at each phase boundary, so that the step's phase
+        times (report.seconds) are the device's too, not only the host's launches (`splitspec bench`)."""
+        self.sync_timing = sync_timing and runner.device.type == "cuda"
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
         self.scheduler = scheduler or SchedulerConfig()
         self.prefix_cache = prefix_cache
@@ -223,13 +226,18 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _clock(self) -> float:
+        if self.sync_timing:
+            torch.cuda.synchronize(self.runner.device)
+        return time.perf_counter()
+
     def step(self) -> list[StepEvent]:
         self.report = StepReport()
-        start = time.perf_counter()
+        start = self._clock()
         prefills = self._schedule()
-        scheduled = time.perf_counter()
+        scheduled = self._clock()
         trees = self._draft()
-        drafted = time.perf_counter()
+        drafted = self._clock()
         verifies = [_Verify(r, trees.get(r.request_id) or DraftTree((r.output_ids[-1],), (-1,)), r.table.num_tokens)
                     for r in self.running if r.decoding]
         events = self._events + self._forward_and_accept(prefills, verifies)
@@ -408,13 +416,13 @@ class Engine:
                                            tree_mask(parents) if v.tree.num_nodes > 1 else None, "all"))
         if not sequences:
             return []
-        forward_start = time.perf_counter()
+        forward_start = self._clock()
         batch = self.runner.batch(sequences)
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
         features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         logits = output.logits  # [rows, V]
-        self.report.seconds["verify"] = time.perf_counter() - forward_start
-        accept_start = time.perf_counter()
+        self.report.seconds["verify"] = self._clock() - forward_start
+        accept_start = self._clock()
         rows = [0]  # first row of each sequence among the batch's new tokens
         for q_len in batch.attention.q_lens:
             rows.append(rows[-1] + q_len)
@@ -438,16 +446,16 @@ class Engine:
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
             acceptance = self._accept(v, node_logits)
-            commit_start = time.perf_counter()
+            commit_start = self._clock()
             self._commit_kv(v, acceptance)
-            commit_seconds += time.perf_counter() - commit_start
+            commit_seconds += self._clock() - commit_start
             self._count(v, acceptance)
             hidden = None
             if self.needs_hidden and v.request.speculate:  # the accepted path's states pair with the emitted tokens
                 hidden = features[rows[i] : rows[i + 1]][list(acceptance.path)]
             logprobs = token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
             events.append(self._emit(v.request, acceptance.tokens, hidden, logprobs))
-        self.report.seconds["accept"] = time.perf_counter() - accept_start - commit_seconds
+        self.report.seconds["accept"] = self._clock() - accept_start - commit_seconds
         self.report.seconds["commit"] = commit_seconds
         return events
 

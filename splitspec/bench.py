@@ -1,0 +1,530 @@
+"""`splitspec bench`: speculative decoding measured over a grid (SGLang's bench_speculative.py, REFERENCES §11).
+
+In process (the default) it loads the target once and, for every batch size, runs plain decoding and then
+every point of the grid --steps x --topk x --num-draft-tokens with the drafter the --speculative-* flags
+name, built in this process as `splitspec generate` builds it. Each point serves --num-prompts requests
+with at most --batch-size running at once (a finished request's slot goes to the next prompt), after an
+untimed warm-up of its own. With --url it measures a running deployment instead, over its OpenAI HTTP
+API with streaming: --batch-size concurrent clients, plain (each request opting out with
+"speculative": false) and speculative, the tree being whatever the deployment serves.
+
+One JSON row per point:
+    accept_length           tokens per verify step (accepted drafts + the bonus token);
+                            accepted_per_position: the fraction of steps accepting at least d drafts
+    output_tok_s            all output tokens over the point's wall time (first request sent to last done)
+    per_request_tok_s       mean over requests of (tokens - 1) / (last token time - first token time):
+                            the speed one user sees (at batch 1, the decode speed)
+    ttft_ms, itl_ms         time to first token; time between token deliveries (a speculative step
+                            delivers several tokens at once), mean/p50/p90/p99; tpot_ms per output token
+    step_ms                 in process: mean time per decode step (steps without prefill) by phase:
+                            schedule, draft, verify, accept, commit, other, total; on a GPU the engine
+                            waits for the device at each boundary, so phases hold their kernels' time
+    speedup                 output_tok_s over plain's at the same batch size
+
+Targets no draft fits (--preset: a dummy model of a known shape) are measured with simulated acceptance:
+--simulate-acceptance PROFILE records plain decoding's outputs as the reference and wraps the drafter in
+the replay drafter (splitspec.drafter_svc.replay), which still drafts for real (--draft-preset: a dummy
+head of a known shape, e.g. eagle3-llama-3.1-8b) but proposes the target's own continuation, accepted as
+the profile draws. Those rows say "simulated": true.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import http.client
+import itertools
+import json
+import logging
+import platform
+import queue
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from splitspec import engine_args
+from splitspec.runtime import args as runtime_args
+
+logger = logging.getLogger("splitspec.bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    runtime_args.add_model_args(parser)
+    shapes = parser.add_argument_group("dummy models of known shapes (random weights: profiling only)")
+    from splitspec.model_shapes import PRESETS
+
+    shapes.add_argument("--preset", default=None, choices=sorted(p for p in PRESETS if "eagle" not in p),
+                        help="The target: a dummy model of this shape (instead of --model-path; --load-format dummy).")
+    shapes.add_argument("--draft-preset", default=None, choices=sorted(p for p in PRESETS if "eagle" in p),
+                        help="The draft head: a dummy one of this shape (instead of --speculative-draft-model-path; "
+                        "--speculative-draft-load-format dummy). Its drafts agree with nothing: pair it with "
+                        "--simulate-acceptance.")
+    engine_args.add_scheduler_args(parser)
+    engine_args.add_speculative_args(parser)
+    grid = parser.add_argument_group("the grid and the load")
+    grid.add_argument("--batch-size", default="1", help="Comma-separated: requests running at once.")
+    grid.add_argument("--steps", default=None,
+                      help="Comma-separated --speculative-num-steps values (default: the flag, else the automatic choice).")
+    grid.add_argument("--topk", default=None, help="Comma-separated --speculative-eagle-topk values (default: likewise).")
+    grid.add_argument("--num-draft-tokens", default=None,
+                      help="Comma-separated --speculative-num-draft-tokens values (default: likewise). Points that do "
+                      "not make a valid tree (too many tokens for steps x topk) are skipped, logged.")
+    grid.add_argument("--num-prompts", type=int, default=None,
+                      help="Requests per point (default: twice the batch size, at least 4).")
+    grid.add_argument("--prompt-len", type=int, default=128, help="Prompt tokens per request.")
+    grid.add_argument("--output-len", type=int, default=256, help="Output tokens per request (EOS is ignored).")
+    grid.add_argument("--dataset", default="auto",
+                      help="random: seeded random token ids; held-out: the standard-library files the demo models never "
+                      "trained on, through the model's tokenizer; or a JSON-lines FILE with prompt_ids (or text). auto: "
+                      "held-out when the model has a tokenizer, else random.")
+    grid.add_argument("--seed", type=int, default=0, help="Seed of random prompts.")
+    grid.add_argument("--temperature", type=float, default=0.0,
+                      help="0: greedy; above 0 each request samples with seed = its index (lossless either way).")
+    grid.add_argument("--simulate-acceptance", default=None, metavar="PROFILE",
+                      help="Simulated speculation: record plain decoding's outputs and replay them as drafts accepted per "
+                      "PROFILE (accept-length:L, or per-depth rates a_1,a_2,...; see --speculative-replay-profile). "
+                      "Greedy only; rows are labelled simulated.")
+    grid.add_argument("--warmup-requests", type=int, default=2, help="Untimed requests before each point (8 tokens each).")
+    remote = parser.add_argument_group("against a running deployment")
+    remote.add_argument("--url", default=None,
+                        help="The gateway's base URL, e.g. http://127.0.0.1:30000: measure it over HTTP instead of "
+                        "loading a model here (only --batch-size, --num-prompts, --prompt-len, --output-len, --dataset "
+                        "and --temperature apply).")
+    remote.add_argument("--api-key", default=None, help="Bearer token for --url.")
+    parser.add_argument("--out", default=None, help="Also write the JSON report here.")
+    return parser
+
+
+def ints(text: str | None) -> list[int | None]:
+    return [None] if text is None else [int(x) for x in text.split(",") if x.strip()]
+
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"mean": round(statistics.fmean(values) * 1e3, 3), "p50": round(at(0.5) * 1e3, 3),
+            "p90": round(at(0.9) * 1e3, 3), "p99": round(at(0.99) * 1e3, 3)}
+
+
+@dataclass
+class Timeline:
+    """One request: when it was sent, and each delivery (time, tokens)."""
+
+    sent: float = 0.0
+    deliveries: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.deliveries)
+
+
+def latency_fields(timelines: list[Timeline], wall: float) -> dict:
+    done = [t for t in timelines if t.deliveries]
+    tokens = sum(t.tokens for t in done)
+    itl = [b[0] - a[0] for t in done for a, b in zip(t.deliveries, t.deliveries[1:])]
+    speeds = [(t.tokens - 1) / (t.deliveries[-1][0] - t.deliveries[0][0])
+              for t in done if t.tokens > 1 and t.deliveries[-1][0] > t.deliveries[0][0]]
+    tpot = [(t.deliveries[-1][0] - t.deliveries[0][0]) / (t.tokens - 1) for t in done if t.tokens > 1]
+    return {"requests": len(timelines), "completed": len(done), "output_tokens": tokens, "wall_s": round(wall, 3),
+            "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
+            "per_request_tok_s": round(statistics.fmean(speeds), 2) if speeds else None,
+            "ttft_ms": percentiles([t.deliveries[0][0] - t.sent for t in done]), "itl_ms": percentiles(itl),
+            "tpot_ms": round(statistics.fmean(tpot) * 1e3, 3) if tpot else None}
+
+
+# prompts -------------------------------------------------------------------------------------------
+def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: int) -> list:
+    """Token-id lists (texts for --url with held-out prompts, which the server tokenizes)."""
+    dataset = args.dataset
+    tokenizer = None
+    if dataset in ("auto", "held-out") and model_dir is not None:
+        from splitspec.generate import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir, required=dataset == "held-out")
+    if dataset == "auto":
+        dataset = "held-out" if tokenizer is not None or (args.url and model_dir is None) else "random"
+    if dataset == "random":
+        if vocab_size is None:
+            raise ValueError("--dataset random needs the model's vocabulary: not available with --url")
+        rng = random.Random(args.seed)
+        return [[rng.randrange(vocab_size) for _ in range(args.prompt_len)] for _ in range(count)]
+    if dataset == "held-out":
+        from splitspec.train import corpus
+
+        texts = corpus.read_texts([f for f in corpus.select_files() if f.held_out], held_out=True)
+        if tokenizer is None:  # the server tokenizes: cut by characters (about 4 per token)
+            prompts = [t[: 4 * args.prompt_len] for t in texts if len(t) >= 4 * args.prompt_len]
+        else:
+            cut = (t[: 16 * args.prompt_len] for t in texts)  # enough characters for prompt_len tokens
+            prompts = [ids[: args.prompt_len] for ids in map(tokenizer.encode, cut) if len(ids) >= args.prompt_len]
+    else:
+        rows = [json.loads(line) for line in Path(dataset).read_text().splitlines() if line.strip()]
+        prompts = [r["prompt_ids"] if "prompt_ids" in r else r.get("text") or r["prompt"] for r in rows]
+        if tokenizer is None and model_dir is not None and any(isinstance(p, str) for p in prompts):
+            from splitspec.generate import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir, required=True)
+        prompts = [tokenizer.encode(p)[: args.prompt_len] if isinstance(p, str) and tokenizer is not None else p
+                   for p in prompts]
+    if not prompts:
+        raise ValueError(f"--dataset {args.dataset}: no prompts of {args.prompt_len} tokens")
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+# in process ----------------------------------------------------------------------------------------
+def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, params: list, scheduler) -> tuple[dict, list]:
+    """Serve the prompts with at most batch_size running; (row fields, requests)."""
+    from splitspec.verifier_svc.engine import Engine
+
+    from splitspec.verifier_svc.engine import SpecConfig
+
+    engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=True)
+    waiting = list(range(len(prompts)))
+    timelines = [Timeline() for _ in prompts]
+    requests, index = [None] * len(prompts), {}
+    phases: dict[str, float] = {}
+    decode_steps, decode_seconds = 0, 0.0
+    start = time.perf_counter()
+    while waiting or engine.has_work:
+        while waiting and len(index) < batch_size:
+            i = waiting.pop(0)
+            requests[i] = engine.add_request(prompts[i], params[i])
+            index[requests[i].request_id] = i
+            timelines[i].sent = time.perf_counter()
+        step_start = time.perf_counter()
+        events = engine.step()
+        now = time.perf_counter()
+        report = engine.report
+        if report.prefill_tokens == 0 and report.generated_tokens:
+            decode_steps += 1
+            decode_seconds += now - step_start
+            for phase, seconds in report.seconds.items():
+                phases[phase] = phases.get(phase, 0.0) + seconds
+        for event in events:
+            i = index[event.request_id]
+            if event.new_token_ids:
+                timelines[i].deliveries.append((now, len(event.new_token_ids)))
+            if event.finish_reason is not None:
+                del index[event.request_id]
+                if event.finish_reason == "error":
+                    logger.error("request %d failed: %s", i, event.error)
+    row = latency_fields(timelines, time.perf_counter() - start)
+    if decode_steps:
+        step = {k: round(v / decode_steps * 1e3, 3) for k, v in phases.items()}
+        step["total"] = round(decode_seconds / decode_steps * 1e3, 3)
+        step["other"] = round(step["total"] - sum(v for k, v in step.items() if k != "total"), 3)
+        row.update(decode_steps=decode_steps, step_ms=step)
+    return row, requests
+
+
+def spec_fields(requests, drafter) -> dict:
+    steps = sum(r.stats.verify_steps for r in requests)
+    accepted = sum(r.stats.accepted_tokens for r in requests)
+    depth = max((len(r.stats.accepted_per_position) for r in requests), default=0)
+    per_position = [sum(r.stats.accepted_per_position[d] for r in requests if d < len(r.stats.accepted_per_position))
+                    for d in range(depth)]
+    out = {"verify_steps": steps, "draft_tokens": sum(r.stats.draft_tokens for r in requests), "accepted_tokens": accepted,
+           "accept_length": round(1 + accepted / steps, 4) if steps else None,
+           "accepted_per_position": [round(c / steps, 4) for c in per_position] if steps else [],
+           "fallbacks": sum(r.stats.fallbacks for r in requests),
+           "drafter": {"trees": drafter.stats.trees, "empty": drafter.stats.empty, "faults": drafter.stats.faults}}
+    inner = getattr(drafter, "drafter", None)
+    if getattr(inner, "simulated", False):
+        out["off_reference"] = inner.off_reference
+    return out
+
+
+def grid_points(args) -> list[argparse.Namespace]:
+    """One namespace per distinct tree shape of the grid (invalid ones logged and skipped)."""
+    from splitspec.engine_args import FlagError, num_draft_tokens
+
+    points, seen = [], set()
+    for steps, topk, tokens in itertools.product(ints(args.steps), ints(args.topk), ints(args.num_draft_tokens)):
+        ns = copy.copy(args)
+        if steps is not None or topk is not None or tokens is not None:
+            ns.speculative_num_steps = steps if steps is not None else args.speculative_num_steps
+            ns.speculative_eagle_topk = topk if topk is not None else args.speculative_eagle_topk
+            ns.speculative_num_draft_tokens = tokens if tokens is not None else args.speculative_num_draft_tokens
+        try:
+            shape = tree_of(ns)
+            if shape[2] > 1 + shape[0] * shape[1] + (shape[0] - 1) * shape[1] * (shape[1] - 1):
+                raise FlagError(f"{shape[2]} tree nodes do not fit {shape[0]} steps of top-{shape[1]}")
+            num_draft_tokens(ns)
+        except (FlagError, ValueError) as exc:
+            logger.warning("grid point steps=%s topk=%s tokens=%s skipped: %s", steps, topk, tokens, exc)
+            continue
+        if shape not in seen:
+            seen.add(shape)
+            points.append(ns)
+    return points
+
+
+def tree_of(ns) -> tuple[int, int, int]:
+    """(num_steps, topk, num_draft_tokens); NGRAM: (tokens - 1, 1, tokens) (its budget)."""
+    if ns.speculative_algorithm == "NGRAM":
+        tokens = engine_args.num_draft_tokens(ns)
+        return (tokens - 1, 1, tokens)
+    from splitspec.draft_models import draft_tree_shape
+
+    return draft_tree_shape(ns)
+
+
+def run_in_process(args) -> dict:
+    import torch
+
+    from splitspec.model_shapes import dummy_model_dir
+    from splitspec.runtime.runner import ModelRunner
+    from splitspec.runtime.sampling_params import SamplingParams
+
+    if args.preset:
+        args.model_path, args.load_format = str(dummy_model_dir(args.preset)), "dummy"
+    if args.draft_preset:
+        args.speculative_draft_model_path = str(dummy_model_dir(args.draft_preset))
+        args.speculative_draft_load_format = "dummy"
+    if args.simulate_acceptance and not args.speculative_algorithm:
+        raise ValueError("--simulate-acceptance needs a --speculative-algorithm whose drafter pays the draft cost")
+    if args.simulate_acceptance and args.temperature > 0:
+        raise ValueError("--simulate-acceptance replays greedy outputs: use --temperature 0")
+    if args.model_path is None and args.speculative_algorithm in ("STANDALONE", "EAGLE", "EAGLE3") \
+            and not args.speculative_draft_model_path:  # the demo target: its demo draft, as `splitspec up` does
+        from splitspec.demo import demo_model_dirs
+
+        kind = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}[args.speculative_algorithm]
+        args.speculative_draft_model_path = str(demo_model_dirs(heads=kind != "draft")[kind])
+    model_dir = runtime_args.resolve_model(args)
+    batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    points = grid_points(args) if args.speculative_algorithm else []
+    if args.speculative_algorithm and not points:
+        raise ValueError("no valid point in the grid")
+    max_tree = max((tree_of(p)[2] for p in points), default=1)
+    counts = {b: args.num_prompts or max(4, 2 * b) for b in batch_sizes}
+    per_request = args.prompt_len + args.output_len + max_tree + 2 * args.page_size
+    if args.cuda_graph_max_bs is None and not args.disable_cuda_graph:
+        args.cuda_graph_max_bs = max(batch_sizes)
+    runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir,
+                                                          default_max_total_tokens=max(batch_sizes) * per_request))
+    prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
+    scheduler = engine_args.scheduler_config(args)
+    rows = []
+    draft_tokens = max(batch_sizes) * (per_request + 64)
+    for batch_size in batch_sizes:
+        prompts = prompts_all[: counts[batch_size]]
+        params = [SamplingParams(temperature=args.temperature, seed=i, max_new_tokens=args.output_len, ignore_eos=True)
+                  for i in range(len(prompts))]
+        warm = [SamplingParams(temperature=args.temperature, seed=0, max_new_tokens=8, ignore_eos=True)] * args.warmup_requests
+        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler)
+        plain, plain_requests = drive(runner, None, None, prompts, batch_size, params, scheduler)
+        plain_outputs = [r.output_ids for r in plain_requests]
+        rows.append({"batch_size": batch_size, "speculative": None, **plain})
+        logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain["output_tok_s"],
+                    plain["per_request_tok_s"])
+        reference = None
+        if args.simulate_acceptance:
+            reference = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="splitspec-replay-", delete=False)
+            for prompt, output in zip(prompts, plain_outputs):
+                reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
+            reference.close()
+        for ns in points:
+            ns = copy.copy(ns)
+            if reference is not None:
+                ns.speculative_replay, ns.speculative_replay_profile = reference.name, args.simulate_acceptance
+            drafter, spec = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
+            try:
+                runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
+                drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler)
+                drafter.stats.__init__()
+                row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler)
+            finally:
+                runner.set_capture_layers(())
+                drafter.close()
+            steps, topk, tokens = tree_of(ns)
+            row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps, "topk": topk,
+                   "num_draft_tokens": tokens, "simulated": bool(reference), **row, **spec_fields(requests, drafter)}
+            if reference is not None:
+                row["profile"] = args.simulate_acceptance
+            row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
+            row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs))
+            rows.append(row)
+            logger.info("batch %d %s steps %d topk %d tokens %d: accept length %s, %s tok/s (x%s)%s", batch_size,
+                        ns.speculative_algorithm, steps, topk, tokens, row["accept_length"], row["output_tok_s"],
+                        row["speedup"], " SIMULATED" if reference else "")
+            del drafter
+        if reference is not None:
+            Path(reference.name).unlink()
+    cuda = runner.device.type == "cuda"
+    return {"device": torch.cuda.get_device_name(runner.device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+            "torch": torch.__version__, "dtype": str(runner.dtype).replace("torch.", ""),
+            "attention_backend": runner.backend.name,
+            "cuda_graphs": {"batch_sizes": runner.graphs.sizes, "tree_sizes": runner.graphs.tree_sizes}
+            if runner.graphs else None,
+            "model": f"dummy {args.preset} (random weights)" if args.preset else str(model_dir),
+            "draft": (f"dummy {args.draft_preset} (random weights)" if args.draft_preset
+                      else args.speculative_draft_model_path),
+            "simulated": bool(args.simulate_acceptance), "rows": rows}
+
+
+# against a deployment --------------------------------------------------------------------------------
+class Http:
+    def __init__(self, url: str, api_key: str | None):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--url {url!r}: expected http(s)://host:port")
+        self.https, self.host, self.port = parts.scheme == "https", parts.hostname, parts.port
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def connection(self):
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=600)
+
+    def get(self, path: str) -> dict:
+        conn = self.connection()
+        try:
+            conn.request("GET", path, headers=self.headers)
+            response = conn.getresponse()
+            body = response.read()
+            if response.status != 200:
+                raise RuntimeError(f"GET {path}: HTTP {response.status}: {body[:200]!r}")
+            return json.loads(body)
+        finally:
+            conn.close()
+
+    def stream(self, body: dict, timeline: Timeline) -> dict:
+        """POST /v1/completions with stream=true; records each delivery; returns the last chunk's extras."""
+        conn = self.connection()
+        extras = {}
+        try:
+            timeline.sent = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body), headers=self.headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+            pending_time = None
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"stream error: {chunk['error']}")
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    timeline.deliveries.append((now, 1))  # token counts per delivery are not on the wire
+                    pending_time = now
+                if "speculative" in chunk:
+                    extras["speculative"] = chunk["speculative"]
+                if chunk.get("usage"):
+                    extras["usage"] = chunk["usage"]
+            tokens = (extras.get("usage") or {}).get("completion_tokens")
+            if tokens and timeline.deliveries and pending_time is not None:  # spread the count over the deliveries
+                extra = tokens - len(timeline.deliveries)
+                t, n = timeline.deliveries[-1]
+                timeline.deliveries[-1] = (t, n + max(0, extra))
+            return extras
+        finally:
+            conn.close()
+
+
+def run_remote(args) -> dict:
+    client = Http(args.url, args.api_key)
+    models = client.get("/v1/models")
+    model = models["data"][0]["id"]
+    batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    counts = {b: args.num_prompts or max(4, 2 * b) for b in batch_sizes}
+    local = Path(args.model_path) if args.model_path else None
+    prompts_all = make_prompts(args, local, None, max(counts.values()))
+    rows = []
+    for batch_size, speculative in itertools.product(batch_sizes, (False, True)):
+        prompts = prompts_all[: counts[batch_size]]
+        work: queue.Queue = queue.Queue()
+        for i in range(len(prompts)):
+            work.put(i)
+        timelines = [Timeline() for _ in prompts]
+        extras: list[dict] = [{} for _ in prompts]
+        errors: list[str] = []
+
+        def worker():
+            while True:
+                try:
+                    i = work.get_nowait()
+                except queue.Empty:
+                    return
+                body = {"model": model, "prompt": prompts[i], "max_tokens": args.output_len, "stream": True,
+                        "temperature": args.temperature, "seed": i, "ignore_eos": True, "speculative": speculative,
+                        "stream_options": {"include_usage": True}}
+                try:
+                    extras[i] = client.stream(body, timelines[i])
+                except Exception as exc:  # noqa: BLE001 (reported in the row)
+                    errors.append(f"request {i}: {exc}")
+
+        for warm in range(args.warmup_requests):
+            client.stream({"model": model, "prompt": prompts[warm % len(prompts)], "max_tokens": 8, "stream": True,
+                           "temperature": 0, "ignore_eos": True, "speculative": speculative}, Timeline())
+        start = time.perf_counter()
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(batch_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        row = {"batch_size": batch_size, "speculative": None, **latency_fields(timelines, time.perf_counter() - start),
+               "errors": errors}
+        row["prompt_tokens_mean"] = round(statistics.fmean(
+            [e["usage"]["prompt_tokens"] for e in extras if e.get("usage")] or [0]), 1)
+        counts_ = [e["speculative"] for e in extras if e.get("speculative")]
+        steps = sum(c["verify_steps"] for c in counts_)
+        accepted = sum(c["accepted_tokens"] for c in counts_)
+        if speculative:
+            row.update(speculative=next((c["algorithm"] for c in counts_ if c.get("algorithm")), "off"),
+                       verify_steps=steps, accepted_tokens=accepted,
+                       accept_length=round(1 + accepted / steps, 4) if steps else None)
+            plain = next(r for r in rows if r["batch_size"] == batch_size and r["speculative"] is None)
+            row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
+        rows.append(row)
+        logger.info("batch %d %s: %s tok/s, ttft %s ms", batch_size, "speculative" if speculative else "plain",
+                    row["output_tok_s"], (row["ttft_ms"] or {}).get("p50"))
+    return {"url": args.url, "model": model, "rows": rows}
+
+
+def git_commit() -> str | None:
+    import os
+
+    if os.environ.get("SPLITSPEC_COMMIT"):
+        return os.environ["SPLITSPEC_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    runtime_args.setup_logging(args.log_level)
+    try:
+        runtime_args.check_sglang_server_flags(args, "splitspec bench")
+        report = run_remote(args) if args.url else run_in_process(args)
+    except (ValueError, OSError, RuntimeError) as exc:  # ConfigError, FlagError, a path that is not there, HTTP
+        print(f"splitspec bench: error: {exc}", file=sys.stderr)
+        return 2
+    report = {"benchmark": "splitspec bench", "command": "splitspec bench " + " ".join(sys.argv[2:]),
+              "commit": git_commit(), "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "temperature": args.temperature, **report}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0

@@ -1,0 +1,185 @@
+"""`splitspec bench` and the replay drafter: the grid in process with a real drafter, simulated acceptance on a
+dummy target with a dummy EAGLE-3 head drafting for real, and a running deployment measured over HTTP with
+its drafter process replaying over ZeroMQ."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from splitspec.drafter_svc.replay import ReplayDrafter, load_references, parse_profile
+from splitspec.runtime.tree import depths, validate_parents
+
+
+def bench(*flags: str, timeout: float = 600) -> dict:
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "warning", *flags],
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+class _Free:
+    """A drafter that proposes nothing and costs nothing (the replay's inner drafter in unit tests)."""
+
+    name, needs_hidden_states = "NONE", False
+
+    def open(self, *a):
+        pass
+
+    def extend(self, *a):
+        pass
+
+    def release(self, *a):
+        pass
+
+    def draft(self, ids, budgets):
+        return [None] * len(ids)
+
+
+def test_profiles_parse_and_bad_ones_are_refused():
+    rates = parse_profile("accept-length:4", 5)
+    assert len(rates) == 5 and abs(1 + sum(rates) - 4) < 1e-9 and rates == sorted(rates, reverse=True)
+    assert parse_profile("0.9,0.5", 4) == [0.9, 0.5, 0.0, 0.0]
+    for bad, match in (("accept-length:7", "num_steps"), ("0.5,0.9", "not increase"), ("1.5", r"\[0, 1\]"),
+                       ("accept-length:x", "accept-length"), ("a,b", "comma")):
+        with pytest.raises(ValueError, match=match):
+            parse_profile(bad, 5)
+
+
+@pytest.mark.parametrize("profile,steps,topk,nodes", [("accept-length:4", 5, 4, 12), ("0.9,0.7,0.4,0.2", 4, 1, 5),
+                                                      ("accept-length:2.5", 3, 2, 6)])
+def test_replayed_trees_follow_the_profile_under_greedy_acceptance(profile, steps, topk, nodes):
+    vocab = 1000
+    rng = random.Random(1)
+    reference = [rng.randrange(vocab) for _ in range(6000)]
+    rates = parse_profile(profile, steps)
+    drafter = ReplayDrafter(_Free(), [reference], rates, vocab, steps, topk, nodes)
+    drafter.open("r", reference[:10])
+    n, accepted, verify_steps = 10, [0] * steps, 0
+    while n < 5900:
+        (tree,) = drafter.draft(["r"], [nodes])
+        validate_parents(tree.parents)
+        assert tree.num_nodes == nodes and tree.tokens[0] == reference[n - 1] and max(depths(tree.parents)) == steps
+        children = {}
+        for i, parent in enumerate(tree.parents):
+            children.setdefault(parent, []).append(i)
+        assert all(len(c) <= topk for p, c in children.items() if p >= 0) and len(children[0]) <= topk
+        node, k = 0, 0  # greedy verification against the reference (the target's own continuation)
+        while True:
+            match = [i for i in children.get(node, []) if tree.tokens[i] == reference[n + k]]
+            assert len(match) <= 1  # siblings never repeat the reference's token
+            if not match:
+                break
+            node, accepted[k], k = match[0], accepted[k] + 1, k + 1
+        drafter.extend("r", reference[n : n + k + 1])
+        n, verify_steps = n + k + 1, verify_steps + 1
+    measured = [a / verify_steps for a in accepted]
+    assert all(abs(m - r) < 0.02 for m, r in zip(measured, rates)), (measured, rates)
+    assert drafter.off_reference == 0
+    # a sequence that leaves its reference gets rejected drafts, counted
+    drafter.extend("r", [(reference[n] + 1) % vocab])
+    (tree,) = drafter.draft(["r"], [nodes])
+    assert tree.num_nodes == nodes and drafter.off_reference == 1
+
+
+def test_references_must_be_generate_json(tmp_path):
+    good = tmp_path / "ref.jsonl"
+    good.write_text(json.dumps({"prompt_ids": [1, 2], "output_ids": [3], "text": "x"}) + "\n\n")
+    assert load_references(good) == [[1, 2, 3]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="line 1: expected a JSON object with prompt_ids and output_ids"):
+        load_references(bad)
+
+
+def test_grid_in_process_with_a_real_eagle3_head():
+    """steps x topk x tokens with the demo EAGLE-3 head: one row per distinct tree, every output equal to plain
+    decoding, speculation happened at every point, phases timed."""
+    report = bench("--speculative-algorithm", "EAGLE3", "--batch-size", "1,2", "--steps", "2,3", "--topk", "1,2",
+                   "--num-draft-tokens", "4", "--num-prompts", "2", "--prompt-len", "24", "--output-len", "24",
+                   "--warmup-requests", "1")
+    rows = report["rows"]
+    plain = [r for r in rows if r["speculative"] is None]
+    spec = [r for r in rows if r["speculative"] == "EAGLE3"]
+    assert [r["batch_size"] for r in plain] == [1, 2]
+    # topk 1 makes a chain of steps + 1 nodes: (2,1,3), (2,2,4), (3,1,4), (3,2,4)
+    shapes = sorted({(r["steps"], r["topk"], r["num_draft_tokens"]) for r in spec})
+    assert shapes == [(2, 1, 3), (2, 2, 4), (3, 1, 4), (3, 2, 4)] and len(spec) == 8
+    for row in rows:
+        assert row["completed"] == row["requests"] == 2 and row["output_tokens"] == 48
+        assert row["output_tok_s"] > 0 and row["ttft_ms"]["p50"] > 0 and row["itl_ms"]["mean"] > 0
+        assert row["step_ms"]["total"] >= row["step_ms"]["verify"] > 0
+    for row in spec:
+        assert row["outputs_equal_plain"] == 2 and row["simulated"] is False
+        assert row["verify_steps"] > 0 and row["accepted_tokens"] > 0 and row["accept_length"] > 1
+        assert row["fallbacks"] == 0 and row["drafter"]["faults"] == 0 and row["step_ms"]["draft"] > 0
+        assert len(row["accepted_per_position"]) <= row["steps"] and row["speedup"] > 0
+
+
+def test_simulated_acceptance_on_a_dummy_target_with_a_dummy_eagle3_head(tmp_path):
+    """--preset/--draft-preset: random-weight target and head; the head drafts for real (its time is in
+    step_ms.draft), the replay proposes plain decoding's own continuation at accept length 3."""
+    out = tmp_path / "sim.json"
+    report = bench("--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm", "EAGLE3",
+                   "--simulate-acceptance", "accept-length:3", "--steps", "4", "--topk", "2", "--num-draft-tokens", "8",
+                   "--batch-size", "1,3", "--num-prompts", "3", "--prompt-len", "16", "--output-len", "96",
+                   "--out", str(out))
+    assert json.loads(out.read_text()) == report
+    assert report["simulated"] is True and report["model"] == "dummy quick (random weights)"
+    assert report["draft"] == "dummy eagle3-quick (random weights)"
+    spec = [r for r in report["rows"] if r["speculative"]]
+    assert len(spec) == 2
+    for row in spec:
+        assert row["simulated"] is True and row["profile"] == "accept-length:3"
+        assert row["outputs_equal_plain"] == 3 and row["off_reference"] == 0 and row["fallbacks"] == 0
+        assert abs(row["accept_length"] - 3) < 0.35, row["accept_length"]
+        assert row["step_ms"]["draft"] > 0 and row["drafter"]["trees"] == row["verify_steps"]
+
+
+def test_bench_refuses_what_it_cannot_measure():
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick",
+                             "--simulate-acceptance", "accept-length:2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--simulate-acceptance needs a --speculative-algorithm" in result.stderr
+    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "ftp://x"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "expected http(s)://host:port" in result.stderr
+
+
+def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
+    """`splitspec up` with a drafter process replaying the target's recorded outputs over ZeroMQ, measured by
+    `splitspec bench --url` with 1 and 2 concurrent streaming clients: every request completes, plain requests
+    (opted out) and speculative ones are both measured, and the accept length follows the profile."""
+    from test_launcher import Up
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 4000) for _ in range(12)] for _ in range(4)]
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
+    reference = tmp_path / "reference.jsonl"
+    ids = [flag for p in prompts for flag in ("--input-ids", ",".join(map(str, p)))]
+    generated = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", *ids, "--max-new-tokens", "40",
+                                "--ignore-eos", "--json", "--log-level", "warning"], capture_output=True, text=True,
+                               timeout=300)
+    assert generated.returncode == 0, generated.stderr
+    reference.write_text(generated.stdout)
+    up = Up("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5", "--speculative-replay",
+            str(reference), "--speculative-replay-profile", "accept-length:3", "--log-level", "warning")
+    try:
+        up.wait_for_line(r"serving splitspec-demo at ")
+        report = bench("--url", up.url, "--batch-size", "1,2", "--num-prompts", "4", "--output-len", "40",
+                       "--dataset", str(dataset), "--warmup-requests", "0")
+    finally:
+        up.stop()
+    assert report["model"] == "splitspec-demo"
+    rows = report["rows"]
+    assert [(r["batch_size"], r["speculative"]) for r in rows] == [(1, None), (1, "NGRAM"), (2, None), (2, "NGRAM")]
+    for row in rows:
+        assert row["errors"] == [] and row["completed"] == 4 and row["output_tokens"] == 160
+        assert row["prompt_tokens_mean"] == 12 and row["ttft_ms"]["p50"] > 0 and row["tpot_ms"] > 0
+    for row in rows[1::2]:
+        assert abs(row["accept_length"] - 3) < 0.4, row["accept_length"]
+        assert row["speedup"] > 0
