@@ -139,25 +139,20 @@ class ReplayDrafter(Drafter):
     def _reference(self, request_id: str) -> list[int] | None:
         context = self.contexts[request_id]
         index = self.matched[request_id]
-        if index is None:
-            index = next((i for i in self._by_first.get(tuple(context[:1]), [])
-                          if self.references[i][: len(context)] == context), -1)
-            self.matched[request_id] = index
-            if index < 0:
-                logger.warning("replay: request %s matches no reference sequence; its drafts will be rejected", request_id)
-                self.off_reference += 1
-            return None if index < 0 else self.references[index]
+        if index is not None and index >= 0 and self.references[index][: len(context)] == context:
+            return self.references[index]
+        if index == -1:
+            return None
+        # first lookup, or the sequence left its reference: another one that it still follows (the same prompt
+        # recorded at another batch size, whose bf16 rounding broke a near-tie the other way), else none
+        index = next((i for i in self._by_first.get(tuple(context[:1]), [])
+                      if self.references[i][: len(context)] == context), -1)
         if index < 0:
-            return None
-        reference = self.references[index]
-        if reference[: len(context)] != context:  # left it (checked from the end, where it would differ)
-            logger.warning("replay: request %s left its reference at position %d; its drafts will be rejected",
-                           request_id, next(j for j, (a, b) in enumerate(zip(reference, context)) if a != b)
-                           if len(context) <= len(reference) else len(reference))
-            self.matched[request_id] = -1
+            logger.warning("replay: request %s follows no reference sequence at position %d; its drafts will be rejected",
+                           request_id, len(context))
             self.off_reference += 1
-            return None
-        return reference
+        self.matched[request_id] = index
+        return None if index < 0 else self.references[index]
 
     def _tree(self, request_id: str, num_nodes: int) -> DraftTree:
         context = self.contexts[request_id]

@@ -10,6 +10,9 @@
 #             EAGLE, EAGLE3, and the 8B-shaped dummy with NGRAM (outputs equal, or near-ties recorded)
 #   profile   the 8B decode step's kernel time by kernel (torch.profiler) against its graph and eager wall time
 #   eager     the decode stage without CUDA graphs
+#   bench     `splitspec bench` on the 8B-shaped dummy target with a dummy EAGLE-3 head of the published 8B shape
+#             drafting for real and simulated acceptance (accept length 4): steps 3,5,7 x topk 1,4 x draft
+#             tokens 8,16 at batch 1 and 8
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
 #             suite with forwards on CUDA
@@ -19,7 +22,7 @@ mkdir -p "$OUT"
 . scripts/gpu_env.sh || exit 1
 export SPLITSPEC_TEST_DEVICE=cuda
 stages=("$@")
-[[ ${#stages[@]} -eq 0 ]] && stages=(decode lossless profile eager tests)
+[[ ${#stages[@]} -eq 0 ]] && stages=(decode lossless profile eager bench tests)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, flashinfer; print('torch', torch.__version__, 'triton', triton.__version__, 'flashinfer', flashinfer.__version__)" | tee -a "$OUT/gpu.txt"
 bench=(python3 -P benchmarks/decode.py --device cuda --preset llama-3.1-8b --dtype bfloat16 --batch-sizes 1,8
@@ -34,6 +37,10 @@ for stage in "${stages[@]}"; do
         eager) "${bench[@]}" --disable-cuda-graph --repeats 1 --out "$OUT/decode_8b_eager.json" > "$OUT/eager.log" 2>&1 ;;
         lossless) "${spec[@]}" --algorithms NGRAM,STANDALONE,EAGLE,EAGLE3 --out "$OUT/lossless_demo.json" > "$OUT/lossless.log" 2>&1 &&
                   "${spec[@]}" --preset llama-3.1-8b --algorithms NGRAM --out "$OUT/lossless_8b.json" >> "$OUT/lossless.log" 2>&1 ;;
+        bench) python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
+                   --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:4 \
+                   --steps 3,5,7 --topk 1,4 --num-draft-tokens 8,16 --batch-size 1,8 --prompt-len 128 --output-len 128 \
+                   --out "$OUT/bench_8b_eagle3_sim.json" > "$OUT/bench.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py > "$OUT/pytest_cuda.log" 2>&1 ;;

@@ -319,50 +319,61 @@ def run_in_process(args) -> dict:
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
     prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
     scheduler = engine_args.scheduler_config(args)
-    rows = []
     draft_tokens = max(batch_sizes) * (per_request + 64)
+    loads = {}  # batch size -> (prompts, params, warm-up params)
     for batch_size in batch_sizes:
         prompts = prompts_all[: counts[batch_size]]
-        params = [SamplingParams(temperature=args.temperature, seed=i, max_new_tokens=args.output_len, ignore_eos=True)
-                  for i in range(len(prompts))]
-        warm = [SamplingParams(temperature=args.temperature, seed=0, max_new_tokens=8, ignore_eos=True)] * args.warmup_requests
+        loads[batch_size] = (prompts, [SamplingParams(temperature=args.temperature, seed=i, max_new_tokens=args.output_len,
+                                                      ignore_eos=True) for i in range(len(prompts))],
+                             [SamplingParams(temperature=args.temperature, seed=0, max_new_tokens=8, ignore_eos=True)]
+                             * args.warmup_requests)
+    # plain decoding at every batch size first, then each grid point at every batch size: the target's graphs
+    # are captured once per point (a drafter may change what the target's forward returns)
+    plain_rows, plain_outputs = {}, {}
+    for batch_size, (prompts, params, warm) in loads.items():
         drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler)
-        plain, plain_requests = drive(runner, None, None, prompts, batch_size, params, scheduler)
-        plain_outputs = [r.output_ids for r in plain_requests]
-        rows.append({"batch_size": batch_size, "speculative": None, **plain})
-        logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain["output_tok_s"],
-                    plain["per_request_tok_s"])
-        reference = None
-        if args.simulate_acceptance:
-            reference = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="splitspec-replay-", delete=False)
-            for prompt, output in zip(prompts, plain_outputs):
+        plain_rows[batch_size], requests = drive(runner, None, None, prompts, batch_size, params, scheduler)
+        plain_outputs[batch_size] = [r.output_ids for r in requests]
+        logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain_rows[batch_size]["output_tok_s"],
+                    plain_rows[batch_size]["per_request_tok_s"])
+    rows = [{"batch_size": b, "speculative": None, **row} for b, row in plain_rows.items()]
+    reference = None
+    if args.simulate_acceptance:  # plain decoding's outputs (at every batch size: bf16 may differ between them)
+        reference = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="splitspec-replay-", delete=False)
+        for batch_size, (prompts, _, _) in loads.items():
+            for prompt, output in zip(prompts, plain_outputs[batch_size]):
                 reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
-            reference.close()
+        reference.close()
+    try:
         for ns in points:
             ns = copy.copy(ns)
             if reference is not None:
                 ns.speculative_replay, ns.speculative_replay_profile = reference.name, args.simulate_acceptance
             drafter, spec = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
+            steps, topk, tokens = tree_of(ns)
             try:
                 runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
-                drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler)
-                drafter.stats.__init__()
-                row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler)
+                for batch_size, (prompts, params, warm) in loads.items():
+                    drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler)
+                    drafter.stats.__init__()
+                    row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler)
+                    plain = plain_rows[batch_size]
+                    row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps,
+                           "topk": topk, "num_draft_tokens": tokens, "simulated": bool(reference), **row,
+                           **spec_fields(requests, drafter)}
+                    if reference is not None:
+                        row["profile"] = args.simulate_acceptance
+                    row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
+                    row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs[batch_size]))
+                    rows.append(row)
+                    logger.info("batch %d %s steps %d topk %d tokens %d: accept length %s, %s tok/s (x%s)%s", batch_size,
+                                ns.speculative_algorithm, steps, topk, tokens, row["accept_length"], row["output_tok_s"],
+                                row["speedup"], " SIMULATED" if reference else "")
             finally:
                 runner.set_capture_layers(())
                 drafter.close()
-            steps, topk, tokens = tree_of(ns)
-            row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps, "topk": topk,
-                   "num_draft_tokens": tokens, "simulated": bool(reference), **row, **spec_fields(requests, drafter)}
-            if reference is not None:
-                row["profile"] = args.simulate_acceptance
-            row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
-            row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs))
-            rows.append(row)
-            logger.info("batch %d %s steps %d topk %d tokens %d: accept length %s, %s tok/s (x%s)%s", batch_size,
-                        ns.speculative_algorithm, steps, topk, tokens, row["accept_length"], row["output_tok_s"],
-                        row["speedup"], " SIMULATED" if reference else "")
             del drafter
+    finally:
         if reference is not None:
             Path(reference.name).unlink()
     cuda = runner.device.type == "cuda"
