@@ -283,6 +283,28 @@ def tree_of(ns) -> tuple[int, int, int]:
     return draft_tree_shape(ns)
 
 
+DECISIVE = ("dummy weights made decisive for simulated acceptance: embedding x50, lm_head = the embedding, sublayer "
+            "input norms x0.1 (the same shapes and kernels, so the same cost)")
+
+
+def decisive_dummy(model) -> None:
+    """Random weights leave a model's top two logits a few hundredths apart at almost every position, so greedy
+    decoding hinges on bf16 rounding, which differs between a decode step and a tree verification: a replayed
+    continuation would stop being the target's own within a few tokens. Make the residual stream carry the
+    token's embedding, large, past small sublayer outputs, and read logits with the embedding itself: the
+    current token then wins by a wide margin whatever the rounding, and every shape and kernel stays as it was."""
+    import torch
+
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.mul_(50.0)
+        if model.lm_head_weight is not embed:
+            model.lm_head_weight.copy_(embed)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.mul_(0.1)
+            layer.post_attention_layernorm.weight.mul_(0.1)
+
+
 def run_in_process(args) -> dict:
     import torch
 
@@ -317,6 +339,8 @@ def run_in_process(args) -> dict:
         args.cuda_graph_max_bs = max(batch_sizes)
     runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir,
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
+    if args.preset and args.simulate_acceptance:
+        decisive_dummy(runner.model)
     prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
     scheduler = engine_args.scheduler_config(args)
     draft_tokens = max(batch_sizes) * (per_request + 64)
@@ -382,7 +406,8 @@ def run_in_process(args) -> dict:
             "attention_backend": runner.backend.name,
             "cuda_graphs": {"batch_sizes": runner.graphs.sizes, "tree_sizes": runner.graphs.tree_sizes}
             if runner.graphs else None,
-            "model": f"dummy {args.preset} (random weights)" if args.preset else str(model_dir),
+            "model": (f"dummy {args.preset} (random weights)" + (f"; {DECISIVE}" if args.simulate_acceptance else "")
+                      if args.preset else str(model_dir)),
             "draft": (f"dummy {args.draft_preset} (random weights)" if args.draft_preset
                       else args.speculative_draft_model_path),
             "simulated": bool(args.simulate_acceptance), "rows": rows}
