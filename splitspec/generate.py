@@ -170,6 +170,8 @@ def _run(args: argparse.Namespace) -> int:
                    "finish_reason": gen.finish_reason, "seed": gen.params.seed}
             if drafter is not None:
                 row["speculative"] = engine_args.report(args.speculative_algorithm, gen.stats)
+                if args.speculative_replay:  # the replay drafter's acceptance is drawn, not a draft model's
+                    row["speculative"]["simulated"] = True
             print(json.dumps(row))
         else:
             print(text if text is not None else " ".join(map(str, gen.output_ids)))
