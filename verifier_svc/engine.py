@@ -426,6 +426,9 @@ class Engine:
         rows = [0]  # first row of each sequence among the batch's new tokens
         for q_len in batch.attention.q_lens:
             rows.append(rows[-1] + q_len)
+        # every greedy request's target tokens from one argmax over the batch's logits and one transfer
+        # (not one per request); the others sample from their own rows below
+        greedy = self._argmax_rows(logits, [c.request for c in prefills if c.samples] + [v.request for v in verifies])
         events = []
         for i, chunk in enumerate(prefills):
             request = chunk.request
@@ -439,13 +442,17 @@ class Engine:
                 row = batch.cu_logits[i]
                 self.report.prompt_tokens += len(request.prompt_ids)
                 row_logits = logits[row : row + 1]
-                token = sample(apply_penalties(row_logits, request.params, request.prompt_ids, []), [request.params],
-                               [0]).item()
+                if greedy is not None and request.params.is_greedy and not request.params.has_penalties:
+                    token = greedy[row]
+                else:
+                    token = sample(apply_penalties(row_logits, request.params, request.prompt_ids, []), [request.params],
+                                   [0]).item()
                 events.append(self._emit(request, [token], hidden, token_logprobs(row_logits, [token], request.params)))
         commit_seconds = 0.0
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
-            acceptance = self._accept(v, node_logits)
+            targets = greedy[batch.cu_logits[i] : batch.cu_logits[i + 1]] if greedy is not None else None
+            acceptance = self._accept(v, node_logits, targets)
             commit_start = self._clock()
             self._commit_kv(v, acceptance)
             commit_seconds += self._clock() - commit_start
@@ -453,15 +460,29 @@ class Engine:
             hidden = None
             if self.needs_hidden and v.request.speculate:  # the accepted path's states pair with the emitted tokens
                 hidden = features[rows[i] : rows[i + 1]][list(acceptance.path)]
-            logprobs = token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
+            logprobs = (token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
+                        if v.request.params.logprobs is not None else None)
             events.append(self._emit(v.request, acceptance.tokens, hidden, logprobs))
         self.report.seconds["accept"] = self._clock() - accept_start - commit_seconds
         self.report.seconds["commit"] = commit_seconds
         return events
 
-    def _accept(self, v: _Verify, node_logits: torch.Tensor) -> Acceptance:
+    def _plain_greedy(self, params: SamplingParams) -> bool:
+        """Verified by the target's argmax of its unmodified logits."""
+        return (params.is_greedy or self.spec.force_greedy_verify) and not params.has_penalties
+
+    def _argmax_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[int] | None:
+        """The argmax of every row when some request decides by it (one kernel, one transfer), else None."""
+        if logits is None or not any(self._plain_greedy(r.params) for r in requests):
+            return None
+        return logits.argmax(-1).tolist()
+
+    def _accept(self, v: _Verify, node_logits: torch.Tensor, greedy_targets: list[int] | None = None) -> Acceptance:
+        """greedy_targets: the argmax of node_logits' rows, already on the host."""
         request, tree = v.request, v.tree
         next_token, next_sibling = child_links(tree.parents)
+        if greedy_targets is not None and self._plain_greedy(request.params):
+            return accept_target_tokens(list(tree.tokens), next_token, next_sibling, greedy_targets)
         output_positions = [len(request.output_ids) + d for d in depths(tree.parents)]
         params = request.params
         if params.has_penalties:  # each node with the drafts on its own path counted (lossless, see penalties)
