@@ -60,3 +60,21 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache:
     if use_triton(q) and cos_cache.dtype == torch.float32 and k_cache.dtype == k.dtype == v.dtype and k_cache.is_contiguous():
         return _triton().rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
     return torch_ops.rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
+
+
+def move_kv_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Rows src -> dst of every plane of pool [planes, num_slots, width] (the KV cache's compaction of
+    accepted tree nodes: one launch for every layer and every request of a step)."""
+    if src.numel() == 0:
+        return
+    if use_triton(pool) and pool.is_contiguous():
+        return _triton().move_kv_slots(pool, src, dst)
+    torch_ops.move_kv_slots(pool, src, dst)
+
+
+def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets: torch.Tensor,
+                       max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of a batch of padded trees on the device (kernels.torch_ops.verify_tree_greedy)."""
+    if use_triton(candidates) and candidates.is_contiguous() and parents.is_contiguous() and targets.is_contiguous():
+        return _triton().verify_tree_greedy(candidates, parents, targets, max_depth)
+    return torch_ops.verify_tree_greedy(candidates, parents, targets, max_depth)

@@ -47,3 +47,37 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache:
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
     return q
+
+
+def move_kv_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """pool [planes, num_slots, width] (every layer's K and V): row src[i] -> row dst[i] in every plane, as if
+    the moves ran in order. Tree compaction never reads a row an earlier move wrote (a path's j-th node comes
+    from node p_j >= j, and p_j > p_k for k < j), so gathering first and scattering after is the same."""
+    pool[:, dst] = pool[:, src]
+
+
+def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets: torch.Tensor,
+                       max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Greedy tree acceptance for a batch of trees padded to N nodes (a pad node's parent is -1).
+
+    candidates, parents, targets [B, N]: node tokens, parent nodes, the target's argmax after each node.
+    Level by level from the root, the accepted child of the last accepted node is its lowest-indexed child
+    whose token equals the target's token there. Returns accept_index [B, max_depth + 1] (path node indices
+    from the root, -1 after its end), accept_len [B] (accepted drafts) and bonus [B] (the target's token
+    after the last accepted node)."""
+    batch, n = candidates.shape
+    nodes = torch.arange(n, device=candidates.device)
+    last = torch.zeros(batch, dtype=torch.long, device=candidates.device)
+    active = torch.ones(batch, dtype=torch.bool, device=candidates.device)
+    accept_index = torch.full((batch, max_depth + 1), -1, dtype=torch.long, device=candidates.device)
+    accept_index[:, 0] = 0
+    accept_len = torch.zeros(batch, dtype=torch.long, device=candidates.device)
+    for depth in range(1, max_depth + 1):
+        want = targets.gather(1, last[:, None])
+        match = (parents == last[:, None]) & (candidates == want) & active[:, None]
+        found = torch.where(match, nodes, n).min(dim=1).values
+        active = active & (found < n)
+        last = torch.where(active, found, last)
+        accept_index[:, depth] = torch.where(active, found, -1)
+        accept_len += active.long()
+    return accept_index, accept_len, targets.gather(1, last[:, None])[:, 0]

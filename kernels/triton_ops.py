@@ -152,3 +152,68 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache:
                    positions: torch.Tensor, rot_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slots: torch.Tensor) -> torch.Tensor:
     return _rope(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, src_index_ptr, src_plane_stride, src_row_stride, dst_ptr, dst_index_ptr,
+                      dst_plane_stride, dst_row_stride, width, SRC_INDEXED: tl.constexpr, DST_INDEXED: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Row m of every plane: src[src_index[m]] (or src[m]) -> dst[dst_index[m]] (or dst[m])."""
+    m = tl.program_id(0).to(tl.int64)
+    plane = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    keep = cols < width
+    src_row = tl.load(src_index_ptr + m).to(tl.int64) if SRC_INDEXED else m
+    dst_row = tl.load(dst_index_ptr + m).to(tl.int64) if DST_INDEXED else m
+    row = tl.load(src_ptr + plane * src_plane_stride + src_row * src_row_stride + cols, mask=keep)
+    tl.store(dst_ptr + plane * dst_plane_stride + dst_row * dst_row_stride + cols, row, mask=keep)
+
+
+def move_kv_slots(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Two launches for every layer's K and V and every move: gather the source rows, then scatter them (the
+    twin's semantics; no program waits on another's move)."""
+    planes, _, width = pool.shape
+    moves = src.numel()
+    block = min(triton.next_power_of_2(width), 1024)
+    grid = (moves, planes, triton.cdiv(width, block))
+    rows = torch.empty((planes, moves, width), dtype=pool.dtype, device=pool.device)
+    _copy_rows_kernel[grid](pool, src, pool.stride(0), pool.stride(1), rows, src, rows.stride(0), rows.stride(1), width,
+                            SRC_INDEXED=True, DST_INDEXED=False, BLOCK=block)
+    _copy_rows_kernel[grid](rows, dst, rows.stride(0), rows.stride(1), pool, dst, pool.stride(0), pool.stride(1), width,
+                            SRC_INDEXED=False, DST_INDEXED=True, BLOCK=block)
+
+
+@triton.jit
+def _verify_tree_greedy_kernel(cand_ptr, parent_ptr, target_ptr, index_ptr, len_ptr, bonus_ptr, n,
+                               MAX_DEPTH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    nodes = tl.arange(0, BLOCK)
+    keep = nodes < n
+    candidates = tl.load(cand_ptr + row * n + nodes, mask=keep, other=-1)
+    parents = tl.load(parent_ptr + row * n + nodes, mask=keep, other=-2)
+    last = 0
+    accepted = 0
+    active = 1
+    tl.store(index_ptr + row * (MAX_DEPTH + 1), 0)
+    for depth in tl.static_range(1, MAX_DEPTH + 1):
+        want = tl.load(target_ptr + row * n + last)
+        match = (parents == last) & (candidates == want) & (active != 0)
+        found = tl.min(tl.where(match, nodes, n), axis=0)
+        active = active & (found < n)
+        last = tl.where(active != 0, found, last)
+        tl.store(index_ptr + row * (MAX_DEPTH + 1) + depth, tl.where(active != 0, found, -1).to(tl.int64))
+        accepted += active
+    tl.store(len_ptr + row, accepted.to(tl.int64))
+    tl.store(bonus_ptr + row, tl.load(target_ptr + row * n + last))
+
+
+def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets: torch.Tensor,
+                       max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One program per tree; the twin's level-by-level rule with the tree held in registers."""
+    batch, n = candidates.shape
+    accept_index = torch.empty((batch, max_depth + 1), dtype=torch.long, device=candidates.device)
+    accept_len = torch.empty(batch, dtype=torch.long, device=candidates.device)
+    bonus = torch.empty(batch, dtype=torch.long, device=candidates.device)
+    _verify_tree_greedy_kernel[(batch,)](candidates, parents, targets, accept_index, accept_len, bonus, n,
+                                         MAX_DEPTH=max_depth, BLOCK=triton.next_power_of_2(n))
+    return accept_index, accept_len, bonus

@@ -63,6 +63,14 @@ def test_triton_kernels_match_their_twins():
             assert torch.equal(caches[0][1], caches[1][1])  # values copied as they are
 
 
+def test_new_triton_kernels_match_their_twins_compiled():
+    """KV-slot compaction and greedy tree acceptance (and the norms again) compiled on the GPU: the checks the
+    CPU suite runs under Triton's interpreter (tests/kernel_checks.py)."""
+    import kernel_checks
+
+    assert kernel_checks.main("cuda") == 0
+
+
 # FlashInfer against torch --------------------------------------------------------------------------
 def checkpoint(tmp_path, **overrides):
     import transformers

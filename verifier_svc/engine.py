@@ -448,13 +448,14 @@ class Engine:
                     token = sample(apply_penalties(row_logits, request.params, request.prompt_ids, []), [request.params],
                                    [0]).item()
                 events.append(self._emit(request, [token], hidden, token_logprobs(row_logits, [token], request.params)))
-        commit_seconds = 0.0
+        commit_seconds, move_src, move_dst, lengths = 0.0, [], [], []
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
             targets = greedy[batch.cu_logits[i] : batch.cu_logits[i + 1]] if greedy is not None else None
             acceptance = self._accept(v, node_logits, targets)
             commit_start = self._clock()
-            self._commit_kv(v, acceptance)
+            self._kv_moves(v, acceptance, move_src, move_dst)
+            lengths.append((v.request.table, v.seq_len + len(acceptance.path)))
             commit_seconds += self._clock() - commit_start
             self._count(v, acceptance)
             hidden = None
@@ -463,6 +464,13 @@ class Engine:
             logprobs = (token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
                         if v.request.params.logprobs is not None else None)
             events.append(self._emit(v.request, acceptance.tokens, hidden, logprobs))
+        commit_start = self._clock()
+        kv = self.runner.kv_cache
+        if move_src:  # every request's compaction in one kernel, before any page is freed
+            kv.copy_slots(move_src, move_dst)
+        for table, length in lengths:
+            kv.set_length(table, length)
+        commit_seconds += self._clock() - commit_start
         self.report.seconds["accept"] = self._clock() - accept_start - commit_seconds
         self.report.seconds["commit"] = commit_seconds
         return events
@@ -501,13 +509,15 @@ class Engine:
                                  self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
 
     # commit --------------------------------------------------------------------------------------
-    def _commit_kv(self, v: _Verify, acceptance: Acceptance) -> None:
-        kv, table = self.runner.kv_cache, v.request.table
-        moves = [(node, j) for j, node in enumerate(acceptance.path) if node != j]
-        if moves:  # path nodes are increasing, so copying down in order never overwrites a later source
-            src = kv.slot_ids(table, v.seq_len, v.seq_len + v.tree.num_nodes)
-            kv.copy_slots(src[[node for node, _ in moves]], src[[j for _, j in moves]])
-        kv.set_length(table, v.seq_len + len(acceptance.path))
+    def _kv_moves(self, v: _Verify, acceptance: Acceptance, src: list[int], dst: list[int]) -> None:
+        """The flat slot moves that compact the accepted path's KV to the front of the tree's slots (path
+        nodes increase, so moving them down in order never overwrites a later source)."""
+        pages, size = v.request.table.pages, self.runner.kv_cache.page_size
+        for j, node in enumerate(acceptance.path):
+            if node != j:
+                a, b = v.seq_len + node, v.seq_len + j
+                src.append(pages[a // size] * size + a % size)
+                dst.append(pages[b // size] * size + b % size)
 
     def _count(self, v: _Verify, acceptance: Acceptance) -> None:
         if v.tree.num_drafts == 0:

@@ -99,8 +99,10 @@ class KVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self.allocator = PageAllocator(num_pages)
         self.evictor = None  # callable(num_pages) -> pages freed; the prefix cache sets it
-        shape = (2, num_pages, page_size, self.num_kv_heads, self.head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        # one tensor for every layer, so that one kernel can move slots in all of them; layers[i] is a view
+        self.pool = torch.zeros((self.num_layers, 2, num_pages, page_size, self.num_kv_heads, self.head_dim),
+                                dtype=dtype, device=self.device)
+        self.layers = list(self.pool.unbind(0))
 
     @property
     def num_pages(self) -> int:
@@ -148,8 +150,11 @@ class KVCache:
         return kv[0].view(-1, self.num_kv_heads, self.head_dim), kv[1].view(-1, self.num_kv_heads, self.head_dim)
 
     def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """KV of flat slots src -> dst in every layer (tree commit compacts accepted nodes with this)."""
-        src, dst = src_slots.to(self.device), dst_slots.to(self.device)
-        for layer_id in range(self.num_layers):
-            for flat in self.flat_kv(layer_id):
-                flat[dst] = flat[src]
+        """KV of flat slots src -> dst in every layer, as if moved in order (tree commit compacts the accepted
+        nodes of every request of a step with one call: no move may read a slot an earlier one wrote)."""
+        from splitspec.kernels import ops
+
+        src = torch.as_tensor(src_slots, dtype=torch.long).to(self.device, non_blocking=True)
+        dst = torch.as_tensor(dst_slots, dtype=torch.long).to(self.device, non_blocking=True)
+        planes = self.pool.view(self.num_layers * 2, self.num_pages * self.page_size, self.num_kv_heads * self.head_dim)
+        ops.move_kv_slots(planes, src, dst)

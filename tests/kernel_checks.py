@@ -1,0 +1,123 @@
+"""Each Triton kernel against its torch twin and, where one exists, against the plain reference it must
+equal. Run on a GPU (tests/test_gpu_kernels.py) and on CPU under Triton's interpreter
+(tests/test_kernels_interpreted.py runs `python tests/kernel_checks.py` with TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+
+from splitspec.kernels import torch_ops, triton_ops
+from splitspec.runtime.tree import NO_NODE, child_links
+from splitspec.verifier_svc.acceptance import accept_target_tokens
+
+
+def check_move_kv_slots(device: str, dtype: torch.dtype) -> int:
+    """Random trees' accepted paths compacted in a pool of several planes, every request's moves in one call."""
+    rng = random.Random(0)
+    checked = 0
+    for planes, slots, width in ((2, 64, 24), (6, 200, 1000), (4, 96, 1024 + 8)):
+        pool = torch.randn(planes, slots, width, generator=torch.Generator().manual_seed(checked)).to(device, dtype)
+        src, dst, free = [], [], list(range(slots))
+        rng.shuffle(free)
+        while len(free) >= 12:  # a request: a tree of up to 12 slots, its accepted path moved to the front
+            tree_slots, free = free[:12], free[12:]
+            path = sorted(rng.sample(range(1, 12), rng.randrange(0, 6)))
+            for j, node in enumerate([0, *path]):
+                if node != j:
+                    src.append(tree_slots[node])
+                    dst.append(tree_slots[j])
+        expected = pool.clone()
+        for s, d in zip(src, dst):  # the moves, one after another
+            expected[:, d] = expected[:, s]
+        s_t, d_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        twin, kernel = pool.clone(), pool.clone()
+        torch_ops.move_kv_slots(twin, s_t, d_t)
+        triton_ops.move_kv_slots(kernel, s_t, d_t)
+        assert torch.equal(twin, expected) and torch.equal(kernel, expected), (planes, slots, width)
+        checked += len(src)
+    return checked
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list[int]]:
+    """Tokens and parents of an n-node tree, children after their parents, siblings with distinct tokens."""
+    tokens, parents = [rng.randrange(vocab)], [NO_NODE]
+    while len(tokens) < n:
+        parent = rng.randrange(len(tokens))
+        taken = {tokens[i] for i in range(len(tokens)) if parents[i] == parent}
+        options = [t for t in range(vocab) if t not in taken]
+        if options:
+            tokens.append(rng.choice(options))
+            parents.append(parent)
+    return tokens, parents
+
+
+def check_verify_tree_greedy(device: str) -> int:
+    """Batches of padded random trees against accept_target_tokens (the engine's host walk), with targets
+    that follow the tree for a while and then leave it."""
+    rng = random.Random(1)
+    accepted_total = 0
+    for batch, n, vocab in ((1, 1, 5), (5, 8, 4), (16, 16, 6), (3, 33, 3)):
+        trees = [random_tree(rng, rng.randint(1, n), vocab) for _ in range(batch)]
+        cand = torch.full((batch, n), -1, dtype=torch.long)
+        par = torch.full((batch, n), NO_NODE, dtype=torch.long)
+        tgt = torch.zeros((batch, n), dtype=torch.long)
+        expected = []
+        for b, (tokens, parents) in enumerate(trees):
+            targets = [rng.randrange(vocab) for _ in tokens]
+            node = 0
+            while rng.random() < 0.8:  # make the target agree along a random path
+                children = [i for i, p in enumerate(parents) if p == node]
+                if not children:
+                    break
+                child = rng.choice(children)
+                targets[node], node = tokens[child], child
+            cand[b, : len(tokens)] = torch.tensor(tokens)
+            par[b, : len(tokens)] = torch.tensor(parents)
+            tgt[b, : len(tokens)] = torch.tensor(targets)
+            next_token, next_sibling = child_links(parents)
+            expected.append(accept_target_tokens(tokens, next_token, next_sibling, targets))
+        depth = max(1, n - 1)
+        args = (cand.to(device), par.to(device), tgt.to(device), depth)
+        for name, (index, length, bonus) in (("twin", torch_ops.verify_tree_greedy(*args)),
+                                              ("triton", triton_ops.verify_tree_greedy(*args))):
+            for b, acc in enumerate(expected):
+                path = index[b].tolist()
+                assert path[: len(acc.path)] == acc.path and all(x == -1 for x in path[len(acc.path):]), (name, b, path, acc)
+                assert int(length[b]) == acc.num_accepted and int(bonus[b]) == acc.tokens[-1], (name, b)
+        accepted_total += sum(a.num_accepted for a in expected)
+    assert accepted_total > 10  # the targets did follow the trees
+    return accepted_total
+
+
+def check_norms_and_activation(device: str, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    for rows, width in ((1, 64), (7, 384), (3, 1000)):
+        x, r = (torch.randn(rows, width, generator=g).to(device, dtype) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(width, generator=g)).to(device, dtype)
+        tol = dict(rtol=2**-7, atol=0) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-5), torch_ops.rms_norm(x, w, 1e-5), **tol)
+        got, got_res = triton_ops.add_rms_norm(x, r, w, 1e-5)
+        want, want_res = torch_ops.add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(got_res, want_res)
+        torch.testing.assert_close(got, want, **tol)
+        gate_up = torch.randn(rows, 2 * width, generator=g).to(device, dtype)
+        torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), **tol)
+
+
+def main(device: str = "cpu") -> int:
+    dtypes = (torch.float32, torch.float16) if device == "cpu" else (torch.bfloat16, torch.float32)
+    with torch.no_grad():
+        for dtype in dtypes:
+            moved = check_move_kv_slots(device, dtype)
+            check_norms_and_activation(device, dtype)
+        accepted = check_verify_tree_greedy(device)
+    print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes, norms and "
+          f"SiLU-and-mul in {[str(d) for d in dtypes]}: all equal their twins")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))
