@@ -14,7 +14,7 @@ import torch
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.tree import NO_NODE, BeamDraft
+from splitspec.runtime.tree import NO_NODE, BeamDraft, batched_topk
 
 
 def expand_beams(runner: ModelRunner, beams: list[BeamDraft], tables: list[BlockTable],
@@ -34,12 +34,16 @@ def expand_beams(runner: ModelRunner, beams: list[BeamDraft], tables: list[Block
         batch = runner.batch(sequences)
         output = runner.forward(batch, return_hidden=root_features is not None,
                                 features=torch.stack(features) if root_features is not None else None)
-        start = 0
+        # every request's frontier rows: one softmax + top-k and one transfer for the whole batch
+        picked = [batch.cu_logits[k] + f for k, frontier in enumerate(frontiers) for f in frontier]
+        top_p, top_idx = batched_topk(output.logits[torch.tensor(picked, device=output.logits.device)],
+                                      beams[0].topk)
+        start, row = 0, 0
         for k, (beam, table) in enumerate(zip(beams, tables)):
             n = len(beam.beam_tokens)
             kv.set_length(table, table.num_tokens)  # drop the beam nodes' KV
             if root_features is not None:
                 outputs[k] = list(output.hidden_states[start : start + n])
-            rows = output.logits[batch.cu_logits[k] : batch.cu_logits[k + 1]][frontiers[k]]
-            beam.expand(torch.softmax(rows.float(), -1))
-            start += n
+            width = len(frontiers[k])
+            beam.expand_topk(top_p[row : row + width], top_idx[row : row + width])
+            start, row = start + n, row + width

@@ -21,7 +21,7 @@ from splitspec.drafter_svc.beam_steps import expand_beams
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.tree import BeamDraft, DraftTree
+from splitspec.runtime.tree import BeamDraft, DraftTree, batched_topk
 
 
 class _State:
@@ -90,10 +90,11 @@ class EagleDrafter(HiddenStateDrafter):
         if missing:  # asked again with nothing new: the root row's logits from its stored output
             for i, s in missing:
                 root_logits[i] = self.runner.model.logits(s.root_feature[None])[0]
+        top_p, top_idx = batched_topk(torch.stack([root_logits[i] for i, _, _ in asked]), self.topk)
         beams = []
-        for i, s, budget in asked:
+        for row, (i, s, budget) in enumerate(asked):
             beam = BeamDraft(s.last_token, self.topk, self.num_steps, budget, self.token_map)
-            beam.first(torch.softmax(root_logits[i].float(), -1))
+            beam.first_topk(top_p[row], top_idx[row])
             beams.append(beam)
         expand_beams(self.runner, beams, [s.table for _, s, _ in asked], [s.root_feature for _, s, _ in asked])
         for (i, _, _), beam in zip(asked, beams):

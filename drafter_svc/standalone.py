@@ -20,7 +20,7 @@ from splitspec.drafter_svc.beam_steps import expand_beams
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.tree import BeamDraft, DraftTree
+from splitspec.runtime.tree import BeamDraft, DraftTree, batched_topk
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +70,12 @@ class StandaloneDrafter(Drafter):
                 kv.set_length(table, len(sequence) - 1)
             catch_up.append(SequenceInput(table, sequence[table.num_tokens :], logits="last"))
         logits = self.runner.forward(self.runner.batch(catch_up)).logits
+        top_p, top_idx = batched_topk(logits[: len(asked)], self.topk)
         beams = []
         for row, (_, request_id, budget) in enumerate(asked):
             kv.set_length(self.tables[request_id], len(self.sequences[request_id]))
             beam = BeamDraft(self.sequences[request_id][-1], self.topk, self.num_steps, budget, self.token_map)
-            beam.first(torch.softmax(logits[row].float(), -1))
+            beam.first_topk(top_p[row], top_idx[row])
             beams.append(beam)
         expand_beams(self.runner, beams, [self.tables[r] for _, r, _ in asked])
         for (i, _, _), beam in zip(asked, beams):

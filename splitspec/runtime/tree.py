@@ -135,6 +135,16 @@ def parents_from_mask(mask: torch.Tensor) -> list[int]:
     return parents
 
 
+def batched_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax and top-k of every row of logits [R, V] in one device call, moved to the host in one
+    transfer: (probabilities [R, k] float32, indices [R, k] int64)."""
+    top_p, top_idx = torch.softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), dim=-1)
+    both = torch.cat([top_p, top_idx.float()], dim=-1).cpu() if top_idx.numel() and logits.shape[-1] < 2**24 else None
+    if both is None:  # indices beyond float32's exact integers: two transfers
+        return top_p.cpu(), top_idx.cpu()
+    return both[:, : top_p.shape[-1]], both[:, top_p.shape[-1] :].long()
+
+
 class BeamDraft:
     """SGLang's EAGLE / STANDALONE draft tree for one request (REFERENCES §3.1): K beams expanded for S
     steps, scored by probability products, the best N-1 of every scored candidate kept in flat order.
@@ -170,9 +180,14 @@ class BeamDraft:
 
     def first(self, probs: torch.Tensor) -> None:
         """probs [V]: the draft model's distribution after the root."""
-        k = min(self.topk, probs.shape[-1])
-        top_p, top_idx = probs.float().topk(k)
-        top_p, top_idx = top_p.cpu(), self._ids(top_idx)  # the bookkeeping is small: on the host
+        top_p, top_idx = probs.float().topk(min(self.topk, probs.shape[-1]))
+        self.first_topk(top_p.cpu(), top_idx.cpu())  # the bookkeeping is small: on the host
+
+    def first_topk(self, top_p: torch.Tensor, top_idx: torch.Tensor) -> None:
+        """first() from the root distribution's top-k (on the host): a drafter batching its requests takes
+        every request's top-k in one device call and one transfer (batched_topk)."""
+        k = top_p.shape[-1]
+        top_idx = self._ids(top_idx)
         self.scores = top_p
         self.flat_scores.append(top_p)
         self.flat_tokens.append(top_idx)
@@ -186,9 +201,13 @@ class BeamDraft:
 
     def expand(self, probs: torch.Tensor) -> None:
         """probs [K, V]: the distribution after each current beam, in beams() order."""
+        top_p, top_idx = probs.float().topk(self.topk, dim=-1)  # [K, K]
+        self.expand_topk(top_p.cpu(), top_idx.cpu())
+
+    def expand_topk(self, top_p: torch.Tensor, top_idx: torch.Tensor) -> None:
+        """expand() from each beam's top-k [K, K] (on the host)."""
         k = self.topk
-        top_p, top_idx = probs.float().topk(k, dim=-1)  # [K, K]
-        top_p, top_idx = top_p.cpu(), self._ids(top_idx)
+        top_idx = self._ids(top_idx)
         candidates = (self.scores[:, None] * top_p).flatten()  # [K*K]
         chosen = candidates.topk(k).indices
         self.scores = candidates[chosen]
