@@ -78,3 +78,10 @@ def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets:
     if use_triton(candidates) and candidates.is_contiguous() and parents.is_contiguous() and targets.is_contiguous():
         return _triton().verify_tree_greedy(candidates, parents, targets, max_depth)
     return torch_ops.verify_tree_greedy(candidates, parents, targets, max_depth)
+
+
+def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Position-keyed Gumbel-max sample of each row of logits [B, V] fp32 (keys: sampling.position_keys)."""
+    if use_triton(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return _triton().gumbel_argmax(logits, keys)
+    return torch_ops.gumbel_argmax(logits, keys)

@@ -81,3 +81,11 @@ def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets:
         accept_index[:, depth] = torch.where(active, found, -1)
         accept_len += active.long()
     return accept_index, accept_len, targets.gather(1, last[:, None])[:, 0]
+
+
+def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax_v(logits[b, v] + G(keys[b], v)) for logits [B, V] fp32 and position keys [B]: a position-keyed
+    Gumbel-max sample of each row (splitspec.runtime.sampling)."""
+    from splitspec.runtime.sampling import gumbel_from_keys
+
+    return (logits + gumbel_from_keys(keys, logits.shape[-1])).argmax(dim=-1)

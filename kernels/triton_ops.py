@@ -217,3 +217,52 @@ def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets:
     _verify_tree_greedy_kernel[(batch,)](candidates, parents, targets, accept_index, accept_len, bonus, n,
                                          MAX_DEPTH=max_depth, BLOCK=triton.next_power_of_2(n))
     return accept_index, accept_len, bonus
+
+
+@triton.jit
+def _mul32(h, c: tl.constexpr):
+    """(h * c) mod 2^32 for uint32 values held in int64 (16-bit halves), as splitspec.runtime.sampling."""
+    low = (h & 0xFFFF) * c
+    high = (((h >> 16) * c) & 0xFFFF) << 16
+    return (low + high) & 0xFFFFFFFF
+
+
+@triton.jit
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, out_ptr, V: tl.constexpr, UNIFORM_SHIFT: tl.constexpr,
+                          UNIFORM_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    key = tl.load(keys_ptr + row)
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_index = tl.zeros((BLOCK,), tl.int64)
+    for start in range(0, V, BLOCK):
+        vocab = start + tl.arange(0, BLOCK).to(tl.int64)
+        keep = vocab < V
+        x = tl.load(logits_ptr + row * stride + vocab, mask=keep, other=float("-inf"))
+        bits = _fmix32((_fmix32(_mul32(vocab, 0x9E3779B9) ^ key) + key) & 0xFFFFFFFF)
+        uniform = ((bits >> UNIFORM_SHIFT).to(tl.float32) + 0.5) * UNIFORM_SCALE
+        y = x + -tl.log(-tl.log(uniform))
+        take = y > best  # a later index wins only when strictly larger: each lane keeps its first maximum
+        best = tl.where(take, y, best)
+        best_index = tl.where(take, vocab, best_index)
+    top = tl.max(best, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(best == top, best_index, V), axis=0))
+
+
+def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """One program per row streams the vocabulary once: no [B, V] noise tensor is made."""
+    from splitspec.runtime.sampling import UNIFORM_BITS
+
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.long, device=logits.device)
+    _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), keys.contiguous(), out, V=vocab,
+                                   UNIFORM_SHIFT=32 - UNIFORM_BITS, UNIFORM_SCALE=1.0 / 2**UNIFORM_BITS, BLOCK=1024)
+    return out

@@ -92,6 +92,30 @@ def check_verify_tree_greedy(device: str) -> int:
     return accepted_total
 
 
+def check_gumbel_argmax(device: str) -> int:
+    """Position-keyed Gumbel-max samples, the fused kernel against the twin (which builds the [B, V] noise),
+    with filtered (-inf) tokens, and both against what sampling.sample draws for those seeds and positions."""
+    from splitspec.runtime.sampling import position_keys, process_logits, sample
+    from splitspec.runtime.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    drawn = 0
+    for rows, vocab in ((1, 5), (7, 1000), (16, 4099)):
+        logits = (3 * torch.randn(rows, vocab, generator=g)).to(device)
+        seeds = torch.randint(0, 2**40, (rows,), generator=g).to(device)
+        positions = torch.randint(0, 5000, (rows,), generator=g).to(device)
+        temps, top_ks = torch.full((rows,), 0.8, device=device), torch.full((rows,), min(50, vocab), device=device)
+        processed = process_logits(logits, temps, top_ks, torch.full((rows,), 0.95, device=device))
+        keys = position_keys(seeds, positions)
+        twin, kernel = torch_ops.gumbel_argmax(processed, keys), triton_ops.gumbel_argmax(processed, keys)
+        assert torch.equal(twin, kernel), (rows, vocab, twin, kernel)
+        assert bool(torch.isfinite(processed.gather(1, kernel[:, None])).all())  # never a filtered token
+        params = [SamplingParams(temperature=0.8, top_k=min(50, vocab), top_p=0.95, seed=int(s)) for s in seeds]
+        assert torch.equal(sample(logits, params, positions.tolist()), twin)
+        drawn += rows
+    return drawn
+
+
 def check_norms_and_activation(device: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for rows, width in ((1, 64), (7, 384), (3, 1000)):
@@ -114,8 +138,9 @@ def main(device: str = "cpu") -> int:
             moved = check_move_kv_slots(device, dtype)
             check_norms_and_activation(device, dtype)
         accepted = check_verify_tree_greedy(device)
-    print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes, norms and "
-          f"SiLU-and-mul in {[str(d) for d in dtypes]}: all equal their twins")
+        drawn = check_gumbel_argmax(device)
+    print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes, {drawn} keyed "
+          f"Gumbel-max samples, norms and SiLU-and-mul in {[str(d) for d in dtypes]}: all equal their twins")
     return 0
 
 

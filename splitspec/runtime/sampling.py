@@ -59,8 +59,13 @@ def position_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def keyed_gumbel(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Gumbel(0, 1) noise [B, V] fp32 that depends only on (seed, position, vocab index)."""
-    keys = position_keys(seeds.long(), positions.long())[:, None]  # [B, 1]
-    vocab = _mul32(torch.arange(vocab_size, device=seeds.device, dtype=torch.long), GOLDEN32)  # [V]
+    return gumbel_from_keys(position_keys(seeds.long(), positions.long()), vocab_size)
+
+
+def gumbel_from_keys(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The noise [B, V] of rows keyed by position_keys [B] (kernels.ops.gumbel_argmax fuses it on a GPU)."""
+    keys = keys[:, None]  # [B, 1]
+    vocab = _mul32(torch.arange(vocab_size, device=keys.device, dtype=torch.long), GOLDEN32)  # [V]
     bits = _fmix32((_fmix32(vocab[None, :] ^ keys) + keys) & MASK32)  # [B, V]
     uniform = ((bits >> (32 - UNIFORM_BITS)).float() + 0.5) * (1.0 / 2**UNIFORM_BITS)  # strictly in (0, 1)
     return -torch.log(-torch.log(uniform))
@@ -107,10 +112,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions:
         torch.tensor([p.top_k for p in chosen], device=device),
         torch.tensor([p.top_p for p in chosen], device=device),
     )
-    noise = keyed_gumbel(
-        torch.tensor([p.seed for p in chosen], device=device, dtype=torch.long),
-        torch.tensor([output_positions[i] for i in rows], device=device, dtype=torch.long),
-        logits.shape[-1],
-    )
-    tokens[rows] = (processed + noise).argmax(dim=-1)
+    keys = position_keys(torch.tensor([p.seed for p in chosen], device=device, dtype=torch.long),
+                         torch.tensor([output_positions[i] for i in rows], device=device, dtype=torch.long))
+    from splitspec.kernels import ops
+
+    tokens[rows] = ops.gumbel_argmax(processed, keys)  # argmax(processed + keyed Gumbel noise)
     return tokens
