@@ -27,6 +27,7 @@ def expand_beams(runner: ModelRunner, beams: list[BeamDraft], tables: list[Block
         sequences, features, frontiers = [], [], []
         for k, (beam, table) in enumerate(zip(beams, tables)):
             tokens, depths, mask = beam.layout()
+            mask = mask if len(tokens) > 1 else None  # one node: a plain decode row (the graphs' q = 1 shape)
             sequences.append(SequenceInput(table, tokens, [table.num_tokens - 1 + d for d in depths], mask, "all"))
             if root_features is not None:
                 features += [root_features[k] if p == NO_NODE else outputs[k][p] for p in beam.beam_parents]

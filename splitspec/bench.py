@@ -329,14 +329,14 @@ def run_in_process(args) -> dict:
         args.speculative_draft_model_path = str(demo_model_dirs(heads=kind != "draft")[kind])
     model_dir = runtime_args.resolve_model(args)
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    if args.cuda_graph_max_bs is None and not args.disable_cuda_graph:  # target and draft head: no larger graphs
+        args.cuda_graph_max_bs = max(batch_sizes)
     points = grid_points(args) if args.speculative_algorithm else []
     if args.speculative_algorithm and not points:
         raise ValueError("no valid point in the grid")
     max_tree = max((tree_of(p)[2] for p in points), default=1)
     counts = {b: args.num_prompts or max(4, 2 * b) for b in batch_sizes}
     per_request = args.prompt_len + args.output_len + max_tree + 2 * args.page_size
-    if args.cuda_graph_max_bs is None and not args.disable_cuda_graph:
-        args.cuda_graph_max_bs = max(batch_sizes)
     runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir,
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
     if args.preset and args.simulate_acceptance:

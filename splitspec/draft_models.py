@@ -201,7 +201,9 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         model_path=str(path), dtype=args.dtype, device=args.device, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
         mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=draft_attention_backend(args),
-        disable_cuda_graph=True,  # draft steps are trees and catch-ups; the decode graphs are the target's
+        # a head's beam steps replay CUDA graphs (captured below); a standalone draft's steps run eagerly
+        disable_cuda_graph=kind == "standalone" or multi_layer(args) or getattr(args, "disable_cuda_graph", False),
+        cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         family=None if kind == "standalone" else kind))
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
     layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()
@@ -234,6 +236,13 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         drafter = cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens, token_map=token_map)
     drafter.name = args.speculative_algorithm
     drafter.hidden_state_layers = layers
+    if kind != "standalone" and not multi_layer(args) and runner.cuda_graph_max_bs:
+        # beam step i forwards the i * topk beam nodes made so far, each fed the head's own output (H wide)
+        try:
+            runner.enable_feature_graphs(runner.config.hidden_size, tuple(i * topk for i in range(1, steps)))
+        except Exception:  # noqa: BLE001 (a capture failure costs speed, not service)
+            logger.exception("capturing the draft head's CUDA graphs failed; its steps run eagerly")
+            runner.graphs, runner.cuda_graph_max_bs = None, 0
     logger.info("%s drafter (%s from %s): %d steps, top-%d, %d tree nodes%s", args.speculative_algorithm, kind, path,
                 steps, topk, tokens, f", captures {list(drafter.hidden_state_layers)}" if drafter.hidden_state_layers else "")
     return drafter
