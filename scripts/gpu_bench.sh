@@ -13,6 +13,8 @@
 #   bench     `splitspec bench` on the 8B-shaped dummy target with a dummy EAGLE-3 head of the published 8B shape
 #             drafting for real and simulated acceptance (accept length 4): steps 3,5,7 x topk 1,4 x draft
 #             tokens 8,16 at batch 1 and 8
+#   draftgraphs  the bench stage's simulated EAGLE-3 at steps 3,5 x topk 1,4, with the head's beam steps replayed from
+#             CUDA graphs and then eagerly (--speculative-draft-disable-cuda-graph), on the same machine
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
 #             suite with forwards on CUDA
@@ -41,6 +43,12 @@ for stage in "${stages[@]}"; do
                    --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:4 \
                    --steps 3,5,7 --topk 1,4 --num-draft-tokens 8,16 --batch-size 1,8 --prompt-len 128 --output-len 128 \
                    --out "$OUT/bench_8b_eagle3_sim.json" > "$OUT/bench.log" 2>&1 ;;
+        draftgraphs) for eager in "" --speculative-draft-disable-cuda-graph; do
+                   python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
+                       --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:4 \
+                       --steps 3,5 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 $eager \
+                       --out "$OUT/draftgraphs${eager:+_eager}.json" >> "$OUT/draftgraphs.log" 2>&1 || break
+               done ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py > "$OUT/pytest_cuda.log" 2>&1 ;;

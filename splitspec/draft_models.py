@@ -202,7 +202,8 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
         mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=draft_attention_backend(args),
         # a head's beam steps replay CUDA graphs (captured below); a standalone draft's steps run eagerly
-        disable_cuda_graph=kind == "standalone" or multi_layer(args) or getattr(args, "disable_cuda_graph", False),
+        disable_cuda_graph=(kind == "standalone" or multi_layer(args) or getattr(args, "disable_cuda_graph", False)
+                            or getattr(args, "speculative_draft_disable_cuda_graph", False)),
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         family=None if kind == "standalone" else kind))
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))

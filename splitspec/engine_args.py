@@ -62,6 +62,9 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                        help="SGLang's attention mode for target verification and draft extension. Accepted either way: "
                        "splitspec verifies a tree and extends a draft with one masked attention pass over the paged "
                        "cache, which is both.")
+    group.add_argument("--speculative-draft-disable-cuda-graph", action="store_true",
+                       help="GPU: run the draft head's beam steps eagerly (by default they replay CUDA graphs up to "
+                       "--cuda-graph-max-bs requests; --disable-cuda-graph turns off the target's graphs and these).")
     group.add_argument("--speculative-moe-runner-backend", default=None, choices=MOE_RUNNER_BACKENDS,
                        help="SGLang's MoE runner for the draft; the drafts served here are dense (MoE drafts are out "
                        "of scope), so it is checked and logged as a no-op.")
