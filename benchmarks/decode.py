@@ -14,7 +14,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from splitspec.bench import git_commit
 from splitspec.generate import generate_ids
 from splitspec.model_shapes import PRESETS, dummy_model_dir
 from splitspec.runtime.batch import SequenceInput
@@ -55,19 +55,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="The quick preset and few tokens (a smoke run for tests).")
     parser.add_argument("--out", default=None, help="Write the JSON here as well as to stdout.")
     return parser.parse_args()
-
-
-def git_commit() -> str | None:
-    """$SPLITSPEC_COMMIT (set it where the copy's .git is not the checkout's: the GPU machine), else HEAD."""
-    import os
-
-    if os.environ.get("SPLITSPEC_COMMIT"):
-        return os.environ["SPLITSPEC_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def timed_generate(runner, prompts, new_tokens: int) -> tuple[float, float]:
@@ -182,7 +169,7 @@ def main() -> int:
                         "memory_mib": {("decode" if q == 1 else f"verify_{q}_nodes"): round(b / 2**20, 1)
                                        for q, b in graphs.memory_bytes.items()}} if graphs else None,
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "commit": git_commit(),
+        "commit": git_commit(Path(__file__).parent),
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "cpu": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),

@@ -450,7 +450,6 @@ class Http:
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-            pending_time = None
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -461,13 +460,12 @@ class Http:
                 now = time.perf_counter()
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     timeline.deliveries.append((now, 1))  # token counts per delivery are not on the wire
-                    pending_time = now
                 if "speculative" in chunk:
                     extras["speculative"] = chunk["speculative"]
                 if chunk.get("usage"):
                     extras["usage"] = chunk["usage"]
             tokens = (extras.get("usage") or {}).get("completion_tokens")
-            if tokens and timeline.deliveries and pending_time is not None:  # spread the count over the deliveries
+            if tokens and timeline.deliveries:  # spread the count over the deliveries
                 extra = tokens - len(timeline.deliveries)
                 t, n = timeline.deliveries[-1]
                 timeline.deliveries[-1] = (t, n + max(0, extra))
@@ -536,14 +534,16 @@ def run_remote(args) -> dict:
     return {"url": args.url, "model": model, "rows": rows}
 
 
-def git_commit() -> str | None:
+def git_commit(directory: Path | None = None) -> str | None:
+    """$SPLITSPEC_COMMIT (set it where the copy's .git is not the checkout's: the GPU machine), else the HEAD
+    of the checkout holding `directory` (default: this package)."""
     import os
 
     if os.environ.get("SPLITSPEC_COMMIT"):
         return os.environ["SPLITSPEC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+                              cwd=directory or Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
