@@ -6,10 +6,9 @@ request with its first token and then sends every later token with the state bef
 
     1. catch up   forward the rows not yet in the head's KV (committed); the last row holds the root
                   and its output x is the feature of the root's children
-    2. step 0     the root row's distribution -> top-K beams (runtime.tree.BeamDraft)
-    3. step 1..S-1 drafter_svc.beam_steps.expand_beams, each beam node with its parent's output x as
-                  feature (the root's children: the root row's x)
-    4. the tree   the best N-1 candidates by probability product
+    2. steps      runtime.draft_loop: the root row's distribution -> top-K beams, then steps 1..S-1 on the
+                  device, each beam node with its parent's output x as feature (the root's children: the
+                  root row's x); the best N-1 candidates by probability product make the tree
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from splitspec.drafter_svc.base import HiddenStateDrafter
-from splitspec.drafter_svc.beam_steps import expand_beams
+from splitspec.drafter_svc.beam_steps import draft_loop_for, host_beam_draft
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.tree import BeamDraft, DraftTree, batched_topk
+from splitspec.runtime.tree import DraftTree
 
 
 class _State:
@@ -52,6 +51,7 @@ class EagleDrafter(HiddenStateDrafter):
         self.token_map = token_map
         self.max_catch_up = 2048  # rows per request per forward when catching up
         self.states: dict[str, _State] = {}
+        self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
 
     @torch.inference_mode()
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
@@ -90,13 +90,14 @@ class EagleDrafter(HiddenStateDrafter):
         if missing:  # asked again with nothing new: the root row's logits from its stored output
             for i, s in missing:
                 root_logits[i] = self.runner.model.logits(s.root_feature[None])[0]
-        top_p, top_idx = batched_topk(torch.stack([root_logits[i] for i, _, _ in asked]), self.topk)
-        beams = []
-        for row, (i, s, budget) in enumerate(asked):
-            beam = BeamDraft(s.last_token, self.topk, self.num_steps, budget, self.token_map)
-            beam.first_topk(top_p[row], top_idx[row])
-            beams.append(beam)
-        expand_beams(self.runner, beams, [s.table for _, s, _ in asked], [s.root_feature for _, s, _ in asked])
-        for (i, _, _), beam in zip(asked, beams):
-            out[i] = beam.tree()
+        logits = torch.stack([root_logits[i] for i, _, _ in asked])
+        states = [s for _, s, _ in asked]
+        if self.loop is not None:
+            trees = self.loop.run([s.last_token for s in states], logits, torch.stack([s.root_feature for s in states]),
+                                  [s.table for s in states], [b for _, _, b in asked])
+        else:
+            trees = host_beam_draft(self.runner, [s.last_token for s in states], logits, [s.table for s in states],
+                                    [b for _, _, b in asked], self, [s.root_feature for s in states])
+        for (i, _, _), tree in zip(asked, trees):
+            out[i] = tree
         return out

@@ -4,9 +4,8 @@ The draft model has its own paged KV cache. Per request it holds the sequence th
 its KV holds a prefix of it. A draft call, for all asked requests in one batch:
 
     1. catch up   forward every reported token not yet in the draft KV, the root last (committed)
-    2. step 0     the root's distribution -> top-K beams (runtime.tree.BeamDraft)
-    3. step 1..S-1 drafter_svc.beam_steps.expand_beams
-    4. the tree   the best N-1 candidates by probability product (SGLang's organize step)
+    2. steps      runtime.draft_loop: the root's distribution -> top-K beams, steps 1..S-1 on the device,
+                  the best N-1 candidates by probability product (SGLang's organize step)
 """
 
 from __future__ import annotations
@@ -16,11 +15,11 @@ import logging
 import torch
 
 from splitspec.drafter_svc.base import Drafter
-from splitspec.drafter_svc.beam_steps import expand_beams
+from splitspec.drafter_svc.beam_steps import draft_loop_for, host_beam_draft
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
-from splitspec.runtime.tree import BeamDraft, DraftTree, batched_topk
+from splitspec.runtime.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +35,7 @@ class StandaloneDrafter(Drafter):
         self.token_map = token_map
         self.sequences: dict[str, list[int]] = {}
         self.tables: dict[str, BlockTable] = {}
+        self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map)
 
     @property
     def vocab_size(self) -> int:
@@ -70,14 +70,16 @@ class StandaloneDrafter(Drafter):
                 kv.set_length(table, len(sequence) - 1)
             catch_up.append(SequenceInput(table, sequence[table.num_tokens :], logits="last"))
         logits = self.runner.forward(self.runner.batch(catch_up)).logits
-        top_p, top_idx = batched_topk(logits[: len(asked)], self.topk)
-        beams = []
-        for row, (_, request_id, budget) in enumerate(asked):
+        roots, tables = [], []
+        for _, request_id, _ in asked:
             kv.set_length(self.tables[request_id], len(self.sequences[request_id]))
-            beam = BeamDraft(self.sequences[request_id][-1], self.topk, self.num_steps, budget, self.token_map)
-            beam.first_topk(top_p[row], top_idx[row])
-            beams.append(beam)
-        expand_beams(self.runner, beams, [self.tables[r] for _, r, _ in asked])
-        for (i, _, _), beam in zip(asked, beams):
-            out[i] = beam.tree()
+            roots.append(self.sequences[request_id][-1])
+            tables.append(self.tables[request_id])
+        budgets = [b for _, _, b in asked]
+        if self.loop is not None:
+            trees = self.loop.run(roots, logits[: len(asked)], None, tables, budgets)
+        else:
+            trees = host_beam_draft(self.runner, roots, logits[: len(asked)], tables, budgets, self)
+        for (i, _, _), tree in zip(asked, trees):
+            out[i] = tree
         return out

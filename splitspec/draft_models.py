@@ -201,8 +201,8 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         model_path=str(path), dtype=args.dtype, device=args.device, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
         mem_fraction_static=getattr(args, "mem_fraction_static", None), attention_backend=draft_attention_backend(args),
-        # a head's beam steps replay CUDA graphs (captured below); a standalone draft's steps run eagerly
-        disable_cuda_graph=(kind == "standalone" or multi_layer(args) or getattr(args, "disable_cuda_graph", False)
+        # the draft's steps replay CUDA graphs (captured below: runtime.draft_loop), its catch-up runs eagerly
+        disable_cuda_graph=(multi_layer(args) or getattr(args, "disable_cuda_graph", False)
                             or getattr(args, "speculative_draft_disable_cuda_graph", False)),
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         family=None if kind == "standalone" else kind))
@@ -237,13 +237,13 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         drafter = cls(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens, token_map=token_map)
     drafter.name = args.speculative_algorithm
     drafter.hidden_state_layers = layers
-    if kind != "standalone" and not multi_layer(args) and runner.cuda_graph_max_bs:
-        # beam step i forwards the i * topk beam nodes made so far, each fed the head's own output (H wide)
-        try:
-            runner.enable_feature_graphs(runner.config.hidden_size, tuple(i * topk for i in range(1, steps)))
+    loop = getattr(drafter, "loop", None)
+    if loop is not None and runner.cuda_graph_max_bs:
+        try:  # every step of the draft in one graph per batch size
+            loop.capture(runner.cuda_graph_max_bs)
         except Exception:  # noqa: BLE001 (a capture failure costs speed, not service)
-            logger.exception("capturing the draft head's CUDA graphs failed; its steps run eagerly")
-            runner.graphs, runner.cuda_graph_max_bs = None, 0
+            logger.exception("capturing the draft's CUDA graphs failed; its steps run eagerly")
+            loop.graphs = {}
     logger.info("%s drafter (%s from %s): %d steps, top-%d, %d tree nodes%s", args.speculative_algorithm, kind, path,
                 steps, topk, tokens, f", captures {list(drafter.hidden_state_layers)}" if drafter.hidden_state_layers else "")
     return drafter

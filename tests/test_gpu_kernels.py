@@ -180,3 +180,62 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     replays += sum(compare([(i, [t + i for t in tokens], parents) for i in range(n)]) for n in (3, 5, 1))
     assert compare([(0, [9], None), (1, tokens, parents)]) == 0  # not graph-shaped: runs eagerly
     assert replays == 7  # every decode step and every tree verification replayed a graph
+
+
+# the device draft loop -----------------------------------------------------------------------------
+@needs_flashinfer
+def test_flashinfer_prefix_attention_matches_torch(tmp_path):
+    """FlashInfer's prefix attention (a decode wrapper over each row's cached keys, its base-2 sums of exp
+    turned natural) equals the torch backend's on the same bf16 cache."""
+    from splitspec.runtime.attention.torch_backend import TorchAttentionBackend
+
+    r = runner(checkpoint(tmp_path), "flashinfer")
+    kv, config = r.kv_cache, r.config
+    reference = TorchAttentionBackend(config, kv)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lengths = [1, 9, 40, 130]
+    tables = [BlockTable() for _ in lengths]
+    for table, n in zip(tables, lengths):
+        kv.reserve(table, n)
+        for layer in range(config.num_hidden_layers):
+            for flat in kv.flat_kv(layer):
+                flat[kv.slot_ids(table, 0, n).cuda()] = torch.randn(n, *flat.shape[1:], device="cuda", generator=g,
+                                                                    dtype=flat.dtype)
+    rows = [0, 0, 1, 2, 2, 2, 3]  # rows share a request's keys, as a draft's beams do
+    q = torch.randn(len(rows), config.num_attention_heads, config.head_dim, device="cuda", generator=g,
+                    dtype=torch.bfloat16)
+    args = ([lengths[i] for i in rows], [tables[i].pages for i in rows])
+    state = r.backend.prefix_graph_state(len(rows), kv.num_pages * 2)
+    for plan in (r.backend.plan_prefix(*args), r.backend.plan_prefix(*args, state=state)):
+        out, lse = r.backend.attend_prefix(1, q, plan)
+        want_out, want_lse = reference.attend_prefix(1, q, reference.plan_prefix(*args))
+        torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-3, atol=1e-3)
+
+
+@needs_flashinfer
+def test_draft_loop_graphs_equal_eager(tmp_path):
+    """The whole draft replayed from CUDA graphs (batches padded to captured sizes) gives the eager loop's
+    trees, and nothing is written to the paged cache."""
+    from splitspec.drafter_svc.standalone import StandaloneDrafter
+
+    path = checkpoint(tmp_path)
+    drafters = [StandaloneDrafter(runner(path, "flashinfer"), topk=3, num_steps=4, num_draft_tokens=12) for _ in range(2)]
+    drafters[1].loop.capture(8)
+    assert sorted(drafters[1].loop.graphs) == [1, 2, 4, 8]
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2)]
+    for count in (5, 3, 1):
+        ids = [f"r{i}" for i in range(count)]
+        trees = []
+        for d in drafters:
+            for i in range(count):
+                d.open(ids[i], prompts[i])
+            trees.append(d.draft(ids, [12] * count))
+            for i in range(count):
+                d.release(ids[i])
+            assert d.runner.kv_cache.allocator.num_used == (1 if d is drafters[1] else 0)  # the padding key
+        for eager, graphed in zip(*trees):
+            assert (graphed.tokens, graphed.parents) == (eager.tokens, eager.parents)
+            assert graphed.scores == pytest.approx(eager.scores, rel=2e-2, abs=1e-4)
+    assert drafters[1].loop.replays == 3

@@ -9,9 +9,7 @@ layer inputs, logits of every row). A batch of r requests runs in the smallest c
 inputs are copied in, the b - r padding requests run a dummy chain in scratch pages of their own, and
 the first r requests' rows of the outputs are returned (copied: the next replay overwrites them). The
 graphs share one memory pool, captured largest first. Other batches (prompt chunks, mixed batches,
-trees of another size) run eagerly. A draft head's runner captures its beam steps the same way (q =
-the beam nodes forwarded at a step), with a static buffer for the features it feeds back; its
-catch-up forwards (the target's features, any length) run eagerly.
+trees of another size) run eagerly. A draft's steps have graphs of their own (runtime.draft_loop).
 """
 
 from __future__ import annotations
@@ -41,12 +39,8 @@ class _Graph:
 
 
 class StepGraphs:
-    def __init__(self, runner, max_bs: int, feature_size: int = 0):
-        """feature_size > 0: the model takes a feature per token of that width (a draft head's beam steps feed
-        its own outputs back), held in a static buffer like the token ids."""
+    def __init__(self, runner, max_bs: int):
         self.runner = runner
-        self.feature_size = feature_size
-        self.features: dict[int, torch.Tensor] = {}  # q -> static features
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.graphs: dict[tuple[int, int], _Graph] = {}  # (batch size, tokens per request) -> graph
@@ -97,9 +91,6 @@ class StepGraphs:
         ids = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
         positions = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
         self.inputs[q] = (ids, positions)
-        features = (torch.zeros(self.max_bs * q, self.feature_size, dtype=runner.dtype, device=device)
-                    if self.feature_size else None)
-        self.features[q] = features
         max_kv = min(runner.kv_cache.capacity_tokens, config.max_position_embeddings + q)
         stream = torch.cuda.Stream(device)
         for bs in sorted(self.sizes, reverse=True):
@@ -108,10 +99,9 @@ class StepGraphs:
             state = runner.backend.graph_state(bs, max_pages, q_len=q, max_kv_len=max_kv)
             runner.backend.graph_plan(state, self._pad(None, bs, q))
             ids_b, pos_b = ids[: bs * q], positions[: bs * q]
-            extra = {} if features is None else {"features": features[: bs * q]}
 
             def forward():
-                hidden, captured = runner.model(ids_b, pos_b, runner.backend, state.plan, runner.capture_layers, **extra)
+                hidden, captured = runner.model(ids_b, pos_b, runner.backend, state.plan, runner.capture_layers)
                 return hidden, captured, runner.model.logits(hidden)
 
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -128,8 +118,7 @@ class StepGraphs:
         self.memory_bytes[q] = max(free_before - torch.cuda.mem_get_info(device)[0],
                                    torch.cuda.memory_reserved(device) - reserved_before, 0)
         logger.info("captured CUDA graphs of the %s step for batch sizes %s in %.1f s (%.0f MiB of GPU memory)",
-                    ("draft head" if self.feature_size else "decode") if q == 1
-                    else f"{q}-node {'draft beam' if self.feature_size else 'tree verification'}", self.sizes,
+                    "decode" if q == 1 else f"{q}-node tree verification", self.sizes,
                     self.capture_seconds[q],
                     self.memory_bytes[q] / 2**20)
 
@@ -161,9 +150,8 @@ class StepGraphs:
             ok = all(m is not None for m in attention.masks) and batch.cu_logits == list(range(0, n * q + 1, q))
         return q if ok else None
 
-    def run(self, batch, q: int, features: torch.Tensor | None = None):
-        """(hidden [r*q, H], captured list, logits [r*q, V]) of a graph-shaped batch (see tokens_per_request);
-        features [r*q, feature_size] when the graphs take them."""
+    def run(self, batch, q: int):
+        """(hidden [r*q, H], captured list, logits [r*q, V]) of a graph-shaped batch (see tokens_per_request)."""
         attention = batch.attention
         r = attention.num_requests
         bs = next(b for b in self.sizes if b >= r)
@@ -176,11 +164,6 @@ class StepGraphs:
         if bs > r:
             ids[rows : bs * q].zero_()
             positions[rows : bs * q].zero_()
-        if self.feature_size:
-            static = self.features[q]
-            static[:rows].copy_(features, non_blocking=True)
-            if bs > r:
-                static[rows : bs * q].zero_()
         entry.graph.replay()
         self.replays += 1
         return entry.hidden[:rows].clone(), [c[:rows].clone() for c in entry.captured], entry.logits[:rows].clone()

@@ -135,7 +135,6 @@ class ModelRunner:
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
         self.cuda_graph_max_bs = cuda_graph_max_bs if hasattr(backend, "graph_state") and self.device.type == "cuda" else 0
         self.graphs = None
-        self.graph_features = 0  # > 0: the graphs take a feature per token of this width (draft heads)
         self.set_capture_layers(capture_layers)
         self.model.rotary_emb.reserve(min(config.max_position_embeddings, INITIAL_ROPE_POSITIONS), self.device)
 
@@ -160,21 +159,10 @@ class ModelRunner:
         if self.graphs is None:
             from splitspec.runtime.cuda_graph import StepGraphs
 
-            self.graphs = StepGraphs(self, self.cuda_graph_max_bs, self.graph_features)
-        for q in ((() if self.graph_features else (1,)) + tuple(tree_nodes)):
+            self.graphs = StepGraphs(self, self.cuda_graph_max_bs)
+        for q in (1, *tree_nodes):
             if q >= 1:
                 self.graphs.capture(q)
-
-    def enable_feature_graphs(self, width: int, tree_nodes: tuple[int, ...]) -> None:
-        """A draft head's runner: capture graphs of forwards of these token counts per request that take a
-        feature of this width per token (its beam steps); other forwards run eagerly."""
-        if not self.cuda_graph_max_bs:
-            return
-        if self.graphs is not None:
-            self.kv_cache.allocator.decref(self.graphs.scratch_pages)
-            self.graphs = None
-        self.graph_features = width
-        self.capture_cuda_graphs(tree_nodes)
 
     @classmethod
     def load(cls, rc: RuntimeConfig) -> "ModelRunner":
@@ -211,14 +199,12 @@ class ModelRunner:
         """features [T, F]: one per new token, for models that take them (draft heads); draft_layer: which
         of a multi-layer MTP head's layers runs."""
         self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
-        graphable = draft_layer is None and (features is None if not self.graph_features
-                                              else features is not None and features.shape[-1] == self.graph_features)
-        if self.cuda_graph_max_bs and graphable:
-            if self.graphs is None and not self.graph_features:
+        if self.cuda_graph_max_bs and draft_layer is None and features is None:
+            if self.graphs is None:
                 self.capture_cuda_graphs()
             q = self.graphs.tokens_per_request(batch) if self.graphs is not None else None
             if q is not None and q in self.graphs.capture_seconds:
-                hidden, captured, logits = self.graphs.run(batch, q, features)
+                hidden, captured, logits = self.graphs.run(batch, q)
                 return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None,
                                      aux_hidden_states=torch.cat(captured, dim=-1) if captured else None)
         plan = self.backend.plan(batch.attention)

@@ -58,3 +58,28 @@ class AttentionBackend(ABC):
         """RoPE on q and k at positions, then run(); a backend may fuse the rotation with its K/V write."""
         q, k = rope.rotate(q, k, positions)
         return self.run(layer_id, q, k, v, plan)
+
+    # cascade attention (the device draft loop, runtime.draft_loop): rows of q attend to a cached prefix
+    # only, nothing written; the caller merges the result with attention over keys it keeps itself
+    @abstractmethod
+    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], state: object = None) -> object:
+        """Row i of q will attend to the first kv_lens[i] cached keys of page_tables[i]. state: from
+        prefix_graph_state, to plan into a CUDA graph's fixed buffers."""
+
+    @abstractmethod
+    def attend_prefix(self, layer_id: int, q: torch.Tensor, plan: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [R, Hq, D] -> (output [R, Hq, D], natural-log sum of exp of the scaled scores [R, Hq] fp32)."""
+
+    def prefix_graph_state(self, rows: int, max_pages: int) -> object:
+        """Fixed buffers for plan_prefix of `rows` rows over at most `max_pages` page entries (CUDA graphs);
+        None where the backend's plan is already graph-safe."""
+        return None
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over keys A + B from attention over A and over B: outputs [..., D] weighted by their
+    softmax denominators (natural-log sums of exp [...], fp32)."""
+    top = torch.maximum(lse_a, lse_b)
+    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    out = (out_a.float() * wa[..., None] + out_b.float() * wb[..., None]) / (wa + wb)[..., None]
+    return out.to(out_a.dtype)

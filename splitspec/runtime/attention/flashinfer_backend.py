@@ -30,6 +30,7 @@ import torch
 from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
 
+LN2 = 0.6931471805599453
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
 
 
@@ -56,6 +57,11 @@ class GraphState:
     plan: FlashInferPlan
 
 
+@dataclass
+class PrefixState:
+    wrapper: object  # a decode wrapper, one row of q per entry
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
 
@@ -77,7 +83,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _wrapper(self, kind: str, window):
         key = (kind, window)
         if key not in self._wrappers:
-            if kind == "decode":
+            if kind in ("decode", "prefix"):
                 self._wrappers[key] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
             else:
@@ -207,6 +213,33 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_wrapper(wrapper, "decode" if state.q_len == 1 else "tree", batch, requests, starts, pages, window)
         state.out_slots.copy_(batch.out_slots, non_blocking=True)
         return state.plan
+
+    # cascade attention (the device draft loop) ---------------------------------------------------------
+    def prefix_graph_state(self, rows: int, max_pages: int) -> PrefixState:
+        def buffer(n):
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=buffer(rows + 1), paged_kv_indices_buffer=buffer(max_pages),
+            paged_kv_last_page_len_buffer=buffer(rows))
+        return PrefixState(wrapper)
+
+    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], state: PrefixState | None = None) -> PrefixState:
+        if any(w is not None for w in self.windows):
+            raise NotImplementedError("prefix attention under a sliding window")
+        if state is None:
+            state = PrefixState(self._wrapper("prefix", None))
+        batch = AttentionBatch(list(kv_lens), list(kv_lens), page_tables, None, None, [])
+        indptr, indices, last = self._pages(batch, list(range(len(kv_lens))), self.kv_cache.page_size)
+        state.wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, head_dim=self.config.head_dim,
+                           **self._common())
+        return state
+
+    def attend_prefix(self, layer_id: int, q: torch.Tensor, plan: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.kv_cache.layers[layer_id]
+        out, lse2 = plan.wrapper.run(q.contiguous(), (cache[0], cache[1]), return_lse=True)
+        return out, lse2 * LN2  # FlashInfer's sums of exp are base 2
 
     # per layer ---------------------------------------------------------------------------------------
     def run(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashInferPlan) -> torch.Tensor:

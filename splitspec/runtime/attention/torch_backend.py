@@ -106,3 +106,40 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
         return out.transpose(1, 2)[plan.row_request, plan.row_offset]  # [T, Hq, D]
+
+    # cascade attention ---------------------------------------------------------------------------------
+    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], state: object = None) -> TorchPrefixPlan:
+        device = self.kv_cache.device
+        max_kv = max(kv_lens)
+        kv_slots = torch.zeros(len(kv_lens), max_kv, dtype=torch.long)
+        for i, (kv_len, pages) in enumerate(zip(kv_lens, page_tables)):
+            kv_slots[i, :kv_len] = slot_ids(pages, self.kv_cache.page_size, 0, kv_len)
+        valid = torch.arange(max_kv)[None, :] < torch.tensor(kv_lens)[:, None]
+        return TorchPrefixPlan(kv_slots.to(device), valid.to(device))
+
+    def attend_prefix(self, layer_id: int, q: torch.Tensor, plan: TorchPrefixPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.config.sliding_windows[layer_id] is not None:
+            raise NotImplementedError("prefix attention under a sliding window")
+        k_flat, v_flat = self.kv_cache.flat_kv(layer_id)
+        return dense_attention(q, k_flat[plan.kv_slots], v_flat[plan.kv_slots], plan.valid, self.scaling)
+
+
+@dataclass
+class TorchPrefixPlan:
+    kv_slots: torch.Tensor  # [R, max_kv] flat slot of each key of each row (padding -> slot 0)
+    valid: torch.Tensor  # [R, max_kv] bool
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's own keys: q [R, Hq, D], keys/values [R, J, Hkv, D], valid [R, J] bool (None: all) ->
+    (output [R, Hq, D], natural-log sum of exp [R, Hq] fp32), in fp32, grouped-query heads shared."""
+    rows, num_heads, dim = q.shape
+    num_kv = keys.shape[2]
+    qg = q.float().view(rows, num_kv, num_heads // num_kv, dim)
+    scores = torch.einsum("rhgd,rjhd->rhgj", qg, keys.float()) * scale
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("rhgj,rjhd->rhgd", torch.exp(scores - lse[..., None]), values.float())
+    return out.reshape(rows, num_heads, dim).to(q.dtype), lse.reshape(rows, num_heads)

@@ -1,0 +1,231 @@
+"""SGLang's beam draft (REFERENCES §3.1, runtime.tree.BeamDraft) for a batch of requests, on the device.
+
+runtime.tree.BeamDraft is the reference: the same steps, on the host, one request at a time. Here every
+step of every request is one batch of fixed shape, so that the whole draft (steps 1..S-1, the scoring
+and the ranking of the candidates) runs as one CUDA graph replay with one transfer at the end:
+
+    in       each request's root distribution [V] (the draft model's logits after the committed root)
+             and, for a head, the root's output feature [H]
+    step 0   softmax + top-K: beams, scores
+    step i   the K beams of every request in one forward (q = B*K rows at position root + i, each fed
+             its parent's output for a head); softmax + top-K per beam; K*K candidates scored
+             beam score x probability; the best K become the beams
+    out      the flat candidates' scores ranked (stable: ties to the lower flat index), the best N-1
+             with their tokens, and each step's parent list; the host turns them into trees
+
+Attention of a beam node (cascade attention): the request's committed keys in the paged cache (one
+prefix plan for all steps and layers: they do not change during a draft), merged with attention over
+the node's own ancestors and itself, whose keys live in a small dense buffer [layers, 2, B, K, S-1,
+Hkv, D]. When new beams are chosen each inherits its parent's rows of that buffer (one gather), so a
+beam's row j always holds its ancestor at depth j + 1 and nothing is ever written to the paged cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from splitspec.runtime.attention.base import merge_attention
+from splitspec.runtime.attention.torch_backend import dense_attention
+from splitspec.runtime.cuda_graph import capture_sizes
+from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.tree import NO_NODE, DraftTree, parents_from_selection
+
+logger = logging.getLogger(__name__)
+
+
+class _Cascade:
+    """What the model's layers see as their attention backend during a beam step."""
+
+    def __init__(self, loop: "DraftLoop", batch_size: int):
+        self.loop, self.batch_size, self.depth = loop, batch_size, 1
+        self.backend = loop.runner.backend
+        self.scaling = self.backend.scaling
+
+    def run_rope(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, rope,
+                 positions: torch.Tensor) -> torch.Tensor:
+        q, k = rope.rotate(q, k, positions)
+        bs, topk, depth = self.batch_size, self.loop.topk, self.depth
+        local = self.loop.local[layer_id, :, :bs]  # [2, bs, K, S-1, Hkv, D]
+        local[0, :, :, depth - 1] = k.view(bs, topk, *k.shape[1:]).to(local.dtype)
+        local[1, :, :, depth - 1] = v.view(bs, topk, *v.shape[1:]).to(local.dtype)
+        out_prefix, lse_prefix = self.backend.attend_prefix(layer_id, q, plan)
+        keys, values = (local[i, :, :, :depth].flatten(0, 1) for i in (0, 1))  # [bs*K, depth, Hkv, D]
+        out_own, lse_own = dense_attention(q, keys, values, None, self.scaling)
+        return merge_attention(out_prefix, lse_prefix, out_own, lse_own)
+
+
+class _Graph:
+    def __init__(self, graph, prefix_state, outputs):
+        self.graph, self.prefix_state, self.outputs = graph, prefix_state, outputs
+
+
+class DraftLoop:
+    def __init__(self, runner, topk: int, num_steps: int, num_draft_tokens: int, token_map: torch.Tensor | None = None,
+                 feature_size: int = 0):
+        """feature_size: a head's output width, fed back as the next step's features (0: a draft LM)."""
+        if topk < 1 or num_steps < 1 or num_draft_tokens < 2:
+            raise ValueError(f"topk {topk}, steps {num_steps}, draft tokens {num_draft_tokens}: need >= 1, >= 1, >= 2")
+        self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
+        self.feature_size = feature_size
+        self.device = runner.device
+        self.token_map = None if token_map is None else token_map.to(self.device)
+        self.num_candidates = topk + (num_steps - 1) * topk * topk
+        self.keep = min(num_draft_tokens - 1, self.num_candidates)
+        self.max_bs = 0
+        self.local = self._local_buffer(1)
+        self.graphs: dict[int, _Graph] = {}
+        self.capture_seconds = 0.0
+        self.replays = 0
+        self._scratch: list[int] = []
+
+    def _local_buffer(self, batch_size: int) -> torch.Tensor:
+        c = self.runner.config
+        return torch.zeros(c.num_hidden_layers, 2, batch_size, self.topk, max(self.num_steps - 1, 1),
+                           c.num_key_value_heads, c.head_dim, dtype=self.runner.dtype, device=self.device)
+
+    # the steps -------------------------------------------------------------------------------------------
+    def _ids(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices if self.token_map is None else self.token_map[indices]
+
+    def _body(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, root_positions: torch.Tensor,
+              plan: object) -> tuple[torch.Tensor, ...]:
+        """Steps 0..S-1 and the ranking for bs requests (the batch size of root_logits [bs, V])."""
+        model, topk = self.runner.model, self.topk
+        bs = root_logits.shape[0]
+        scores, index = torch.softmax(root_logits.float(), -1).topk(topk, dim=-1)  # [bs, K]
+        tokens = self._ids(index)
+        flat_scores, flat_tokens, parent_list = [scores], [tokens], []
+        features = None if root_features is None else root_features[:, None].expand(bs, topk, root_features.shape[-1])
+        cascade = _Cascade(self, bs)
+        for step in range(1, self.num_steps):
+            cascade.depth = step
+            positions = (root_positions + step)[:, None].expand(bs, topk).reshape(-1)
+            extra = {} if features is None else {"features": features.reshape(bs * topk, -1)}
+            hidden, _ = model(tokens.reshape(-1), positions, cascade, plan, (), **extra)
+            top_p, top_index = torch.softmax(model.logits(hidden).float(), -1).topk(topk, dim=-1)  # [bs*K, K]
+            candidates = (scores[:, :, None] * top_p.view(bs, topk, topk)).flatten(1)  # [bs, K*K]
+            step_tokens = self._ids(top_index).view(bs, topk * topk)
+            flat_scores.append(candidates)
+            flat_tokens.append(step_tokens)
+            if step == self.num_steps - 1:
+                break
+            chosen = candidates.topk(topk, dim=-1).indices  # [bs, K]
+            parent_list.append(chosen + topk * topk * (step - 1) + topk)
+            parent_beam = chosen // topk
+            scores, tokens = candidates.gather(1, chosen), step_tokens.gather(1, chosen)
+            if features is not None:
+                features = hidden.view(bs, topk, -1).gather(1, parent_beam[..., None].expand(-1, -1, hidden.shape[-1]))
+            # each new beam takes its parent's ancestors' keys (rows 0..step-1)
+            local = self.local[:, :, :bs, :, :step]
+            index = parent_beam.view(1, 1, bs, topk, 1, 1, 1).expand(local.shape)
+            local.copy_(local.gather(3, index))
+        all_scores, all_tokens = torch.cat(flat_scores, 1), torch.cat(flat_tokens, 1)
+        order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, : self.keep]
+        parents = (torch.cat(parent_list, 1) if parent_list
+                   else torch.zeros(bs, 0, dtype=torch.long, device=self.device))
+        return order, all_tokens.gather(1, order), all_scores.gather(1, order), parents
+
+    # driving it ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, roots: list[int], root_logits: torch.Tensor, root_features: torch.Tensor | None,
+            tables: list[BlockTable], budgets: list[int]) -> list[DraftTree]:
+        """Trees of at most budgets[i] (<= num_draft_tokens) nodes for requests whose committed keys (the
+        root's row last) are in tables; root_logits [B, V], root_features [B, H] (heads)."""
+        count = len(roots)
+        kv_lens = [t.num_tokens for t in tables]
+        positions = torch.tensor([n - 1 for n in kv_lens], dtype=torch.long)
+        self.runner.model.rotary_emb.reserve(max(kv_lens) + self.num_steps, self.device)
+        graph_bs = next((b for b in sorted(self.graphs) if b >= count), None)
+        if self.num_steps == 1:
+            outputs = self._body(root_logits, root_features, positions.to(self.device), None)
+        elif graph_bs is not None:
+            outputs = self._replay(graph_bs, root_logits, root_features, positions, tables)
+        else:
+            if self.local.shape[2] < count:
+                self.local = self._local_buffer(count)
+            plan = self.runner.backend.plan_prefix(self._rows(kv_lens), self._rows([t.pages for t in tables]))
+            outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
+        host = torch.cat([o[:count].double() for o in outputs], 1).cpu()  # one transfer (ids < 2**53)
+        keep, parents_width = self.keep, outputs[3].shape[1]
+        trees = []
+        for i, root in enumerate(roots):
+            row = host[i]
+            order = row[:keep].long().tolist()
+            tokens, scores = row[keep : 2 * keep].long().tolist(), row[2 * keep : 3 * keep].tolist()
+            parent_list = [NO_NODE, *range(self.topk), *row[3 * keep : 3 * keep + parents_width].long().tolist()]
+            take = sorted(range(min(budgets[i] - 1, keep)), key=lambda j: order[j])  # by flat index
+            selected = [order[j] for j in take]
+            trees.append(DraftTree(tuple([root, *(tokens[j] for j in take)]),
+                                   tuple(parents_from_selection(selected, parent_list, self.topk)),
+                                   tuple([1.0, *(scores[j] for j in take)])))
+        return trees
+
+    def _rows(self, per_request: list) -> list:
+        """One entry per beam row: request i's repeated K times."""
+        return [x for x in per_request for _ in range(self.topk)]
+
+    # CUDA graphs -----------------------------------------------------------------------------------------
+    def capture(self, max_bs: int) -> None:
+        """One graph per batch size of SGLang's ladder up to max_bs: all S-1 steps and the ranking."""
+        if self.num_steps == 1 or self.device.type != "cuda":
+            return
+        runner = self.runner
+        kv = runner.kv_cache
+        if runner.backend.prefix_graph_state(1, 1) is None:  # its plans are not graph-safe: steps run eagerly
+            return
+        runner.model.rotary_emb.reserve(runner.config.max_position_embeddings, self.device)
+        sizes = capture_sizes(max_bs)
+        self.max_bs = sizes[-1]
+        self.local = self._local_buffer(self.max_bs)
+        vocab = runner.model.logits(torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype,
+                                                device=self.device)).shape[-1]
+        self.static_logits = torch.zeros(self.max_bs, vocab, device=self.device)
+        self.static_features = (torch.zeros(self.max_bs, self.feature_size, dtype=runner.dtype, device=self.device)
+                                if self.feature_size else None)
+        self.static_positions = torch.zeros(self.max_bs, dtype=torch.long, device=self.device)
+        self._scratch = kv.allocator.alloc(1)  # the padding requests' one key
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in sorted(sizes, reverse=True):
+            state = runner.backend.prefix_graph_state(bs * self.topk, kv.num_pages * self.topk + bs * self.topk)
+            plan = runner.backend.plan_prefix(*self._padding(bs, [], []), state=state)
+            features = None if self.static_features is None else self.static_features[:bs]
+            args = (self.static_logits[:bs], features, self.static_positions[:bs], plan)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._body(*args)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs = self._body(*args)
+            self.graphs[bs] = _Graph(graph, state, outputs)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured CUDA graphs of the whole %d-step draft (top-%d, %d tree nodes) for batch sizes %s "
+                    "in %.1f s", self.num_steps, self.topk, self.num_draft_tokens, sizes, self.capture_seconds)
+
+    def _padding(self, bs: int, kv_lens: list[int], pages: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+        pad = bs - len(kv_lens)
+        return self._rows(kv_lens + [1] * pad), self._rows(pages + [self._scratch] * pad)
+
+    def _replay(self, bs: int, root_logits, root_features, positions, tables) -> tuple[torch.Tensor, ...]:
+        entry = self.graphs[bs]
+        count = root_logits.shape[0]
+        self.runner.backend.plan_prefix(*self._padding(bs, [t.num_tokens for t in tables], [t.pages for t in tables]),
+                                        state=entry.prefix_state)
+        self.static_logits[:count].copy_(root_logits)
+        self.static_positions[:count].copy_(positions, non_blocking=True)
+        if self.static_features is not None:
+            self.static_features[:count].copy_(root_features)
+        if bs > count:
+            self.static_logits[count:bs].zero_()
+            self.static_positions[count:bs].zero_()
+        entry.graph.replay()
+        self.replays += 1
+        return entry.outputs
