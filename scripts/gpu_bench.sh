@@ -18,6 +18,7 @@
 #   target    issue 13's targets: simulated EAGLE-3 at accept length 6 (steps 5,7 x topk 1,4), batch 1 and 8, with
 #             the device draft loop (runtime.draft_loop), then the same points with the host reference drafting
 #             (SPLITSPEC_DRAFT_LOOP=host: the beam steps as they ran before the loop) on the same machine
+#   modes     the target stage's points with --speculative-attention-mode decode (device draft loop)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
 #             suite with forwards on CUDA
@@ -58,6 +59,10 @@ for stage in "${stages[@]}"; do
                        --steps 5,7 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 \
                        --out "$OUT/target_${loop}.json" >> "$OUT/target.log" 2>&1 || break
                done ;;
+        modes) python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
+                   --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 \
+                   --steps 5,7 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 \
+                   --speculative-attention-mode decode --out "$OUT/target_decode_mode.json" > "$OUT/modes.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py > "$OUT/pytest_cuda.log" 2>&1 ;;

@@ -59,12 +59,15 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                        help="Attention kernels of the draft model (default: the same as --attention-backend). SGLang's "
                        "names that are not implemented yet are served by torch (logged).")
     group.add_argument("--speculative-attention-mode", default="prefill", choices=("prefill", "decode"),
-                       help="SGLang's attention mode for target verification and draft extension. Accepted either way: "
-                       "splitspec verifies a tree and extends a draft with one masked attention pass over the paged "
-                       "cache, which is both.")
+                       help="How target verification attends (SGLang's modes): prefill (each request's tree in one "
+                       "prefill pass under a custom mask over the paged cache) or decode (every tree node a row of "
+                       "the decode kernel over its request's cached prefix, merged with attention over the tree's own "
+                       "nodes). Models with sliding-window layers verify in prefill mode (logged). The draft's beam "
+                       "steps always attend as decode rows; its catch-up on accepted tokens is a prefill.")
     group.add_argument("--speculative-draft-disable-cuda-graph", action="store_true",
-                       help="GPU: run the draft head's beam steps eagerly (by default they replay CUDA graphs up to "
-                       "--cuda-graph-max-bs requests; --disable-cuda-graph turns off the target's graphs and these).")
+                       help="GPU: run the draft's steps eagerly (by default the whole draft, every step and the "
+                       "ranking of its candidates, replays one CUDA graph per batch size up to --cuda-graph-max-bs; "
+                       "--disable-cuda-graph turns off the target's graphs and these).")
     group.add_argument("--speculative-moe-runner-backend", default=None, choices=MOE_RUNNER_BACKENDS,
                        help="SGLang's MoE runner for the draft; the drafts served here are dense (MoE drafts are out "
                        "of scope), so it is checked and logged as a no-op.")

@@ -98,3 +98,42 @@ def test_cascade_attention_equals_masked_attention():
                            torch.arange(prefix, prefix + own), [valid])
     want = backend.run(0, q, k_own, v_own, backend.plan(batch))
     torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_mode_verifies_as_prefill_mode_does():
+    """--speculative-attention-mode decode (tree nodes as decode rows over the prefix, merged with the tree's
+    own nodes under its mask): greedy NGRAM speculation gives prefill mode's outputs token for token, with
+    drafts accepted and no fallbacks, and every verify step went through the decode-mode plan."""
+    from test_speculative import PROMPTS, REPETITIVE, ngram, run
+    from transformers import AutoTokenizer
+
+    from splitspec.runtime.attention.tree_decode import DecodeModeBackend, TreePlan
+    from splitspec.runtime.sampling_params import SamplingParams
+    from splitspec.verifier_svc.engine import SpecConfig
+
+    target = demo_model_dirs()["target"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = [tokenizer.encode(PROMPTS[i]) for i in REPETITIVE]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)] * len(prompts)
+    outputs = {}
+    for mode in ("prefill", "decode"):
+        runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu",
+                                                max_total_tokens=4096, page_size=16, attention_mode=mode))
+        assert isinstance(runner.backend, DecodeModeBackend) == (mode == "decode")
+        tree_plans = 0
+        if mode == "decode":
+            plan = runner.backend.plan
+
+            def counting(batch):
+                nonlocal tree_plans
+                made = plan(batch)
+                tree_plans += isinstance(made, TreePlan)
+                return made
+
+            runner.backend.plan = counting
+        outputs[mode] = run(runner, prompts, params, ngram(), SpecConfig(num_draft_tokens=8), batch=len(prompts))
+    verify_steps = sum(r.stats.verify_steps for r in outputs["decode"])
+    assert verify_steps > 0 and tree_plans > 0
+    for a, b in zip(outputs["prefill"], outputs["decode"]):
+        assert a.output_ids == b.output_ids
+        assert b.stats.accepted_tokens > 0 and b.stats.fallbacks == 0

@@ -150,4 +150,5 @@ def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
         seed=args.random_seed,
+        attention_mode=getattr(args, "speculative_attention_mode", "prefill"),
     )

@@ -65,13 +65,14 @@ class StepGraphs:
 
     def _dummy(self, q: int) -> tuple:
         """A padding request, built once per q: (kv_len, pages, slots, positions, mask) of a chain of q
-        tokens at positions 0..q-1 in the scratch pages."""
+        tokens at positions 1..q after one cached key, in the scratch pages."""
         if q not in self.dummies:
-            pages = self._scratch(q)
+            pages = self._scratch(q + 1)
             page_size = self.runner.kv_cache.page_size
-            slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(q)], dtype=torch.long)
+            slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(1, q + 1)],
+                                 dtype=torch.long)
             mask = None if q == 1 else torch.ones(q, q, dtype=torch.bool).tril()
-            self.dummies[q] = (q, pages, slots, torch.arange(q), mask)
+            self.dummies[q] = (q + 1, pages, slots, torch.arange(1, q + 1), mask)
         return self.dummies[q]
 
     @torch.inference_mode()
@@ -95,7 +96,7 @@ class StepGraphs:
         stream = torch.cuda.Stream(device)
         for bs in sorted(self.sizes, reverse=True):
             # page-table entries: every page once, plus the padding requests' scratch pages, listed per request
-            max_pages = runner.kv_cache.num_pages + bs * runner.kv_cache.pages_for(q)
+            max_pages = runner.kv_cache.num_pages + bs * runner.kv_cache.pages_for(q + 1)
             state = runner.backend.graph_state(bs, max_pages, q_len=q, max_kv_len=max_kv)
             runner.backend.graph_plan(state, self._pad(None, bs, q))
             ids_b, pos_b = ids[: bs * q], positions[: bs * q]

@@ -49,6 +49,7 @@ class RuntimeConfig:
     seed: int = 0
     capture_layers: tuple[int, ...] = ()  # layer inputs returned as aux hidden states
     family: str | None = None  # model family regardless of config.json (EAGLE heads look like Llama configs)
+    attention_mode: str = "prefill"  # tree verification: one masked prefill pass, or decode rows (tree_decode)
 
 
 @dataclass
@@ -133,7 +134,8 @@ class ModelRunner:
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
-        self.cuda_graph_max_bs = cuda_graph_max_bs if hasattr(backend, "graph_state") and self.device.type == "cuda" else 0
+        graphs_supported = getattr(backend, "graphs_supported", hasattr(backend, "graph_state"))
+        self.cuda_graph_max_bs = cuda_graph_max_bs if graphs_supported and self.device.type == "cuda" else 0
         self.graphs = None
         self.set_capture_layers(capture_layers)
         self.model.rotary_emb.reserve(min(config.max_position_embeddings, INITIAL_ROPE_POSITIONS), self.device)
@@ -184,10 +186,14 @@ class ModelRunner:
                     num_pages * rc.page_size * KVCache.bytes_per_token(config, dtype) / 1e6)
         backend_name = resolve_attention_backend(rc.attention_backend, device, dtype, config.head_dim)
         backend = get_attention_backend(backend_name)(config, kv_cache)
+        if rc.attention_mode == "decode":
+            from splitspec.runtime.attention.tree_decode import DecodeModeBackend
+
+            backend = DecodeModeBackend(backend)
         max_bs = 0 if rc.disable_cuda_graph else (rc.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS)
-        logger.info("attention backend %s%s", backend_name,
+        logger.info("attention backend %s%s%s", backend_name, ", trees verified in decode mode" if rc.attention_mode == "decode" else "",
                     f", CUDA graphs for decode batches up to {max_bs}" if max_bs and device.type == "cuda"
-                    and hasattr(backend, "graph_state") else "")
+                    and getattr(backend, "graphs_supported", hasattr(backend, "graph_state")) else "")
         return cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs)
 
     def batch(self, sequences: list[SequenceInput]) -> ForwardBatch:
