@@ -168,6 +168,7 @@ class DraftLoop:
         return [x for x in per_request for _ in range(self.topk)]
 
     # CUDA graphs -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def capture(self, max_bs: int) -> None:
         """One graph per batch size of SGLang's ladder up to max_bs: all S-1 steps and the ranking."""
         if self.num_steps == 1 or self.device.type != "cuda":
