@@ -88,7 +88,7 @@ def test_cascade_attention_equals_masked_attention():
     v_flat[slots] = torch.randn(prefix, hkv, d, generator=generator)
     q = torch.randn(own, hq, d, generator=generator)
     k_own, v_own = torch.randn(own, hkv, d, generator=generator), torch.randn(own, hkv, d, generator=generator)
-    plan = backend.plan_prefix([prefix] * own, [table.pages] * own)
+    plan = backend.plan_prefix([prefix], [table.pages], [own])  # one request, its own rows of q
     out_prefix, lse_prefix = backend.attend_prefix(0, q, plan)
     valid = torch.ones(own, own, dtype=torch.bool).tril()
     out_own, lse_own = dense_attention(q, k_own[None].expand(own, -1, -1, -1), v_own[None].expand(own, -1, -1, -1),

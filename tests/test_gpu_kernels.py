@@ -185,8 +185,8 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
 # the device draft loop -----------------------------------------------------------------------------
 @needs_flashinfer
 def test_flashinfer_prefix_attention_matches_torch(tmp_path):
-    """FlashInfer's prefix attention (a decode wrapper over each row's cached keys, its base-2 sums of exp
-    turned natural) equals the torch backend's on the same bf16 cache."""
+    """FlashInfer's prefix attention (a maskless prefill wrapper over each request's cached keys, its base-2
+    sums of exp turned natural), planned eagerly and into graph buffers, equals the torch backend's."""
     from splitspec.runtime.attention.torch_backend import TorchAttentionBackend
 
     r = runner(checkpoint(tmp_path), "flashinfer")
@@ -201,11 +201,11 @@ def test_flashinfer_prefix_attention_matches_torch(tmp_path):
             for flat in kv.flat_kv(layer):
                 flat[kv.slot_ids(table, 0, n).cuda()] = torch.randn(n, *flat.shape[1:], device="cuda", generator=g,
                                                                     dtype=flat.dtype)
-    rows = [0, 0, 1, 2, 2, 2, 3]  # rows share a request's keys, as a draft's beams do
-    q = torch.randn(len(rows), config.num_attention_heads, config.head_dim, device="cuda", generator=g,
+    q_lens = [2, 1, 3, 1]  # a request's rows share its keys, as a draft's beams do
+    q = torch.randn(sum(q_lens), config.num_attention_heads, config.head_dim, device="cuda", generator=g,
                     dtype=torch.bfloat16)
-    args = ([lengths[i] for i in rows], [tables[i].pages for i in rows])
-    state = r.backend.prefix_graph_state(len(rows), kv.num_pages * 2)
+    args = (lengths, [t.pages for t in tables], q_lens)
+    state = r.backend.prefix_graph_state(len(q_lens), sum(q_lens), kv.num_pages)
     for plan in (r.backend.plan_prefix(*args), r.backend.plan_prefix(*args, state=state)):
         out, lse = r.backend.attend_prefix(1, q, plan)
         want_out, want_lse = reference.attend_prefix(1, q, reference.plan_prefix(*args))

@@ -146,7 +146,7 @@ class DraftLoop:
         else:
             if self.local.shape[2] < count:
                 self.local = self._local_buffer(count)
-            plan = self.runner.backend.plan_prefix(self._rows(kv_lens), self._rows([t.pages for t in tables]))
+            plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
             outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
         host = torch.cat([o[:count].double() for o in outputs], 1).cpu()  # one transfer (ids < 2**53)
         keep, parents_width = self.keep, outputs[3].shape[1]
@@ -163,10 +163,6 @@ class DraftLoop:
                                    tuple([1.0, *(scores[j] for j in take)])))
         return trees
 
-    def _rows(self, per_request: list) -> list:
-        """One entry per beam row: request i's repeated K times."""
-        return [x for x in per_request for _ in range(self.topk)]
-
     # CUDA graphs -----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, max_bs: int) -> None:
@@ -175,7 +171,7 @@ class DraftLoop:
             return
         runner = self.runner
         kv = runner.kv_cache
-        if runner.backend.prefix_graph_state(1, 1) is None:  # its plans are not graph-safe: steps run eagerly
+        if runner.backend.prefix_graph_state(1, 1, 1) is None:  # its plans are not graph-safe: steps run eagerly
             return
         runner.model.rotary_emb.reserve(runner.config.max_position_embeddings, self.device)
         sizes = capture_sizes(max_bs)
@@ -193,7 +189,7 @@ class DraftLoop:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in sorted(sizes, reverse=True):
-            state = runner.backend.prefix_graph_state(bs * self.topk, kv.num_pages * self.topk + bs * self.topk)
+            state = runner.backend.prefix_graph_state(bs, bs * self.topk, kv.num_pages + bs)
             plan = runner.backend.plan_prefix(*self._padding(bs, [], []), state=state)
             features = None if self.static_features is None else self.static_features[:bs]
             args = (self.static_logits[:bs], features, self.static_positions[:bs], plan)
@@ -211,9 +207,10 @@ class DraftLoop:
         logger.info("captured CUDA graphs of the whole %d-step draft (top-%d, %d tree nodes) for batch sizes %s "
                     "in %.1f s", self.num_steps, self.topk, self.num_draft_tokens, sizes, self.capture_seconds)
 
-    def _padding(self, bs: int, kv_lens: list[int], pages: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    def _padding(self, bs: int, kv_lens: list[int], pages: list[list[int]]) -> tuple[list[int], list[list[int]], list[int]]:
+        """plan_prefix's arguments for these requests and bs - len(kv_lens) padding requests (one key each)."""
         pad = bs - len(kv_lens)
-        return self._rows(kv_lens + [1] * pad), self._rows(pages + [self._scratch] * pad)
+        return kv_lens + [1] * pad, pages + [self._scratch] * pad, [self.topk] * bs
 
     def _replay(self, bs: int, root_logits, root_features, positions, tables) -> tuple[torch.Tensor, ...]:
         entry = self.graphs[bs]

@@ -62,17 +62,18 @@ class AttentionBackend(ABC):
     # cascade attention (the device draft loop, runtime.draft_loop): rows of q attend to a cached prefix
     # only, nothing written; the caller merges the result with attention over keys it keeps itself
     @abstractmethod
-    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], state: object = None) -> object:
-        """Row i of q will attend to the first kv_lens[i] cached keys of page_tables[i]. state: from
-        prefix_graph_state, to plan into a CUDA graph's fixed buffers."""
+    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], q_lens: list[int],
+                    state: object = None) -> object:
+        """Request i has q_lens[i] rows of q (consecutive), each attending to all of its first kv_lens[i]
+        cached keys in page_tables[i]. state: from prefix_graph_state, to plan into a CUDA graph's buffers."""
 
     @abstractmethod
     def attend_prefix(self, layer_id: int, q: torch.Tensor, plan: object) -> tuple[torch.Tensor, torch.Tensor]:
         """q [R, Hq, D] -> (output [R, Hq, D], natural-log sum of exp of the scaled scores [R, Hq] fp32)."""
 
-    def prefix_graph_state(self, rows: int, max_pages: int) -> object:
-        """Fixed buffers for plan_prefix of `rows` rows over at most `max_pages` page entries (CUDA graphs);
-        None where the backend's plan is already graph-safe."""
+    def prefix_graph_state(self, num_requests: int, num_rows: int, max_pages: int) -> object:
+        """Fixed buffers for plan_prefix of this many requests and rows over at most `max_pages` page entries
+        (CUDA graphs); None where the backend's plans cannot be replayed."""
         return None
 
 

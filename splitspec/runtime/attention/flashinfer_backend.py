@@ -59,7 +59,7 @@ class GraphState:
 
 @dataclass
 class PrefixState:
-    wrapper: object  # a decode wrapper, one row of q per entry
+    wrapper: object  # a prefill wrapper without a mask
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -83,7 +83,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _wrapper(self, kind: str, window):
         key = (kind, window)
         if key not in self._wrappers:
-            if kind in ("decode", "prefix"):
+            if kind == "decode":
                 self._wrappers[key] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores)
             else:
@@ -215,25 +215,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         return state.plan
 
     # cascade attention (the device draft loop) ---------------------------------------------------------
-    def prefix_graph_state(self, rows: int, max_pages: int) -> PrefixState:
+    def prefix_graph_state(self, num_requests: int, num_rows: int, max_pages: int) -> PrefixState:
         def buffer(n):
             return torch.zeros(n, dtype=torch.int32, device=self.device)
 
-        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=buffer(rows + 1), paged_kv_indices_buffer=buffer(max_pages),
-            paged_kv_last_page_len_buffer=buffer(rows))
+        wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(num_requests + 1),
+            paged_kv_indptr_buf=buffer(num_requests + 1), paged_kv_indices_buf=buffer(max_pages),
+            paged_kv_last_page_len_buf=buffer(num_requests))
         return PrefixState(wrapper)
 
-    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], state: PrefixState | None = None) -> PrefixState:
+    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], q_lens: list[int],
+                    state: PrefixState | None = None) -> PrefixState:
+        """A prefill wrapper without a mask: a request's rows share one pass over its keys (a draft's beams)."""
         if any(w is not None for w in self.windows):
             raise NotImplementedError("prefix attention under a sliding window")
         if state is None:
             state = PrefixState(self._wrapper("prefix", None))
-        batch = AttentionBatch(list(kv_lens), list(kv_lens), page_tables, None, None, [])
+        batch = AttentionBatch(list(q_lens), list(kv_lens), page_tables, None, None, [])
         indptr, indices, last = self._pages(batch, list(range(len(kv_lens))), self.kv_cache.page_size)
-        state.wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, head_dim=self.config.head_dim,
-                           **self._common())
+        qo_indptr = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+        state.wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last,
+                           head_dim_qk=self.config.head_dim, causal=False, **self._common())
         return state
 
     def attend_prefix(self, layer_id: int, q: torch.Tensor, plan: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:

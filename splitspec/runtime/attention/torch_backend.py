@@ -108,7 +108,10 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2)[plan.row_request, plan.row_offset]  # [T, Hq, D]
 
     # cascade attention ---------------------------------------------------------------------------------
-    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], state: object = None) -> TorchPrefixPlan:
+    def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], q_lens: list[int],
+                    state: object = None) -> TorchPrefixPlan:
+        kv_lens = [n for n, q in zip(kv_lens, q_lens) for _ in range(q)]  # one entry per row
+        page_tables = [t for t, q in zip(page_tables, q_lens) for _ in range(q)]
         device = self.kv_cache.device
         max_kv = max(kv_lens)
         kv_slots = torch.zeros(len(kv_lens), max_kv, dtype=torch.long)

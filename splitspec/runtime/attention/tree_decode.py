@@ -58,12 +58,13 @@ class DecodeModeBackend(AttentionBackend):
                 and all(k > q for k, q in zip(batch.kv_lens, batch.q_lens)))
 
     @staticmethod
-    def _node_rows(batch: AttentionBatch) -> tuple[list[int], list[list[int]]]:
+    def _node_rows(batch: AttentionBatch) -> tuple[list[int], list[list[int]], list[int]]:
+        """plan_prefix's arguments: every node its own one-row entry over its request's prefix (decode rows)."""
         lens, tables = [], []
         for q, kv, pages in zip(batch.q_lens, batch.kv_lens, batch.page_tables):
             lens += [kv - q] * q
             tables += [pages] * q
-        return lens, tables
+        return lens, tables, [1] * len(lens)
 
     @staticmethod
     def _own_keys(batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,14 +107,14 @@ class DecodeModeBackend(AttentionBackend):
         q, k = rope.rotate(q, k, positions)
         return self.run(layer_id, q, k, v, plan)
 
-    def plan_prefix(self, kv_lens, page_tables, state=None):
-        return self.base.plan_prefix(kv_lens, page_tables, state)
+    def plan_prefix(self, kv_lens, page_tables, q_lens, state=None):
+        return self.base.plan_prefix(kv_lens, page_tables, q_lens, state)
 
     def attend_prefix(self, layer_id, q, plan):
         return self.base.attend_prefix(layer_id, q, plan)
 
-    def prefix_graph_state(self, rows: int, max_pages: int) -> object:
-        return self.base.prefix_graph_state(rows, max_pages)
+    def prefix_graph_state(self, num_requests: int, num_rows: int, max_pages: int) -> object:
+        return self.base.prefix_graph_state(num_requests, num_rows, max_pages)
 
     # CUDA graphs (when the wrapped backend has them) ----------------------------------------------------
     @property
@@ -125,7 +126,7 @@ class DecodeModeBackend(AttentionBackend):
             return self.base.graph_state(batch_size, max_pages, q_len, max_kv_len)
         device = self.kv_cache.device
         rows = batch_size * q_len
-        prefix_state = self.base.prefix_graph_state(rows, max_pages * q_len)
+        prefix_state = self.base.prefix_graph_state(rows, rows, max_pages * q_len)
         plan = TreePlan(torch.zeros(rows, dtype=torch.long, device=device), prefix_state,
                         torch.zeros(rows, q_len, dtype=torch.long, device=device),
                         torch.zeros(rows, q_len, dtype=torch.bool, device=device))
