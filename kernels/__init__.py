@@ -14,6 +14,6 @@ the twin does. Twins are the reference: tests/test_kernels.py compares the two o
 
 from __future__ import annotations
 
-from splitspec.kernels.ops import add_rms_norm, apply_rope, rms_norm, rope_and_store, silu_and_mul, use_triton
+from splitspec.kernels.ops import add_rms_norm, apply_rope, rms_norm, rope_and_store, silu_and_mul, twins, use_triton
 
-__all__ = ["add_rms_norm", "apply_rope", "rms_norm", "rope_and_store", "silu_and_mul", "use_triton"]
+__all__ = ["add_rms_norm", "apply_rope", "rms_norm", "rope_and_store", "silu_and_mul", "twins", "use_triton"]

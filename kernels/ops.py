@@ -3,6 +3,7 @@ SPLITSPEC_KERNELS=torch forces the twins everywhere (to compare, or to rule the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -22,9 +23,23 @@ def _triton():
     return triton_ops
 
 
+_twins_forced = 0
+
+
+@contextlib.contextmanager
+def twins():
+    """The torch twins inside this block, whatever the device (see runtime.draft_loop for why)."""
+    global _twins_forced
+    _twins_forced += 1
+    try:
+        yield
+    finally:
+        _twins_forced -= 1
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins)."""
-    return x.is_cuda and not torch.is_grad_enabled() and _triton() is not None
+    return x.is_cuda and not torch.is_grad_enabled() and not _twins_forced and _triton() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,23 +1,12 @@
-import sys, torch, traceback
+import os, sys, torch, traceback, tempfile
+from pathlib import Path
 sys.path.insert(0, "tests")
 from test_gpu_kernels import checkpoint, runner
 from splitspec.drafter_svc.standalone import StandaloneDrafter
-from pathlib import Path
-import tempfile
-tmp = Path(tempfile.mkdtemp())
-path = checkpoint(tmp)
-for backend in ("torch", "flashinfer"):
-  for k in (1, 3):
-    d = StandaloneDrafter(runner(path, backend), topk=k, num_steps=4, num_draft_tokens=12)
-    try:
-        d.open("a", list(range(3, 20))); d.open("b", list(range(5, 40)))
-        t = d.draft(["a", "b"], [12, 12]); torch.cuda.synchronize()
-        print(backend, k, "eager ok", t[0].tokens)
-    except Exception as e:
-        print(backend, k, "eager FAIL", repr(e)[:300]); traceback.print_exc(); break
-    if backend == "flashinfer":
-        try:
-            d.loop.capture(8); torch.cuda.synchronize(); print(backend, k, "capture ok")
-            t2 = d.draft(["a", "b"], [12, 12]); print(t2[0].tokens)
-        except Exception as e:
-            print(backend, k, "capture FAIL", repr(e)[:300]); traceback.print_exc(); break
+path = checkpoint(Path(tempfile.mkdtemp()))
+k, max_bs = int(sys.argv[1]), int(sys.argv[2])
+d = StandaloneDrafter(runner(path, "flashinfer"), topk=k, num_steps=int(sys.argv[3]), num_draft_tokens=12)
+try:
+    d.loop.capture(max_bs); torch.cuda.synchronize(); print("RESULT", sys.argv[1:], os.environ.get("SPLITSPEC_KERNELS"), "capture ok")
+except Exception as e:
+    print("RESULT", sys.argv[1:], os.environ.get("SPLITSPEC_KERNELS"), "capture FAIL", repr(e)[:80]); traceback.print_exc()

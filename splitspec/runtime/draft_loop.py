@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from splitspec import kernels
 from splitspec.runtime.attention.base import merge_attention
 from splitspec.runtime.attention.torch_backend import dense_attention
 from splitspec.runtime.cuda_graph import capture_sizes
@@ -92,7 +93,19 @@ class DraftLoop:
 
     def _body(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, root_positions: torch.Tensor,
               plan: object) -> tuple[torch.Tensor, ...]:
-        """Steps 0..S-1 and the ranking for bs requests (the batch size of root_logits [bs, V])."""
+        """Steps 0..S-1 and the ranking for bs requests (the batch size of root_logits [bs, V]).
+
+        Known fault, not yet found: on an H100 (torch 2.11, Triton 3.6), warming up the capture of a draft
+        of top-k > 1 with the Triton norm/RoPE/activation kernels hits an illegal memory access (run eagerly
+        the same steps are fine, and so is top-k 1). With the kernels' torch twins it captures and replays
+        correctly, so top-k > 1 drafts use the twins, eagerly and in graphs alike (scripts/dbg_draft_loop.py)."""
+        if self.topk > 1:
+            with kernels.twins():
+                return self._steps(root_logits, root_features, root_positions, plan)
+        return self._steps(root_logits, root_features, root_positions, plan)
+
+    def _steps(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, root_positions: torch.Tensor,
+               plan: object) -> tuple[torch.Tensor, ...]:
         model, topk = self.runner.model, self.topk
         bs = root_logits.shape[0]
         scores, index = torch.softmax(root_logits.float(), -1).topk(topk, dim=-1)  # [bs, K]
