@@ -1,3 +1,5 @@
+"""Reproduces the fault noted in runtime.draft_loop._body: capture a top-k > 1 draft with the Triton kernels.
+    SPLITSPEC_DRAFT_LOOP_TRITON=1 CUDA_LAUNCH_BLOCKING=1 python3 -P scripts/dbg_draft_loop.py TOPK MAX_BS STEPS"""
 import os, sys, torch, traceback, tempfile
 from pathlib import Path
 sys.path.insert(0, "tests")

@@ -23,6 +23,7 @@ beam's row j always holds its ancestor at depth j + 1 and nothing is ever writte
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -98,8 +99,9 @@ class DraftLoop:
         Known fault, not yet found: on an H100 (torch 2.11, Triton 3.6), warming up the capture of a draft
         of top-k > 1 with the Triton norm/RoPE/activation kernels hits an illegal memory access (run eagerly
         the same steps are fine, and so is top-k 1). With the kernels' torch twins it captures and replays
-        correctly, so top-k > 1 drafts use the twins, eagerly and in graphs alike (scripts/dbg_draft_loop.py)."""
-        if self.topk > 1:
+        correctly, so top-k > 1 drafts use the twins, eagerly and in graphs alike (scripts/dbg_draft_loop.py
+        reproduces the fault with SPLITSPEC_DRAFT_LOOP_TRITON=1)."""
+        if self.topk > 1 and os.environ.get("SPLITSPEC_DRAFT_LOOP_TRITON") != "1":
             with kernels.twins():
                 return self._steps(root_logits, root_features, root_positions, plan)
         return self._steps(root_logits, root_features, root_positions, plan)
