@@ -306,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Attention kernels of the draft model: auto (flashinfer on CUDA when it imports, else torch), "
                        "flashinfer or torch; SGLang's other names are served by auto.")
     model.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                       help="GPU: the draft head's beam steps replay CUDA graphs for batches up to this many requests "
-                       "(default 32); larger batches and catch-ups run eagerly.")
+                       help="GPU: the whole draft (every step and the ranking) replays one CUDA graph per batch size "
+                       "up to this many requests (default 32); larger batches and catch-ups run eagerly.")
     model.add_argument("--disable-cuda-graph", action="store_true", help="GPU: run every draft step eagerly.")
     engine_args.add_speculative_args(parser, side="drafter")
     return parser
