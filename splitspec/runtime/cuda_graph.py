@@ -32,6 +32,20 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def warm_and_capture(forward, pool, stream: torch.cuda.Stream, device: torch.device):
+    """Run forward twice on stream outside any graph (lazy inits, Triton compilation), then capture it into
+    a graph in the shared memory pool: (graph, forward's outputs, static: each replay overwrites them)."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        outputs = forward()
+    return graph, outputs
+
+
 class _Graph:
     def __init__(self, state, graph, hidden, captured, logits):
         self.state, self.graph = state, graph
@@ -105,14 +119,7 @@ class StepGraphs:
                 hidden, captured = runner.model(ids_b, pos_b, runner.backend, state.plan, runner.capture_layers)
                 return hidden, captured, runner.model.logits(hidden)
 
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up outside the graph (lazy inits, Triton compilation)
-                    forward()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                hidden, captured, logits = forward()
+            graph, (hidden, captured, logits) = warm_and_capture(forward, self.pool, stream, device)
             self.graphs[(bs, q)] = _Graph(state, graph, hidden, captured, logits)
         torch.cuda.synchronize(device)
         self.capture_seconds[q] = time.perf_counter() - start

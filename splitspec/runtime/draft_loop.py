@@ -31,7 +31,7 @@ import torch
 from splitspec import kernels
 from splitspec.runtime.attention.base import merge_attention
 from splitspec.runtime.attention.torch_backend import dense_attention
-from splitspec.runtime.cuda_graph import capture_sizes
+from splitspec.runtime.cuda_graph import capture_sizes, warm_and_capture
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.tree import NO_NODE, DraftTree, parents_from_selection
 
@@ -76,7 +76,6 @@ class DraftLoop:
         self.token_map = None if token_map is None else token_map.to(self.device)
         self.num_candidates = topk + (num_steps - 1) * topk * topk
         self.keep = min(num_draft_tokens - 1, self.num_candidates)
-        self.max_bs = 0
         self.local = self._local_buffer(1)
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
@@ -190,14 +189,14 @@ class DraftLoop:
             return
         runner.model.rotary_emb.reserve(runner.config.max_position_embeddings, self.device)
         sizes = capture_sizes(max_bs)
-        self.max_bs = sizes[-1]
-        self.local = self._local_buffer(self.max_bs)
+        max_bs = sizes[-1]
+        self.local = self._local_buffer(max_bs)
         vocab = runner.model.logits(torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype,
                                                 device=self.device)).shape[-1]
-        self.static_logits = torch.zeros(self.max_bs, vocab, device=self.device)
-        self.static_features = (torch.zeros(self.max_bs, self.feature_size, dtype=runner.dtype, device=self.device)
+        self.static_logits = torch.zeros(max_bs, vocab, device=self.device)
+        self.static_features = (torch.zeros(max_bs, self.feature_size, dtype=runner.dtype, device=self.device)
                                 if self.feature_size else None)
-        self.static_positions = torch.zeros(self.max_bs, dtype=torch.long, device=self.device)
+        self.static_positions = torch.zeros(max_bs, dtype=torch.long, device=self.device)
         self._scratch = kv.allocator.alloc(1)  # the padding requests' one key
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -208,14 +207,7 @@ class DraftLoop:
             plan = runner.backend.plan_prefix(*self._padding(bs, [], []), state=state)
             features = None if self.static_features is None else self.static_features[:bs]
             args = (self.static_logits[:bs], features, self.static_positions[:bs], plan)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._body(*args)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = self._body(*args)
+            graph, outputs = warm_and_capture(lambda: self._body(*args), pool, stream, self.device)
             self.graphs[bs] = _Graph(graph, state, outputs)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start

@@ -36,8 +36,7 @@ class TreePlan:
 
 @dataclass
 class TreeGraphState:
-    plan: TreePlan
-    prefix_state: object
+    plan: TreePlan  # its prefix is the wrapped backend's graph state
 
 
 class DecodeModeBackend(AttentionBackend):
@@ -130,7 +129,7 @@ class DecodeModeBackend(AttentionBackend):
         plan = TreePlan(torch.zeros(rows, dtype=torch.long, device=device), prefix_state,
                         torch.zeros(rows, q_len, dtype=torch.long, device=device),
                         torch.zeros(rows, q_len, dtype=torch.bool, device=device))
-        return TreeGraphState(plan, prefix_state)
+        return TreeGraphState(plan)
 
     def graph_plan(self, state: object, batch: AttentionBatch) -> object:
         """Graph-shaped batches only: every request a tree of the state's node count."""
@@ -138,7 +137,7 @@ class DecodeModeBackend(AttentionBackend):
             return self.base.graph_plan(state, batch)
         if any(k <= q for k, q in zip(batch.kv_lens, batch.q_lens)):  # a padding chain with no prefix: give it one
             raise ValueError("decode-mode tree graphs need a cached prefix for every request")
-        self.base.plan_prefix(*self._node_rows(batch), state=state.prefix_state)
+        self.base.plan_prefix(*self._node_rows(batch), state=state.plan.prefix)
         index, valid = self._own_keys(batch)
         state.plan.out_slots.copy_(batch.out_slots, non_blocking=True)
         state.plan.own_rows.copy_(index, non_blocking=True)
