@@ -38,8 +38,10 @@ def twins():
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins)."""
-    return x.is_cuda and not torch.is_grad_enabled() and not _twins_forced and _triton() is not None
+    """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins) and
+    outside torch.compile (inductor fuses the twins itself: runtime.compile)."""
+    return (x.is_cuda and not torch.is_grad_enabled() and not _twins_forced and not torch.compiler.is_compiling()
+            and _triton() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

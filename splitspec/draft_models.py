@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from splitspec.engine_args import FlagError, tree_shape
+from splitspec.runtime.args import torch_compile_max_bs
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         disable_cuda_graph=(multi_layer(args) or getattr(args, "disable_cuda_graph", False)
                             or getattr(args, "speculative_draft_disable_cuda_graph", False)),
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
+        torch_compile_max_bs=torch_compile_max_bs(args),
         family=None if kind == "standalone" else kind))
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
     layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()

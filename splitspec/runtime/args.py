@@ -74,9 +74,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "every 8; default 32). Needs a CUDA device and the flashinfer backend; a logged no-op elsewhere.")
     sglang.add_argument("--disable-cuda-graph", action="store_true", help="Run every step eagerly (no CUDA graphs).")
     sglang.add_argument("--enable-torch-compile", action="store_true",
-                        help="torch.compile the model; a logged no-op until compiled steps land.")
+                        help="torch.compile (inductor) the model's forward for uniform batches (decode steps, tree "
+                        "verification, draft steps) of up to --torch-compile-max-bs requests; attention stays one "
+                        "opaque op with its own kernels. Each new token count compiles once, at its first use or "
+                        "at CUDA graph capture (logged with its time). SPLITSPEC_TORCH_COMPILE_MODE sets inductor's "
+                        "mode (default max-autotune-no-cudagraphs, as SGLang).")
     sglang.add_argument("--torch-compile-max-bs", type=int, default=None,
-                        help="Largest batch torch.compile covers; a logged no-op with --enable-torch-compile.")
+                        help="Largest batch (requests) the compiled forward serves (default 32); larger batches run "
+                        "eagerly.")
     sglang.add_argument("--enable-dp-attention", action="store_true",
                         help="Refused: splitspec has no data-parallel attention, and SGLang's speculative decoding "
                         "does not support it either (STANDALONE, NGRAM).")
@@ -101,9 +106,11 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
                              "turns graphs off)")
         if on_cpu:
             logger.info("%s: --cuda-graph-max-bs %d is a no-op on CPU", command, args.cuda_graph_max_bs)
-    if getattr(args, "enable_torch_compile", False):
-        logger.info("%s: --enable-torch-compile (max bs %s) is a no-op until compiled steps land", command,
-                    args.torch_compile_max_bs)
+    if getattr(args, "torch_compile_max_bs", None) is not None:
+        if args.torch_compile_max_bs < 1:
+            raise ValueError(f"--torch-compile-max-bs {args.torch_compile_max_bs}: must be at least 1")
+        if not getattr(args, "enable_torch_compile", False):
+            logger.info("%s: --torch-compile-max-bs is a no-op without --enable-torch-compile", command)
     if getattr(args, "trust_remote_code", False):
         logger.info("%s: --trust-remote-code accepted; no checkpoint code is executed", command)
     if getattr(args, "quantization", None) is not None:
@@ -151,4 +158,15 @@ def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_
         disable_cuda_graph=getattr(args, "disable_cuda_graph", False),
         seed=args.random_seed,
         attention_mode=getattr(args, "speculative_attention_mode", "prefill"),
+        torch_compile_max_bs=torch_compile_max_bs(args),
     )
+
+
+DEFAULT_TORCH_COMPILE_MAX_BS = 32
+
+
+def torch_compile_max_bs(args: argparse.Namespace) -> int:
+    """0 without --enable-torch-compile, else --torch-compile-max-bs (default 32, SGLang's)."""
+    if not getattr(args, "enable_torch_compile", False):
+        return 0
+    return getattr(args, "torch_compile_max_bs", None) or DEFAULT_TORCH_COMPILE_MAX_BS

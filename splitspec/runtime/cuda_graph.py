@@ -116,7 +116,7 @@ class StepGraphs:
             ids_b, pos_b = ids[: bs * q], positions[: bs * q]
 
             def forward():
-                hidden, captured = runner.model(ids_b, pos_b, runner.backend, state.plan, runner.capture_layers)
+                hidden, captured = runner.model_call(bs, ids_b, pos_b, runner.backend, state.plan, runner.capture_layers)
                 return hidden, captured, runner.model.logits(hidden)
 
             graph, (hidden, captured, logits) = warm_and_capture(forward, self.pool, stream, device)

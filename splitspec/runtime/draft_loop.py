@@ -118,7 +118,7 @@ class DraftLoop:
             cascade.depth = step
             positions = (root_positions + step)[:, None].expand(bs, topk).reshape(-1)
             extra = {} if features is None else {"features": features.reshape(bs * topk, -1)}
-            hidden, _ = model(tokens.reshape(-1), positions, cascade, plan, (), **extra)
+            hidden, _ = self.runner.model_call(bs, tokens.reshape(-1), positions, cascade, plan, (), **extra)
             top_p, top_index = torch.softmax(model.logits(hidden).float(), -1).topk(topk, dim=-1)  # [bs*K, K]
             candidates = (scores[:, :, None] * top_p.view(bs, topk, topk)).flatten(1)  # [bs, K*K]
             step_tokens = self._ids(top_index).view(bs, topk * topk)
