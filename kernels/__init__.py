@@ -7,13 +7,23 @@
                                                 NeoX rotation of q [T, Hq, D] and k [T, Hkv, D] at positions
     rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
                                                 apply_rope, k and v written into the paged cache at slots; returns q
+    move_kv_slots(pool, src, dst)               the KV compaction of accepted tree nodes, every layer in one launch
+    verify_tree_greedy(...)                     greedy tree acceptance of a batch of padded trees
+    accept_tree_coins(...)                      SGLang's threshold rule for a batch of trees, with the bonus draw
+    gumbel_argmax(logits, keys)                 position-keyed Gumbel-max sampling (the bonus/plain token)
+    top_k_top_p(logits, temps, top_ks, top_ps)  temperature, top-k, top-p (threshold search, no sort)
+    draft_topk(logits, parent_scores, k)        a draft step's softmax + top-k, scored by the parent beam
 
 On a CUDA tensor with Triton importable the Triton kernel runs; otherwise (CPU, or SPLITSPEC_KERNELS=torch)
-the twin does. Twins are the reference: tests/test_kernels.py compares the two on a GPU.
+the twin does. Twins are the reference: tests/kernel_checks.py compares the two, on a GPU
+(tests/test_gpu_kernels.py) and on CPU under Triton's interpreter (tests/test_kernels_interpreted.py).
 """
 
 from __future__ import annotations
 
-from splitspec.kernels.ops import add_rms_norm, apply_rope, rms_norm, rope_and_store, silu_and_mul, twins, use_triton
+from splitspec.kernels.ops import (accept_tree_coins, add_rms_norm, apply_rope, draft_topk, gumbel_argmax,
+                                   move_kv_slots, rms_norm, rope_and_store, silu_and_mul, top_k_top_p, twins,
+                                   use_triton, verify_tree_greedy)
 
-__all__ = ["add_rms_norm", "apply_rope", "rms_norm", "rope_and_store", "silu_and_mul", "twins", "use_triton"]
+__all__ = ["accept_tree_coins", "add_rms_norm", "apply_rope", "draft_topk", "gumbel_argmax", "move_kv_slots",
+           "rms_norm", "rope_and_store", "silu_and_mul", "top_k_top_p", "twins", "use_triton", "verify_tree_greedy"]

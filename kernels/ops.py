@@ -102,3 +102,31 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     if use_triton(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
         return _triton().gumbel_argmax(logits, keys)
     return torch_ops.gumbel_argmax(logits, keys)
+
+
+def draft_topk(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k most likely tokens and their probabilities times the row's parent score (a draft step's
+    candidates: kernels.torch_ops.draft_topk). Ties: the kernel takes the lower token id first."""
+    if use_triton(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return _triton().draft_topk(logits, parent_scores, k)
+    return torch_ops.draft_topk(logits, parent_scores, k)
+
+
+def top_k_top_p(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                top_ps: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k and top-p (SGLang's order) on logits [B, V] fp32: kernels.torch_ops.top_k_top_p."""
+    if use_triton(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return _triton().top_k_top_p(logits, temperatures, top_ks, top_ps)
+    return torch_ops.top_k_top_p(logits, temperatures, top_ks, top_ps)
+
+
+def accept_tree_coins(candidates: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor,
+                      probs: torch.Tensor, coins: torch.Tensor, final_coins: torch.Tensor, threshold_single: float,
+                      threshold_acc: float, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SGLang's threshold acceptance of a batch of padded trees with the bonus draw, on the device
+    (kernels.torch_ops.accept_tree_coins)."""
+    if use_triton(probs):
+        return _triton().accept_tree_coins(candidates, next_token, next_sibling, probs, coins, final_coins,
+                                           threshold_single, threshold_acc, max_depth)
+    return torch_ops.accept_tree_coins(candidates, next_token, next_sibling, probs, coins, final_coins,
+                                       threshold_single, threshold_acc, max_depth)

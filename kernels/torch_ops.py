@@ -89,3 +89,83 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     from splitspec.runtime.sampling import gumbel_from_keys
 
     return (logits + gumbel_from_keys(keys, logits.shape[-1])).argmax(dim=-1)
+
+
+def draft_topk(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft step's candidates: for each row of logits [R, V] its k most likely tokens [R, k] and their
+    probabilities times the row's parent score [R] (the beam's cumulative score; 1 at the root)."""
+    probs, index = torch.softmax(logits.float(), -1).topk(k, dim=-1)
+    return parent_scores.float()[:, None] * probs, index
+
+
+def top_k_top_p(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                top_ps: torch.Tensor) -> torch.Tensor:
+    """Temperature, then SGLang's top-k and top-p on logits [B, V] fp32; removed tokens get -inf.
+
+    A token is kept when fewer than top_k tokens are strictly more likely and the mass of the tokens strictly
+    more likely is at most top_p (top-p measured before top-k renormalises; top_k <= 0 and top_p = 1 are off).
+    Ties are kept or removed together, so the kept set is every token at or above a threshold: the same with
+    any sort and in the Triton kernel, which finds that threshold without sorting."""
+    scaled = logits / temperatures[:, None]
+    values = scaled.sort(dim=-1, descending=True).values  # [B, V]
+    probs = values.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    first = torch.searchsorted(-values, -values)  # each value's tie group's first position = tokens strictly above
+    mass_above = mass_before.gather(1, first)
+    k = torch.where(top_ks > 0, top_ks, scaled.shape[-1]).to(first.dtype)[:, None]
+    kept = ((first < k) & (mass_above <= top_ps[:, None])).sum(dim=-1)  # a prefix of the sorted row, at least 1
+    threshold = values.gather(1, (kept - 1).clamp(min=0)[:, None])
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
+
+
+def accept_tree_coins(candidates: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor,
+                      probs: torch.Tensor, coins: torch.Tensor, final_coins: torch.Tensor, threshold_single: float,
+                      threshold_acc: float, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SGLang's threshold rule (verifier_svc.acceptance.accept_with_coins) for a batch of padded trees.
+
+    candidates, next_token, next_sibling [B, N] (links as runtime.tree.child_links, -1 none); probs [B, N, V]
+    the processed target distribution after each node; coins, final_coins [B, N]. Level by level, the
+    children of the last accepted node are tried in order and child c is accepted when p(c) >= threshold_single
+    or the level's coin <= (mass of the children tried so far) / threshold_acc. The bonus token is the
+    inverse-CDF draw, with the last node's final coin, from its distribution without the children rejected
+    there. Returns accept_index [B, max_depth + 1] (path nodes, -1 after the end), accept_len [B], bonus [B]."""
+    batch, n = candidates.shape
+    device = candidates.device
+    rows = torch.arange(batch, device=device)
+    last = torch.zeros(batch, dtype=torch.long, device=device)
+    coin = coins[:, 0].float()
+    active = torch.ones(batch, dtype=torch.bool, device=device)
+    ended_by_rejection = torch.zeros(batch, dtype=torch.bool, device=device)
+    accept_index = torch.full((batch, max_depth + 1), -1, dtype=torch.long, device=device)
+    accept_index[:, 0] = 0
+    for depth in range(1, max_depth + 1):
+        child = torch.where(active, next_token[rows, last], -1)
+        has_children = child >= 0
+        chosen = torch.full_like(child, -1)
+        cumulative = torch.zeros(batch, dtype=torch.float32, device=device)
+        for _ in range(n):
+            trying = (child >= 0) & (chosen < 0)
+            safe = child.clamp(min=0)
+            p = probs[rows, last, candidates[rows, safe]].float()
+            cumulative = cumulative + torch.where(trying, p, 0.0)
+            passes = trying & ((p >= threshold_single) | (threshold_acc == 0)
+                               | (coin <= cumulative / (threshold_acc or 1.0)))
+            chosen = torch.where(passes, child, chosen)
+            child = torch.where(trying & ~passes, next_sibling[rows, safe], -1)
+        stop = active & (chosen < 0)
+        ended_by_rejection = torch.where(stop, has_children, ended_by_rejection)
+        active = active & (chosen >= 0)
+        accept_index[:, depth] = torch.where(active, chosen, -1)
+        safe = chosen.clamp(min=0)
+        coin = torch.where(active, coins[rows, safe].float(), coin)
+        last = torch.where(active, chosen, last)
+    weights = probs[rows, last].float().clone()  # [B, V]
+    for b in torch.nonzero(ended_by_rejection).flatten().tolist():
+        child = int(next_token[b, last[b]])
+        while child >= 0:
+            weights[b, candidates[b, child]] = 0.0
+            child = int(next_sibling[b, child])
+    cdf = weights.cumsum(dim=-1)
+    goal = final_coins[rows, last].float() * cdf[:, -1]
+    bonus = torch.searchsorted(cdf, goal[:, None], right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
+    return accept_index, (accept_index[:, 1:] >= 0).sum(dim=-1), bonus

@@ -266,3 +266,202 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), keys.contiguous(), out, V=vocab,
                                    UNIFORM_SHIFT=32 - UNIFORM_BITS, UNIFORM_SCALE=1.0 / 2**UNIFORM_BITS, BLOCK=1024)
     return out
+
+
+# draft top-k ----------------------------------------------------------------------------------------------
+@triton.jit
+def _draft_topk_kernel(logits_ptr, stride, parent_ptr, score_ptr, index_ptr, V: tl.constexpr, K: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    m = float("-inf")
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = tl.maximum(m, tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")), axis=0))
+    z = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z += tl.sum(tl.exp(tl.load(base + cols, mask=cols < V, other=float("-inf")) - m), axis=0)
+    parent = tl.load(parent_ptr + row)
+    prev_value, prev_index = float("inf"), -1
+    for j in tl.static_range(K):  # the j-th largest (value, then lower index first): K more passes
+        best_value, best_index = float("-inf"), V
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+            ok = (cols < V) & ((x < prev_value) | ((x == prev_value) & (cols > prev_index)))
+            x = tl.where(ok, x, float("-inf"))
+            top = tl.max(x, axis=0)
+            at = tl.min(tl.where(ok & (x == top), cols, V), axis=0)
+            take = (top > best_value) | ((top == best_value) & (at < best_index))
+            best_value, best_index = tl.where(take, top, best_value), tl.where(take, at, best_index)
+        tl.store(score_ptr + row * K + j, parent * (tl.exp(best_value - m) / z))
+        tl.store(index_ptr + row * K + j, best_index.to(tl.int64))
+        prev_value, prev_index = best_value, best_index
+
+
+def draft_topk(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per row: the softmax's max and normaliser, then k passes for the k largest."""
+    rows, vocab = logits.shape
+    scores = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
+    index = torch.empty((rows, k), dtype=torch.long, device=logits.device)
+    _draft_topk_kernel[(rows,)](logits, logits.stride(0), parent_scores.float().contiguous(), scores, index, V=vocab, K=k,
+                                BLOCK=min(4096, triton.next_power_of_2(vocab)), num_warps=8)
+    return scores, index
+
+
+# top-k / top-p --------------------------------------------------------------------------------------------
+@triton.jit
+def _order_key(x):
+    """float32 -> int32 with the floats' order (negatives' magnitude bits flipped), widened to int64."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _top_k_top_p_kernel(logits_ptr, stride, out_ptr, temp_ptr, top_k_ptr, top_p_ptr, V: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    temperature = tl.load(temp_ptr + row)
+    top_k = tl.load(top_k_ptr + row)
+    top_k = tl.where(top_k > 0, top_k, V)
+    top_p = tl.load(top_p_ptr + row)
+    m = float("-inf")
+    lo_key, hi_key = tl.full((), 2**31, tl.int64), tl.full((), -(2**31), tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < V
+        x = tl.load(base + cols, mask=keep, other=0.0) / temperature
+        m = tl.maximum(m, tl.max(tl.where(keep, x, float("-inf")), axis=0))
+        key = _order_key(x)
+        lo_key = tl.minimum(lo_key, tl.min(tl.where(keep, key, 2**31), axis=0))
+        hi_key = tl.maximum(hi_key, tl.max(tl.where(keep, key, -(2**31)), axis=0))
+    z = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")) / temperature
+        z += tl.sum(tl.exp(x - m), axis=0)
+    # the threshold: the smallest key t with fewer than top_k values above it and at most top_p of the mass
+    # above it (true at the row's maximum; lo stays a key below every value, where it is false or unasked)
+    lo = lo_key - 1
+    hi = hi_key
+    for _ in range(33):
+        mid = lo + (hi - lo) // 2
+        count = 0
+        mass = 0.0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            keep = cols < V
+            x = tl.load(base + cols, mask=keep, other=0.0) / temperature
+            above = keep & (_order_key(x) > mid)
+            count += tl.sum(above.to(tl.int32), axis=0)
+            mass += tl.sum(tl.where(above, tl.exp(x - m), 0.0), axis=0)
+        ok = (count < top_k) & (mass <= top_p * z)
+        searching = hi - lo > 1
+        hi = tl.where(searching & ok, mid, hi)
+        lo = tl.where(searching & (ok == 0), mid, lo)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < V
+        x = tl.load(base + cols, mask=keep, other=0.0) / temperature
+        tl.store(out_ptr + row * V + cols, tl.where(_order_key(x) >= hi, x, float("-inf")), mask=keep)
+
+
+def top_k_top_p(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                top_ps: torch.Tensor) -> torch.Tensor:
+    """One program per row finds the kept values' threshold by bisection over the floats' order (33 passes,
+    no sort), then writes the tempered row with the rest at -inf."""
+    rows, vocab = logits.shape
+    out = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    _top_k_top_p_kernel[(rows,)](logits, logits.stride(0), out, temperatures.float().contiguous(),
+                                 top_ks.to(torch.int32).contiguous(), top_ps.float().contiguous(), V=vocab,
+                                 BLOCK=min(4096, triton.next_power_of_2(vocab)), num_warps=8)
+    return out
+
+
+# SGLang's threshold acceptance, with the bonus token ------------------------------------------------------
+@triton.jit
+def _accept_tree_coins_kernel(cand_ptr, next_token_ptr, next_sibling_ptr, probs_ptr, coins_ptr, final_coins_ptr,
+                              index_ptr, len_ptr, bonus_ptr, threshold_single, threshold_acc, n: tl.constexpr,
+                              V: tl.constexpr, MAX_DEPTH: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tree = row * n
+    probs = probs_ptr + row * n * V
+    last = tl.full((), 0, tl.int64)
+    coin = tl.load(coins_ptr + tree)
+    active = tl.full((), 1, tl.int32)
+    ended_by_rejection = tl.full((), 0, tl.int32)
+    accepted = tl.full((), 0, tl.int64)
+    tl.store(index_ptr + row * (MAX_DEPTH + 1), 0)
+    for depth in tl.static_range(1, MAX_DEPTH + 1):
+        child = tl.where(active != 0, tl.load(next_token_ptr + tree + last), -1)
+        has_children = child >= 0
+        chosen = tl.full((), -1, tl.int64)
+        cumulative = 0.0
+        for _ in range(n):  # the children in order, the first that passes is accepted
+            trying = (child >= 0) & (chosen < 0)
+            safe = tl.where(trying, child, 0)
+            p = tl.load(probs + last * V + tl.load(cand_ptr + tree + safe))
+            cumulative += tl.where(trying, p, 0.0)
+            ratio = cumulative / tl.maximum(threshold_acc, 1e-30)
+            passes = trying & ((p >= threshold_single) | (threshold_acc == 0) | (coin <= ratio))
+            chosen = tl.where(passes, child, chosen)
+            child = tl.where(trying & (passes == 0), tl.load(next_sibling_ptr + tree + safe), -1)
+        stop = (active != 0) & (chosen < 0)
+        ended_by_rejection = tl.where(stop, has_children.to(tl.int32), ended_by_rejection)
+        active = active & (chosen >= 0)
+        tl.store(index_ptr + row * (MAX_DEPTH + 1) + depth, tl.where(active != 0, chosen, -1))
+        accepted += active.to(tl.int64)
+        safe = tl.where(active != 0, chosen, 0)
+        coin = tl.where(active != 0, tl.load(coins_ptr + tree + safe), coin)
+        last = tl.where(active != 0, chosen, last)
+    tl.store(len_ptr + row, accepted)
+    # bonus: inverse-CDF draw from the target distribution at the last accepted node, the rejected children's
+    # tokens removed (all of its children when the walk ended there by rejecting them)
+    first_child = tl.load(next_token_ptr + tree + last)
+    total = 0.0
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        w = tl.load(probs + last * V + cols, mask=cols < V, other=0.0)
+        removed = cols < 0
+        child = tl.where(ended_by_rejection != 0, first_child, -1)
+        for _ in range(n):
+            token = tl.load(cand_ptr + tree + tl.where(child >= 0, child, 0))
+            removed = removed | ((child >= 0) & (cols == token))
+            child = tl.where(child >= 0, tl.load(next_sibling_ptr + tree + tl.where(child >= 0, child, 0)), -1)
+        total += tl.sum(tl.where(removed, 0.0, w), axis=0)
+    goal = tl.load(final_coins_ptr + tree + last) * total
+    running = 0.0
+    found = tl.full((), V, tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        w = tl.load(probs + last * V + cols, mask=cols < V, other=0.0)
+        removed = cols < 0
+        child = tl.where(ended_by_rejection != 0, first_child, -1)
+        for _ in range(n):
+            token = tl.load(cand_ptr + tree + tl.where(child >= 0, child, 0))
+            removed = removed | ((child >= 0) & (cols == token))
+            child = tl.where(child >= 0, tl.load(next_sibling_ptr + tree + tl.where(child >= 0, child, 0)), -1)
+        w = tl.where(removed, 0.0, w)
+        cdf = running + tl.cumsum(w, axis=0)
+        at = tl.min(tl.where((cdf > goal) & (cols < V), cols, V), axis=0).to(tl.int64)
+        found = tl.minimum(found, at)
+        running += tl.sum(w, axis=0)
+    tl.store(bonus_ptr + row, tl.minimum(found, V - 1))
+
+
+def accept_tree_coins(candidates: torch.Tensor, next_token: torch.Tensor, next_sibling: torch.Tensor,
+                      probs: torch.Tensor, coins: torch.Tensor, final_coins: torch.Tensor, threshold_single: float,
+                      threshold_acc: float, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One program per tree: the walk on scalars, then two passes over the vocabulary for the bonus token."""
+    batch, n = candidates.shape
+    vocab = probs.shape[-1]
+    accept_index = torch.empty((batch, max_depth + 1), dtype=torch.long, device=candidates.device)
+    accept_len = torch.empty(batch, dtype=torch.long, device=candidates.device)
+    bonus = torch.empty(batch, dtype=torch.long, device=candidates.device)
+    _accept_tree_coins_kernel[(batch,)](candidates.contiguous(), next_token.contiguous(), next_sibling.contiguous(),
+                                        probs.float().contiguous(), coins.float().contiguous(),
+                                        final_coins.float().contiguous(), accept_index, accept_len, bonus,
+                                        float(threshold_single), float(threshold_acc), n=n, V=vocab, MAX_DEPTH=max_depth,
+                                        BLOCK=min(2048, triton.next_power_of_2(vocab)))
+    return accept_index, accept_len, bonus

@@ -116,6 +116,102 @@ def check_gumbel_argmax(device: str) -> int:
     return drawn
 
 
+def check_draft_topk(device: str) -> int:
+    """A draft step's softmax + top-k scored by the parent beam: the same tokens, in the same order, and the
+    same scores to fp32 rounding, for vocabularies across block boundaries."""
+    g = torch.Generator().manual_seed(4)
+    rows_checked = 0
+    for rows, vocab, k in ((1, 7, 1), (6, 1000, 4), (9, 5000, 8), (4, 32000, 3)):
+        logits = (4 * torch.randn(rows, vocab, generator=g)).to(device)
+        parents = torch.rand(rows, generator=g).to(device)
+        want_scores, want_index = torch_ops.draft_topk(logits, parents, k)
+        got_scores, got_index = triton_ops.draft_topk(logits, parents, k)
+        assert torch.equal(got_index, want_index), (rows, vocab, k)
+        torch.testing.assert_close(got_scores, want_scores, rtol=1e-5, atol=1e-7)
+        rows_checked += rows
+    return rows_checked
+
+
+def check_top_k_top_p(device: str) -> int:
+    """Temperature, top-k and top-p: the kernel's threshold search keeps exactly the twin's tokens, also
+    with ties at the cut (bf16-rounded logits), with filters off, and at the rule's edges."""
+    from splitspec.runtime.sampling import process_logits
+
+    g = torch.Generator().manual_seed(5)
+    rows_checked = 0
+    for rows, vocab, tie in ((3, 4, False), (16, 1000, False), (16, 1000, True), (8, 5003, True)):
+        logits = 3 * torch.randn(rows, vocab, generator=g)
+        if tie:  # bf16 logits tie often: every kept set must take or leave a tie group whole
+            logits = logits.bfloat16().float()
+        logits = logits.to(device)
+        temps = (0.3 + torch.rand(rows, generator=g)).to(device)
+        top_ks = torch.randint(-1, min(vocab, 60), (rows,), generator=g)
+        top_ks[0] = -1
+        top_ps = torch.rand(rows, generator=g)
+        top_ps[1] = 1.0
+        top_ks, top_ps = top_ks.to(device), top_ps.to(device)
+        want = torch_ops.top_k_top_p(logits, temps, top_ks, top_ps)
+        got = triton_ops.top_k_top_p(logits, temps, top_ks, top_ps)
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), (rows, vocab, tie)
+        assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
+        assert torch.equal(process_logits(logits, temps, top_ks, top_ps).isfinite(), want.isfinite())
+        rows_checked += rows
+    # the rule on a known row (SGLang's: mass ranked strictly before a token must not exceed top_p)
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 4)
+    logits = probs.log().to(device)
+    ones = torch.ones(4, device=device)
+    kept = triton_ops.top_k_top_p(logits, ones, torch.tensor([-1, 2, 3, -1], device=device),
+                                  torch.tensor([0.7, 1.0, 0.6, 0.01], device=device)).isfinite().cpu()
+    assert kept.tolist() == [[True, True, False, False], [True, True, False, False],
+                             [True, True, False, False], [True, False, False, False]], kept
+    return rows_checked
+
+
+def check_accept_tree_coins(device: str) -> int:
+    """SGLang's threshold rule with the bonus draw, kernel and twin, against the engine's host walk
+    (verifier_svc.acceptance.accept_with_coins) on random trees, coins and thresholds, lossless (1, 1) and lossy."""
+    from splitspec.verifier_svc.acceptance import accept_with_coins
+
+    rng = random.Random(6)
+    g = torch.Generator().manual_seed(6)
+    accepted_total = 0
+    for batch, n, vocab, single, acc in ((1, 1, 5, 1.0, 1.0), (6, 8, 6, 1.0, 1.0), (8, 12, 300, 0.8, 0.6),
+                                         (5, 16, 2100, 0.5, 0.0), (4, 10, 40, 1.0, 1.0)):
+        trees = [random_tree(rng, rng.randint(1, n), vocab) for _ in range(batch)]
+        cand = torch.full((batch, n), 0, dtype=torch.long)
+        links = torch.full((2, batch, n), NO_NODE, dtype=torch.long)
+        logits = torch.randn(batch, n, vocab, generator=g)
+        for b, (tokens, parents) in enumerate(trees):
+            for i, p in enumerate(parents):  # make the target like the drafts, so that paths get accepted
+                if p != NO_NODE:
+                    logits[b, p, tokens[i]] += 3.0
+        probs = torch.softmax(logits, -1)
+        coins, final_coins = torch.rand(batch, n, generator=g), torch.rand(batch, n, generator=g)
+        expected, max_depth = [], 1
+        for b, (tokens, parents) in enumerate(trees):
+            next_token, next_sibling = child_links(parents)
+            cand[b, : len(tokens)] = torch.tensor(tokens)
+            links[0, b, : len(tokens)] = torch.tensor(next_token)
+            links[1, b, : len(tokens)] = torch.tensor(next_sibling)
+            expected.append(accept_with_coins(tokens, next_token, next_sibling, probs[b], coins[b].tolist(),
+                                              final_coins[b].tolist(), single, acc))
+            depth = {0: 0}
+            for i, p in enumerate(parents[1:], start=1):
+                depth[i] = depth[p] + 1
+            max_depth = max(max_depth, max(depth.values()))
+        args = [t.to(device) for t in (cand, links[0], links[1], probs, coins, final_coins)]
+        for name, fn in (("twin", torch_ops.accept_tree_coins), ("kernel", triton_ops.accept_tree_coins)):
+            index, length, bonus = (t.cpu() for t in fn(*args, single, acc, max_depth))
+            for b, want in enumerate(expected):
+                got = index[b, : int(length[b]) + 1].tolist()
+                assert got == want.path, (name, batch, n, b, got, want.path)
+                assert bool((index[b, int(length[b]) + 1 :] == -1).all())
+                assert int(bonus[b]) == want.tokens[-1], (name, batch, n, b, int(bonus[b]), want.tokens)
+        accepted_total += sum(a.num_accepted for a in expected)
+    assert accepted_total > 10
+    return accepted_total
+
+
 def check_norms_and_activation(device: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for rows, width in ((1, 64), (7, 384), (3, 1000)):
@@ -139,8 +235,13 @@ def main(device: str = "cpu") -> int:
             check_norms_and_activation(device, dtype)
         accepted = check_verify_tree_greedy(device)
         drawn = check_gumbel_argmax(device)
-    print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes, {drawn} keyed "
-          f"Gumbel-max samples, norms and SiLU-and-mul in {[str(d) for d in dtypes]}: all equal their twins")
+        draft_rows = check_draft_topk(device)
+        filtered = check_top_k_top_p(device)
+        coin_accepted = check_accept_tree_coins(device)
+    print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
+          f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
+          f"top-k rows, {filtered} top-k/top-p rows, norms and SiLU-and-mul in {[str(d) for d in dtypes]}: all equal "
+          "their twins")
     return 0
 
 

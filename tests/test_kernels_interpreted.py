@@ -1,6 +1,7 @@
 """The Triton kernels against their torch twins on CPU, under Triton's interpreter (TRITON_INTERPRET=1 must be
 set before triton compiles anything, so the checks run in their own process): KV-slot compaction, greedy tree
-acceptance, RMSNorm with and without the residual add, SiLU-and-mul. On a GPU, tests/test_gpu_kernels.py runs
+acceptance, SGLang's threshold acceptance with the bonus draw, keyed Gumbel-max sampling, top-k/top-p, the draft
+step's top-k, RMSNorm with and without the residual add, SiLU-and-mul. On a GPU, tests/test_gpu_kernels.py runs
 the same checks compiled."""
 
 from __future__ import annotations

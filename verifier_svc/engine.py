@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitspec import kernels
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.penalties import apply_penalties, path_tokens
@@ -36,7 +37,7 @@ from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_logits, sample
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, child_links, depths, positions, tree_mask
-from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens, accept_with_coins
+from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 
 logger = logging.getLogger(__name__)
@@ -505,8 +506,16 @@ class Engine:
                                torch.full((tree.num_nodes,), params.top_p, device=node_logits.device)).softmax(-1)
         coins = keyed_uniform(params.seed, output_positions)  # one walk uses one node, so one coin, per depth
         final_coins = keyed_uniform(params.seed, output_positions, salt=FINAL_COIN_SALT)
-        return accept_with_coins(list(tree.tokens), next_token, next_sibling, probs, coins, final_coins,
-                                 self.spec.accept_threshold_single, self.spec.accept_threshold_acc)
+        # the walk and the bonus draw in one kernel on a GPU (the host reference: acceptance.accept_with_coins)
+        device = node_logits.device
+        links = torch.tensor([list(tree.tokens), next_token, next_sibling], dtype=torch.long, device=device)
+        coin_rows = torch.tensor([coins, final_coins], dtype=torch.float32, device=device)
+        index, length, bonus = kernels.accept_tree_coins(
+            links[0:1], links[1:2], links[2:3], probs[None], coin_rows[0:1], coin_rows[1:2],
+            self.spec.accept_threshold_single, self.spec.accept_threshold_acc, max(depths(tree.parents)))
+        walk = torch.cat([index[0], length, bonus]).tolist()  # one transfer
+        path = walk[: walk[-2] + 1]
+        return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [walk[-1]])
 
     # commit --------------------------------------------------------------------------------------
     def _kv_moves(self, v: _Verify, acceptance: Acceptance, src: list[int], dst: list[int]) -> None:

@@ -109,7 +109,8 @@ class DraftLoop:
                plan: object) -> tuple[torch.Tensor, ...]:
         model, topk = self.runner.model, self.topk
         bs = root_logits.shape[0]
-        scores, index = torch.softmax(root_logits.float(), -1).topk(topk, dim=-1)  # [bs, K]
+        ones = torch.ones(bs, dtype=torch.float32, device=root_logits.device)
+        scores, index = kernels.draft_topk(root_logits.float(), ones, topk)  # [bs, K]
         tokens = self._ids(index)
         flat_scores, flat_tokens, parent_list = [scores], [tokens], []
         features = None if root_features is None else root_features[:, None].expand(bs, topk, root_features.shape[-1])
@@ -119,8 +120,9 @@ class DraftLoop:
             positions = (root_positions + step)[:, None].expand(bs, topk).reshape(-1)
             extra = {} if features is None else {"features": features.reshape(bs * topk, -1)}
             hidden, _ = self.runner.model_call(bs, tokens.reshape(-1), positions, cascade, plan, (), **extra)
-            top_p, top_index = torch.softmax(model.logits(hidden).float(), -1).topk(topk, dim=-1)  # [bs*K, K]
-            candidates = (scores[:, :, None] * top_p.view(bs, topk, topk)).flatten(1)  # [bs, K*K]
+            # each beam's top-K children, scored beam score x probability: [bs*K, K] -> [bs, K*K]
+            candidates, top_index = kernels.draft_topk(model.logits(hidden).float(), scores.reshape(-1), topk)
+            candidates = candidates.view(bs, topk * topk)
             step_tokens = self._ids(top_index).view(bs, topk * topk)
             flat_scores.append(candidates)
             flat_tokens.append(step_tokens)

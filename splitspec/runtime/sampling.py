@@ -82,18 +82,12 @@ def keyed_uniform(seed: int, positions: list[int], salt: int = COIN_SALT) -> lis
 def process_logits(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Temperature, then top-k and top-p as SGLang applies them; removed tokens get -inf.
 
-    logits [B, V] fp32; temperatures [B] (> 0); top_ks [B] (-1 = off); top_ps [B] (1.0 = off).
+    logits [B, V] fp32; temperatures [B] (> 0); top_ks [B] (-1 = off); top_ps [B] (1.0 = off). A Triton
+    kernel on a GPU (no sort), its torch twin elsewhere: kernels.torch_ops.top_k_top_p says the rule.
     """
-    scaled = logits / temperatures[:, None]
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [B, V]
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # [B, V] mass ranked strictly before each token
-    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    k = torch.where(top_ks > 0, top_ks, scaled.shape[-1])[:, None]
-    remove = (rank >= k) | (mass_before > top_ps[:, None])
-    remove[:, 0] = False
-    removed = torch.zeros_like(remove).scatter(1, sorted_ids, remove)
-    return scaled.masked_fill(removed, float("-inf"))
+    from splitspec.kernels import ops
+
+    return ops.top_k_top_p(logits.float(), temperatures.float(), top_ks, top_ps.float())
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions: list[int]) -> torch.Tensor:
