@@ -410,7 +410,12 @@ def run_in_process(args) -> dict:
                       if args.preset else str(model_dir)),
             "draft": (f"dummy {args.draft_preset} (random weights)" if args.draft_preset
                       else args.speculative_draft_model_path),
-            "simulated": bool(args.simulate_acceptance), "rows": rows}
+            "simulated": bool(args.simulate_acceptance),
+            "torch_compile": None if runner.compiled is None else {
+                "mode": runner.compiled.mode, "max_bs": runner.compiled.max_bs,
+                "target_compile_seconds": round(runner.compiled.total_compile_seconds, 1),
+                "target_shapes": {str(k[0]): round(v, 1) for k, v in runner.compiled.compile_seconds.items()}},
+            "rows": rows}
 
 
 # against a deployment --------------------------------------------------------------------------------

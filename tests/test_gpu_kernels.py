@@ -234,8 +234,9 @@ def test_draft_loop_graphs_equal_eager(tmp_path):
             trees.append(d.draft(ids, [12] * count))
             for i in range(count):
                 d.release(ids[i])
-            assert d.runner.kv_cache.allocator.num_used == (1 if d is drafters[1] else 0)  # the padding key
+            used = d.runner.kv_cache.allocator.num_used
+            assert used == (1 if d is drafters[1] else 0), (count, used)  # the padding key
         for eager, graphed in zip(*trees):
-            assert (graphed.tokens, graphed.parents) == (eager.tokens, eager.parents)
-            assert graphed.scores == pytest.approx(eager.scores, rel=2e-2, abs=1e-4)
+            assert (graphed.tokens, graphed.parents) == (eager.tokens, eager.parents), (count, eager, graphed)
+            assert graphed.scores == pytest.approx(eager.scores, rel=2e-2, abs=1e-4), (count, eager, graphed)
     assert drafters[1].loop.replays == 3
