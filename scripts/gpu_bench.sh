@@ -17,7 +17,8 @@
 #             CUDA graphs and then eagerly (--speculative-draft-disable-cuda-graph), on the same machine
 #   target    issue 13's targets: simulated EAGLE-3 at accept length 6 (steps 5,7 x topk 1,4), batch 1 and 8, with
 #             the device draft loop (runtime.draft_loop), then the same points with the host reference drafting
-#             (SPLITSPEC_DRAFT_LOOP=host: the beam steps as they ran before the loop) on the same machine
+#             (SPLITSPEC_DRAFT_LOOP=host: the beam steps as they ran before the loop) on the same machine;
+#             TARGET_LOOPS=device runs the first half only
 #   modes     the target stage's points with --speculative-attention-mode decode (device draft loop)
 #   compile   the target stage's batch-1 point (steps 5, top-1) with --enable-torch-compile (inductor's default
 #             mode, batch 1 only, to fit a device call: the 8B-shaped target compiles per token count)
@@ -55,7 +56,7 @@ for stage in "${stages[@]}"; do
                        --steps 3,5 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 $eager \
                        --out "$OUT/draftgraphs${eager:+_eager}.json" >> "$OUT/draftgraphs.log" 2>&1 || break
                done ;;
-        target) for loop in device host; do
+        target) for loop in ${TARGET_LOOPS:-device host}; do
                    SPLITSPEC_DRAFT_LOOP=$loop python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
                        --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 \
                        --steps 5,7 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 \
