@@ -331,7 +331,7 @@ def _top_k_top_p_kernel(logits_ptr, stride, out_ptr, temp_ptr, top_k_ptr, top_p_
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         keep = cols < V
-        x = tl.load(base + cols, mask=keep, other=0.0) / temperature
+        x = tl.math.div_rn(tl.load(base + cols, mask=keep, other=0.0), temperature)
         m = tl.maximum(m, tl.max(tl.where(keep, x, float("-inf")), axis=0))
         key = _order_key(x)
         lo_key = tl.minimum(lo_key, tl.min(tl.where(keep, key, 2**31), axis=0))
@@ -339,7 +339,7 @@ def _top_k_top_p_kernel(logits_ptr, stride, out_ptr, temp_ptr, top_k_ptr, top_p_
     z = 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(base + cols, mask=cols < V, other=float("-inf")) / temperature
+        x = tl.math.div_rn(tl.load(base + cols, mask=cols < V, other=float("-inf")), temperature)
         z += tl.sum(tl.exp(x - m), axis=0)
     # the threshold: the smallest key t with fewer than top_k values above it and at most top_p of the mass
     # above it (true at the row's maximum; lo stays a key below every value, where it is false or unasked)
@@ -352,7 +352,7 @@ def _top_k_top_p_kernel(logits_ptr, stride, out_ptr, temp_ptr, top_k_ptr, top_p_
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             keep = cols < V
-            x = tl.load(base + cols, mask=keep, other=0.0) / temperature
+            x = tl.math.div_rn(tl.load(base + cols, mask=keep, other=0.0), temperature)
             above = keep & (_order_key(x) > mid)
             count += tl.sum(above.to(tl.int32), axis=0)
             mass += tl.sum(tl.where(above, tl.exp(x - m), 0.0), axis=0)
@@ -363,7 +363,7 @@ def _top_k_top_p_kernel(logits_ptr, stride, out_ptr, temp_ptr, top_k_ptr, top_p_
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         keep = cols < V
-        x = tl.load(base + cols, mask=keep, other=0.0) / temperature
+        x = tl.math.div_rn(tl.load(base + cols, mask=keep, other=0.0), temperature)
         tl.store(out_ptr + row * V + cols, tl.where(_order_key(x) >= hi, x, float("-inf")), mask=keep)
 
 

@@ -20,8 +20,8 @@
 #             (SPLITSPEC_DRAFT_LOOP=host: the beam steps as they ran before the loop) on the same machine;
 #             TARGET_LOOPS=device runs the first half only
 #   modes     the target stage's points with --speculative-attention-mode decode (device draft loop)
-#   compile   the target stage's batch-1 point (steps 5, top-1) with --enable-torch-compile (inductor's default
-#             mode, batch 1 only, to fit a device call: the 8B-shaped target compiles per token count)
+#   compile   the target stage's steps-5 top-1 point at batch 1 and 8, without and then with --enable-torch-compile
+#             (inductor's default mode, to fit a device call: max-autotune benchmarks every GEMM of every shape)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
 #             suite with forwards on CUDA
@@ -66,11 +66,13 @@ for stage in "${stages[@]}"; do
                    --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 \
                    --steps 5,7 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 \
                    --speculative-attention-mode decode --out "$OUT/target_decode_mode.json" > "$OUT/modes.log" 2>&1 ;;
-        compile) SPLITSPEC_TORCH_COMPILE_MODE=${SPLITSPEC_TORCH_COMPILE_MODE:-default} python3 -P -m splitspec bench \
-                   --device cuda --dtype bfloat16 --preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b \
-                   --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 --steps 5 --topk 1 \
-                   --num-draft-tokens 8 --batch-size 1 --prompt-len 128 --output-len 128 --enable-torch-compile \
-                   --torch-compile-max-bs 1 --out "$OUT/target_compile.json" > "$OUT/compile.log" 2>&1 ;;
+        compile) for compiled in "" --enable-torch-compile; do
+                   SPLITSPEC_TORCH_COMPILE_MODE=${SPLITSPEC_TORCH_COMPILE_MODE:-default} python3 -P -m splitspec bench \
+                       --device cuda --dtype bfloat16 --preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b \
+                       --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 --steps 5 --topk 1 \
+                       --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 $compiled \
+                       --out "$OUT/target_compile${compiled:+_on}.json" >> "$OUT/compile.log" 2>&1 || break
+               done ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py > "$OUT/pytest_cuda.log" 2>&1 ;;

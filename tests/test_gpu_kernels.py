@@ -238,5 +238,5 @@ def test_draft_loop_graphs_equal_eager(tmp_path):
             assert used == (1 if d is drafters[1] else 0), (count, used)  # the padding key
         for eager, graphed in zip(*trees):
             assert (graphed.tokens, graphed.parents) == (eager.tokens, eager.parents), (count, eager, graphed)
-            assert graphed.scores == pytest.approx(eager.scores, rel=2e-2, abs=1e-4), (count, eager, graphed)
+            assert graphed.scores == pytest.approx(eager.scores, rel=5e-2, abs=2e-4), (count, eager, graphed)  # bf16 forwards
     assert drafters[1].loop.replays == 3
