@@ -216,11 +216,13 @@ def test_flashinfer_prefix_attention_matches_torch(tmp_path):
 @needs_flashinfer
 def test_draft_loop_graphs_equal_eager(tmp_path):
     """The whole draft replayed from CUDA graphs (batches padded to captured sizes) gives the eager loop's
-    trees, and nothing is written to the paged cache."""
+    trees, and nothing is written to the paged cache. In fp16: a padded batch may split FlashInfer's work
+    differently, and bf16's rounding then flips near-tied candidates of this random model (seen on an H100)."""
     from splitspec.drafter_svc.standalone import StandaloneDrafter
 
     path = checkpoint(tmp_path)
-    drafters = [StandaloneDrafter(runner(path, "flashinfer"), topk=3, num_steps=4, num_draft_tokens=12) for _ in range(2)]
+    drafters = [StandaloneDrafter(runner(path, "flashinfer", dtype="float16"), topk=3, num_steps=4, num_draft_tokens=12)
+                for _ in range(2)]
     drafters[1].loop.capture(8)
     assert sorted(drafters[1].loop.graphs) == [1, 2, 4, 8]
     g = torch.Generator().manual_seed(4)
@@ -238,5 +240,5 @@ def test_draft_loop_graphs_equal_eager(tmp_path):
             assert used == (1 if d is drafters[1] else 0), (count, used)  # the padding key
         for eager, graphed in zip(*trees):
             assert (graphed.tokens, graphed.parents) == (eager.tokens, eager.parents), (count, eager, graphed)
-            assert graphed.scores == pytest.approx(eager.scores, rel=5e-2, abs=2e-4), (count, eager, graphed)  # bf16 forwards
+            assert graphed.scores == pytest.approx(eager.scores, rel=1e-2, abs=1e-4), (count, eager, graphed)
     assert drafters[1].loop.replays == 3
