@@ -212,6 +212,34 @@ def check_accept_tree_coins(device: str) -> int:
     return accepted_total
 
 
+def check_rope_and_kv_write(device: str, dtype: torch.dtype) -> None:
+    """RoPE on strided q/k views (as the model splits its fused qkv), full and partial rotary dims, and the
+    fused RoPE + KV-cache write: rotated keys and the values land at their slots, nothing else is touched."""
+    g = torch.Generator().manual_seed(7)
+    tol = dict(rtol=2**-7, atol=2**-7) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+    for head_dim, rot_dim in ((128, 128), (64, 32)):
+        qkv = torch.randn(5, (8 + 2 + 2) * head_dim, generator=g).to(device, dtype)
+        q = qkv[:, : 8 * head_dim].view(5, 8, head_dim)
+        k = qkv[:, 8 * head_dim : 10 * head_dim].view(5, 2, head_dim)
+        v = qkv[:, 10 * head_dim :].view(5, 2, head_dim)
+        freqs = torch.arange(64).float()[:, None] * torch.rand(rot_dim // 2, generator=g)[None]
+        cos, sin = freqs.cos().to(device), freqs.sin().to(device)
+        positions = torch.tensor([0, 3, 9, 63, 17], device=device)
+        for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, positions, rot_dim),
+                             torch_ops.apply_rope(q, k, cos, sin, positions, rot_dim)):
+            torch.testing.assert_close(got, want, **tol)
+        slots = torch.tensor([7, 0, 31, 12, 3], device=device)
+        caches = [[torch.zeros(40, 2, head_dim, device=device, dtype=dtype) for _ in range(2)] for _ in range(2)]
+        q_fused = triton_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[0], slots)
+        q_twin = torch_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[1], slots)
+        torch.testing.assert_close(q_fused, q_twin, **tol)
+        torch.testing.assert_close(caches[0][0], caches[1][0], **tol)  # rotated keys at their slots
+        assert torch.equal(caches[0][1], caches[1][1])  # values copied as they are
+        untouched = torch.ones(40, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        assert not caches[0][0][untouched.to(device)].any() and not caches[0][1][untouched.to(device)].any()
+
+
 def check_norms_and_activation(device: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for rows, width in ((1, 64), (7, 384), (3, 1000)):
@@ -233,6 +261,7 @@ def main(device: str = "cpu") -> int:
         for dtype in dtypes:
             moved = check_move_kv_slots(device, dtype)
             check_norms_and_activation(device, dtype)
+            check_rope_and_kv_write(device, dtype)
         accepted = check_verify_tree_greedy(device)
         drawn = check_gumbel_argmax(device)
         draft_rows = check_draft_topk(device)
@@ -240,8 +269,8 @@ def main(device: str = "cpu") -> int:
         coin_accepted = check_accept_tree_coins(device)
     print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
           f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
-          f"top-k rows, {filtered} top-k/top-p rows, norms and SiLU-and-mul in {[str(d) for d in dtypes]}: all equal "
-          "their twins")
+          f"top-k rows, {filtered} top-k/top-p rows, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
+          f"{[str(d) for d in dtypes]}: all equal their twins")
     return 0
 
 

@@ -40,32 +40,11 @@ def test_triton_kernels_match_their_twins():
             torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
             gate_up = torch.randn(rows, 2 * width, device="cuda", dtype=torch.bfloat16, generator=g)
             assert torch.equal(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up))
-    for head_dim, rot_dim in ((128, 128), (64, 32)):
-        qkv = torch.randn(5, (8 + 2 + 2) * head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-        q = qkv[:, : 8 * head_dim].view(5, 8, head_dim)  # strided views, as the model splits its fused qkv
-        k = qkv[:, 8 * head_dim : 10 * head_dim].view(5, 2, head_dim)
-        freqs = torch.arange(64, device="cuda").float()[:, None] * torch.rand(rot_dim // 2, device="cuda", generator=g)[None]
-        cos, sin = freqs.cos(), freqs.sin()
-        positions = torch.tensor([0, 3, 9, 63, 17], device="cuda")
-        with torch.no_grad():
-            for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, positions, rot_dim),
-                                 torch_ops.apply_rope(q, k, cos, sin, positions, rot_dim)):
-                differ = (got != want).float().mean().item()
-                torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7,
-                                           msg=lambda m: f"{m} ({differ:.2%} of elements differ)")
-            v = qkv[:, 10 * head_dim :].view(5, 2, head_dim)
-            slots = torch.tensor([7, 0, 31, 12, 3], device="cuda")
-            caches = [[torch.zeros(40, 2, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)]
-            q_fused = triton_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[0], slots)
-            q_twin = torch_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[1], slots)
-            torch.testing.assert_close(q_fused, q_twin, rtol=2**-7, atol=2**-7)
-            torch.testing.assert_close(caches[0][0], caches[1][0], rtol=2**-7, atol=2**-7)  # rotated keys at their slots
-            assert torch.equal(caches[0][1], caches[1][1])  # values copied as they are
 
 
 def test_new_triton_kernels_match_their_twins_compiled():
-    """KV-slot compaction and greedy tree acceptance (and the norms again) compiled on the GPU: the checks the
-    CPU suite runs under Triton's interpreter (tests/kernel_checks.py)."""
+    """Every kernel against its twin compiled on the GPU (bf16 and fp32): the checks the CPU suite runs under
+    Triton's interpreter (tests/kernel_checks.py), RoPE and the fused RoPE + KV write among them."""
     import kernel_checks
 
     assert kernel_checks.main("cuda") == 0
