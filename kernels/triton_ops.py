@@ -381,6 +381,18 @@ def top_k_top_p(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.
 
 # SGLang's threshold acceptance, with the bonus token ------------------------------------------------------
 @triton.jit
+def _rejected(cols, cand_ptr, next_sibling_ptr, tree, first, n: tl.constexpr):
+    """Which of cols hold the token of node first or of one of its later siblings (first < 0: none)."""
+    removed = cols < 0
+    child = first
+    for _ in range(n):
+        safe = tl.where(child >= 0, child, 0)
+        removed = removed | ((child >= 0) & (cols == tl.load(cand_ptr + tree + safe)))
+        child = tl.where(child >= 0, tl.load(next_sibling_ptr + tree + safe), -1)
+    return removed
+
+
+@triton.jit
 def _accept_tree_coins_kernel(cand_ptr, next_token_ptr, next_sibling_ptr, probs_ptr, coins_ptr, final_coins_ptr,
                               index_ptr, len_ptr, bonus_ptr, threshold_single, threshold_acc, n: tl.constexpr,
                               V: tl.constexpr, MAX_DEPTH: tl.constexpr, BLOCK: tl.constexpr):
@@ -418,31 +430,19 @@ def _accept_tree_coins_kernel(cand_ptr, next_token_ptr, next_sibling_ptr, probs_
     tl.store(len_ptr + row, accepted)
     # bonus: inverse-CDF draw from the target distribution at the last accepted node, the rejected children's
     # tokens removed (all of its children when the walk ended there by rejecting them)
-    first_child = tl.load(next_token_ptr + tree + last)
+    rejected_first = tl.where(ended_by_rejection != 0, tl.load(next_token_ptr + tree + last), -1)
     total = 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         w = tl.load(probs + last * V + cols, mask=cols < V, other=0.0)
-        removed = cols < 0
-        child = tl.where(ended_by_rejection != 0, first_child, -1)
-        for _ in range(n):
-            token = tl.load(cand_ptr + tree + tl.where(child >= 0, child, 0))
-            removed = removed | ((child >= 0) & (cols == token))
-            child = tl.where(child >= 0, tl.load(next_sibling_ptr + tree + tl.where(child >= 0, child, 0)), -1)
-        total += tl.sum(tl.where(removed, 0.0, w), axis=0)
+        total += tl.sum(tl.where(_rejected(cols, cand_ptr, next_sibling_ptr, tree, rejected_first, n), 0.0, w), axis=0)
     goal = tl.load(final_coins_ptr + tree + last) * total
     running = 0.0
     found = tl.full((), V, tl.int64)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         w = tl.load(probs + last * V + cols, mask=cols < V, other=0.0)
-        removed = cols < 0
-        child = tl.where(ended_by_rejection != 0, first_child, -1)
-        for _ in range(n):
-            token = tl.load(cand_ptr + tree + tl.where(child >= 0, child, 0))
-            removed = removed | ((child >= 0) & (cols == token))
-            child = tl.where(child >= 0, tl.load(next_sibling_ptr + tree + tl.where(child >= 0, child, 0)), -1)
-        w = tl.where(removed, 0.0, w)
+        w = tl.where(_rejected(cols, cand_ptr, next_sibling_ptr, tree, rejected_first, n), 0.0, w)
         cdf = running + tl.cumsum(w, axis=0)
         at = tl.min(tl.where((cdf > goal) & (cols < V), cols, V), axis=0).to(tl.int64)
         found = tl.minimum(found, at)
