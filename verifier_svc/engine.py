@@ -492,7 +492,8 @@ class Engine:
         next_token, next_sibling = child_links(tree.parents)
         if greedy_targets is not None and self._plain_greedy(request.params):
             return accept_target_tokens(list(tree.tokens), next_token, next_sibling, greedy_targets)
-        output_positions = [len(request.output_ids) + d for d in depths(tree.parents)]
+        node_depths = depths(tree.parents)
+        output_positions = [len(request.output_ids) + d for d in node_depths]
         params = request.params
         if params.has_penalties:  # each node with the drafts on its own path counted (lossless, see penalties)
             node_logits = apply_penalties(node_logits, params, request.prompt_ids, request.output_ids,
@@ -512,7 +513,7 @@ class Engine:
         coin_rows = torch.tensor([coins, final_coins], dtype=torch.float32, device=device)
         index, length, bonus = kernels.accept_tree_coins(
             links[0:1], links[1:2], links[2:3], probs[None], coin_rows[0:1], coin_rows[1:2],
-            self.spec.accept_threshold_single, self.spec.accept_threshold_acc, max(depths(tree.parents)))
+            self.spec.accept_threshold_single, self.spec.accept_threshold_acc, max(node_depths))
         walk = torch.cat([index[0], length, bonus]).tolist()  # one transfer
         path = walk[: walk[-2] + 1]
         return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [walk[-1]])

@@ -148,15 +148,10 @@ class StepGraphs:
         """q when the batch is graph-shaped: at most max_bs requests of q tokens each (q = 1 without masks,
         q > 1 each under a tree mask), every row asking for logits; None otherwise."""
         attention = batch.attention
-        n = attention.num_requests
-        q = attention.q_lens[0]
-        if n > self.max_bs or any(x != q for x in attention.q_lens):
+        n, q = attention.num_requests, attention.step_tokens
+        if q is None or n > self.max_bs:
             return None
-        if q == 1:
-            ok = all(m is None for m in attention.masks) and batch.cu_logits == list(range(n + 1))
-        else:
-            ok = all(m is not None for m in attention.masks) and batch.cu_logits == list(range(0, n * q + 1, q))
-        return q if ok else None
+        return q if batch.cu_logits == list(range(0, n * q + 1, q)) else None
 
     def run(self, batch, q: int):
         """(hidden [r*q, H], captured list, logits [r*q, V]) of a graph-shaped batch (see tokens_per_request)."""

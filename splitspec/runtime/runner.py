@@ -127,6 +127,11 @@ def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtyp
     return num_tokens // rc.page_size
 
 
+def _graphs_supported(backend: AttentionBackend) -> bool:
+    """The backend plans into fixed buffers (graph_state), unless it says otherwise (graphs_supported)."""
+    return getattr(backend, "graphs_supported", hasattr(backend, "graph_state"))
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
                  capture_layers: tuple[int, ...] = (), model_dir: Path | None = None, cuda_graph_max_bs: int = 0,
@@ -138,8 +143,7 @@ class ModelRunner:
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
-        graphs_supported = getattr(backend, "graphs_supported", hasattr(backend, "graph_state"))
-        self.cuda_graph_max_bs = cuda_graph_max_bs if graphs_supported and self.device.type == "cuda" else 0
+        self.cuda_graph_max_bs = cuda_graph_max_bs if _graphs_supported(backend) and self.device.type == "cuda" else 0
         self.graphs = None
         self.compiled = None
         if torch_compile_max_bs > 0:
@@ -202,31 +206,20 @@ class ModelRunner:
         max_bs = 0 if rc.disable_cuda_graph else (rc.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS)
         logger.info("attention backend %s%s%s", backend_name, ", trees verified in decode mode" if rc.attention_mode == "decode" else "",
                     f", CUDA graphs for decode batches up to {max_bs}" if max_bs and device.type == "cuda"
-                    and getattr(backend, "graphs_supported", hasattr(backend, "graph_state")) else "")
+                    and _graphs_supported(backend) else "")
         if rc.torch_compile_max_bs:
             logger.info("torch.compile for uniform batches of up to %d requests (each new token count compiles "
                         "once, at its first use)", rc.torch_compile_max_bs)
         return cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs,
                    torch_compile_max_bs=rc.torch_compile_max_bs)
 
-    def model_call(self, num_requests: int, input_ids: torch.Tensor, positions: torch.Tensor, backend, plan,
+    def model_call(self, num_requests: int | None, input_ids: torch.Tensor, positions: torch.Tensor, backend, plan,
                    capture_layers: tuple[int, ...] = (), **extra):
-        """The model's forward for a uniform batch of num_requests: compiled when --enable-torch-compile
-        covers that batch size, else eager."""
-        if self.compiled is not None and num_requests <= self.compiled.max_bs:
+        """The model's forward for a step-shaped batch of num_requests (None: another shape): compiled when
+        --enable-torch-compile covers that batch size, else eager."""
+        if self.compiled is not None and num_requests is not None and num_requests <= self.compiled.max_bs:
             return self.compiled(input_ids, positions, backend, plan, capture_layers, **extra)
         return self.model(input_ids, positions, backend, plan, capture_layers, **extra)
-
-    @staticmethod
-    def _step_shaped(batch: ForwardBatch) -> bool:
-        """A batch the compiled forward serves: every request one token without a mask (decode, draft
-        catch-up by one), or every request a tree of the same node count under its mask (verification).
-        Prompt chunks and mixed batches, whose token counts vary without bound, run eagerly."""
-        attention = batch.attention
-        q_lens = attention.q_lens
-        if not q_lens or any(q != q_lens[0] for q in q_lens):
-            return False
-        return all((m is None) == (q_lens[0] == 1) for m in attention.masks)
 
     def batch(self, sequences: list[SequenceInput]) -> ForwardBatch:
         return build_forward_batch(self.kv_cache, sequences, self.device)
@@ -249,13 +242,10 @@ class ModelRunner:
         extra = {} if features is None else {"features": features.to(self.device)}
         if draft_layer is not None:
             extra["draft_layer"] = draft_layer
-        if self._step_shaped(batch):  # maybe compiled
-            q_lens = batch.attention.q_lens
-            hidden, captured = self.model_call(len(q_lens), batch.input_ids, batch.positions, self.backend, plan,
-                                               self.capture_layers, **extra)
-        else:
-            hidden, captured = self.model(batch.input_ids, batch.positions, self.backend, plan, self.capture_layers,
-                                          **extra)
+        # a step-shaped batch may run compiled; prompt chunks and mixed batches (token counts without bound) never
+        step_shaped = batch.attention.step_tokens is not None
+        hidden, captured = self.model_call(batch.attention.num_requests if step_shaped else None, batch.input_ids,
+                                           batch.positions, self.backend, plan, self.capture_layers, **extra)
         logits = self.model.logits(hidden[batch.logits_indices])
         return ForwardOutput(
             logits=logits,

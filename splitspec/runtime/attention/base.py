@@ -34,6 +34,15 @@ class AttentionBatch:
     def num_requests(self) -> int:
         return len(self.q_lens)
 
+    @property
+    def step_tokens(self) -> int | None:
+        """q when the batch is a step's shape: every request adds q tokens, one without a mask (decode) or
+        a tree of q nodes under its mask (verification); None for prompt chunks and mixed batches."""
+        if not self.q_lens or any(q != self.q_lens[0] for q in self.q_lens):
+            return None
+        q = self.q_lens[0]
+        return q if all((m is None) == (q == 1) for m in self.masks) else None
+
 
 class AttentionBackend(ABC):
     """Writes each layer's new K/V into the paged cache and attends over it."""
