@@ -8,14 +8,27 @@ token) and asks for trees rooted at the sequence's last token, which the target 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from splitspec.registry import load_entry
 from splitspec.runtime.tree import DraftTree
 
 
+@dataclass(frozen=True)
+class Bet:
+    """Overlap: the tree a drafter would propose if the request's sequence grows by exactly `outcome`
+    (the accepted drafts of the tree now being verified, then the bonus token); tree.tokens[0] is
+    outcome[-1]. Drafted while the verifier verifies; a wrong bet is never used, so it costs no
+    correctness, only the drafter's time."""
+
+    outcome: tuple[int, ...]
+    tree: DraftTree
+
+
 class Drafter(ABC):
     name: str = ""
     needs_hidden_states = False  # EAGLE-style: extend() also gets the target's hidden state before each token
+    supports_bets = False  # draft_bets() returns bets (overlapped drafting)
 
     @abstractmethod
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
@@ -34,6 +47,16 @@ class Drafter(ABC):
     @abstractmethod
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
+
+    def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
+        """Overlap: up to num_bets bets per request on the outcome of its current tree (the one draft()
+        returned last, or the bet take_bet() named), most likely first. The drafter's state must not
+        change: the real outcome still arrives through extend(). Default: no bets."""
+        return [[] for _ in request_ids]
+
+    def take_bet(self, request_id: str, index: int) -> None:
+        """The verifier verifies bet `index` of the request's last draft_bets() as its next tree (its
+        outcome came true and is about to arrive through extend()); the next draft_bets() bets on it."""
 
 
 class HiddenStateDrafter(Drafter):

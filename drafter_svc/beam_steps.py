@@ -18,6 +18,7 @@ from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.draft_loop import DraftLoop
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
+from splitspec.drafter_svc.base import Bet
 from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree, batched_topk
 
 logger = logging.getLogger(__name__)
@@ -79,3 +80,146 @@ def expand_beams(runner: ModelRunner, beams: list[BeamDraft], tables: list[Block
             width = len(frontiers[k])
             beam.expand_topk(top_p[row : row + width], top_idx[row : row + width])
             start, row = start + n, row + width
+
+
+class _Current:
+    """What the drafter knows of the tree being verified for a request: the tree, the loop's best path
+    (target ids, depth 1..S) and, for a head, the outputs its first S-1 nodes were drafted from."""
+
+    __slots__ = ("tree", "path", "path_hidden", "budget")
+
+    def __init__(self, tree: DraftTree, path: list[int], path_hidden: torch.Tensor | None, budget: int):
+        self.tree, self.path, self.path_hidden, self.budget = tree, path, path_hidden, budget
+
+
+def _in_tree(tree: DraftTree, path: list[int]) -> int:
+    """How many of path's tokens the tree holds as a chain from its root."""
+    children: dict[int, dict[int, int]] = {}
+    for node in range(1, tree.num_nodes):
+        children.setdefault(tree.parents[node], {}).setdefault(tree.tokens[node], node)
+    node, depth = 0, 0
+    for token in path:
+        node = children.get(node, {}).get(token)
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+class ModelBets:
+    """Overlap's bets for a draft model or head drafting with runtime.draft_loop (STANDALONE, EAGLE,
+    EAGLE3). For the tree being verified, the loop's most likely full-depth path P (cut to what the tree
+    holds: m tokens). Outcomes, one per accept length a = m, m-1, .., 0 (the longest first), then a second
+    guess for each: the drafts P[:a] accepted and a bonus token guessed from the draft's distribution after
+    them (for a < m the guess is not P[a], which the verifier rejected). Drafting them, in one batch for all
+    requests and outcomes, never touches a request's own KV:
+
+        1. fork the request's KV (whole pages shared) and forward P[:m] after the root, a head fed the
+           features P was drafted with: the distributions after each prefix
+        2. per outcome, fork that at root + a and forward the guess (a head: fed the output after P[:a])
+        3. the draft loop from each guess: the bet trees
+        4. release the forks
+
+    A bet's tree and path are kept, so that when its outcome comes true (take_bet) the next bets follow it.
+    The class using it provides runner, loop, token_map, `current` and `bets` dicts, and
+    `_bet_roots(request_ids)`: per request (KV table whose last row is the root, the root's logits [V],
+    the root's output feature or None), after catching up on what extend() brought."""
+
+    supports_bets = True
+    feeds_features = False  # a head: rows are fed features
+
+    def _remember(self, request_ids: list[str], trees: list[DraftTree], budgets: list[int]) -> None:
+        """After a loop run for these requests: their current trees."""
+        loop = self.loop
+        for k, (request_id, tree, budget) in enumerate(zip(request_ids, trees, budgets)):
+            hidden = None if loop.path_hidden is None else loop.path_hidden[k]
+            self.current[request_id] = _Current(tree, loop.paths[k], hidden, budget)
+
+    def take_bet(self, request_id: str, index: int) -> None:
+        self.current[request_id] = self.bets[request_id][index][1]
+
+    def _forget_bets(self, request_id: str) -> None:
+        self.current.pop(request_id, None)
+        self.bets.pop(request_id, None)
+
+    @torch.inference_mode()
+    def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
+        out: list[list[Bet]] = [[] for _ in request_ids]
+        asked = [(k, r) for k, r in enumerate(request_ids) if r in self.current and self.current[r].tree is not None]
+        if self.loop is None or num_bets < 1 or not asked:
+            return out
+        runner, kv = self.runner, self.runner.kv_cache
+        roots = self._bet_roots([r for _, r in asked])
+        forks: list[BlockTable] = []
+        try:
+            # 1. the path after each root, in forks of the requests' KV
+            sequences, features, cuts = [], [], []
+            for (_, request_id), (table, _, root_feature) in zip(asked, roots):
+                current = self.current[request_id]
+                m = _in_tree(current.tree, current.path)
+                cuts.append(m)
+                fork = kv.fork(table, table.num_tokens)
+                forks.append(fork)
+                kv.reserve(fork, table.num_tokens + m)
+                if m:
+                    sequences.append(SequenceInput(fork, current.path[:m], logits="all"))
+                if m and self.feeds_features:
+                    features.append(torch.cat([root_feature[None], current.path_hidden[: m - 1]]))
+            output = None
+            if sequences:
+                batch = runner.batch(sequences)
+                output = runner.forward(batch, return_hidden=self.feeds_features,
+                                        features=torch.cat(features) if self.feeds_features else None)
+            # 2. the outcomes and their guessed bonus tokens, then the guesses' rows in forks of those forks
+            plans, row = [], 0
+            for k, ((_, request_id), (table, root_logits, root_feature), m) in enumerate(zip(asked, roots, cuts)):
+                if m:
+                    kv.set_length(forks[k], table.num_tokens + m)
+                after = [root_logits] + ([output.logits[row + j] for j in range(m)] if m else [])
+                outputs = [root_feature] + ([output.hidden_states[row + j] for j in range(m)]
+                                            if m and self.feeds_features else [None] * m)
+                row += m
+                path = self.current[request_id].path
+                choices = []
+                for rank in range(2):
+                    for a in range(m, -1, -1):
+                        choices.append((a, rank))
+                guesses = {}
+                for a in range(m, -1, -1):  # the best two tokens after P[:a], P[a] excluded where it was rejected
+                    top = after[a].float().topk(3).indices
+                    ids = (top if self.token_map is None else self.token_map[top]).tolist()
+                    guesses[a] = [t for t in ids if a == m or t != path[a]][:2]
+                for a, rank in choices[:num_bets]:
+                    if rank < len(guesses[a]):
+                        plans.append((k, a, guesses[a][rank], outputs[a]))
+            if not plans:
+                return out
+            bet_tables, sequences = [], []
+            for k, a, guess, _ in plans:
+                table = kv.fork(forks[k], roots[k][0].num_tokens + a)
+                forks.append(table)
+                kv.reserve(table, table.num_tokens + 1)
+                sequences.append(SequenceInput(table, [guess], logits="last"))
+                bet_tables.append(table)
+            batch = runner.batch(sequences)
+            feats = torch.stack([p[3] for p in plans]) if self.feeds_features else None
+            output = runner.forward(batch, return_hidden=self.feeds_features, features=feats)
+            for table in bet_tables:
+                kv.set_length(table, table.num_tokens + 1)
+            # 3. the draft loop from every guess at once
+            budgets = [self.current[asked[k][1]].budget for k, _, _, _ in plans]
+            trees = self.loop.run([g for _, _, g, _ in plans], output.logits, output.hidden_states if self.feeds_features
+                                  else None, bet_tables, budgets)
+            kept: dict[int, list] = {}
+            for j, ((k, a, guess, _), tree, budget) in enumerate(zip(plans, trees, budgets)):
+                request_id = asked[k][1]
+                outcome = tuple(self.current[request_id].path[:a]) + (guess,)
+                hidden = None if self.loop.path_hidden is None else self.loop.path_hidden[j]
+                kept.setdefault(k, []).append((Bet(outcome, tree), _Current(tree, self.loop.paths[j], hidden, budget)))
+            for k, (position, request_id) in enumerate(asked):
+                self.bets[request_id] = kept.get(k, [])
+                out[position] = [bet for bet, _ in self.bets[request_id]]
+            return out
+        finally:
+            for table in forks:  # 4.
+                kv.release(table)

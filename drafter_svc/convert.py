@@ -15,9 +15,10 @@ def envelope(name: str, epoch: int, session: int, **kind) -> pb.DrafterMessage:
 
 
 def register(algorithm: str, draft_model: str, vocab_size: int, layers: list[int], capacity: int, max_nodes: int,
-             metrics_port: int = 0, metrics_host: str = "") -> pb.Register:
+             metrics_port: int = 0, metrics_host: str = "", device: str = "") -> pb.Register:
     return pb.Register(algorithm=algorithm, draft_model=draft_model, vocab_size=vocab_size, hidden_state_layers=layers,
-                       capacity=capacity, max_tree_nodes=max_nodes, metrics_port=metrics_port, metrics_host=metrics_host)
+                       capacity=capacity, max_tree_nodes=max_nodes, metrics_port=metrics_port, metrics_host=metrics_host,
+                       device=device)
 
 
 def heartbeat(num_requests: int, steps: int) -> pb.Heartbeat:
@@ -27,6 +28,13 @@ def heartbeat(num_requests: int, steps: int) -> pb.Heartbeat:
 def draft_reply(step_id: int, trees: list[tuple[str, DraftTree]], seconds: float, unknown: list[str]) -> pb.DraftReply:
     return pb.DraftReply(step_id=step_id, draft_seconds=seconds, unknown_request_ids=unknown,
                          trees=[pb.WireTree(request_id=r, tokens=t.tokens, parents=t.parents) for r, t in trees])
+
+
+def draft_bets(step_id: int, bets: list[tuple[str, object]], seconds: float) -> pb.DraftBets:
+    """bets: (request id, base.Bet)."""
+    return pb.DraftBets(step_id=step_id, draft_seconds=seconds, bets=[
+        pb.WireBet(request_id=r, outcome=b.outcome, tree=pb.WireTree(request_id=r, tokens=b.tree.tokens, parents=b.tree.parents))
+        for r, b in bets])
 
 
 def parse_verifier(data: bytes) -> pb.VerifierMessage:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from splitspec.drafter_svc.base import HiddenStateDrafter
-from splitspec.drafter_svc.beam_steps import draft_loop_for, host_beam_draft
+from splitspec.drafter_svc.beam_steps import ModelBets, draft_loop_for, host_beam_draft
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
@@ -39,9 +39,10 @@ class _State:
         self.last_token = tokens[-1]
 
 
-class EagleDrafter(HiddenStateDrafter):
+class EagleDrafter(ModelBets, HiddenStateDrafter):
     name = "EAGLE"
     state_class = _State
+    feeds_features = True
 
     def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int,
                  token_map: torch.Tensor | None = None):
@@ -51,21 +52,22 @@ class EagleDrafter(HiddenStateDrafter):
         self.token_map = token_map
         self.max_catch_up = 2048  # rows per request per forward when catching up
         self.states: dict[str, _State] = {}
+        self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
 
-    @torch.inference_mode()
-    def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
-        out: list[DraftTree | None] = [None] * len(request_ids)
-        asked = [(i, self.states[r], min(self.num_draft_tokens, b)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
-                 if self.states[r].pending_tokens or (b >= 2 and self.states[r].root_feature is not None)]
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self._forget_bets(request_id)
+
+    def _catch_up(self, states: list[_State]) -> dict[int, torch.Tensor]:
+        """Forward every state's rows not yet in the head's KV, in rounds of at most max_catch_up rows per
+        request (a long prompt, a re-pin); {index in states: the root row's logits} for those that had any."""
         kv = self.runner.kv_cache
-        # rows not yet in the head's KV, for every asked request (a budget below 2 only catches up)
-        catch_up = [(i, s) for i, s, _ in asked if s.pending_tokens]
-        asked = [a for a in asked if a[2] >= 2]
+        catch_up = [(i, s) for i, s in enumerate(states) if s.pending_tokens]
         root_logits: dict[int, torch.Tensor] = {}
         for _, s in catch_up:
             s.pending_hidden = [torch.cat(s.pending_hidden)]
-        while catch_up:  # in rounds of at most max_catch_up rows per request (a long prompt, a re-pin)
+        while catch_up:
             sequences, features, taken = [], [], []
             for _, s in catch_up:
                 n = min(len(s.pending_tokens), self.max_catch_up)
@@ -84,20 +86,40 @@ class EagleDrafter(HiddenStateDrafter):
                     root_logits[i] = output.logits[row]
                     s.pending_hidden = []
             catch_up = [(i, s) for i, s in catch_up if s.pending_tokens]
+        return root_logits
+
+    def _root_logits(self, states: list[_State]) -> list[torch.Tensor]:
+        """Each (caught-up or catching-up) state's root logits."""
+        computed = self._catch_up(states)
+        return [computed[i] if i in computed else self.runner.model.logits(s.root_feature[None])[0]
+                for i, s in enumerate(states)]
+
+    def _bet_roots(self, request_ids: list[str]):
+        states = [self.states[r] for r in request_ids]
+        return [(s.table, logits, s.root_feature) for s, logits in zip(states, self._root_logits(states))]
+
+    @torch.inference_mode()
+    def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
+        out: list[DraftTree | None] = [None] * len(request_ids)
+        asked = [(i, self.states[r], min(self.num_draft_tokens, b)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
+                 if self.states[r].pending_tokens or (b >= 2 and self.states[r].root_feature is not None)]
+        # rows not yet in the head's KV, for every asked request in one batch (a budget below 2 only catches up)
+        computed = self._catch_up([s for _, s, _ in asked])
+        asked = [(i, s, b, computed.get(j)) for j, (i, s, b) in enumerate(asked) if b >= 2]
         if not asked:
             return out
-        missing = [(i, s) for i, s, _ in asked if i not in root_logits]
-        if missing:  # asked again with nothing new: the root row's logits from its stored output
-            for i, s in missing:
-                root_logits[i] = self.runner.model.logits(s.root_feature[None])[0]
-        logits = torch.stack([root_logits[i] for i, _, _ in asked])
-        states = [s for _, s, _ in asked]
+        states = [s for _, s, _, _ in asked]
+        logits = torch.stack([lg if lg is not None else self.runner.model.logits(s.root_feature[None])[0]
+                              for _, s, _, lg in asked])
+        asked = [(i, s, b) for i, s, b, _ in asked]
+        budgets = [b for _, _, b in asked]
         if self.loop is not None:
             trees = self.loop.run([s.last_token for s in states], logits, torch.stack([s.root_feature for s in states]),
-                                  [s.table for s in states], [b for _, _, b in asked])
+                                  [s.table for s in states], budgets)
+            self._remember([request_ids[i] for i, _, _ in asked], trees, budgets)
         else:
             trees = host_beam_draft(self.runner, [s.last_token for s in states], logits, [s.table for s in states],
-                                    [b for _, _, b in asked], self, [s.root_feature for s in states])
+                                    budgets, self, [s.root_feature for s in states])
         for (i, _, _), tree in zip(asked, trees):
             out[i] = tree
         return out

@@ -36,6 +36,7 @@ class DrafterMetrics:
                             buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
         self.proposed = make(Counter, "drafter_proposed_tokens", "Draft tokens proposed (tree nodes below the roots).")
         self.trees = make(Counter, "drafter_trees", "Draft trees sent.")
+        self.bets = make(Counter, "drafter_bets", "Bet trees sent (overlap: drafted while the verifier verifies).")
         self.registrations = make(Counter, "drafter_registrations_accepted", "Registrations the verifier accepted.")
         self.resets = make(Counter, "drafter_session_resets",
                            "Sessions given up, by reason (verifier_silent, verifier_restarted, unknown_session).",

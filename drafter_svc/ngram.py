@@ -19,8 +19,8 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from splitspec.drafter_svc.base import Drafter
-from splitspec.runtime.tree import DraftTree
+from splitspec.drafter_svc.base import Bet, Drafter
+from splitspec.runtime.tree import DraftTree, leaf_outcomes
 
 MATCH_TYPES = ("BFS", "PROB")
 
@@ -189,10 +189,14 @@ class NgramDrafter(Drafter):
 
     name = "NGRAM"
 
+    supports_bets = True
+
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()
         self.trie = NgramTrie(self.config)
         self.contexts: dict[str, list[int]] = {}
+        self.current: dict[str, tuple[DraftTree | None, int]] = {}  # request -> (tree being verified, budget)
+        self.bets: dict[str, list[Bet]] = {}
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         self.trie.insert_window(list(prompt_ids))
@@ -206,7 +210,37 @@ class NgramDrafter(Drafter):
         del context[:-keep]
 
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
-        return [draft_from_context(self.trie, self.contexts[r], budget) for r, budget in zip(request_ids, max_nodes)]
+        trees = [draft_from_context(self.trie, self.contexts[r], budget) for r, budget in zip(request_ids, max_nodes)]
+        for request_id, budget, tree in zip(request_ids, max_nodes, trees):
+            self.current[request_id] = (tree, budget)
+        return trees
+
+    def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
+        """For the deepest leaves of the current tree: the path to the leaf accepted, the bonus token the
+        trie's best continuation after it, and the tree for the context grown by both."""
+        out = []
+        for request_id in request_ids:
+            tree, budget = self.current.get(request_id, (None, 0))
+            bets = []
+            for path in leaf_outcomes(tree):
+                if len(bets) >= num_bets:
+                    break
+                context = self.contexts[request_id] + path
+                guess = draft_from_context(self.trie, context, 2)
+                if guess is None:
+                    continue
+                bet_tree = draft_from_context(self.trie, context + [guess.tokens[1]], budget)
+                if bet_tree is not None:
+                    bets.append(Bet(tuple(path + [guess.tokens[1]]), bet_tree))
+            self.bets[request_id] = bets
+            out.append(bets)
+        return out
+
+    def take_bet(self, request_id: str, index: int) -> None:
+        bet = self.bets[request_id][index]
+        self.current[request_id] = (bet.tree, self.current[request_id][1])
 
     def release(self, request_id: str) -> None:
         self.contexts.pop(request_id, None)
+        self.current.pop(request_id, None)
+        self.bets.pop(request_id, None)

@@ -18,6 +18,11 @@ every call, so the draft cost is that of a real head; its own tree is discarded.
     tree      N nodes (the inner drafter's tree size, else the budget): the main path of depth
               min(S, N-1), then per depth up to topk-1 siblings of the main node (tokens that are
               not the reference's), breadth first, as a beam search would lay them out
+    bets      (overlap) as many bets as the inner drafter drafted for real, on the outcomes it bets on
+              (accept lengths S, S-1, .., 0, then second guesses); the bet on the length this step
+              will accept guesses the bonus token right with the guess rate (--speculative-replay-
+              guess-rate; default a_S / a_S-1, the profile's rate at its last depth), drawn like the
+              acceptance from a second Weyl sequence; every other bet is wrong
 
 Once a request's sequence leaves its reference (a bf16 near-tie the reference run broke the other way,
 or sampling), the replay knows no continuation: it still proposes a tree of the same shape, of tokens
@@ -31,7 +36,7 @@ import logging
 import random
 from pathlib import Path
 
-from splitspec.drafter_svc.base import Drafter
+from splitspec.drafter_svc.base import Bet, Drafter
 from splitspec.runtime.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -89,8 +94,14 @@ class ReplayDrafter(Drafter):
     simulated = True
 
     def __init__(self, inner: Drafter, references: list[list[int]], rates: list[float], vocab_size: int,
-                 num_steps: int, topk: int, num_draft_tokens: int, seed: int = 0):
+                 num_steps: int, topk: int, num_draft_tokens: int, seed: int = 0, guess_rate: float | None = None):
         self.inner, self.references, self.rates = inner, references, rates
+        if guess_rate is None:
+            guess_rate = rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[0]
+        self.guess_rate = guess_rate
+        self.supports_bets = inner.supports_bets
+        self.current: dict[str, tuple[int, DraftTree]] = {}  # request -> (drafts the target accepts, tree)
+        self.bets: dict[str, list[tuple[Bet, tuple[int, DraftTree]]]] = {}
         self.vocab_size, self.num_steps, self.topk, self.num_draft_tokens = vocab_size, num_steps, topk, num_draft_tokens
         self.seed = seed
         self.name = inner.name
@@ -124,6 +135,8 @@ class ReplayDrafter(Drafter):
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
         self.contexts.pop(request_id, None)
+        self.current.pop(request_id, None)
+        self.bets.pop(request_id, None)
         self.matched.pop(request_id, None)
         self.draws.pop(request_id, None)
 
@@ -132,8 +145,52 @@ class ReplayDrafter(Drafter):
         out: list[DraftTree | None] = []
         for request_id, budget, tree in zip(request_ids, max_nodes, paid):
             n = tree.num_nodes if tree is not None else min(budget, self.num_draft_tokens)
-            out.append(self._tree(request_id, n) if n >= 2 else None)
+            if n < 2:
+                out.append(None)
+                continue
+            k = self.draws[request_id] = self.draws.get(request_id, -1) + 1
+            reference = self._reference(request_id)
+            tree, accepted = self._tree(self.contexts[request_id], reference, self._draw(request_id, k), n)
+            self.current[request_id] = (accepted, tree)
+            out.append(tree)
         return out
+
+    def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
+        paid = self.inner.draft_bets(request_ids, num_bets)  # the real work; its trees are not used
+        out = []
+        for request_id, inner_bets in zip(request_ids, paid):
+            if request_id not in self.current or not inner_bets:
+                self.bets[request_id] = []
+                out.append([])
+                continue
+            accepted, tree = self.current[request_id]
+            context, reference = self.contexts[request_id], self._reference(request_id)
+            depth = min(self.num_steps, tree.num_nodes - 1)
+            main = list(tree.tokens[1 : depth + 1])  # _tree lays the main path out first
+            k = self.draws.get(request_id, -1) + 1  # the draw the next tree uses
+            n = len(context)
+            truth = reference[n - 1 + accepted + 1] if reference is not None and n + accepted < len(reference) else None
+            right = truth is not None and self._draw(request_id, k, salt="guess") < self.guess_rate
+            lengths = [(a, rank) for rank in range(2) for a in range(depth, -1, -1)][: len(inner_bets)]
+            bets = []
+            for a, rank in lengths:
+                hit = a == accepted and rank == 0 and right
+                guess = truth if hit else (main[a] if a < depth else context[-1]) + 1 + rank
+                guess %= self.vocab_size
+                outcome = tuple(main[:a]) + (guess,)
+                bet_context = context + list(outcome)
+                bet_tree, bet_accepted = self._tree(bet_context, reference, self._draw(request_id, k), tree.num_nodes)
+                bets.append((Bet(outcome, bet_tree), (bet_accepted, bet_tree)))
+            self.bets[request_id] = bets
+            out.append([bet for bet, _ in bets])
+        return out
+
+    def take_bet(self, request_id: str, index: int) -> None:
+        inner_bets = getattr(self.inner, "bets", {}).get(request_id) or []
+        if inner_bets:  # the inner drafter follows a bet of its own (cost only)
+            self.inner.take_bet(request_id, min(index, len(inner_bets) - 1))
+        self.current[request_id] = self.bets[request_id][index][1]
+        self.draws[request_id] = self.draws.get(request_id, -1) + 1
 
     # the simulated tree ------------------------------------------------------------------------------
     def _reference(self, request_id: str) -> list[int] | None:
@@ -154,20 +211,23 @@ class ReplayDrafter(Drafter):
         self.matched[request_id] = index
         return None if index < 0 else self.references[index]
 
-    def _tree(self, request_id: str, num_nodes: int) -> DraftTree:
-        context = self.contexts[request_id]
-        reference = self._reference(request_id)
+    def _draw(self, request_id: str, k: int, salt: str = "") -> float:
+        """This request's k-th draw: a Weyl sequence from a seeded start, so that the drawn depths follow
+        the profile closely even over a few dozen steps."""
+        start = random.Random(f"{self.seed}:{self.matched[request_id]}{salt}").random()
+        return (start + k * GOLDEN) % 1.0
+
+    def _tree(self, context: list[int], reference: list[int] | None, u: float, num_nodes: int) -> tuple[DraftTree, int]:
+        """(the tree for this context and draw, how many of its drafts the target will accept). A context
+        that is not a prefix of the reference gets a tree the target rejects."""
         n = len(context)
         depth = min(self.num_steps, num_nodes - 1)
+        if reference is not None and reference[:n] != context:
+            reference = None
         # the reference's next tokens, as far as it goes; past it (or without one) tokens nobody predicts
         truth = [reference[n - 1 + d] if reference is not None and n - 1 + d < len(reference) else -1
                  for d in range(1, depth + 1)]
-        # this request's k-th draw: a Weyl sequence from a seeded start, so the drawn depths follow the
-        # profile closely even over a few dozen steps; depth d is accepted when u < a_d
-        k = self.draws[request_id] = self.draws.get(request_id, -1) + 1
-        start = random.Random(f"{self.seed}:{self.matched[request_id]}").random()
-        u = (start + k * GOLDEN) % 1.0
-        accepted = 0
+        accepted = 0  # depth d is accepted when u < a_d
         while accepted < depth and truth[accepted] >= 0 and u < self.rates[accepted]:
             accepted += 1
 
@@ -189,7 +249,7 @@ class ReplayDrafter(Drafter):
         while len(tokens) < num_nodes:  # more nodes than such a tree holds: a chain under the last one
             tokens.append(wrong(depth - 1, len(tokens) + 1))
             parents.append(len(tokens) - 2)
-        return DraftTree(tuple(tokens), tuple(parents))
+        return DraftTree(tuple(tokens), tuple(parents)), accepted
 
 
 def wrap(drafter: Drafter, args, vocab_size: int, shape: tuple[int, int, int]) -> ReplayDrafter:
@@ -197,9 +257,10 @@ def wrap(drafter: Drafter, args, vocab_size: int, shape: tuple[int, int, int]) -
     steps, topk, tokens = shape
     replay = ReplayDrafter(drafter, load_references(args.speculative_replay),
                            parse_profile(args.speculative_replay_profile, steps), vocab_size, steps, topk, tokens,
-                           seed=args.speculative_replay_seed)
+                           seed=args.speculative_replay_seed,
+                           guess_rate=getattr(args, "speculative_replay_guess_rate", None))
     logger.warning("SIMULATED speculation: %s drafts for real but proposes the target's recorded continuation from %s "
-                   "(%d sequences), accepted per the profile %s (expected accept length %.2f)", drafter.name,
-                   args.speculative_replay, len(replay.references), args.speculative_replay_profile,
-                   1 + sum(replay.rates))
+                   "(%d sequences), accepted per the profile %s (expected accept length %.2f; overlap's bonus guesses "
+                   "right at rate %.2f)", drafter.name, args.speculative_replay, len(replay.references),
+                   args.speculative_replay_profile, 1 + sum(replay.rates), replay.guess_rate)
     return replay

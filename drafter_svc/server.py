@@ -22,7 +22,7 @@ from splitspec import engine_args
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
 from splitspec.runtime.args import LOG_LEVELS, setup_logging
-from splitspec.runtime.tensor_plane import FramePlane, TensorError
+from splitspec.runtime.tensor_plane import FramePlane, TensorError, device_identity
 
 logger = logging.getLogger("splitspec.drafter")
 
@@ -54,6 +54,7 @@ class DrafterServer:
         self.metrics_port, self.metrics_host = metrics_port, metrics_host  # told to the verifier at registration
         runner = getattr(drafter, "runner", None)
         self.device = runner.device if runner is not None else "cpu"
+        self.bet_steps = 0  # steps whose bets were drafted (overlap)
         self.context = zmq.Context.instance()
         self.socket = None
         self.stopping = False
@@ -91,7 +92,8 @@ class DrafterServer:
 
     def _register(self) -> None:
         self._send(register=convert.register(self.drafter.name, self.draft_model, self.vocab_size, self.hidden_state_layers,
-                                             self.capacity, self.max_nodes, self.metrics_port, self.metrics_host))
+                                             self.capacity, self.max_nodes, self.metrics_port, self.metrics_host,
+                                             device_identity(self.device)))
 
     # loop -------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -207,35 +209,54 @@ class DrafterServer:
         self.requests.add(request_id)
 
     def _draft(self, message, frames) -> None:
+        """Extend every ask's request by its new tokens; draft trees for the asks whose bet did not come
+        true and reply; then, when the verifier asked for bets (overlap), draft them for every asked
+        request while it verifies, and send them."""
         start = time.perf_counter()
+        step_id = message.draft.step_id
         asks = [a for a in message.draft.asks if a.request_id in self.requests]
         unknown = [a.request_id for a in message.draft.asks if a.request_id not in self.requests]
         hidden = self._hidden(message, frames) if self.drafter.needs_hidden_states else {}
         if hidden is None:  # unreadable states: these requests' histories cannot grow; reopen them
             unknown += [a.request_id for a in asks]
             for ask in asks:
-                self.drafter.release(ask.request_id)
-                self.requests.discard(ask.request_id)
+                self._forget(ask.request_id)
             asks = []
         kept = []
         for ask in asks:
-            if ask.new_token_ids and self.drafter.needs_hidden_states:
-                rows = hidden.get(ask.request_id)
-                if rows is None or rows.shape[0] != len(ask.new_token_ids):
-                    self._drop(f"draft {message.draft.step_id}: {ask.request_id} has {len(ask.new_token_ids)} new tokens "
-                               f"and {None if rows is None else rows.shape[0]} hidden states; reopening it")
-                    self.drafter.release(ask.request_id)
-                    self.requests.discard(ask.request_id)
-                    unknown.append(ask.request_id)
-                    continue
-                self.drafter.extend(ask.request_id, list(ask.new_token_ids), rows.to(self.device))
-            elif ask.new_token_ids:
-                self.drafter.extend(ask.request_id, list(ask.new_token_ids))
+            try:
+                if ask.bet_taken:  # the verifier verifies that bet now: the next bets follow it
+                    self.drafter.take_bet(ask.request_id, ask.bet_taken - 1)
+                if ask.new_token_ids and self.drafter.needs_hidden_states:
+                    rows = hidden.get(ask.request_id)
+                    if rows is None or rows.shape[0] != len(ask.new_token_ids):
+                        raise ValueError(f"{len(ask.new_token_ids)} new tokens and {None if rows is None else rows.shape[0]} "
+                                         "hidden states")
+                    self.drafter.extend(ask.request_id, list(ask.new_token_ids), rows.to(self.device))
+                elif ask.new_token_ids:
+                    self.drafter.extend(ask.request_id, list(ask.new_token_ids))
+            except (ValueError, KeyError, IndexError) as exc:  # its state cannot follow: the verifier opens it again
+                self._drop(f"draft {step_id}: {ask.request_id}: {exc}; reopening it")
+                self._forget(ask.request_id)
+                unknown.append(ask.request_id)
+                continue
             kept.append(ask)
-        asks = kept
-        budgets = [min(a.max_nodes, self.max_nodes) for a in asks]
+        fresh = [a for a in kept if not a.bet_taken]
+        budgets = [min(a.max_nodes, self.max_nodes) for a in fresh]
+        trees = self._draft_trees(fresh, budgets, unknown)
+        self.steps += 1
+        pairs = [(a.request_id, t) for a, t in zip(fresh, trees) if t is not None]
+        seconds = time.perf_counter() - start
+        self._send(draft_reply=convert.draft_reply(step_id, pairs, seconds, unknown))
+        if self.metrics is not None:
+            self._observe_step(len(fresh), pairs, seconds)
+        betting = [a for a in kept if a.num_bets and a.request_id in self.requests]
+        if any(a.num_bets for a in message.draft.asks):
+            self._bets(step_id, betting)
+
+    def _draft_trees(self, asks, budgets: list[int], unknown: list[str]) -> list:
         try:
-            trees = self.drafter.draft([a.request_id for a in asks], budgets) if asks else []
+            return self.drafter.draft([a.request_id for a in asks], budgets) if asks else []
         except Exception:  # find the request(s) it fails on; the others still get their trees
             logger.exception("drafting a batch of %d failed; drafting them one by one", len(asks))
             trees = []
@@ -244,16 +265,31 @@ class DrafterServer:
                     trees.append(self.drafter.draft([ask.request_id], [budget])[0])
                 except Exception:  # its state may be broken: drop it, the verifier opens it again
                     logger.exception("drafting %s failed; dropping it", ask.request_id)
-                    self.drafter.release(ask.request_id)
-                    self.requests.discard(ask.request_id)
+                    self._forget(ask.request_id)
                     unknown.append(ask.request_id)
                     trees.append(None)
-        self.steps += 1
-        pairs = [(a.request_id, t) for a, t in zip(asks, trees) if t is not None]
-        seconds = time.perf_counter() - start
-        self._send(draft_reply=convert.draft_reply(message.draft.step_id, pairs, seconds, unknown))
+            return trees
+
+    def _bets(self, step_id: int, asks) -> None:
+        """Overlap: bets on the outcomes of the trees the verifier is verifying now (always answered, empty
+        when this drafter has none, so that the verifier never waits for them in vain)."""
+        start = time.perf_counter()
+        bets = []
+        if asks and self.drafter.supports_bets:
+            try:
+                drafted = self.drafter.draft_bets([a.request_id for a in asks], max(a.num_bets for a in asks))
+                bets = [(a.request_id, bet) for a, request_bets in zip(asks, drafted) for bet in request_bets[: a.num_bets]]
+            except Exception:  # bets are optional: the verifier drafts afresh
+                logger.exception("drafting bets for step %d failed; sending none", step_id)
+        self.bet_steps += bool(bets)
+        self._send(draft_bets=convert.draft_bets(step_id, bets, time.perf_counter() - start))
         if self.metrics is not None:
-            self._observe_step(len(asks), pairs, seconds)
+            self.metrics.bets.inc(len(bets))
+
+    def _forget(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self.drafter.release(request_id)
+            self.requests.discard(request_id)
 
     def _observe_step(self, batch: int, pairs, seconds: float) -> None:
         metrics = self.metrics

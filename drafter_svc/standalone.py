@@ -15,7 +15,7 @@ import logging
 import torch
 
 from splitspec.drafter_svc.base import Drafter
-from splitspec.drafter_svc.beam_steps import draft_loop_for, host_beam_draft
+from splitspec.drafter_svc.beam_steps import ModelBets, draft_loop_for, host_beam_draft
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
@@ -24,7 +24,7 @@ from splitspec.runtime.tree import DraftTree
 logger = logging.getLogger(__name__)
 
 
-class StandaloneDrafter(Drafter):
+class StandaloneDrafter(ModelBets, Drafter):
     name = "STANDALONE"
 
     def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int,
@@ -35,6 +35,7 @@ class StandaloneDrafter(Drafter):
         self.token_map = token_map
         self.sequences: dict[str, list[int]] = {}
         self.tables: dict[str, BlockTable] = {}
+        self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map)
 
     @property
@@ -54,6 +55,27 @@ class StandaloneDrafter(Drafter):
         if table is not None:
             self.runner.kv_cache.release(table)
         self.sequences.pop(request_id, None)
+        self._forget_bets(request_id)
+
+    def _catch_up(self, request_ids: list[str]) -> torch.Tensor:
+        """Forward every reported token not yet in the draft KV, the root last, for all requests in one batch:
+        the roots' logits [n, V]."""
+        kv = self.runner.kv_cache
+        catch_up = []
+        for request_id in request_ids:
+            sequence, table = self.sequences[request_id], self.tables[request_id]
+            if table.num_tokens >= len(sequence):  # asked again with nothing new: recompute the root
+                kv.set_length(table, len(sequence) - 1)
+            kv.reserve(table, len(sequence))
+            catch_up.append(SequenceInput(table, sequence[table.num_tokens :], logits="last"))
+        logits = self.runner.forward(self.runner.batch(catch_up)).logits
+        for request_id in request_ids:
+            kv.set_length(self.tables[request_id], len(self.sequences[request_id]))
+        return logits[: len(request_ids)]
+
+    def _bet_roots(self, request_ids: list[str]):
+        logits = self._catch_up(request_ids)
+        return [(self.tables[r], logits[k], None) for k, r in enumerate(request_ids)]
 
     @torch.inference_mode()
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
@@ -62,24 +84,16 @@ class StandaloneDrafter(Drafter):
         out: list[DraftTree | None] = [None] * len(request_ids)
         if not asked:
             return out
-        kv = self.runner.kv_cache
-        catch_up = []
-        for _, request_id, _ in asked:
-            sequence, table = self.sequences[request_id], self.tables[request_id]
-            if table.num_tokens >= len(sequence):  # asked again with nothing new: recompute the root
-                kv.set_length(table, len(sequence) - 1)
-            catch_up.append(SequenceInput(table, sequence[table.num_tokens :], logits="last"))
-        logits = self.runner.forward(self.runner.batch(catch_up)).logits
-        roots, tables = [], []
-        for _, request_id, _ in asked:
-            kv.set_length(self.tables[request_id], len(self.sequences[request_id]))
-            roots.append(self.sequences[request_id][-1])
-            tables.append(self.tables[request_id])
+        ids = [r for _, r, _ in asked]
+        logits = self._catch_up(ids)
+        roots = [self.sequences[r][-1] for r in ids]
+        tables = [self.tables[r] for r in ids]
         budgets = [b for _, _, b in asked]
         if self.loop is not None:
-            trees = self.loop.run(roots, logits[: len(asked)], None, tables, budgets)
+            trees = self.loop.run(roots, logits, None, tables, budgets)
+            self._remember(ids, trees, budgets)
         else:
-            trees = host_beam_draft(self.runner, roots, logits[: len(asked)], tables, budgets, self)
+            trees = host_beam_draft(self.runner, roots, logits, tables, budgets, self)
         for (i, _, _), tree in zip(asked, trees):
             out[i] = tree
         return out

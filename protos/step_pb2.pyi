@@ -31,7 +31,7 @@ class DrafterIdentity(_message.Message):
     def __init__(self, name: _Optional[str] = ..., instance_epoch: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("algorithm", "draft_model", "vocab_size", "hidden_state_layers", "capacity", "max_tree_nodes", "metrics_port", "metrics_host")
+    __slots__ = ("algorithm", "draft_model", "vocab_size", "hidden_state_layers", "capacity", "max_tree_nodes", "metrics_port", "metrics_host", "device")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class Register(_message.Message):
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     draft_model: str
     vocab_size: int
@@ -48,7 +49,8 @@ class Register(_message.Message):
     max_tree_nodes: int
     metrics_port: int
     metrics_host: str
-    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ...) -> None: ...
+    device: str
+    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("num_requests", "steps")
@@ -80,19 +82,41 @@ class DraftReply(_message.Message):
     unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, step_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[WireTree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class WireBet(_message.Message):
+    __slots__ = ("request_id", "outcome", "tree")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outcome: _containers.RepeatedScalarFieldContainer[int]
+    tree: WireTree
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[WireTree, _Mapping]] = ...) -> None: ...
+
+class DraftBets(_message.Message):
+    __slots__ = ("step_id", "bets", "draft_seconds")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    BETS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    bets: _containers.RepeatedCompositeFieldContainer[WireBet]
+    draft_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., bets: _Optional[_Iterable[_Union[WireBet, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+
 class DrafterMessage(_message.Message):
-    __slots__ = ("sender", "register", "heartbeat", "draft_reply", "tensors")
+    __slots__ = ("sender", "register", "heartbeat", "draft_reply", "draft_bets", "tensors")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_REPLY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BETS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     sender: DrafterIdentity
     register: Register
     heartbeat: Heartbeat
     draft_reply: DraftReply
+    draft_bets: DraftBets
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
-    def __init__(self, sender: _Optional[_Union[DrafterIdentity, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., draft_reply: _Optional[_Union[DraftReply, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
+    def __init__(self, sender: _Optional[_Union[DrafterIdentity, _Mapping]] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., draft_reply: _Optional[_Union[DraftReply, _Mapping]] = ..., draft_bets: _Optional[_Union[DraftBets, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("accepted", "reason", "session", "heartbeat_timeout_seconds")
@@ -121,14 +145,18 @@ class OpenRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftAsk(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "max_nodes")
+    __slots__ = ("request_id", "new_token_ids", "max_nodes", "bet_taken", "num_bets")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    BET_TAKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_BETS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_nodes: int
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    bet_taken: int
+    num_bets: int
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., max_nodes: _Optional[int] = ..., bet_taken: _Optional[int] = ..., num_bets: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("step_id", "asks")

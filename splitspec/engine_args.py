@@ -7,6 +7,7 @@ What the model drafters load and how is splitspec.draft_models.
 from __future__ import annotations
 
 import argparse
+import os
 
 from typing import TYPE_CHECKING
 
@@ -115,9 +116,49 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                      "drafts (a real run's accepted_per_position / verify_steps).")
     sim.add_argument("--speculative-replay-seed", type=int, default=0,
                      help="With --speculative-replay: seed of the acceptance draws (the same draws in every run).")
+    sim.add_argument("--speculative-replay-guess-rate", type=float, default=None, metavar="RATE",
+                     help="With --speculative-replay and overlap: how often the bet on the accept length a step will "
+                     "have guesses its bonus token right (default: a_S / a_S-1, the profile's rate at its last depth).")
     if side == "verifier":
         group.add_argument("--speculative-ngram-force-greedy-verify", action="store_true",
                            help="NGRAM: verify by target argmax even for sampled requests (SGLANG_NGRAM_FORCE_GREEDY_VERIFY=True).")
+
+
+def add_overlap_args(group) -> None:
+    """The verifier's overlap flags (drafters in their own processes)."""
+    group.add_argument("--speculative-overlap", default=None, choices=("auto", "on", "off"),
+                       help="Overlap drafting with verification: while the verifier verifies a tree, the drafter drafts "
+                       "bets, the trees it would propose next for the likely outcomes (every accept length along its "
+                       "best path, with a guessed bonus token); when one comes true the next tree is ready at once, and "
+                       "a wrong bet costs no correctness. auto: for drafters that do not share the verifier's GPU. "
+                       "Default: on when SGLANG_ENABLE_SPEC_V2 is true, off when it is false, else auto.")
+    group.add_argument("--speculative-num-bets", type=int, default=None,
+                       help="Overlap: bets per request and step (default: --speculative-num-steps + 1, one per accept "
+                       "length; more add second guesses of the bonus token).")
+
+
+def overlap_mode(args) -> str:
+    """--speculative-overlap, else SGLang's SGLANG_ENABLE_SPEC_V2, else auto."""
+    if getattr(args, "speculative_overlap", None):
+        return args.speculative_overlap
+    env = os.environ.get("SGLANG_ENABLE_SPEC_V2", "").strip().lower()
+    if env in ("1", "true", "yes", "on"):
+        return "on"
+    if env in ("0", "false", "no", "off"):
+        return "off"
+    return "auto"
+
+
+def num_bets(args) -> int:
+    if getattr(args, "speculative_num_bets", None) is not None:
+        if args.speculative_num_bets < 0:
+            raise FlagError(f"--speculative-num-bets {args.speculative_num_bets}: must be >= 0")
+        return args.speculative_num_bets
+    if args.speculative_algorithm == "NGRAM":
+        return 4
+    from splitspec.draft_models import draft_tree_shape
+
+    return draft_tree_shape(args)[0] + 1
 
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")  # NEXTN is read as EAGLE (SGLang's alias)

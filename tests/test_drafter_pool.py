@@ -101,6 +101,10 @@ def test_two_drafters_over_tcp_equal_plain_and_both_speculate():
         assert split.metric_sum("splitspec:drafter_drafts_dropped_total") == 0
         assert split.metric("splitspec:drafter_round_trip_seconds_count", drafter="d1") > 0
         assert split.metric("splitspec:drafter_bytes_total", drafter="d1", direction="received") > 0
+        # overlap (auto: CPU drafters do not share the verifier's GPU): bets came true and were verified
+        hits, misses = (split.metric_sum("splitspec:drafter_bets_total", outcome=o) for o in ("hit", "miss"))
+        print(f"overlap: {hits:.0f} bets came true, {misses:.0f} asks drafted afresh")
+        assert hits > 0 and split.metric_sum("splitspec:drafter_bets_total", outcome="late") == 0
     finally:
         split.close()
 

@@ -126,8 +126,10 @@ def open_request(epoch: int, session: int, request_id: str, token_ids: list[int]
 
 
 def draft_request(epoch: int, session: int, step_id: int, asks, tensors=()):
+    """asks: (DraftAsk, bet taken (index + 1, or 0), bets wanted)."""
     message = _verifier_message(epoch, session, draft=step_pb.DraftRequest(step_id=step_id, asks=[
-        step_pb.DraftAsk(request_id=a.request_id, new_token_ids=a.new_tokens, max_nodes=a.max_nodes) for a in asks]))
+        step_pb.DraftAsk(request_id=a.request_id, new_token_ids=a.new_tokens, max_nodes=a.max_nodes, bet_taken=taken,
+                         num_bets=bets) for a, taken, bets in asks]))
     message.tensors.extend(_tensor_metas(tensors))
     return message
 

@@ -49,6 +49,8 @@ class _Drafter:
     last_seen: float
     metrics_target: str | None = None  # host:port of its Prometheus endpoint, when it serves one
     algorithm: str = ""
+    device: str = ""  # "cuda:<GPU UUID>" or "cpu" (Register.device)
+    overlap: bool = False  # ask it for bets (its drafting overlaps verification)
     alive: bool = True
     pinned: set[str] = field(default_factory=set)
 
@@ -64,10 +66,17 @@ class _Step:
     sent_at: float
 
 
+OVERLAP_MODES = ("auto", "on", "off")
+
+
 class DrafterPool(DrafterClient):
     def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str | None = None,
                  timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None,
-                 hidden_state_layers: tuple[int, ...] = ()):
+                 hidden_state_layers: tuple[int, ...] = (), overlap: str = "auto", num_bets: int = 0,
+                 device: str = "cpu"):
+        """overlap (--speculative-overlap): ask drafters for bets on the outcome of the tree being verified,
+        num_bets per request, so that when one comes true the next tree is ready when verification ends;
+        auto: every drafter that does not share the verifier's GPU (device: "cuda:<UUID>" or "cpu")."""
         import zmq
 
         super().__init__()
@@ -80,6 +89,13 @@ class DrafterPool(DrafterClient):
         self._hidden_history: dict[str, list] = {}
         self.algorithm, self.vocab_size, self.draft_model = algorithm, vocab_size, draft_model
         self.timeout, self.heartbeat_timeout = timeout, heartbeat_timeout
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"--speculative-overlap {overlap!r}: expected one of {', '.join(OVERLAP_MODES)}")
+        self.overlap, self.num_bets, self.device = overlap, max(num_bets, 0), device
+        self._bet_step: dict[str, int] = {}  # request -> the step whose DraftBets carries bets on its current tree
+        self._bets: dict[str, list[tuple[tuple[int, ...], DraftTree]]] = {}  # request -> (outcome, tree), filed
+        self._bet_waits: dict[int, tuple[_Drafter, dict[str, int]]] = {}  # step -> (drafter, {request: budget}) due
+        self.stats.extra.update(bet_hits=0, bet_misses=0, bets_late=0)
         self.metrics = metrics
         self.epoch = secrets.randbits(63) or 1
         self.plane = FramePlane()
@@ -151,7 +167,7 @@ class DrafterPool(DrafterClient):
             self._pin(request_id, repin=False)
 
     def request(self, asks: list[DraftAsk]) -> None:
-        groups: dict[int, list[DraftAsk]] = {}
+        groups: dict[int, tuple[_Drafter, list]] = {}
         with self._cond:
             for ask in asks:
                 history = self._history.get(ask.request_id)
@@ -166,27 +182,83 @@ class DrafterPool(DrafterClient):
                 self._step_of.pop(ask.request_id, None)
                 drafter = self._pins.get(ask.request_id)
                 new_tokens = ask.new_tokens
+                taken = 0
                 if drafter is None or not drafter.alive:
+                    self._forget_bets(ask.request_id)
                     drafter = self._pin(ask.request_id, repin=drafter is not None)
                     new_tokens = []  # the open carried the whole history
+                elif ask.max_nodes >= 2:
+                    taken = self._match_bet(drafter, ask)
                 if drafter is None:
                     self._results[ask.request_id] = DRAFT_FAULT  # no drafter alive: decode plainly
                     continue
-                groups.setdefault(drafter.session, []).append(
-                    DraftAsk(ask.request_id, new_tokens, ask.max_nodes, hidden if new_tokens else None))
+                bets = self.num_bets if drafter.overlap and ask.max_nodes >= 2 else 0
+                groups.setdefault(drafter.session, (drafter, []))[1].append(
+                    (DraftAsk(ask.request_id, new_tokens, ask.max_nodes, hidden if new_tokens else None), taken, bets))
             now = time.monotonic()
-            for session, group in groups.items():
-                drafter = self._drafters[session]
+            for session, (drafter, entries) in groups.items():
+                if not drafter.alive:  # it died while we waited for bets: these requests decode plainly this step
+                    for ask, taken, _ in entries:  # (a taken bet's tree stays: any tree is safe to verify)
+                        if not taken:
+                            self._results[ask.request_id] = DRAFT_FAULT
+                    continue
+                group = [a for a, _, _ in entries]
                 step_id = next(self._step_ids)
                 self._pending[step_id] = _Step(drafter, {a.request_id: a.max_nodes for a in group}, now)
-                for ask in group:
-                    self._step_of[ask.request_id] = step_id
+                for ask, taken, bets in entries:
+                    if not taken:  # a taken bet's tree is filed already
+                        self._step_of[ask.request_id] = step_id
+                    if bets:
+                        self._bet_step[ask.request_id] = step_id
+                        self._bet_waits.setdefault(step_id, (drafter, {}))[1][ask.request_id] = ask.max_nodes
                 infos, frames = self.plane.pack([("hidden_states", a.request_id, a.hidden) for a in group
                                                  if a.hidden is not None])
                 if frames and self.metrics is not None:
                     self.metrics.hidden_bytes.labels(drafter=drafter.name).inc(frame_bytes(frames))
                     self.metrics.hidden_bytes_per_step.labels(drafter=drafter.name).observe(frame_bytes(frames))
-                self._send(drafter, convert.draft_request(self.epoch, session, step_id, group, infos), frames)
+                self._send(drafter, convert.draft_request(self.epoch, session, step_id, entries, infos), frames)
+
+    def _match_bet(self, drafter: _Drafter, ask: DraftAsk) -> int:
+        """Overlap (under self._cond): wait for the bets on the request's last tree (drafted while it was
+        verified), and file the one whose outcome came true as its next tree; its index + 1, or 0."""
+        request_id = ask.request_id
+        step_id = self._bet_step.get(request_id)
+        if step_id is None:
+            return 0
+        step = self._pending.get(step_id)
+        deadline = (step.sent_at if step is not None else time.monotonic()) + self.timeout
+        while request_id in self._bet_waits.get(step_id, (None, {}))[1]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._cond.wait(remaining)
+        self._bet_step.pop(request_id, None)
+        bets = self._bets.pop(request_id, None)
+        if bets is None:  # late (or its drafter died): draft afresh; bets that come later are dropped
+            self._bet_waits.get(step_id, (None, {}))[1].pop(request_id, None)
+            self.stats.extra["bets_late"] += 1
+            self._count_bet(drafter, "late")
+            return 0
+        outcome = tuple(ask.new_tokens)
+        for index, (bet_outcome, tree) in enumerate(bets):
+            if bet_outcome == outcome:
+                self._results[request_id] = tree
+                self.stats.extra["bet_hits"] += 1
+                self._count_bet(drafter, "hit")
+                return index + 1
+        self.stats.extra["bet_misses"] += 1
+        self._count_bet(drafter, "miss")
+        return 0
+
+    def _forget_bets(self, request_id: str) -> None:
+        step_id = self._bet_step.pop(request_id, None)
+        self._bets.pop(request_id, None)
+        if step_id is not None:
+            self._bet_waits.get(step_id, (None, {}))[1].pop(request_id, None)
+
+    def _count_bet(self, drafter: _Drafter, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.bets.labels(drafter=drafter.name, outcome=outcome).inc()
 
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | object]:
         """Waits until every asked tree is filed or its ask is --drafter-timeout-ms old."""
@@ -227,6 +299,7 @@ class DrafterPool(DrafterClient):
             self._hidden_history.pop(request_id, None)
             self._results.pop(request_id, None)
             self._forget_ask(request_id, self._step_of.pop(request_id, None))
+            self._forget_bets(request_id)
             if drafter is not None and drafter.alive:
                 drafter.pinned.discard(request_id)
                 self._gauge_pinned(drafter)
@@ -295,6 +368,9 @@ class DrafterPool(DrafterClient):
                         self._count_drop(drafter.name, "drafter_gone")
                 del self._pending[step_id]
                 self._expired.append(step_id)
+        for step_id, (owner, _) in list(self._bet_waits.items()):
+            if owner is drafter:
+                del self._bet_waits[step_id]
         if self.metrics is not None:
             self.metrics.alive.set(len(self._drafters))
         self._cond.notify_all()
@@ -410,6 +486,8 @@ class DrafterPool(DrafterClient):
                 self._send(drafter, convert.heartbeat_reply(self.epoch, drafter.session, known=True))
             elif kind == "draft_reply":
                 self._file_reply(drafter, message.draft_reply)
+            elif kind == "draft_bets":
+                self._file_bets(drafter, message.draft_bets)
             else:
                 self._drop(drafter.name, "malformed", f"unexpected message kind {kind!r}")
 
@@ -454,10 +532,14 @@ class DrafterPool(DrafterClient):
             host = f"[{host}]"
         target = f"{host}:{register.metrics_port}" if register.metrics_port and host else None
         drafter = _Drafter(identity, sender.name, sender.instance_epoch, next(self._sessions), register.capacity,
-                           register.max_tree_nodes, time.monotonic(), target, register.algorithm)
+                           register.max_tree_nodes, time.monotonic(), target, register.algorithm, register.device)
+        shares_gpu = register.device.startswith("cuda:") and register.device == self.device
+        drafter.overlap = self.num_bets > 0 and (self.overlap == "on" or (self.overlap == "auto" and not shares_gpu))
         self._drafters[drafter.session] = drafter
-        logger.info("drafter %s joined (%s, capacity %d, session %d%s); %d alive", drafter.name, register.algorithm,
-                    drafter.capacity, drafter.session, f", metrics at {target}" if target else "", len(self._drafters))
+        logger.info("drafter %s joined (%s on %s, capacity %d, session %d%s, overlap %s); %d alive", drafter.name,
+                    register.algorithm, register.device or "?", drafter.capacity, drafter.session,
+                    f", metrics at {target}" if target else "",
+                    f"on, {self.num_bets} bets" if drafter.overlap else "off", len(self._drafters))
         if self.metrics is not None:
             self.metrics.registrations.labels(outcome="accepted").inc()
             self.metrics.alive.set(len(self._drafters))
@@ -501,6 +583,36 @@ class DrafterPool(DrafterClient):
         for request_id in step.budgets:
             if request_id not in answered and self._step_of.get(request_id) == reply.step_id:
                 self._results[request_id] = None  # nothing to propose
+        self._cond.notify_all()
+
+    def _file_bets(self, drafter: _Drafter, message) -> None:
+        """A step's bets (overlap): checked like trees, filed for the requests still waiting for them."""
+        due = self._bet_waits.get(message.step_id)
+        if due is None or due[0] is not drafter:
+            self._drop(drafter.name, "late" if message.step_id in self._expired or due is None else "stale",
+                       f"bets for step {message.step_id}")
+            return
+        del self._bet_waits[message.step_id]
+        budgets = due[1]
+        filed: dict[str, list] = {r: [] for r in budgets if self._bet_step.get(r) == message.step_id}
+        for wire in message.bets:
+            request_id = wire.request_id
+            if request_id not in budgets:
+                self._drop(drafter.name, "wrong_request", f"step {message.step_id} did not ask bets for {request_id!r}")
+                continue
+            outcome = list(wire.outcome)
+            problem = convert.tree_problem(wire.tree, budgets[request_id], self.vocab_size)
+            if problem is None and (not outcome or len(outcome) > budgets[request_id]
+                                    or any(not 0 <= t < self.vocab_size for t in outcome)):
+                problem = f"an outcome of {len(outcome)} tokens"
+            if problem is None and wire.tree.tokens[0] != outcome[-1]:
+                problem = "the bet tree's root is not its outcome's last token"
+            if problem is not None:
+                self._drop(drafter.name, "invalid_tree", f"bet for {request_id}: {problem}")
+                continue
+            if request_id in filed:
+                filed[request_id].append((tuple(outcome), DraftTree(tuple(wire.tree.tokens), tuple(wire.tree.parents))))
+        self._bets.update(filed)
         self._cond.notify_all()
 
     def _gauge_pinned(self, drafter: _Drafter) -> None:

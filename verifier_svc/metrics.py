@@ -107,6 +107,9 @@ class PoolMetrics:
                                       ("drafter",), const)
         self.accepted_tokens = labelled(Counter, registry, "drafter_accepted_tokens", "Draft tokens accepted, per drafter.",
                                          ("drafter",), const)
+        self.bets = labelled(Counter, registry, "drafter_bets",
+                             "Overlap: asks whose tree a bet had already drafted (outcome hit), asks drafted afresh "
+                             "(miss), and bet replies that came too late (late).", ("drafter", "outcome"), const)
         self.registrations = labelled(Counter, registry, "drafter_registrations", "Drafter registrations, by outcome.",
                                        ("outcome",), const)
         self.repins = Counter(PREFIX + "drafter_repins", "Requests moved to another drafter after theirs died or stalled.",

@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="How long a step waits for a drafter's trees; past it the request decodes a plain token that step.")
     pool.add_argument("--drafter-heartbeat-timeout", type=float, default=2.0,
                       help="Seconds without a heartbeat before a drafter is declared dead and its requests move elsewhere.")
+    engine_args.add_overlap_args(pool)
     pool.add_argument("--wait-for-drafters", type=int, default=0,
                       help="Report SERVING on health only once this many drafters have registered (they may join later too).")
     return parser
@@ -178,6 +179,7 @@ async def serve(args: argparse.Namespace) -> None:
         from splitspec.verifier_svc.metrics import PoolMetrics
 
         from splitspec.draft_models import capture_for, hidden_state_layers
+        from splitspec.runtime.tensor_plane import device_identity
 
         spec = engine_args.spec_config(args)
         layers = hidden_state_layers(args, runner.config)
@@ -186,7 +188,9 @@ async def serve(args: argparse.Namespace) -> None:
                               draft_model=(args.speculative_draft_model_path or "") if args.speculative_algorithm != "NGRAM" else "",
                               timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
                               hidden_state_layers=layers,
-                              metrics=PoolMetrics(registry, model_id) if registry is not None else None)
+                              metrics=PoolMetrics(registry, model_id) if registry is not None else None,
+                              overlap=engine_args.overlap_mode(args), num_bets=engine_args.num_bets(args),
+                              device=device_identity(runner.device))
     else:
         drafter, spec = engine_args.in_process_drafter(args, target=runner)
     if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters

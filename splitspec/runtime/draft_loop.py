@@ -115,11 +115,16 @@ class DraftLoop:
         flat_scores, flat_tokens, parent_list = [scores], [tokens], []
         features = None if root_features is None else root_features[:, None].expand(bs, topk, root_features.shape[-1])
         cascade = _Cascade(self, bs)
+        # the beams of each step (their tokens, outputs and parent beams), to trace the best path at the end
+        beam_tokens, beam_hidden, beam_parents = [], [], []
+        candidates, step_tokens = scores, tokens
         for step in range(1, self.num_steps):
             cascade.depth = step
             positions = (root_positions + step)[:, None].expand(bs, topk).reshape(-1)
             extra = {} if features is None else {"features": features.reshape(bs * topk, -1)}
             hidden, _ = self.runner.model_call(bs, tokens.reshape(-1), positions, cascade, plan, (), **extra)
+            beam_tokens.append(tokens)
+            beam_hidden.append(hidden.view(bs, topk, -1))
             # each beam's top-K children, scored beam score x probability: [bs*K, K] -> [bs, K*K]
             candidates, top_index = kernels.draft_topk(model.logits(hidden).float(), scores.reshape(-1), topk)
             candidates = candidates.view(bs, topk * topk)
@@ -131,6 +136,7 @@ class DraftLoop:
             chosen = candidates.topk(topk, dim=-1).indices  # [bs, K]
             parent_list.append(chosen + topk * topk * (step - 1) + topk)
             parent_beam = chosen // topk
+            beam_parents.append(parent_beam)
             scores, tokens = candidates.gather(1, chosen), step_tokens.gather(1, chosen)
             if features is not None:
                 features = hidden.view(bs, topk, -1).gather(1, parent_beam[..., None].expand(-1, -1, hidden.shape[-1]))
@@ -142,7 +148,31 @@ class DraftLoop:
         order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, : self.keep]
         parents = (torch.cat(parent_list, 1) if parent_list
                    else torch.zeros(bs, 0, dtype=torch.long, device=self.device))
-        return order, all_tokens.gather(1, order), all_scores.gather(1, order), parents
+        path_tokens, path_hidden = self._best_path(candidates, step_tokens, beam_tokens, beam_hidden, beam_parents)
+        return order, all_tokens.gather(1, order), all_scores.gather(1, order), parents, path_tokens, path_hidden
+
+    def _best_path(self, candidates, step_tokens, beam_tokens, beam_hidden, beam_parents):
+        """The most likely full-depth path (the best last-step candidate and its beam ancestors): its tokens
+        [bs, S] and, for a head, the outputs of its first S-1 nodes [bs, S-1, H] (the features their
+        children were drafted with; overlap's bets continue from them)."""
+        best = candidates.argmax(-1, keepdim=True)  # [bs, 1]
+        tokens = [step_tokens.gather(1, best)]
+        hidden = []
+        beam = best // self.topk
+        for step in range(len(beam_tokens), 0, -1):
+            tokens.append(beam_tokens[step - 1].gather(1, beam))
+            if self.feature_size:
+                h = beam_hidden[step - 1]
+                hidden.append(h.gather(1, beam[..., None].expand(-1, -1, h.shape[-1])))
+            if step >= 2:
+                beam = beam_parents[step - 2].gather(1, beam)
+        path_tokens = torch.cat(tokens[::-1], 1)
+        if not self.feature_size:
+            return path_tokens, None
+        if not hidden:
+            return path_tokens, torch.zeros(candidates.shape[0], 0, self.feature_size, dtype=self.runner.dtype,
+                                            device=self.device)
+        return path_tokens, torch.cat(hidden[::-1], 1)
 
     # driving it ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -164,8 +194,11 @@ class DraftLoop:
                 self.local = self._local_buffer(count)
             plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
             outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
-        host = torch.cat([o[:count].double() for o in outputs], 1).cpu()  # one transfer (ids < 2**53)
+        host = torch.cat([o[:count].double() for o in outputs[:5]], 1).cpu()  # one transfer (ids < 2**53)
         keep, parents_width = self.keep, outputs[3].shape[1]
+        # the best path of each request (overlap's bets start from it); a copy: a replay overwrites outputs
+        self.paths = [row[3 * keep + parents_width :].long().tolist() for row in host]
+        self.path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
         trees = []
         for i, root in enumerate(roots):
             row = host[i]

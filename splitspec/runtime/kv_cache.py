@@ -140,6 +140,24 @@ class KVCache:
     def release(self, table: BlockTable) -> None:
         self.set_length(table, 0)
 
+    def fork(self, table: BlockTable, num_tokens: int) -> BlockTable:
+        """A new table whose first num_tokens slots hold what table's do: whole pages are shared (their
+        reference counts grow, and neither table writes below its length), a partly filled last page is
+        copied to a page of the fork's own, where the fork goes on writing. Release it like any table."""
+        assert num_tokens <= table.num_tokens, "fork past the committed slots"
+        full, partial = divmod(num_tokens, self.page_size)
+        fork = BlockTable(list(table.pages[:full]), num_tokens)
+        self.allocator.incref(fork.pages)
+        if partial:
+            try:
+                self.reserve(fork, num_tokens)
+            except OutOfPagesError:
+                self.release(fork)
+                raise
+            start = full * self.page_size
+            self.copy_slots(self.slot_ids(table, start, num_tokens), self.slot_ids(fork, start, num_tokens))
+        return fork
+
     def slot_ids(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Flat slot ids [end - start] of logical slots start..end-1 (pages must be reserved)."""
         return slot_ids(table.pages, self.page_size, start, end)

@@ -83,6 +83,15 @@ class FramePlane(TensorPlane):
         return tensors
 
 
+def device_identity(device) -> str:
+    """A device as the step channel names it: "cuda:<GPU UUID>" (the same GPU whatever CUDA_VISIBLE_DEVICES
+    each process has) or "cpu"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_properties(device).uuid}"
+
+
 def frame_bytes(frames: list) -> int:
     total = 0
     for frame in frames:

@@ -107,6 +107,20 @@ def path_to(parents: list[int] | tuple[int, ...], node: int) -> list[int]:
     return path[::-1]
 
 
+def leaf_outcomes(tree: "DraftTree | None") -> list[list[int]]:
+    """The accepted-draft token lists that end at a leaf of the tree, deepest first (then by node
+    order): the outcomes a drafter bets on when it has no probabilities. No tree: one empty list
+    (the verifier decodes one plain token)."""
+    if tree is None or tree.num_nodes == 1:
+        return [[]]
+    parents = tree.parents
+    has_child = set(parents[1:])
+    leaves = [i for i in range(1, tree.num_nodes) if i not in has_child]
+    node_depths = depths(parents)
+    leaves.sort(key=lambda i: (-node_depths[i], i))
+    return [[tree.tokens[j] for j in path_to(parents, leaf)[1:]] for leaf in leaves]
+
+
 def parents_from_selection(selected_index: list[int], parent_list: list[int], topk: int) -> list[int]:
     """Parents of an EAGLE tree from SGLang's draft bookkeeping (build_tree_efficient).
 
