@@ -16,7 +16,7 @@ import torch
 
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.draft_loop import DraftLoop
-from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.runner import ModelRunner
 from splitspec.drafter_svc.base import Bet
 from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree, batched_topk
@@ -144,6 +144,18 @@ class ModelBets:
 
     @torch.inference_mode()
     def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
+        try:
+            return self._draft_bets(request_ids, num_bets)
+        except OutOfPagesError:  # forks need a page each: no bets this step, the verifier drafts afresh
+            if not getattr(self, "_warned_pages", False):
+                logger.warning("the draft KV cache has no pages left for bets (overlap); raise --max-total-tokens "
+                               "or --mem-fraction-static of the drafter. Steps without bets draft afresh.")
+                self._warned_pages = True
+            for request_id in request_ids:
+                self.bets[request_id] = []
+            return [[] for _ in request_ids]
+
+    def _draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
         out: list[list[Bet]] = [[] for _ in request_ids]
         asked = [(k, r) for k, r in enumerate(request_ids) if r in self.current and self.current[r].tree is not None]
         if self.loop is None or num_bets < 1 or not asked:

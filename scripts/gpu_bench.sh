@@ -22,6 +22,11 @@
 #   modes     the target stage's points with --speculative-attention-mode decode (device draft loop)
 #   compile   the target stage's steps-5 top-1 point at batch 1 and 8, without and then with --enable-torch-compile
 #             (inductor's default mode, to fit a device call: max-autotune benchmarks every GEMM of every shape)
+#   split     issue 14's comparison on a two-GPU machine: the target stage's steps-5 top-1 point at batch 1 with the
+#             drafter in process (co-located, no overlap), then as a `splitspec drafter` process over ZeroMQ on GPU 0
+#             (co-located) and on GPU 1 (split), each without and with overlap (bets); SPLIT_MODES picks modes,
+#             SPLIT_EXTRA adds bench flags (e.g. --topk 4), SPLIT_TAG names the files; scripts/split_summary.py
+#             sums them up
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
 #             suite with forwards on CUDA
@@ -73,6 +78,21 @@ for stage in "${stages[@]}"; do
                        --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 $compiled \
                        --out "$OUT/target_compile${compiled:+_on}.json" >> "$OUT/compile.log" 2>&1 || break
                done ;;
+        split) for mode in ${SPLIT_MODES:-inprocess colocated colocated_overlap split split_overlap}; do
+                   case $mode in
+                       inprocess) extra=() ;;
+                       colocated) extra=(--drafter-transport zmq --drafter-device cuda:0 --speculative-overlap off) ;;
+                       colocated_overlap) extra=(--drafter-transport zmq --drafter-device cuda:0 --speculative-overlap on) ;;
+                       split) extra=(--drafter-transport zmq --drafter-device cuda:1 --speculative-overlap off) ;;
+                       split_overlap) extra=(--drafter-transport zmq --drafter-device cuda:1 --speculative-overlap on) ;;
+                   esac
+                   python3 -P -m splitspec bench --device cuda:0 --dtype bfloat16 --preset llama-3.1-8b \
+                       --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 \
+                       --steps 5 --topk 1 --num-draft-tokens 8 --batch-size 1 --num-prompts 8 --prompt-len 128 \
+                       --output-len 128 "${extra[@]}" ${SPLIT_EXTRA:-} --out "$OUT/split${SPLIT_TAG:-}_${mode}.json" \
+                       >> "$OUT/split.log" 2>&1 || break
+               done
+               python3 -P scripts/split_summary.py "$OUT" "${SPLIT_TAG:-}" > "$OUT/split${SPLIT_TAG:-}_summary.json" ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;

@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
                       "PROFILE (accept-length:L, or per-depth rates a_1,a_2,...; see --speculative-replay-profile). "
                       "Greedy only; rows are labelled simulated.")
     grid.add_argument("--warmup-requests", type=int, default=2, help="Untimed requests before each point (8 tokens each).")
+    split = parser.add_argument_group("the drafter in its own process (the split)")
+    split.add_argument("--drafter-transport", default="in-process", choices=("in-process", "zmq"),
+                       help="zmq: each grid point drafts with a `splitspec drafter` process started on this host, over "
+                       "the ZeroMQ step channel (a drafter pool on loopback), as a deployment does.")
+    split.add_argument("--drafter-device", default=None,
+                       help="With --drafter-transport zmq: the drafter process's device, e.g. cuda:1 for a drafter on "
+                       "its own GPU (default: --device).")
+    engine_args.add_overlap_args(split)
     remote = parser.add_argument_group("against a running deployment")
     remote.add_argument("--url", default=None,
                         help="The gateway's base URL, e.g. http://127.0.0.1:30000: measure it over HTTP instead of "
@@ -229,6 +237,72 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
         step["other"] = round(step["total"] - sum(v for k, v in step.items() if k != "total"), 3)
         row.update(decode_steps=decode_steps, step_ms=step)
     return row, requests
+
+
+class RemoteDrafter:
+    """A drafter pool on loopback and one `splitspec drafter` process registered to it, drafting what the
+    grid point's flags name (the replay included) on --drafter-device: the engine's DrafterClient."""
+
+    def __init__(self, ns, runner, max_total_tokens: int, max_batch: int):
+        import socket
+
+        from splitspec import draft_models
+        from splitspec.runtime.tensor_plane import device_identity
+        from splitspec.verifier_svc.drafter_pool import DrafterPool
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        layers = draft_models.hidden_state_layers(ns, runner.config) if ns.speculative_algorithm != "NGRAM" else ()
+        draft_models.capture_for(runner, layers)
+        self.overlap, self.num_bets = engine_args.overlap_mode(ns), engine_args.num_bets(ns)
+        self.device = ns.drafter_device or str(runner.device)
+        self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
+                                draft_model=(ns.speculative_draft_model_path or "") if ns.speculative_algorithm != "NGRAM" else "",
+                                timeout=5.0, heartbeat_timeout=30.0, hidden_state_layers=layers, overlap=self.overlap,
+                                num_bets=self.num_bets, device=device_identity(runner.device))
+        flags = ["--verifier-drafter-addr", address, "--drafter-name", "bench", "--log-level", "warning",
+                 "--speculative-algorithm", ns.speculative_algorithm, "--device", self.device, "--dtype", ns.dtype,
+                 "--page-size", str(ns.page_size),  # and a page per bet's fork
+                 "--max-total-tokens", str(max_total_tokens + max_batch * (self.num_bets + 2) * ns.page_size),
+                 "--cuda-graph-max-bs", str(max(8, max_batch * (1 + self.num_bets)))]  # bets draft in one batch
+        if ns.speculative_algorithm != "NGRAM":
+            flags += ["--model-path", str(runner.model_dir), "--load-format", ns.load_format or "auto"]
+        for flag in ("speculative_draft_model_path", "speculative_draft_load_format", "speculative_num_steps",
+                     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_replay",
+                     "speculative_replay_profile", "speculative_replay_seed", "speculative_replay_guess_rate",
+                     "speculative_attention_mode"):
+            value = getattr(ns, flag, None)
+            if value is not None:
+                flags += ["--" + flag.replace("_", "-"), str(value)]
+        if getattr(ns, "speculative_draft_disable_cuda_graph", False) or ns.disable_cuda_graph:
+            flags.append("--disable-cuda-graph")
+        self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", *flags])
+        self.stats = self.pool.stats
+        self.needs_hidden_states = self.pool.needs_hidden_states
+        deadline = time.monotonic() + 600
+        while not self.pool.wait_for_drafters(1, 1.0):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the drafter process did not register (exit code {self.process.returncode})")
+        logger.info("drafter process on %s registered (overlap %s, %d bets)", self.device, self.overlap, self.num_bets)
+
+    def __getattr__(self, name):  # open, request, collect, release, accepted: the pool's
+        if name == "pool":
+            raise AttributeError(name)
+        return getattr(self.pool, name)
+
+    def fields(self) -> dict:
+        counts = {k: self.pool.stats.extra.get(k, 0) for k in ("bet_hits", "bet_misses", "bets_late")}
+        asks = sum(counts.values())
+        return {"drafter_device": self.device, "overlap": self.overlap, "num_bets": self.num_bets,
+                "bets": {"hits": counts["bet_hits"], "misses": counts["bet_misses"], "late": counts["bets_late"],
+                         "hit_rate": round(counts["bet_hits"] / asks, 4) if asks else None}}
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.pool.close()
 
 
 def spec_fields(requests, drafter) -> dict:
@@ -373,7 +447,11 @@ def run_in_process(args) -> dict:
             ns = copy.copy(ns)
             if reference is not None:
                 ns.speculative_replay, ns.speculative_replay_profile = reference.name, args.simulate_acceptance
-            drafter, spec = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
+            if args.drafter_transport == "zmq":
+                drafter = RemoteDrafter(ns, runner, draft_tokens, max(batch_sizes))
+                spec = engine_args.spec_config(ns)
+            else:
+                drafter, spec = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
             steps, topk, tokens = tree_of(ns)
             try:
                 runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
@@ -383,8 +461,10 @@ def run_in_process(args) -> dict:
                     row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler)
                     plain = plain_rows[batch_size]
                     row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps,
-                           "topk": topk, "num_draft_tokens": tokens, "simulated": bool(reference), **row,
-                           **spec_fields(requests, drafter)}
+                           "topk": topk, "num_draft_tokens": tokens, "simulated": bool(reference),
+                           "drafter_transport": args.drafter_transport, **row, **spec_fields(requests, drafter)}
+                    if isinstance(drafter, RemoteDrafter):
+                        row.update(drafter.fields())
                     if reference is not None:
                         row["profile"] = args.simulate_acceptance
                     row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None

@@ -257,6 +257,13 @@ def _target_embed_and_head(args, target, runner, kind):
     from splitspec.runtime.loader import read_embed_and_head
 
     with_head = kind != "eagle3" or runner.model.needs_target_head  # EAGLE-3 heads mostly have their own
+    if getattr(args, "load_format", "auto") == "dummy":  # a dummy target (benchmarks): random weights of its shape
+        import torch
+
+        config = target_config(args)
+        generator = torch.Generator().manual_seed(getattr(args, "random_seed", 0) or 0)
+        embed = (torch.randn(config.vocab_size, config.hidden_size, generator=generator) * 0.02).to(runner.device, runner.dtype)
+        return embed, (embed if with_head else None)
     return read_embed_and_head(target_dir(args), runner.dtype, runner.device, with_head=with_head)
 
 

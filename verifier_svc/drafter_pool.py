@@ -95,7 +95,6 @@ class DrafterPool(DrafterClient):
         self._bet_step: dict[str, int] = {}  # request -> the step whose DraftBets carries bets on its current tree
         self._bets: dict[str, list[tuple[tuple[int, ...], DraftTree]]] = {}  # request -> (outcome, tree), filed
         self._bet_waits: dict[int, tuple[_Drafter, dict[str, int]]] = {}  # step -> (drafter, {request: budget}) due
-        self.stats.extra.update(bet_hits=0, bet_misses=0, bets_late=0)
         self.metrics = metrics
         self.epoch = secrets.randbits(63) or 1
         self.plane = FramePlane()
@@ -236,17 +235,17 @@ class DrafterPool(DrafterClient):
         bets = self._bets.pop(request_id, None)
         if bets is None:  # late (or its drafter died): draft afresh; bets that come later are dropped
             self._bet_waits.get(step_id, (None, {}))[1].pop(request_id, None)
-            self.stats.extra["bets_late"] += 1
+            self._tally("bets_late")
             self._count_bet(drafter, "late")
             return 0
         outcome = tuple(ask.new_tokens)
         for index, (bet_outcome, tree) in enumerate(bets):
             if bet_outcome == outcome:
                 self._results[request_id] = tree
-                self.stats.extra["bet_hits"] += 1
+                self._tally("bet_hits")
                 self._count_bet(drafter, "hit")
                 return index + 1
-        self.stats.extra["bet_misses"] += 1
+        self._tally("bet_misses")
         self._count_bet(drafter, "miss")
         return 0
 
@@ -255,6 +254,9 @@ class DrafterPool(DrafterClient):
         self._bets.pop(request_id, None)
         if step_id is not None:
             self._bet_waits.get(step_id, (None, {}))[1].pop(request_id, None)
+
+    def _tally(self, key: str) -> None:
+        self.stats.extra[key] = self.stats.extra.get(key, 0) + 1
 
     def _count_bet(self, drafter: _Drafter, outcome: str) -> None:
         if self.metrics is not None:
