@@ -45,7 +45,7 @@ def main() -> None:
     if tok_s("colocated") and tok_s("split_overlap"):
         out["split_overlap_vs_colocated_zmq"] = round(tok_s("split_overlap") / tok_s("colocated"), 4)
     best = modes.get("split_overlap")
-    if best and best.get("step_ms") and best["step_ms"].get("verify"):
+    if best and best.get("accept_length") and best.get("step_ms") and best["step_ms"].get("verify"):
         ideal = best["accept_length"] / best["step_ms"]["verify"] * 1000
         out["system_efficiency"] = round(best["per_request_tok_s"] / ideal, 4)
         out["ideal_tok_s_from_verify"] = round(ideal, 1)

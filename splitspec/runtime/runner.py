@@ -189,6 +189,9 @@ class ModelRunner:
             if adapt is not None:  # a head living inside another model's checkpoint (MTP layers)
                 config = adapt(config)
         device = resolve_device(rc.device)
+        if device.type == "cuda" and device.index is not None:
+            # Triton and FlashInfer launch on the current device: make it this model's (a drafter on cuda:1)
+            torch.cuda.set_device(device)
         dtype = resolve_dtype(rc.dtype, config, device)
         logger.info("loading %s (%s, %d layers) from %s as %s on %s", config.architecture, config.model_type,
                     config.num_hidden_layers, model_dir, str(dtype).replace("torch.", ""), device)
