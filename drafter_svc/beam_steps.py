@@ -199,7 +199,7 @@ class ModelBets:
                 guesses = {}
                 for a in range(m, -1, -1):  # the best two tokens after P[:a], P[a] excluded where it was rejected
                     top = after[a].float().topk(3).indices
-                    ids = (top if self.token_map is None else self.token_map[top]).tolist()
+                    ids = (top if self.loop.token_map is None else self.loop.token_map[top]).tolist()  # on the device
                     guesses[a] = [t for t in ids if a == m or t != path[a]][:2]
                 for a, rank in choices[:num_bets]:
                     if rank < len(guesses[a]):
