@@ -238,7 +238,10 @@ class DraftLoop:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in sorted(sizes, reverse=True):
-            state = runner.backend.prefix_graph_state(bs, bs * self.topk, kv.num_pages + bs)
+            # page indices of bs requests: distinct pages, except that overlap's bets draft in KV forks sharing
+            # them, so bound each request by the longest context instead of the pool
+            per_request = min(kv.num_pages, kv.pages_for(runner.config.max_position_embeddings))
+            state = runner.backend.prefix_graph_state(bs, bs * self.topk, max(kv.num_pages, bs * per_request) + bs)
             plan = runner.backend.plan_prefix(*self._padding(bs, [], []), state=state)
             features = None if self.static_features is None else self.static_features[:bs]
             args = (self.static_logits[:bs], features, self.static_positions[:bs], plan)
