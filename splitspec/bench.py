@@ -297,7 +297,14 @@ class RemoteDrafter:
         asks = sum(counts.values())
         return {"drafter_device": self.device, "overlap": self.overlap, "num_bets": self.num_bets,
                 "bets": {"hits": counts["bet_hits"], "misses": counts["bet_misses"], "late": counts["bets_late"],
-                         "hit_rate": round(counts["bet_hits"] / asks, 4) if asks else None}}
+                         "hit_rate": round(counts["bet_hits"] / asks, 4) if asks else None},
+                # the drafter's own clock per DraftReply (trees) and per DraftBets (bets), in ms
+                "drafter_reply_ms": self._mean_ms("reply"), "drafter_bets_ms": self._mean_ms("bet")}
+
+    def _mean_ms(self, kind: str) -> float | None:
+        extra = self.pool.stats.extra
+        steps = extra.get(f"{kind}_steps", 0)
+        return round(extra.get(f"{kind}_seconds", 0.0) / steps * 1e3, 3) if steps else None
 
     def close(self) -> None:
         self.process.kill()

@@ -114,6 +114,7 @@ class DrafterPool(DrafterClient):
         self._wake_out.connect(wake)
         self._wake_lock = threading.Lock()
         self._wake_pending = False  # one queued wake-up is enough
+        self._flushed = threading.Event()  # set by the I/O thread whenever it has sent everything queued
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._drafters: dict[int, _Drafter] = {}  # session -> live drafter
@@ -166,7 +167,16 @@ class DrafterPool(DrafterClient):
             self._pin(request_id, repin=False)
 
     def request(self, asks: list[DraftAsk]) -> None:
+        self._flushed.clear()
+        if self._request(asks):
+            # hand the GIL to the I/O thread until the asks are on the wire: otherwise they wait for this thread's
+            # next blocking call (the next step's collect, or the end of its verify), and the drafter idles meanwhile
+            self._flushed.wait(0.005)
+
+    def _request(self, asks: list[DraftAsk]) -> int:
+        """Files the asks and queues their DraftRequests; how many were queued."""
         groups: dict[int, tuple[_Drafter, list]] = {}
+        sent = 0
         with self._cond:
             for ask in asks:
                 history = self._history.get(ask.request_id)
@@ -216,6 +226,8 @@ class DrafterPool(DrafterClient):
                     self.metrics.hidden_bytes.labels(drafter=drafter.name).inc(frame_bytes(frames))
                     self.metrics.hidden_bytes_per_step.labels(drafter=drafter.name).observe(frame_bytes(frames))
                 self._send(drafter, convert.draft_request(self.epoch, session, step_id, entries, infos), frames)
+                sent += 1
+        return sent
 
     def _match_bet(self, drafter: _Drafter, ask: DraftAsk) -> int:
         """Overlap (under self._cond): wait for the bets on the request's last tree (drafted while it was
@@ -433,6 +445,7 @@ class DrafterPool(DrafterClient):
             try:
                 identity, data, frames = self._outbox.get_nowait()
             except queue.Empty:
+                self._flushed.set()
                 return
             try:
                 self._router.send_multipart([identity, data, *frames], copy=False, flags=zmq.NOBLOCK)
@@ -559,6 +572,9 @@ class DrafterPool(DrafterClient):
             self.metrics.round_trip.labels(drafter=drafter.name).observe(time.monotonic() - step.sent_at)
             if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:
                 self.metrics.draft_seconds.labels(drafter=drafter.name).observe(reply.draft_seconds)
+        if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:
+            self._tally("reply_steps")
+            self.stats.extra["reply_seconds"] = self.stats.extra.get("reply_seconds", 0.0) + reply.draft_seconds
         answered = set()
         for wire in reply.trees:
             request_id = wire.request_id
@@ -595,6 +611,9 @@ class DrafterPool(DrafterClient):
                        f"bets for step {message.step_id}")
             return
         del self._bet_waits[message.step_id]
+        if math.isfinite(message.draft_seconds) and message.draft_seconds >= 0:  # the drafter's clock
+            self._tally("bet_steps")
+            self.stats.extra["bet_seconds"] = self.stats.extra.get("bet_seconds", 0.0) + message.draft_seconds
         budgets = due[1]
         filed: dict[str, list] = {r: [] for r in budgets if self._bet_step.get(r) == message.step_id}
         for wire in message.bets:
