@@ -182,37 +182,39 @@ class ModelBets:
                 batch = runner.batch(sequences)
                 output = runner.forward(batch, return_hidden=self.feeds_features,
                                         features=torch.cat(features) if self.feeds_features else None)
-            # 2. the outcomes and their guessed bonus tokens, then the guesses' rows in forks of those forks
-            plans, row = [], 0
+            # 2. the outcomes and their guessed bonus tokens (one top-k and one transfer for all), then the guesses'
+            # rows in forks of those forks
+            after, outputs, row = [], [], 0
             for k, ((_, request_id), (table, root_logits, root_feature), m) in enumerate(zip(asked, roots, cuts)):
                 if m:
                     kv.set_length(forks[k], table.num_tokens + m)
-                after = [root_logits] + ([output.logits[row + j] for j in range(m)] if m else [])
-                outputs = [root_feature] + ([output.hidden_states[row + j] for j in range(m)]
-                                            if m and self.feeds_features else [None] * m)
+                after += [root_logits] + [output.logits[row + j] for j in range(m)]
+                outputs.append([root_feature] + ([output.hidden_states[row + j] for j in range(m)]
+                                                 if m and self.feeds_features else [None] * m))
                 row += m
+            top = torch.stack(after).float().topk(3, dim=-1).indices
+            top = (top if self.loop.token_map is None else self.loop.token_map[top]).tolist()  # on the device
+            plans, first = [], 0
+            for k, ((_, request_id), m) in enumerate(zip(asked, cuts)):
                 path = self.current[request_id].path
-                choices = []
-                for rank in range(2):
-                    for a in range(m, -1, -1):
-                        choices.append((a, rank))
-                guesses = {}
-                for a in range(m, -1, -1):  # the best two tokens after P[:a], P[a] excluded where it was rejected
-                    top = after[a].float().topk(3).indices
-                    ids = (top if self.loop.token_map is None else self.loop.token_map[top]).tolist()  # on the device
-                    guesses[a] = [t for t in ids if a == m or t != path[a]][:2]
+                # the best two tokens after P[:a], P[a] excluded where the verifier rejected it
+                guesses = {a: [t for t in top[first + a] if a == m or t != path[a]][:2] for a in range(m + 1)}
+                first += m + 1
+                choices = [(a, rank) for rank in range(2) for a in range(m, -1, -1)]
                 for a, rank in choices[:num_bets]:
                     if rank < len(guesses[a]):
-                        plans.append((k, a, guesses[a][rank], outputs[a]))
+                        plans.append((k, a, guesses[a][rank], outputs[k][a]))
             if not plans:
                 return out
-            bet_tables, sequences = [], []
-            for k, a, guess, _ in plans:
-                table = kv.fork(forks[k], roots[k][0].num_tokens + a)
-                forks.append(table)
-                kv.reserve(table, table.num_tokens + 1)
+            sequences, bet_tables = [], []
+            for k in range(len(asked)):
+                mine = [p for p in plans if p[0] == k]
+                if mine:
+                    tables = kv.fork_many(forks[k], [roots[k][0].num_tokens + a for _, a, _, _ in mine])
+                    forks.extend(tables)
+                    bet_tables += tables
+            for table, (_, _, guess, _) in zip(bet_tables, plans):
                 sequences.append(SequenceInput(table, [guess], logits="last"))
-                bet_tables.append(table)
             batch = runner.batch(sequences)
             feats = torch.stack([p[3] for p in plans]) if self.feeds_features else None
             output = runner.forward(batch, return_hidden=self.feeds_features, features=feats)

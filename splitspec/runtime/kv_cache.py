@@ -144,19 +144,30 @@ class KVCache:
         """A new table whose first num_tokens slots hold what table's do: whole pages are shared (their
         reference counts grow, and neither table writes below its length), a partly filled last page is
         copied to a page of the fork's own, where the fork goes on writing. Release it like any table."""
-        assert num_tokens <= table.num_tokens, "fork past the committed slots"
-        full, partial = divmod(num_tokens, self.page_size)
-        fork = BlockTable(list(table.pages[:full]), num_tokens)
-        self.allocator.incref(fork.pages)
-        if partial:
-            try:
-                self.reserve(fork, num_tokens)
-            except OutOfPagesError:
+        return self.fork_many(table, [num_tokens])[0]
+
+    def fork_many(self, table: BlockTable, lengths: list[int]) -> list[BlockTable]:
+        """fork() for each length, the partial pages' copies in one kernel."""
+        forks, src, dst = [], [], []
+        try:
+            for num_tokens in lengths:
+                assert num_tokens <= table.num_tokens, "fork past the committed slots"
+                full, partial = divmod(num_tokens, self.page_size)
+                fork = BlockTable(list(table.pages[:full]), num_tokens)
+                self.allocator.incref(fork.pages)
+                forks.append(fork)
+                if partial:
+                    self.reserve(fork, num_tokens)
+                    start = full * self.page_size
+                    src.append(self.slot_ids(table, start, num_tokens))
+                    dst.append(self.slot_ids(fork, start, num_tokens))
+        except OutOfPagesError:
+            for fork in forks:
                 self.release(fork)
-                raise
-            start = full * self.page_size
-            self.copy_slots(self.slot_ids(table, start, num_tokens), self.slot_ids(fork, start, num_tokens))
-        return fork
+            raise
+        if src:
+            self.copy_slots(torch.cat(src), torch.cat(dst))
+        return forks
 
     def slot_ids(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
         """Flat slot ids [end - start] of logical slots start..end-1 (pages must be reserved)."""
