@@ -76,6 +76,7 @@ class Service:
     process: subprocess.Popen | None = None
     restarts: int = 0
     started: float = 0.0
+    last_error: str = ""  # its latest output line that names an error, repeated when it exits
 
 
 class Launcher:
@@ -125,6 +126,8 @@ class Launcher:
     def _pump(self, service: Service, process: subprocess.Popen) -> None:
         prefix = f"{service.name:<{PREFIX_WIDTH}}| "
         for line in process.stdout:
+            if "error" in line.lower():
+                service.last_error = line.strip()
             with self.lock:
                 sys.stdout.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
                 sys.stdout.flush()
@@ -169,13 +172,15 @@ class Launcher:
             if code is None or self.stopping:
                 continue
             service.restarts += 1
+            why = f" ({service.last_error})" if service.last_error else ""
+            service.last_error = ""
             if service.restarts > self.args.max_restarts:
-                self.say(f"{service.name} exited with code {code}; it was restarted {self.args.max_restarts} times, "
+                self.say(f"{service.name} exited with code {code}{why}; it was restarted {self.args.max_restarts} times, "
                          "giving up")
                 return False
             lived = time.monotonic() - service.started
             delay = 0.0 if lived > 30 else min(0.5 * 2 ** (service.restarts - 1), 10.0)
-            self.say(f"{service.name} exited with code {code} after {lived:.1f} s; restarting it"
+            self.say(f"{service.name} exited with code {code} after {lived:.1f} s{why}; restarting it"
                      + (f" in {delay:.1f} s" if delay else "") + f" (restart {service.restarts})")
             time.sleep(delay)
             self.start(service)

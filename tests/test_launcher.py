@@ -15,14 +15,11 @@ import threading
 import time
 
 import httpx
-from test_verifier_service import free_port
 
 
 class Up:
     def __init__(self, *flags: str):
-        self.port = free_port()
-        while any(_busy(self.port + i) for i in range(1, 4)):
-            self.port = free_port()
+        self.port = free_port_block(4)  # gateway, verifier, metrics, drafters: port .. port + 3
         self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "up", "--port", str(self.port), *flags],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                         start_new_session=True)
@@ -62,10 +59,32 @@ class Up:
 
 
 def _busy(port: int) -> bool:
+    """Someone listens on the port, or it cannot be bound (an outgoing connection holds it)."""
     import socket
 
     with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            return True
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def free_port_block(count: int) -> int:
+    """A base port whose `count` consecutive ports are free, drawn below the kernel's ephemeral range
+    (32768 and up on Linux), where other processes' outgoing connections take ports at any moment: a block
+    from there could be taken between this check and the services binding it."""
+    import random
+
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 32700 - count)
+        if not any(_busy(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports between 20000 and 32700")
 
 
 def drafter_tokens(metrics_url: str, name: str) -> float:
