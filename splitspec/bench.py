@@ -260,7 +260,8 @@ class RemoteDrafter:
         self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
                                 draft_model=(ns.speculative_draft_model_path or "") if ns.speculative_algorithm != "NGRAM" else "",
                                 timeout=5.0, heartbeat_timeout=30.0, hidden_state_layers=layers, overlap=self.overlap,
-                                num_bets=self.num_bets, device=device_identity(runner.device))
+                                num_bets=self.num_bets, device=device_identity(runner.device),
+                                overlap_max_bs=ns.speculative_overlap_max_bs)
         flags = ["--verifier-drafter-addr", address, "--drafter-name", "bench", "--log-level", "warning",
                  "--speculative-algorithm", ns.speculative_algorithm, "--device", self.device, "--dtype", ns.dtype,
                  "--page-size", str(ns.page_size),  # and a page per bet's fork

@@ -130,11 +130,15 @@ def add_overlap_args(group) -> None:
                        help="Overlap drafting with verification: while the verifier verifies a tree, the drafter drafts "
                        "bets, the trees it would propose next for the likely outcomes (every accept length along its "
                        "best path, with a guessed bonus token); when one comes true the next tree is ready at once, and "
-                       "a wrong bet costs no correctness. auto: for drafters that do not share the verifier's GPU. "
-                       "Default: on when SGLANG_ENABLE_SPEC_V2 is true, off when it is false, else auto.")
+                       "a wrong bet costs no correctness. auto: for drafters that do not share the verifier's device "
+                       "(another GPU; a CPU drafter beside a GPU verifier, or on another host). Default: on when "
+                       "SGLANG_ENABLE_SPEC_V2 is true, off when it is false, else auto.")
     group.add_argument("--speculative-num-bets", type=int, default=None,
                        help="Overlap: bets per request and step (default: --speculative-num-steps + 1, one per accept "
                        "length; more add second guesses of the bonus token).")
+    group.add_argument("--speculative-overlap-max-bs", type=int, default=8,
+                       help="Overlap: bet only in steps where a drafter drafts for at most this many requests (bets "
+                       "multiply its work by --speculative-num-bets; past this it drafts trees alone).")
 
 
 def overlap_mode(args) -> str:

@@ -73,10 +73,12 @@ class DrafterPool(DrafterClient):
     def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str | None = None,
                  timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None,
                  hidden_state_layers: tuple[int, ...] = (), overlap: str = "auto", num_bets: int = 0,
-                 device: str = "cpu"):
+                 device: str = "cpu", overlap_max_bs: int = 8):
         """overlap (--speculative-overlap): ask drafters for bets on the outcome of the tree being verified,
         num_bets per request, so that when one comes true the next tree is ready when verification ends;
-        auto: every drafter that does not share the verifier's GPU (device: "cuda:<UUID>" or "cpu")."""
+        auto: every drafter that does not share the verifier's device (device: "cuda:<UUID>" or "cpu"; a CPU
+        drafter on this host shares its cores); and only for steps of at most overlap_max_bs requests per
+        drafter, since bets multiply a drafter's work by num_bets."""
         import zmq
 
         super().__init__()
@@ -92,6 +94,7 @@ class DrafterPool(DrafterClient):
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"--speculative-overlap {overlap!r}: expected one of {', '.join(OVERLAP_MODES)}")
         self.overlap, self.num_bets, self.device = overlap, max(num_bets, 0), device
+        self.overlap_max_bs = overlap_max_bs
         self._bet_step: dict[str, int] = {}  # request -> the step whose DraftBets carries bets on its current tree
         self._bets: dict[str, list[tuple[tuple[int, ...], DraftTree]]] = {}  # request -> (outcome, tree), filed
         self._bet_waits: dict[int, tuple[_Drafter, dict[str, int]]] = {}  # step -> (drafter, {request: budget}) due
@@ -204,6 +207,9 @@ class DrafterPool(DrafterClient):
                 bets = self.num_bets if drafter.overlap and ask.max_nodes >= 2 else 0
                 groups.setdefault(drafter.session, (drafter, []))[1].append(
                     (DraftAsk(ask.request_id, new_tokens, ask.max_nodes, hidden if new_tokens else None), taken, bets))
+            for drafter, entries in groups.values():  # a large batch: no bets (they would outlast verification)
+                if sum(1 for e in entries if e[0].max_nodes >= 2) > self.overlap_max_bs:
+                    entries[:] = [(a, taken, 0) for a, taken, _ in entries]
             now = time.monotonic()
             for session, (drafter, entries) in groups.items():
                 if not drafter.alive:  # it died while we waited for bets: these requests decode plainly this step
@@ -548,8 +554,11 @@ class DrafterPool(DrafterClient):
         target = f"{host}:{register.metrics_port}" if register.metrics_port and host else None
         drafter = _Drafter(identity, sender.name, sender.instance_epoch, next(self._sessions), register.capacity,
                            register.max_tree_nodes, time.monotonic(), target, register.algorithm, register.device)
-        shares_gpu = register.device.startswith("cuda:") and register.device == self.device
-        drafter.overlap = self.num_bets > 0 and (self.overlap == "on" or (self.overlap == "auto" and not shares_gpu))
+        # a drafter on the verifier's own device (its GPU, by UUID; or this host's CPUs) takes what it bets with
+        # from the verification: auto overlaps only with drafters elsewhere
+        local = peer_host in ("127.0.0.1", "::1", "localhost") or peer_host.startswith("::ffff:127.")
+        shares = register.device == self.device and (register.device.startswith("cuda:") or local)
+        drafter.overlap = self.num_bets > 0 and (self.overlap == "on" or (self.overlap == "auto" and not shares))
         self._drafters[drafter.session] = drafter
         logger.info("drafter %s joined (%s on %s, capacity %d, session %d%s, overlap %s); %d alive", drafter.name,
                     register.algorithm, register.device or "?", drafter.capacity, drafter.session,

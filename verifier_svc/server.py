@@ -190,7 +190,7 @@ async def serve(args: argparse.Namespace) -> None:
                               hidden_state_layers=layers,
                               metrics=PoolMetrics(registry, model_id) if registry is not None else None,
                               overlap=engine_args.overlap_mode(args), num_bets=engine_args.num_bets(args),
-                              device=device_identity(runner.device))
+                              device=device_identity(runner.device), overlap_max_bs=args.speculative_overlap_max_bs)
     else:
         drafter, spec = engine_args.in_process_drafter(args, target=runner)
     if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters
