@@ -300,11 +300,13 @@ class RemoteDrafter:
                 "bets": {"hits": counts["bet_hits"], "misses": counts["bet_misses"], "late": counts["bets_late"],
                          "hit_rate": round(counts["bet_hits"] / asks, 4) if asks else None},
                 # the drafter's own clock per DraftReply (trees) and per DraftBets (bets), in ms
-                "drafter_reply_ms": self._mean_ms("reply"), "drafter_bets_ms": self._mean_ms("bet")}
+                "drafter_reply_ms": self._mean_ms("reply"), "drafter_bets_ms": self._mean_ms("bet"),
+                # from sending a DraftRequest to filing its DraftReply, on the verifier's clock
+                "round_trip_ms": self._mean_ms("round_trip", "round_trips")}
 
-    def _mean_ms(self, kind: str) -> float | None:
+    def _mean_ms(self, kind: str, count: str | None = None) -> float | None:
         extra = self.pool.stats.extra
-        steps = extra.get(f"{kind}_steps", 0)
+        steps = extra.get(count or f"{kind}_steps", 0)
         return round(extra.get(f"{kind}_seconds", 0.0) / steps * 1e3, 3) if steps else None
 
     def close(self) -> None:

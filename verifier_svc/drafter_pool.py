@@ -581,6 +581,8 @@ class DrafterPool(DrafterClient):
             self.metrics.round_trip.labels(drafter=drafter.name).observe(time.monotonic() - step.sent_at)
             if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:
                 self.metrics.draft_seconds.labels(drafter=drafter.name).observe(reply.draft_seconds)
+        self._tally("round_trips")
+        self.stats.extra["round_trip_seconds"] = self.stats.extra.get("round_trip_seconds", 0.0) + time.monotonic() - step.sent_at
         if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:
             self._tally("reply_steps")
             self.stats.extra["reply_seconds"] = self.stats.extra.get("reply_seconds", 0.0) + reply.draft_seconds
