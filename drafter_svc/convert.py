@@ -15,10 +15,10 @@ def envelope(name: str, epoch: int, session: int, **kind) -> pb.DrafterMessage:
 
 
 def register(algorithm: str, draft_model: str, vocab_size: int, layers: list[int], capacity: int, max_nodes: int,
-             metrics_port: int = 0, metrics_host: str = "", device: str = "") -> pb.Register:
+             metrics_port: int = 0, metrics_host: str = "", device: str = "", bets: bool = False) -> pb.Register:
     return pb.Register(algorithm=algorithm, draft_model=draft_model, vocab_size=vocab_size, hidden_state_layers=layers,
                        capacity=capacity, max_tree_nodes=max_nodes, metrics_port=metrics_port, metrics_host=metrics_host,
-                       device=device)
+                       device=device, bets=bets)
 
 
 def heartbeat(num_requests: int, steps: int) -> pb.Heartbeat:

@@ -93,7 +93,7 @@ class DrafterServer:
     def _register(self) -> None:
         self._send(register=convert.register(self.drafter.name, self.draft_model, self.vocab_size, self.hidden_state_layers,
                                              self.capacity, self.max_nodes, self.metrics_port, self.metrics_host,
-                                             device_identity(self.device)))
+                                             device_identity(self.device), self.drafter.supports_bets))
 
     # loop -------------------------------------------------------------------------------------------
     def serve(self) -> None:

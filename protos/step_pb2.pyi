@@ -31,7 +31,7 @@ class DrafterIdentity(_message.Message):
     def __init__(self, name: _Optional[str] = ..., instance_epoch: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class Register(_message.Message):
-    __slots__ = ("algorithm", "draft_model", "vocab_size", "hidden_state_layers", "capacity", "max_tree_nodes", "metrics_port", "metrics_host", "device")
+    __slots__ = ("algorithm", "draft_model", "vocab_size", "hidden_state_layers", "capacity", "max_tree_nodes", "metrics_port", "metrics_host", "device", "bets")
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Register(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     METRICS_HOST_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BETS_FIELD_NUMBER: _ClassVar[int]
     algorithm: str
     draft_model: str
     vocab_size: int
@@ -50,7 +51,8 @@ class Register(_message.Message):
     metrics_port: int
     metrics_host: str
     device: str
-    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    bets: bool
+    def __init__(self, algorithm: _Optional[str] = ..., draft_model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_state_layers: _Optional[_Iterable[int]] = ..., capacity: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., metrics_port: _Optional[int] = ..., metrics_host: _Optional[str] = ..., device: _Optional[str] = ..., bets: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("num_requests", "steps")

@@ -558,7 +558,8 @@ class DrafterPool(DrafterClient):
         # from the verification: auto overlaps only with drafters elsewhere
         local = peer_host in ("127.0.0.1", "::1", "localhost") or peer_host.startswith("::ffff:127.")
         shares = register.device == self.device and (register.device.startswith("cuda:") or local)
-        drafter.overlap = self.num_bets > 0 and (self.overlap == "on" or (self.overlap == "auto" and not shares))
+        wanted = self.overlap == "on" or (self.overlap == "auto" and not shares)
+        drafter.overlap = register.bets and self.num_bets > 0 and wanted  # only drafters that bet are asked to
         self._drafters[drafter.session] = drafter
         logger.info("drafter %s joined (%s on %s, capacity %d, session %d%s, overlap %s); %d alive", drafter.name,
                     register.algorithm, register.device or "?", drafter.capacity, drafter.session,
