@@ -204,8 +204,12 @@ def test_eagle_drafters_over_tcp_get_hidden_states_keep_output_and_survive_a_rep
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     drafters = {name: drafter(name) for name in ("e1", "e2")}
+    # overlap on (auto leaves it off for CPU drafters beside a CPU verifier) for steps of one request per drafter
+    # (batch 1): the heads' bets go through the pool too; at batch 8 two CPU drafters on a busy 2-core machine
+    # could not bet within the deadline
     process, stub = start_verifier("--max-total-tokens", "16384", "--drafter-bind-addr", address, "--wait-for-drafters", "2",
                                    "--drafter-timeout-ms", "3000", "--drafter-heartbeat-timeout", "1.0",
+                                   "--speculative-overlap", "on", "--speculative-overlap-max-bs", "1",
                                    "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", trained_head, *shape)
     try:
         from transformers import AutoTokenizer
@@ -229,6 +233,10 @@ def test_eagle_drafters_over_tcp_get_hidden_states_keep_output_and_survive_a_rep
         metrics = scrape(stub.metrics_url)
         for name in ("e1", "e2"):
             assert metrics[("splitspec:drafter_accepted_tokens_total", (("drafter", name),))] > 0, name
+        bets = {o: sum(metrics.get(("splitspec:drafter_bets_total", (("drafter", n), ("outcome", o))), 0) for n in ("e1", "e2"))
+                for o in ("hit", "miss", "late")}
+        print(f"EAGLE over tcp with overlap: {bets}")
+        assert bets["hit"] > 0, bets  # the heads' bets came true and their trees were verified, output unchanged
         hidden_bytes = sum(metrics[("splitspec:drafter_hidden_state_bytes_total", (("drafter", n),))] for n in ("e1", "e2"))
         # every token after each request's first crossed with a 384-float fp32 state, except those of the
         # last step (at most a tree's worth: they would go with the next ask, which never comes)
