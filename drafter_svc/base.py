@@ -25,6 +25,12 @@ class Bet:
     tree: DraftTree
 
 
+def bet_order(depth: int, count: int) -> list[tuple[int, int]]:
+    """The outcomes bets cover, most likely first: (accept length a, guess rank) for a = depth .. 0 with
+    the best guess, then the same with the second guess; the first `count`."""
+    return [(a, rank) for rank in range(2) for a in range(depth, -1, -1)][:count]
+
+
 class Drafter(ABC):
     name: str = ""
     needs_hidden_states = False  # EAGLE-style: extend() also gets the target's hidden state before each token

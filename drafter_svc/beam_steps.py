@@ -18,7 +18,7 @@ from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.draft_loop import DraftLoop
 from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.runner import ModelRunner
-from splitspec.drafter_svc.base import Bet
+from splitspec.drafter_svc.base import Bet, bet_order
 from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree, batched_topk
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,6 @@ class ModelBets:
                 cuts.append(m)
                 fork = kv.fork(table, table.num_tokens)
                 forks.append(fork)
-                kv.reserve(fork, table.num_tokens + m)
                 if m:
                     sequences.append(SequenceInput(fork, current.path[:m], logits="all"))
                 if m and self.feeds_features:
@@ -200,8 +199,7 @@ class ModelBets:
                 # the best two tokens after P[:a], P[a] excluded where the verifier rejected it
                 guesses = {a: [t for t in top[first + a] if a == m or t != path[a]][:2] for a in range(m + 1)}
                 first += m + 1
-                choices = [(a, rank) for rank in range(2) for a in range(m, -1, -1)]
-                for a, rank in choices[:num_bets]:
+                for a, rank in bet_order(m, num_bets):
                     if rank < len(guesses[a]):
                         plans.append((k, a, guesses[a][rank], outputs[k][a]))
             if not plans:

@@ -36,7 +36,7 @@ import logging
 import random
 from pathlib import Path
 
-from splitspec.drafter_svc.base import Bet, Drafter
+from splitspec.drafter_svc.base import Bet, Drafter, bet_order
 from splitspec.runtime.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -169,11 +169,10 @@ class ReplayDrafter(Drafter):
             main = list(tree.tokens[1 : depth + 1])  # _tree lays the main path out first
             k = self.draws.get(request_id, -1) + 1  # the draw the next tree uses
             n = len(context)
-            truth = reference[n - 1 + accepted + 1] if reference is not None and n + accepted < len(reference) else None
+            truth = reference[n + accepted] if reference is not None and n + accepted < len(reference) else None
             right = truth is not None and self._draw(request_id, k, salt="guess") < self.guess_rate
-            lengths = [(a, rank) for rank in range(2) for a in range(depth, -1, -1)][: len(inner_bets)]
             bets = []
-            for a, rank in lengths:
+            for a, rank in bet_order(depth, len(inner_bets)):  # the outcomes the inner drafter paid for
                 hit = a == accepted and rank == 0 and right
                 guess = truth if hit else (main[a] if a < depth else context[-1]) + 1 + rank
                 guess %= self.vocab_size

@@ -66,7 +66,6 @@ class StandaloneDrafter(ModelBets, Drafter):
             sequence, table = self.sequences[request_id], self.tables[request_id]
             if table.num_tokens >= len(sequence):  # asked again with nothing new: recompute the root
                 kv.set_length(table, len(sequence) - 1)
-            kv.reserve(table, len(sequence))
             catch_up.append(SequenceInput(table, sequence[table.num_tokens :], logits="last"))
         logits = self.runner.forward(self.runner.batch(catch_up)).logits
         for request_id in request_ids:
