@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from splitspec.protos import step_pb2 as pb
 from splitspec.runtime.tensor_plane import TensorInfo
 from splitspec.runtime.tree import DraftTree
@@ -25,16 +27,22 @@ def heartbeat(num_requests: int, steps: int) -> pb.Heartbeat:
     return pb.Heartbeat(num_requests=num_requests, steps=steps)
 
 
-def draft_reply(step_id: int, trees: list[tuple[str, DraftTree]], seconds: float, unknown: list[str]) -> pb.DraftReply:
-    return pb.DraftReply(step_id=step_id, draft_seconds=seconds, unknown_request_ids=unknown,
-                         trees=[pb.WireTree(request_id=r, tokens=t.tokens, parents=t.parents) for r, t in trees])
+def draft_reply(step_id: int, trees: list[tuple[str, DraftTree]], seconds: float, unknown: list[str],
+                received_ns: int = 0) -> pb.DraftReply:
+    """received_ns: the wall clock when the DraftRequest arrived; the reply is stamped as it is built."""
+    reply = pb.DraftReply(step_id=step_id, draft_seconds=seconds, unknown_request_ids=unknown, received_unix_ns=received_ns,
+                          trees=[pb.WireTree(request_id=r, tokens=t.tokens, parents=t.parents) for r, t in trees])
+    reply.sent_unix_ns = time.time_ns()
+    return reply
 
 
-def draft_bets(step_id: int, bets: list[tuple[str, object]], seconds: float) -> pb.DraftBets:
+def draft_bets(step_id: int, bets: list[tuple[str, object]], seconds: float, received_ns: int = 0) -> pb.DraftBets:
     """bets: (request id, base.Bet)."""
-    return pb.DraftBets(step_id=step_id, draft_seconds=seconds, bets=[
+    message = pb.DraftBets(step_id=step_id, draft_seconds=seconds, received_unix_ns=received_ns, bets=[
         pb.WireBet(request_id=r, outcome=b.outcome, tree=pb.WireTree(request_id=r, tokens=b.tree.tokens, parents=b.tree.parents))
         for r, b in bets])
+    message.sent_unix_ns = time.time_ns()
+    return message
 
 
 def parse_verifier(data: bytes) -> pb.VerifierMessage:

@@ -55,6 +55,7 @@ class DrafterServer:
         runner = getattr(drafter, "runner", None)
         self.device = runner.device if runner is not None else "cpu"
         self.bet_steps = 0  # steps whose bets were drafted (overlap)
+        self.received_ns = 0  # wall clock when the message being handled arrived (stamped on replies)
         self.context = zmq.Context.instance()
         self.socket = None
         self.stopping = False
@@ -116,6 +117,7 @@ class DrafterServer:
                 last_heard = now
             if self.socket.poll(timeout=int(self.heartbeat_interval * 1000) or 1):
                 frames = self.socket.recv_multipart(copy=False)
+                self.received_ns = time.time_ns()
                 last_heard = time.monotonic()
                 if self.metrics is not None:
                     self.metrics.bytes.labels(direction="received").inc(sum(len(f) for f in frames))
@@ -247,7 +249,7 @@ class DrafterServer:
         self.steps += 1
         pairs = [(a.request_id, t) for a, t in zip(fresh, trees) if t is not None]
         seconds = time.perf_counter() - start
-        self._send(draft_reply=convert.draft_reply(step_id, pairs, seconds, unknown))
+        self._send(draft_reply=convert.draft_reply(step_id, pairs, seconds, unknown, self.received_ns))
         if self.metrics is not None:
             self._observe_step(len(fresh), pairs, seconds)
         betting = [a for a in kept if a.num_bets and a.request_id in self.requests]
@@ -282,7 +284,7 @@ class DrafterServer:
             except Exception:  # bets are optional: the verifier drafts afresh
                 logger.exception("drafting bets for step %d failed; sending none", step_id)
         self.bet_steps += bool(bets)
-        self._send(draft_bets=convert.draft_bets(step_id, bets, time.perf_counter() - start))
+        self._send(draft_bets=convert.draft_bets(step_id, bets, time.perf_counter() - start, self.received_ns))
         if self.metrics is not None:
             self.metrics.bets.inc(len(bets))
 

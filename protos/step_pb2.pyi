@@ -73,16 +73,20 @@ class WireTree(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("step_id", "trees", "draft_seconds", "unknown_request_ids")
+    __slots__ = ("step_id", "trees", "draft_seconds", "unknown_request_ids", "received_unix_ns", "sent_unix_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TREES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     trees: _containers.RepeatedCompositeFieldContainer[WireTree]
     draft_seconds: float
     unknown_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[WireTree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    received_unix_ns: int
+    sent_unix_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[WireTree, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., unknown_request_ids: _Optional[_Iterable[str]] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class WireBet(_message.Message):
     __slots__ = ("request_id", "outcome", "tree")
@@ -95,14 +99,18 @@ class WireBet(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[WireTree, _Mapping]] = ...) -> None: ...
 
 class DraftBets(_message.Message):
-    __slots__ = ("step_id", "bets", "draft_seconds")
+    __slots__ = ("step_id", "bets", "draft_seconds", "received_unix_ns", "sent_unix_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     BETS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     bets: _containers.RepeatedCompositeFieldContainer[WireBet]
     draft_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., bets: _Optional[_Iterable[_Union[WireBet, _Mapping]]] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    received_unix_ns: int
+    sent_unix_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., bets: _Optional[_Iterable[_Union[WireBet, _Mapping]]] = ..., draft_seconds: _Optional[float] = ..., received_unix_ns: _Optional[int] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class DrafterMessage(_message.Message):
     __slots__ = ("sender", "register", "heartbeat", "draft_reply", "draft_bets", "tensors")

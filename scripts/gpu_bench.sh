@@ -27,6 +27,8 @@
 #             (co-located) and on GPU 1 (split), each without and with overlap (bets); SPLIT_MODES picks modes,
 #             SPLIT_EXTRA adds bench flags (e.g. --topk 4), SPLIT_TAG names the files; scripts/split_summary.py
 #             sums them up
+#   bets      where a drafter's time goes with overlap: benchmarks/profile_bets.py on the split stage's point (dummy
+#             EAGLE-3 head of the 8B shape, steps 5, top-1) for 1, 2 and 6 bets against a fresh tree
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
 #             suite with forwards on CUDA
@@ -93,6 +95,8 @@ for stage in "${stages[@]}"; do
                        >> "$OUT/split.log" 2>&1 || break
                done
                python3 -P scripts/split_summary.py "$OUT" "${SPLIT_TAG:-}" > "$OUT/split${SPLIT_TAG:-}_summary.json" ;;
+        bets) python3 -P benchmarks/profile_bets.py --device cuda ${BETS_EXTRA:-} --out "$OUT/bets${SPLIT_TAG:-}.json" \
+                  > "$OUT/bets.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;

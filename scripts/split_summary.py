@@ -30,7 +30,8 @@ def main() -> None:
         row = next(r for r in report["rows"] if r["speculative"] is not None)
         modes[mode] = {k: row.get(k) for k in ("output_tok_s", "per_request_tok_s", "speedup", "accept_length", "step_ms",
                                                "fallbacks", "outputs_equal_plain", "drafter_transport", "drafter_device",
-                                               "overlap", "num_bets", "bets", "steps", "topk", "num_draft_tokens")}
+                                               "overlap", "num_bets", "bets", "steps", "topk", "num_draft_tokens", "drafter_reply_ms",
+                                               "drafter_bets_ms", "round_trip_ms", "transport_ms")}
         modes[mode]["plain_output_tok_s"] = plain["output_tok_s"]
         modes[mode]["device"] = report["device"]
     out = {"modes": modes}

@@ -17,8 +17,10 @@ One JSON row per point:
     ttft_ms, itl_ms         time to first token; time between token deliveries (a speculative step
                             delivers several tokens at once), mean/p50/p90/p99; tpot_ms per output token
     step_ms                 in process: mean time per decode step (steps without prefill) by phase:
-                            schedule, draft, verify, accept, commit, other, total; on a GPU the engine
-                            waits for the device at each boundary, so phases hold their kernels' time
+                            schedule, draft (waiting for the trees), verify, accept, commit, ask (asking
+                            for the next trees; with overlap, waiting for the bets first), other, total; on
+                            a GPU the engine waits for the device at each boundary, so phases hold their
+                            kernels' time
     speedup                 output_tok_s over plain's at the same batch size
 
 Targets no draft fits (--preset: a dummy model of a known shape) are measured with simulated acceptance:
@@ -302,7 +304,15 @@ class RemoteDrafter:
                 # the drafter's own clock per DraftReply (trees) and per DraftBets (bets), in ms
                 "drafter_reply_ms": self._mean_ms("reply"), "drafter_bets_ms": self._mean_ms("bet"),
                 # from sending a DraftRequest to filing its DraftReply, on the verifier's clock
-                "round_trip_ms": self._mean_ms("round_trip", "round_trips")}
+                "round_trip_ms": self._mean_ms("round_trip", "round_trips"),
+                # where the round trip went, by wall clocks (one host): queued -> on the wire (the pool's I/O
+                # thread) -> at the drafter -> its answer left -> filed by the pool; wake: filed -> the engine
+                # thread running again
+                "transport_ms": {
+                    "reply": {leg: self._mean_ms(f"transport_reply_{leg}", "transport_reply_count")
+                              for leg in ("queue", "out", "drafter", "in")},
+                    "bets_in": self._mean_ms("transport_bets_in", "transport_bets_count"),
+                    "wake": self._mean_ms("transport_wake", "transport_wakes")}}
 
     def _mean_ms(self, kind: str, count: str | None = None) -> float | None:
         extra = self.pool.stats.extra

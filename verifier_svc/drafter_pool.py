@@ -64,6 +64,8 @@ class _Step:
     drafter: _Drafter
     budgets: dict[str, int]  # request id -> max nodes
     sent_at: float
+    queued_ns: int = 0  # wall clock: queued for the I/O thread, and on the wire (transport timing, one host)
+    flushed_ns: int = 0
 
 
 OVERLAP_MODES = ("auto", "on", "off")
@@ -119,6 +121,7 @@ class DrafterPool(DrafterClient):
         self._wake_pending = False  # one queued wake-up is enough
         self._flushed = threading.Event()  # set by the I/O thread whenever it has sent everything queued
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._filed_ns = 0  # wall clock of the last filed reply or bets (transport timing)
         self._cond = threading.Condition()
         self._drafters: dict[int, _Drafter] = {}  # session -> live drafter
         self._sessions = itertools.count(1)
@@ -219,7 +222,7 @@ class DrafterPool(DrafterClient):
                     continue
                 group = [a for a, _, _ in entries]
                 step_id = next(self._step_ids)
-                self._pending[step_id] = _Step(drafter, {a.request_id: a.max_nodes for a in group}, now)
+                step = self._pending[step_id] = _Step(drafter, {a.request_id: a.max_nodes for a in group}, now, time.time_ns())
                 for ask, taken, bets in entries:
                     if not taken:  # a taken bet's tree is filed already
                         self._step_of[ask.request_id] = step_id
@@ -231,7 +234,7 @@ class DrafterPool(DrafterClient):
                 if frames and self.metrics is not None:
                     self.metrics.hidden_bytes.labels(drafter=drafter.name).inc(frame_bytes(frames))
                     self.metrics.hidden_bytes_per_step.labels(drafter=drafter.name).observe(frame_bytes(frames))
-                self._send(drafter, convert.draft_request(self.epoch, session, step_id, entries, infos), frames)
+                self._send(drafter, convert.draft_request(self.epoch, session, step_id, entries, infos), frames, step)
                 sent += 1
         return sent
 
@@ -244,11 +247,15 @@ class DrafterPool(DrafterClient):
             return 0
         step = self._pending.get(step_id)
         deadline = (step.sent_at if step is not None else time.monotonic()) + self.timeout
+        waited = False
         while request_id in self._bet_waits.get(step_id, (None, {}))[1]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             self._cond.wait(remaining)
+            waited = True
+        if waited:
+            self._time_wake()
         self._bet_step.pop(request_id, None)
         bets = self._bets.pop(request_id, None)
         if bets is None:  # late (or its drafter died): draft afresh; bets that come later are dropped
@@ -285,11 +292,15 @@ class DrafterPool(DrafterClient):
         with self._cond:
             sent = [self._pending[s].sent_at for s in (self._step_of.get(r) for r in request_ids) if s in self._pending]
             deadline = max(sent, default=time.monotonic()) + self.timeout
+            waited = False
             while any(self._step_of.get(r) in self._pending for r in request_ids):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
+                waited = True
+            if waited:
+                self._time_wake()
             trees = {}
             for request_id in request_ids:
                 if request_id in self._results:
@@ -396,15 +407,15 @@ class DrafterPool(DrafterClient):
         self._cond.notify_all()
 
     # the I/O thread ----------------------------------------------------------------------------------
-    def _send(self, drafter: _Drafter, message, frames=()) -> None:
+    def _send(self, drafter: _Drafter, message, frames=(), step: _Step | None = None) -> None:
         data = message.SerializeToString()
-        self._outbox.put((drafter.identity, data, list(frames)))
+        self._outbox.put((drafter.identity, data, list(frames), step))
         if self.metrics is not None:
             self.metrics.bytes.labels(drafter=drafter.name, direction="sent").inc(len(data) + frame_bytes(list(frames)))
         self._wake()
 
     def _send_raw(self, identity: bytes, message) -> None:
-        self._outbox.put((identity, message.SerializeToString(), []))
+        self._outbox.put((identity, message.SerializeToString(), [], None))
 
     def _wake(self) -> None:
         """Wake the I/O thread to send what is queued (from other threads; it drains the outbox itself)."""
@@ -449,10 +460,12 @@ class DrafterPool(DrafterClient):
         zmq = self.zmq
         while True:
             try:
-                identity, data, frames = self._outbox.get_nowait()
+                identity, data, frames, step = self._outbox.get_nowait()
             except queue.Empty:
                 self._flushed.set()
                 return
+            if step is not None:
+                step.flushed_ns = time.time_ns()
             try:
                 self._router.send_multipart([identity, data, *frames], copy=False, flags=zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # unreachable or backed up: what it missed cannot be replayed
@@ -584,6 +597,7 @@ class DrafterPool(DrafterClient):
                 self.metrics.draft_seconds.labels(drafter=drafter.name).observe(reply.draft_seconds)
         self._tally("round_trips")
         self.stats.extra["round_trip_seconds"] = self.stats.extra.get("round_trip_seconds", 0.0) + time.monotonic() - step.sent_at
+        self._time_transport("reply", step, reply)
         if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:
             self._tally("reply_steps")
             self.stats.extra["reply_seconds"] = self.stats.extra.get("reply_seconds", 0.0) + reply.draft_seconds
@@ -615,6 +629,31 @@ class DrafterPool(DrafterClient):
                 self._results[request_id] = None  # nothing to propose
         self._cond.notify_all()
 
+    def _time_transport(self, kind: str, step: _Step | None, message) -> None:
+        """Where a round trip's time went, by wall clocks (meaningful when the drafter shares this host's
+        clock): queued -> on the wire (this pool's I/O thread), -> arrived at the drafter, -> its answer
+        left, -> filed here. Sums per kind in stats.extra (transport_<kind>_<leg>_seconds)."""
+        now = time.time_ns()
+        legs = {"in": (message.sent_unix_ns, now)}
+        if step is not None and step.flushed_ns:
+            legs.update(queue=(step.queued_ns, step.flushed_ns), out=(step.flushed_ns, message.received_unix_ns),
+                        drafter=(message.received_unix_ns, message.sent_unix_ns))
+        if not (message.received_unix_ns and message.sent_unix_ns):
+            return
+        extra = self.stats.extra
+        extra[f"transport_{kind}_count"] = extra.get(f"transport_{kind}_count", 0) + 1
+        for leg, (begin, end) in legs.items():
+            key = f"transport_{kind}_{leg}_seconds"
+            extra[key] = extra.get(key, 0.0) + (end - begin) / 1e9
+        self._filed_ns = now
+
+    def _time_wake(self) -> None:
+        """After waiting for a filing: how long the engine thread took to wake after the I/O thread filed."""
+        if self._filed_ns:
+            self._tally("transport_wakes")
+            extra = self.stats.extra
+            extra["transport_wake_seconds"] = extra.get("transport_wake_seconds", 0.0) + (time.time_ns() - self._filed_ns) / 1e9
+
     def _file_bets(self, drafter: _Drafter, message) -> None:
         """A step's bets (overlap): checked like trees, filed for the requests still waiting for them."""
         due = self._bet_waits.get(message.step_id)
@@ -623,6 +662,7 @@ class DrafterPool(DrafterClient):
                        f"bets for step {message.step_id}")
             return
         del self._bet_waits[message.step_id]
+        self._time_transport("bets", None, message)
         if math.isfinite(message.draft_seconds) and message.draft_seconds >= 0:  # the drafter's clock
             self._tally("bet_steps")
             self.stats.extra["bet_seconds"] = self.stats.extra.get("bet_seconds", 0.0) + message.draft_seconds

@@ -244,8 +244,9 @@ class Engine:
         events = self._events + self._forward_and_accept(prefills, verifies)
         self._events = []
         self._retire()
+        asking = self._clock()
         self._request_drafts()  # the next trees, as soon as acceptance is known
-        self.report.seconds.update(schedule=scheduled - start, draft=drafted - scheduled)
+        self.report.seconds.update(schedule=scheduled - start, draft=drafted - scheduled, ask=self._clock() - asking)
         self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
         self.report.generated_tokens = sum(len(e.new_token_ids) for e in events)
         self.report.finished = [e.finish_reason for e in events if e.finish_reason]
