@@ -158,7 +158,20 @@ def main() -> int:
             kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
             busy = sum(e.self_device_time_total for e in kernels) / 1e3 / args.iters
             top = {e.key[:60]: round(e.self_device_time_total / 1e3 / args.iters, 4) for e in kernels[:8]}
-        return {"wall_ms": round(wall, 3), "phases_ms": split, "phases_sum_ms": round(sum(split.values()), 3),
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.iters):
+            step(*step_args)
+        phases.sync()
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        host = sorted(((f"{Path(f).name}:{line}:{name}", tt / args.iters * 1e3, ct / args.iters * 1e3)
+                       for (f, line, name), (_, _, tt, ct, _) in stats.stats.items()), key=lambda x: -x[1])[:25]
+        return {"wall_ms": round(wall, 3), "phases_ms": split,
+                "host_top_ms (function: own, cumulative)": {k: [round(a, 3), round(b, 3)] for k, a, b in host}, "phases_sum_ms": round(sum(split.values()), 3),
                 "gpu_busy_ms": None if busy is None else round(busy, 3), "top_kernels_ms": top if busy else None}
 
     results = {}

@@ -246,6 +246,13 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         except Exception:  # noqa: BLE001 (a capture failure costs speed, not service)
             logger.exception("capturing the draft's CUDA graphs failed; its steps run eagerly")
             loop.graphs = {}
+        if kind != "standalone":  # a head's catch-ups (the target's features) and bets (its own) of up to S+1 tokens
+            widths = sorted({runner.config.hidden_size, getattr(runner.model, "fc_input_size", runner.config.hidden_size)})
+            try:
+                runner.capture_feature_graphs(range(1, steps + 2), widths)
+            except Exception:  # noqa: BLE001
+                logger.exception("capturing the head's catch-up CUDA graphs failed; its catch-ups run eagerly")
+                runner.graphs = None
     logger.info("%s drafter (%s from %s): %d steps, top-%d, %d tree nodes%s", args.speculative_algorithm, kind, path,
                 steps, topk, tokens, f", captures {list(drafter.hidden_state_layers)}" if drafter.hidden_state_layers else "")
     return drafter

@@ -2,7 +2,8 @@
 - each Triton kernel against its torch twin (splitspec.kernels);
 - the FlashInfer attention backend against the torch backend on the same bf16 weights: chunked
   prefill, decode, tree verification, a mixed batch, sliding windows;
-- decode steps replayed from CUDA graphs against the same steps run eagerly.
+- decode steps replayed from CUDA graphs against the same steps run eagerly, and so a draft head's
+  catch-ups and bets.
 Run there: `SPLITSPEC_TEST_DEVICE=cuda pytest tests/test_gpu_kernels.py` (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
@@ -221,3 +222,51 @@ def test_draft_loop_graphs_equal_eager(tmp_path):
             assert (graphed.tokens, graphed.parents) == (eager.tokens, eager.parents), (count, eager, graphed)
             assert graphed.scores == pytest.approx(eager.scores, rel=1e-2, abs=1e-4), (count, eager, graphed)
     assert drafters[1].loop.replays == 3
+
+
+@needs_flashinfer
+def test_head_catch_up_graphs_equal_eager():
+    """A draft head's forwards fed features (catch-ups with the target's, overlap's bets with its own) replay
+    the graphs capture_feature_graphs captured, chains included, and equal the same forwards run eagerly."""
+    from splitspec.draft_models import build_drafter
+    from splitspec.drafter_svc.server import build_parser
+    from splitspec.model_shapes import dummy_model_dir
+
+    def head(graphs: bool):
+        flags = ["--speculative-algorithm", "EAGLE3", "--model-path", str(dummy_model_dir("quick")), "--load-format", "dummy",
+                 "--speculative-draft-model-path", str(dummy_model_dir("eagle3-quick")), "--speculative-draft-load-format",
+                 "dummy", "--device", "cuda", "--dtype", "bfloat16", "--speculative-num-steps", "3",
+                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--max-total-tokens", "4096",
+                 "--page-size", "4", "--cuda-graph-max-bs", "8"] + ([] if graphs else ["--disable-cuda-graph"])
+        return build_drafter(build_parser().parse_args(flags), max_total_tokens=4096).runner
+
+    eager, graphed = head(False), head(True)
+    assert eager.graphs is None
+    hidden, wide = graphed.config.hidden_size, graphed.model.fc_input_size
+    assert sorted(graphed.graphs.feature_seconds) == [(q, w) for w in sorted((hidden, wide)) for q in (1, 2, 3, 4)]
+    g = torch.Generator().manual_seed(4)
+    tables = {id(r): [BlockTable() for _ in range(5)] for r in (eager, graphed)}
+
+    def compare(counts, width, logits="all", replay=True):
+        ids = [torch.randint(3, 200, (n,), generator=g).tolist() for n in counts]
+        features = (torch.randn(sum(counts), width, generator=g) * 0.5).bfloat16().cuda()
+        outs = []
+        for r in (eager, graphed):
+            before = r.graphs.replays if r.graphs is not None else 0
+            seqs = [SequenceInput(tables[id(r)][i], x, logits=logits) for i, x in enumerate(ids)]
+            out = r.forward(r.batch(seqs), return_hidden=True, features=features)
+            for i, x in enumerate(ids):
+                r.kv_cache.set_length(tables[id(r)][i], tables[id(r)][i].num_tokens + len(x))
+            outs.append(out)
+            if r is graphed:
+                assert (r.graphs.replays - before == 1) == replay, (counts, width)
+        assert outs[0].logits.shape == outs[1].logits.shape
+        assert close(outs[1].logits, outs[0].logits) < 2e-2
+        assert close(outs[1].hidden_states, outs[0].hidden_states) < 2e-2
+
+    compare([12, 12, 12], wide, "last", replay=False)  # a prompt's catch-up: longer than any graph, eager
+    compare([4], wide, "last")  # steady-state catch-ups: a chain per request, the root row's logits
+    compare([3, 3, 3], wide, "last")  # padded to 4
+    compare([2, 2], hidden, "all")  # bets' paths, fed the head's own outputs
+    compare([1, 1, 1, 1, 1], hidden, "last")  # bets' guesses: padded to 8
+    compare([2, 3], wide, "last", replay=False)  # unequal chains: eager

@@ -10,12 +10,18 @@ inputs are copied in, the b - r padding requests run a dummy chain in scratch pa
 the first r requests' rows of the outputs are returned (copied: the next replay overwrites them). The
 graphs share one memory pool, captured largest first. Other batches (prompt chunks, mixed batches,
 trees of another size) run eagerly. A draft's steps have graphs of their own (runtime.draft_loop).
+
+A draft head's forwards outside its steps are fed features (a catch-up: the target's; overlap's bets:
+the head's own outputs) and add a chain of q tokens per request: `capture(q, width)` captures those with
+a static feature input of that width, and `run` plans a chain as the tree it is (each token sees the ones
+before it), so catch-ups and bets of a few tokens per request replay too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -57,11 +63,12 @@ class StepGraphs:
         self.runner = runner
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        self.graphs: dict[tuple[int, int], _Graph] = {}  # (batch size, tokens per request) -> graph
-        self.capture_seconds: dict[int, float] = {}  # tokens per request -> seconds capturing its sizes
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}  # (batch size, tokens per request, feature width) -> graph
+        self.capture_seconds: dict[int, float] = {}  # tokens per request -> seconds capturing its sizes (no features)
         self.memory_bytes: dict[int, int] = {}
+        self.feature_seconds: dict[tuple[int, int], float] = {}  # (tokens per request, feature width) -> seconds
         self.scratch_pages: list[int] = []  # the padding requests' own pages, never freed
-        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # q -> static (ids, positions)
+        self.inputs: dict[tuple[int, int], tuple] = {}  # (q, width) -> static (ids, positions, features or None)
         self.dummies: dict[int, tuple] = {}  # q -> the padding request of q tokens
         self.pool = None
         self.replays = 0
@@ -89,10 +96,14 @@ class StepGraphs:
             self.dummies[q] = (q + 1, pages, slots, torch.arange(1, q + 1), mask)
         return self.dummies[q]
 
+    def has(self, q: int, width: int = 0) -> bool:
+        return q in self.capture_seconds if not width else (q, width) in self.feature_seconds
+
     @torch.inference_mode()
-    def capture(self, q: int = 1) -> None:
-        """Capture every batch size for requests of q new tokens (1: decode; more: trees of q nodes)."""
-        if q in self.capture_seconds:
+    def capture(self, q: int = 1, width: int = 0) -> None:
+        """Capture every batch size for requests of q new tokens (1: decode; more: trees of q nodes), fed
+        features of this width (0: none; a head's catch-ups and bets)."""
+        if self.has(q, width):
             return
         runner = self.runner
         config = runner.config
@@ -105,30 +116,38 @@ class StepGraphs:
             self.pool = torch.cuda.graph_pool_handle()
         ids = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
         positions = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
-        self.inputs[q] = (ids, positions)
+        features = torch.zeros(self.max_bs * q, width, dtype=runner.dtype, device=device) if width else None
+        self.inputs[(q, width)] = (ids, positions, features)
         max_kv = min(runner.kv_cache.capacity_tokens, config.max_position_embeddings + q)
+        kv = runner.kv_cache
         stream = torch.cuda.Stream(device)
         for bs in sorted(self.sizes, reverse=True):
-            # page-table entries: every page once, plus the padding requests' scratch pages, listed per request
-            max_pages = runner.kv_cache.num_pages + bs * runner.kv_cache.pages_for(q + 1)
+            # page-table entries, listed per request: at most a longest context each (overlap's bets fork a request's
+            # KV, so requests share pages and the pool does not bound them), plus the padding requests' scratch pages
+            max_pages = bs * (min(kv.num_pages, kv.pages_for(max_kv)) + kv.pages_for(q + 1))
             state = runner.backend.graph_state(bs, max_pages, q_len=q, max_kv_len=max_kv)
             runner.backend.graph_plan(state, self._pad(None, bs, q))
             ids_b, pos_b = ids[: bs * q], positions[: bs * q]
+            extra = {} if features is None else {"features": features[: bs * q]}
 
             def forward():
-                hidden, captured = runner.model_call(bs, ids_b, pos_b, runner.backend, state.plan, runner.capture_layers)
+                hidden, captured = runner.model_call(bs, ids_b, pos_b, runner.backend, state.plan, runner.capture_layers,
+                                                     **extra)
                 return hidden, captured, runner.model.logits(hidden)
 
             graph, (hidden, captured, logits) = warm_and_capture(forward, self.pool, stream, device)
-            self.graphs[(bs, q)] = _Graph(state, graph, hidden, captured, logits)
+            self.graphs[(bs, q, width)] = _Graph(state, graph, hidden, captured, logits)
         torch.cuda.synchronize(device)
-        self.capture_seconds[q] = time.perf_counter() - start
-        self.memory_bytes[q] = max(free_before - torch.cuda.mem_get_info(device)[0],
-                                   torch.cuda.memory_reserved(device) - reserved_before, 0)
-        logger.info("captured CUDA graphs of the %s step for batch sizes %s in %.1f s (%.0f MiB of GPU memory)",
-                    "decode" if q == 1 else f"{q}-node tree verification", self.sizes,
-                    self.capture_seconds[q],
-                    self.memory_bytes[q] / 2**20)
+        seconds = time.perf_counter() - start
+        memory = max(free_before - torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device) - reserved_before, 0)
+        if width:
+            self.feature_seconds[(q, width)] = seconds
+            what = f"{q}-token chain fed {width}-wide features"
+        else:
+            self.capture_seconds[q], self.memory_bytes[q] = seconds, memory
+            what = "decode step" if q == 1 else f"{q}-node tree verification step"
+        logger.info("captured CUDA graphs of the %s for batch sizes %s in %.1f s (%.0f MiB of GPU memory)",
+                    what, self.sizes, seconds, memory / 2**20)
 
     def _pad(self, attention: AttentionBatch | None, bs: int, q: int) -> AttentionBatch:
         """The attention batch (None: no request) with padding requests appended up to bs requests."""
@@ -144,29 +163,45 @@ class StepGraphs:
                               positions=torch.cat([attention.positions, positions.repeat(pad)]),
                               masks=attention.masks + [mask] * pad)
 
-    def tokens_per_request(self, batch) -> int | None:
+    def tokens_per_request(self, batch, chains: bool = False) -> int | None:
         """q when the batch is graph-shaped: at most max_bs requests of q tokens each (q = 1 without masks,
-        q > 1 each under a tree mask), every row asking for logits; None otherwise."""
+        q > 1 each under a tree mask), every row asking for logits; None otherwise. chains (a head's
+        forwards fed features): also q > 1 tokens each without a mask (causal), any rows asking for logits."""
         attention = batch.attention
         n, q = attention.num_requests, attention.step_tokens
+        if q is None and chains and attention.q_lens and all(m is None for m in attention.masks) \
+                and all(x == attention.q_lens[0] for x in attention.q_lens):
+            q = attention.q_lens[0]
         if q is None or n > self.max_bs:
             return None
-        return q if batch.cu_logits == list(range(0, n * q + 1, q)) else None
+        return q if chains or batch.cu_logits == list(range(0, n * q + 1, q)) else None
 
-    def run(self, batch, q: int):
-        """(hidden [r*q, H], captured list, logits [r*q, V]) of a graph-shaped batch (see tokens_per_request)."""
+    def run(self, batch, q: int, features: torch.Tensor | None = None):
+        """(hidden [r*q, H], captured list, logits of the rows asking for them) of a graph-shaped batch (see
+        tokens_per_request), fed features [r*q, width] when given."""
         attention = batch.attention
         r = attention.num_requests
         bs = next(b for b in self.sizes if b >= r)
-        entry = self.graphs[(bs, q)]
+        width = 0 if features is None else features.shape[-1]
+        entry = self.graphs[(bs, q, width)]
+        if q > 1 and all(m is None for m in attention.masks):  # chains: each token sees the ones before it
+            attention = replace(attention, masks=[self._dummy(q)[4]] * r)
         self.runner.backend.graph_plan(entry.state, self._pad(attention, bs, q))
-        ids, positions = self.inputs[q]
+        ids, positions, static_features = self.inputs[(q, width)]
         rows = r * q
         ids[:rows].copy_(batch.input_ids, non_blocking=True)
         positions[:rows].copy_(batch.positions, non_blocking=True)
+        if static_features is not None:
+            static_features[:rows].copy_(features)
         if bs > r:
             ids[rows : bs * q].zero_()
             positions[rows : bs * q].zero_()
+            if static_features is not None:
+                static_features[rows : bs * q].zero_()
         entry.graph.replay()
         self.replays += 1
-        return entry.hidden[:rows].clone(), [c[:rows].clone() for c in entry.captured], entry.logits[:rows].clone()
+        if batch.cu_logits[-1] == rows:  # every row's logits
+            logits = entry.logits[:rows].clone()
+        else:
+            logits = entry.logits.index_select(0, batch.logits_indices)
+        return entry.hidden[:rows].clone(), [c[:rows].clone() for c in entry.captured], logits

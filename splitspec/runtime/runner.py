@@ -179,6 +179,20 @@ class ModelRunner:
             if q >= 1:
                 self.graphs.capture(q)
 
+    def capture_feature_graphs(self, token_counts, widths) -> None:
+        """A draft head's forwards fed features (catch-ups, overlap's bets): CUDA graphs for batches whose
+        requests each add the same number of tokens, one of token_counts, fed features of one of widths
+        (e.g. the target's and the head's own); other such forwards run eagerly."""
+        if not self.cuda_graph_max_bs:
+            return
+        from splitspec.runtime.cuda_graph import StepGraphs
+
+        if self.graphs is None:
+            self.graphs = StepGraphs(self, self.cuda_graph_max_bs)
+        for width in widths:
+            for q in token_counts:
+                self.graphs.capture(q, width)
+
     @classmethod
     def load(cls, rc: RuntimeConfig) -> "ModelRunner":
         model_dir = resolve_model_dir(rc.model_path, rc.revision)
@@ -233,12 +247,14 @@ class ModelRunner:
         """features [T, F]: one per new token, for models that take them (draft heads); draft_layer: which
         of a multi-layer MTP head's layers runs."""
         self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
-        if self.cuda_graph_max_bs and draft_layer is None and features is None:
-            if self.graphs is None:
+        if self.cuda_graph_max_bs and draft_layer is None:
+            if self.graphs is None and features is None:
                 self.capture_cuda_graphs()
-            q = self.graphs.tokens_per_request(batch) if self.graphs is not None else None
-            if q is not None and q in self.graphs.capture_seconds:
-                hidden, captured, logits = self.graphs.run(batch, q)
+            chains = features is not None  # a head's catch-up or bets: graphs captured by capture_feature_graphs
+            q = self.graphs.tokens_per_request(batch, chains) if self.graphs is not None else None
+            width = 0 if features is None else features.shape[-1]
+            if q is not None and self.graphs.has(q, width):
+                hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device))
                 return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None,
                                      aux_hidden_states=torch.cat(captured, dim=-1) if captured else None)
         plan = self.backend.plan(batch.attention)
