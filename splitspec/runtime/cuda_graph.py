@@ -13,15 +13,14 @@ trees of another size) run eagerly. A draft's steps have graphs of their own (ru
 
 A draft head's forwards outside its steps are fed features (a catch-up: the target's; overlap's bets:
 the head's own outputs) and add a chain of q tokens per request: `capture(q, width)` captures those with
-a static feature input of that width, and `run` plans a chain as the tree it is (each token sees the ones
-before it), so catch-ups and bets of a few tokens per request replay too.
+a static feature input of that width, planned causally (no mask), so catch-ups and bets of a few tokens
+per request replay too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
@@ -125,7 +124,7 @@ class StepGraphs:
             # page-table entries, listed per request: at most a longest context each (overlap's bets fork a request's
             # KV, so requests share pages and the pool does not bound them), plus the padding requests' scratch pages
             max_pages = bs * (min(kv.num_pages, kv.pages_for(max_kv)) + kv.pages_for(q + 1))
-            state = runner.backend.graph_state(bs, max_pages, q_len=q, max_kv_len=max_kv)
+            state = runner.backend.graph_state(bs, max_pages, q_len=q, max_kv_len=max_kv, **({"causal": True} if width else {}))
             runner.backend.graph_plan(state, self._pad(None, bs, q))
             ids_b, pos_b = ids[: bs * q], positions[: bs * q]
             extra = {} if features is None else {"features": features[: bs * q]}
@@ -166,12 +165,15 @@ class StepGraphs:
     def tokens_per_request(self, batch, chains: bool = False) -> int | None:
         """q when the batch is graph-shaped: at most max_bs requests of q tokens each (q = 1 without masks,
         q > 1 each under a tree mask), every row asking for logits; None otherwise. chains (a head's
-        forwards fed features): also q > 1 tokens each without a mask (causal), any rows asking for logits."""
+        forwards fed features): q tokens each without a mask (causal chains; no trees), any rows asking
+        for logits."""
         attention = batch.attention
         n, q = attention.num_requests, attention.step_tokens
-        if q is None and chains and attention.q_lens and all(m is None for m in attention.masks) \
-                and all(x == attention.q_lens[0] for x in attention.q_lens):
-            q = attention.q_lens[0]
+        if chains:
+            q = None
+            if attention.q_lens and all(m is None for m in attention.masks) \
+                    and all(x == attention.q_lens[0] for x in attention.q_lens):
+                q = attention.q_lens[0]
         if q is None or n > self.max_bs:
             return None
         return q if chains or batch.cu_logits == list(range(0, n * q + 1, q)) else None
@@ -184,8 +186,6 @@ class StepGraphs:
         bs = next(b for b in self.sizes if b >= r)
         width = 0 if features is None else features.shape[-1]
         entry = self.graphs[(bs, q, width)]
-        if q > 1 and all(m is None for m in attention.masks):  # chains: each token sees the ones before it
-            attention = replace(attention, masks=[self._dummy(q)[4]] * r)
         self.runner.backend.graph_plan(entry.state, self._pad(attention, bs, q))
         ids, positions, static_features = self.inputs[(q, width)]
         rows = r * q

@@ -55,6 +55,7 @@ class GraphState:
     wrappers: dict  # window -> wrapper in CUDA-graph mode
     out_slots: torch.Tensor  # [batch_size * q_len] int64, static
     plan: FlashInferPlan
+    causal: bool = False  # q_len > 1: chains (each token sees the ones before it), planned without a mask
 
 
 @dataclass
@@ -177,9 +178,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         return torch.cat(parts)
 
     # CUDA graphs -------------------------------------------------------------------------------------
-    def graph_state(self, batch_size: int, max_pages: int, q_len: int = 1, max_kv_len: int = 0) -> GraphState:
+    def graph_state(self, batch_size: int, max_pages: int, q_len: int = 1, max_kv_len: int = 0,
+                    causal: bool = False) -> GraphState:
         """Fixed buffers and wrappers for a graph of `batch_size` requests of `q_len` new tokens each (1:
-        decode; more: trees, whose requests hold at most `max_kv_len` keys), `max_pages` pages in all."""
+        decode; more: trees, whose requests hold at most `max_kv_len` keys, or with causal chains, planned
+        without a mask: no mask to build, pack or copy), `max_pages` pages in all."""
         def buffer(n):
             return torch.zeros(n, dtype=torch.int32, device=self.device)
 
@@ -190,6 +193,11 @@ class FlashInferAttentionBackend(AttentionBackend):
                     self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
                     paged_kv_indptr_buffer=buffer(batch_size + 1), paged_kv_indices_buffer=buffer(max_pages),
                     paged_kv_last_page_len_buffer=buffer(batch_size))
+            elif causal:
+                wrappers[window] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(batch_size + 1),
+                    paged_kv_indptr_buf=buffer(batch_size + 1), paged_kv_indices_buf=buffer(max_pages),
+                    paged_kv_last_page_len_buf=buffer(batch_size))
             else:  # each request's mask is q_len x kv_len bits, packed to whole bytes
                 mask_bytes = batch_size * (-(-q_len * max_kv_len // 8))
                 wrappers[window] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -200,7 +208,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                     mask_indptr_buf=buffer(batch_size + 1))
         out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
         plan = FlashInferPlan(out_slots=out_slots, groups={w: [_Group(wr, None)] for w, wr in wrappers.items()})
-        return GraphState(batch_size, q_len, wrappers, out_slots, plan)
+        return GraphState(batch_size, q_len, wrappers, out_slots, plan, causal and q_len > 1)
 
     def graph_plan(self, state: GraphState, batch: AttentionBatch) -> FlashInferPlan:
         """Plan a batch of exactly state.batch_size requests of state.q_len tokens into the graph's buffers."""
@@ -210,7 +218,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         pages = self._pages(batch, requests, self.kv_cache.page_size)
         starts = self._starts(batch)
         for window, wrapper in state.wrappers.items():
-            self._plan_wrapper(wrapper, "decode" if state.q_len == 1 else "tree", batch, requests, starts, pages, window)
+            kind = "decode" if state.q_len == 1 else "causal" if state.causal else "tree"
+            self._plan_wrapper(wrapper, kind, batch, requests, starts, pages, window)
         state.out_slots.copy_(batch.out_slots, non_blocking=True)
         return state.plan
 

@@ -120,9 +120,10 @@ class DecodeModeBackend(AttentionBackend):
     def graphs_supported(self) -> bool:
         return hasattr(self.base, "graph_state")
 
-    def graph_state(self, batch_size: int, max_pages: int, q_len: int = 1, max_kv_len: int = 0) -> object:
-        if q_len == 1 or not self.enabled:
-            return self.base.graph_state(batch_size, max_pages, q_len, max_kv_len)
+    def graph_state(self, batch_size: int, max_pages: int, q_len: int = 1, max_kv_len: int = 0,
+                    causal: bool = False) -> object:
+        if q_len == 1 or not self.enabled or causal:  # chains are the wrapped backend's
+            return self.base.graph_state(batch_size, max_pages, q_len, max_kv_len, causal=causal)
         device = self.kv_cache.device
         rows = batch_size * q_len
         prefix_state = self.base.prefix_graph_state(rows, rows, max_pages * q_len)
