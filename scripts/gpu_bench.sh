@@ -26,7 +26,7 @@
 #             drafter in process (co-located, no overlap), then as a `splitspec drafter` process over ZeroMQ on GPU 0
 #             (co-located) and on GPU 1 (split), each without and with overlap (bets); SPLIT_MODES picks modes,
 #             SPLIT_EXTRA adds bench flags (e.g. --topk 4), SPLIT_TAG names the files; scripts/split_summary.py
-#             sums them up
+#             sums them up; SPLIT_PAIR=demo runs the demo target with its trained EAGLE-3 head (real acceptance) instead
 #   bets      where a drafter's time goes with overlap: benchmarks/profile_bets.py on the split stage's point (dummy
 #             EAGLE-3 head of the 8B shape, steps 5, top-1) for 1, 2 and 6 bets against a fresh tree
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
@@ -88,8 +88,9 @@ for stage in "${stages[@]}"; do
                        split) extra=(--drafter-transport zmq --drafter-device cuda:1 --speculative-overlap off) ;;
                        split_overlap) extra=(--drafter-transport zmq --drafter-device cuda:1 --speculative-overlap on) ;;
                    esac
-                   python3 -P -m splitspec bench --device cuda:0 --dtype bfloat16 --preset llama-3.1-8b \
-                       --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 \
+                   pair=(--preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b --simulate-acceptance accept-length:6)
+                   [[ ${SPLIT_PAIR:-} == demo ]] && pair=()  # the demo target and its trained EAGLE-3 head, real acceptance
+                   python3 -P -m splitspec bench --device cuda:0 --dtype bfloat16 "${pair[@]}" --speculative-algorithm EAGLE3 \
                        --steps 5 --topk 1 --num-draft-tokens 8 --batch-size 1 --num-prompts 8 --prompt-len 128 \
                        --output-len 128 "${extra[@]}" ${SPLIT_EXTRA:-} --out "$OUT/split${SPLIT_TAG:-}_${mode}.json" \
                        >> "$OUT/split.log" 2>&1 || break

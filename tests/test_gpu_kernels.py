@@ -233,8 +233,8 @@ def test_head_catch_up_graphs_equal_eager():
     from splitspec.model_shapes import dummy_model_dir
 
     def head(graphs: bool):
-        flags = ["--speculative-algorithm", "EAGLE3", "--model-path", str(dummy_model_dir("quick")), "--load-format", "dummy",
-                 "--speculative-draft-model-path", str(dummy_model_dir("eagle3-quick")), "--speculative-draft-load-format",
+        flags = ["--speculative-algorithm", "EAGLE3", "--model-path", str(dummy_model_dir("small")), "--load-format", "dummy",
+                 "--speculative-draft-model-path", str(dummy_model_dir("eagle3-small")), "--speculative-draft-load-format",
                  "dummy", "--device", "cuda", "--dtype", "bfloat16", "--speculative-num-steps", "3",
                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--max-total-tokens", "4096",
                  "--page-size", "4", "--cuda-graph-max-bs", "8"] + ([] if graphs else ["--disable-cuda-graph"])
