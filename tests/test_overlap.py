@@ -5,14 +5,17 @@ it was, and the KV forks they draft in must share whole pages and copy the parti
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from splitspec.demo import demo_model_dirs
+from splitspec.drafter_svc.base import Bet
 from splitspec.drafter_svc.standalone import StandaloneDrafter
 from splitspec.runtime.config import ModelConfig
 from splitspec.runtime.kv_cache import BlockTable, KVCache
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
-from splitspec.runtime.tree import leaf_outcomes
+from splitspec.runtime.tree import DraftTree, leaf_outcomes
 
 
 def test_a_kv_fork_shares_whole_pages_and_copies_the_partial_one():
@@ -79,3 +82,65 @@ def test_standalone_bets_are_the_trees_drafted_after_their_outcomes():
         for r in ("r0", "r1"):
             drafter.release(r)
         assert runner.kv_cache.allocator.num_used == 0
+
+
+def test_bets_that_arrive_after_their_request_finished_are_dropped_quietly():
+    """A request can finish (or be re-pinned) while its bets are being drafted: bets for it that arrive
+    then are discarded, not counted as a drafter's wrong request; bets for a request the step never asked
+    about still are. A scripted drafter over a real ZeroMQ socket holds its bets until the request is released."""
+    import socket as sockets
+
+    import zmq
+    from prometheus_client import CollectorRegistry
+
+    from splitspec.drafter_svc import convert
+    from splitspec.protos import step_pb2
+    from splitspec.verifier_svc.drafter_client import DraftAsk
+    from splitspec.verifier_svc.drafter_pool import DrafterPool
+    from splitspec.verifier_svc.metrics import PoolMetrics
+
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    registry = CollectorRegistry()
+    pool = DrafterPool(address, "NGRAM", 1000, timeout=5.0, heartbeat_timeout=30.0, metrics=PoolMetrics(registry, "m"),
+                       overlap="on", num_bets=2)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(address)
+
+    def send(**kind):
+        dealer.send(convert.envelope("scripted", 7, session, **kind).SerializeToString())
+
+    def receive(kind):
+        assert dealer.poll(5000), f"no {kind} came"
+        message = step_pb2.VerifierMessage.FromString(dealer.recv_multipart()[0])
+        return message if message.WhichOneof("kind") == kind else receive(kind)
+
+    def dropped(reason):
+        return registry.get_sample_value("splitspec:drafter_drafts_dropped_total", {"drafter": "scripted", "reason": reason, "model_name": "m"}) or 0
+
+    try:
+        session = 0
+        send(register=convert.register("NGRAM", "", 1000, [], 64, 8, bets=True))
+        session = receive("register_reply").register_reply.session
+        assert pool.wait_for_drafters(1, 5.0)
+        pool.open("r0", [5, 6, 7])
+        pool.request([DraftAsk("r0", [], 8)])
+        receive("open")
+        draft = receive("draft").draft
+        assert [a.num_bets for a in draft.asks] == [2]  # overlap on: it asks for bets
+        send(draft_reply=convert.draft_reply(draft.step_id, [("r0", DraftTree((7, 8), (-1, 0)))], 0.001, []))
+        assert pool.collect(["r0"])["r0"].tokens == (7, 8)
+        pool.release("r0")  # finished while its bets are being drafted
+        receive("release")
+        bet = Bet((8, 9), DraftTree((9, 10), (-1, 0)))
+        stranger = Bet((8, 9), DraftTree((9, 10), (-1, 0)))
+        send(draft_bets=convert.draft_bets(draft.step_id, [("r0", bet), ("r-never-asked", stranger)], 0.001))
+        deadline = time.monotonic() + 5
+        while dropped("wrong_request") < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert dropped("wrong_request") == 1  # the stranger; r0's bet was dropped quietly
+        assert dropped("late") == dropped("stale") == dropped("invalid_tree") == 0
+    finally:
+        dealer.close(linger=0)
+        pool.close()

@@ -99,7 +99,8 @@ class DrafterPool(DrafterClient):
         self.overlap_max_bs = overlap_max_bs
         self._bet_step: dict[str, int] = {}  # request -> the step whose DraftBets carries bets on its current tree
         self._bets: dict[str, list[tuple[tuple[int, ...], DraftTree]]] = {}  # request -> (outcome, tree), filed
-        self._bet_waits: dict[int, tuple[_Drafter, dict[str, int]]] = {}  # step -> (drafter, {request: budget}) due
+        # step -> (drafter, {request: budget} still due, every request it asked bets for)
+        self._bet_waits: dict[int, tuple[_Drafter, dict[str, int], set[str]]] = {}
         self.metrics = metrics
         self.epoch = secrets.randbits(63) or 1
         self.plane = FramePlane()
@@ -228,7 +229,9 @@ class DrafterPool(DrafterClient):
                         self._step_of[ask.request_id] = step_id
                     if bets:
                         self._bet_step[ask.request_id] = step_id
-                        self._bet_waits.setdefault(step_id, (drafter, {}))[1][ask.request_id] = ask.max_nodes
+                        due = self._bet_waits.setdefault(step_id, (drafter, {}, set()))
+                        due[1][ask.request_id] = ask.max_nodes
+                        due[2].add(ask.request_id)
                 infos, frames = self.plane.pack([("hidden_states", a.request_id, a.hidden) for a in group
                                                  if a.hidden is not None])
                 if frames and self.metrics is not None:
@@ -248,7 +251,7 @@ class DrafterPool(DrafterClient):
         step = self._pending.get(step_id)
         deadline = (step.sent_at if step is not None else time.monotonic()) + self.timeout
         waited = False
-        while request_id in self._bet_waits.get(step_id, (None, {}))[1]:
+        while request_id in self._bet_waits.get(step_id, (None, {}, ()))[1]:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -259,7 +262,7 @@ class DrafterPool(DrafterClient):
         self._bet_step.pop(request_id, None)
         bets = self._bets.pop(request_id, None)
         if bets is None:  # late (or its drafter died): draft afresh; bets that come later are dropped
-            self._bet_waits.get(step_id, (None, {}))[1].pop(request_id, None)
+            self._bet_waits.get(step_id, (None, {}, ()))[1].pop(request_id, None)
             self._tally("bets_late")
             self._count_bet(drafter, "late")
             return 0
@@ -278,7 +281,7 @@ class DrafterPool(DrafterClient):
         step_id = self._bet_step.pop(request_id, None)
         self._bets.pop(request_id, None)
         if step_id is not None:
-            self._bet_waits.get(step_id, (None, {}))[1].pop(request_id, None)
+            self._bet_waits.get(step_id, (None, {}, ()))[1].pop(request_id, None)
 
     def _tally(self, key: str) -> None:
         self.stats.extra[key] = self.stats.extra.get(key, 0) + 1
@@ -399,7 +402,7 @@ class DrafterPool(DrafterClient):
                         self._count_drop(drafter.name, "drafter_gone")
                 del self._pending[step_id]
                 self._expired.append(step_id)
-        for step_id, (owner, _) in list(self._bet_waits.items()):
+        for step_id, (owner, _, _) in list(self._bet_waits.items()):
             if owner is drafter:
                 del self._bet_waits[step_id]
         if self.metrics is not None:
@@ -671,6 +674,8 @@ class DrafterPool(DrafterClient):
         for wire in message.bets:
             request_id = wire.request_id
             if request_id not in budgets:
+                if request_id in due[2]:  # asked, and since finished, re-pinned or given up on (a late bet, counted then)
+                    continue
                 self._drop(drafter.name, "wrong_request", f"step {message.step_id} did not ask bets for {request_id!r}")
                 continue
             outcome = list(wire.outcome)
