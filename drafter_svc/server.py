@@ -22,7 +22,7 @@ from splitspec import engine_args
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
 from splitspec.runtime.args import LOG_LEVELS, setup_logging
-from splitspec.runtime.tensor_plane import FramePlane, TensorError, device_identity
+from splitspec.runtime.tensor_plane import FramePlane, TensorError, device_identity, visible_gpus
 
 logger = logging.getLogger("splitspec.drafter")
 
@@ -50,6 +50,7 @@ class DrafterServer:
         self.steps = 0
         self.dropped = 0  # messages from the verifier that could not be used
         self.plane = FramePlane()
+        self.ipc = None  # runtime.tensor_plane.CudaIpcReader: the verifier's buffer, when it offered one
         self.metrics = metrics  # DrafterMetrics or None
         self.metrics_port, self.metrics_host = metrics_port, metrics_host  # told to the verifier at registration
         runner = getattr(drafter, "runner", None)
@@ -90,11 +91,31 @@ class DrafterServer:
             self.drafter.release(request_id)
         self.requests.clear()
         self.session = 0
+        self.ipc = None  # the next session is offered a buffer of its own
+
+    def _heartbeat(self) -> None:
+        ipc = self.ipc
+        self._send(heartbeat=convert.heartbeat(len(self.requests), self.steps, ipc is not None,
+                                               ipc.consumed if ipc is not None else 0))
+
+    def _map_ipc(self, buffer) -> None:
+        """Map the CUDA-IPC buffer the verifier offered and say so; failing that, tensors stay in frames."""
+        from splitspec.runtime.tensor_plane import CudaIpcReader
+
+        try:
+            self.ipc = CudaIpcReader(convert.cuda_ipc_fields(buffer), self.device)
+        except Exception as exc:  # noqa: BLE001 (IPC not permitted, another driver, ...): frames work
+            logger.warning("could not map the verifier's CUDA-IPC buffer (%s); hidden states come in frames", exc)
+            return
+        logger.info("mapped the verifier's CUDA-IPC buffer on %s (%d MiB): hidden states come through it",
+                    buffer.device, buffer.size_bytes >> 20)
+        self._heartbeat()
 
     def _register(self) -> None:
         self._send(register=convert.register(self.drafter.name, self.draft_model, self.vocab_size, self.hidden_state_layers,
                                              self.capacity, self.max_nodes, self.metrics_port, self.metrics_host,
-                                             device_identity(self.device), self.drafter.supports_bets))
+                                             device_identity(self.device), self.drafter.supports_bets,
+                                             visible_gpus() if self.drafter.needs_hidden_states else []))
 
     # loop -------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -109,7 +130,7 @@ class DrafterServer:
                 self._register()
                 last_register = now
             if self.session and now - last_heartbeat >= self.heartbeat_interval:
-                self._send(heartbeat=convert.heartbeat(len(self.requests), self.steps))
+                self._heartbeat()
                 last_heartbeat = now
             if self.session and now - last_heard > self.verifier_timeout:
                 self._reset(f"no word from the verifier for {self.verifier_timeout:.1f} s", "verifier_silent")
@@ -162,6 +183,9 @@ class DrafterServer:
                 if self.metrics is not None:
                     self.metrics.registered.set(1)
                     self.metrics.registrations.inc()
+                self.ipc = None
+                if reply.HasField("cuda_ipc"):
+                    self._map_ipc(reply.cuda_ipc)
             return
         if self.session == 0 or message.session != self.session:
             return  # for an old session: stale
@@ -186,7 +210,11 @@ class DrafterServer:
     def _hidden(self, message, frames) -> dict[str, object] | None:
         """Request id -> its hidden-state rows from the message's frames; None (logged) when unreadable."""
         try:
-            return {rid: t for name, rid, t in self.plane.unpack(convert.tensor_infos(message), list(frames))
+            infos = convert.tensor_infos(message)
+            if any(i.buffer_offset >= 0 for i in infos) and self.ipc is None:
+                raise TensorError("tensors in a CUDA-IPC buffer this drafter has not mapped")
+            plane = self.ipc if self.ipc is not None else self.plane
+            return {rid: t for name, rid, t in plane.unpack(infos, list(frames))
                     if name == "hidden_states"}
         except TensorError as exc:
             self._drop(f"{message.WhichOneof('kind')}: {exc}")
@@ -249,7 +277,8 @@ class DrafterServer:
         self.steps += 1
         pairs = [(a.request_id, t) for a, t in zip(fresh, trees) if t is not None]
         seconds = time.perf_counter() - start
-        self._send(draft_reply=convert.draft_reply(step_id, pairs, seconds, unknown, self.received_ns))
+        self._send(draft_reply=convert.draft_reply(step_id, pairs, seconds, unknown, self.received_ns,
+                                                   self.ipc.consumed if self.ipc is not None else 0))
         if self.metrics is not None:
             self._observe_step(len(fresh), pairs, seconds)
         betting = [a for a in kept if a.num_bets and a.request_id in self.requests]

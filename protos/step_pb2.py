@@ -24,43 +24,45 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitspec/protos/step.proto\x12\x0csplitspec.v1\"[\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x66rame\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"H\n\x0f\x44rafterIdentity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0einstance_epoch\x18\x02 \x01(\x04\x12\x0f\n\x07session\x18\x03 \x01(\x04\"\xd7\x01\n\x08Register\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1b\n\x13hidden_state_layers\x18\x04 \x03(\x05\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x06 \x01(\r\x12\x14\n\x0cmetrics_port\x18\x07 \x01(\r\x12\x14\n\x0cmetrics_host\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0c\n\x04\x62\x65ts\x18\n \x01(\x08\"0\n\tHeartbeat\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\x04\"?\n\x08WireTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\"\xa8\x01\n\nDraftReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12%\n\x05trees\x18\x02 \x03(\x0b\x32\x16.splitspec.v1.WireTree\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13unknown_request_ids\x18\x04 \x03(\t\x12\x18\n\x10received_unix_ns\x18\x05 \x01(\x06\x12\x14\n\x0csent_unix_ns\x18\x06 \x01(\x06\"T\n\x07WireBet\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x03(\x05\x12$\n\x04tree\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.WireTree\"\x88\x01\n\tDraftBets\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x04\x62\x65ts\x18\x02 \x03(\x0b\x32\x15.splitspec.v1.WireBet\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x18\n\x10received_unix_ns\x18\x04 \x01(\x06\x12\x14\n\x0csent_unix_ns\x18\x05 \x01(\x06\"\xac\x02\n\x0e\x44rafterMessage\x12-\n\x06sender\x18\x01 \x01(\x0b\x32\x1d.splitspec.v1.DrafterIdentity\x12*\n\x08register\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.RegisterH\x00\x12,\n\theartbeat\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.HeartbeatH\x00\x12/\n\x0b\x64raft_reply\x18\x04 \x01(\x0b\x32\x18.splitspec.v1.DraftReplyH\x00\x12-\n\ndraft_bets\x18\x06 \x01(\x0b\x32\x17.splitspec.v1.DraftBetsH\x00\x12)\n\x07tensors\x18\x05 \x03(\x0b\x32\x18.splitspec.v1.TensorMetaB\x06\n\x04kind\"e\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\x04\x12!\n\x19heartbeat_timeout_seconds\x18\x04 \x01(\x01\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"4\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"m\n\x08\x44raftAsk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x11\n\tbet_taken\x18\x04 \x01(\r\x12\x10\n\x08num_bets\x18\x05 \x01(\r\"E\n\x0c\x44raftRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x04\x61sks\x18\x02 \x03(\x0b\x32\x16.splitspec.v1.DraftAsk\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xe6\x02\n\x0fVerifierMessage\x12\x16\n\x0everifier_epoch\x18\x01 \x01(\x04\x12\x0f\n\x07session\x18\x02 \x01(\x04\x12\x35\n\x0eregister_reply\x18\x03 \x01(\x0b\x32\x1b.splitspec.v1.RegisterReplyH\x00\x12\x37\n\x0fheartbeat_reply\x18\x04 \x01(\x0b\x32\x1c.splitspec.v1.HeartbeatReplyH\x00\x12)\n\x04open\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.OpenRequestH\x00\x12+\n\x05\x64raft\x18\x06 \x01(\x0b\x32\x1a.splitspec.v1.DraftRequestH\x00\x12/\n\x07release\x18\x07 \x01(\x0b\x32\x1c.splitspec.v1.ReleaseRequestH\x00\x12)\n\x07tensors\x18\x08 \x03(\x0b\x32\x18.splitspec.v1.TensorMetaB\x06\n\x04kindb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsplitspec/protos/step.proto\x12\x0csplitspec.v1\"\x99\x01\n\nTensorMeta\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x66rame\x18\x04 \x01(\r\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x11\n\tin_buffer\x18\x06 \x01(\x08\x12\x15\n\rbuffer_offset\x18\x07 \x01(\x04\x12\x12\n\nbuffer_end\x18\x08 \x01(\x04\"\xc4\x01\n\rCudaIpcBuffer\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"H\n\x0f\x44rafterIdentity\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0einstance_epoch\x18\x02 \x01(\x04\x12\x0f\n\x07session\x18\x03 \x01(\x04\"\xed\x01\n\x08Register\x12\x11\n\talgorithm\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1b\n\x13hidden_state_layers\x18\x04 \x03(\x05\x12\x10\n\x08\x63\x61pacity\x18\x05 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x06 \x01(\r\x12\x14\n\x0cmetrics_port\x18\x07 \x01(\r\x12\x14\n\x0cmetrics_host\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x0c\n\x04\x62\x65ts\x18\n \x01(\x08\x12\x14\n\x0cvisible_gpus\x18\x0b \x03(\t\"a\n\tHeartbeat\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x16\n\x0e\x63uda_ipc_ready\x18\x03 \x01(\x08\x12\x17\n\x0f\x62uffer_consumed\x18\x04 \x01(\x04\"?\n\x08WireTree\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\"\xc1\x01\n\nDraftReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12%\n\x05trees\x18\x02 \x03(\x0b\x32\x16.splitspec.v1.WireTree\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13unknown_request_ids\x18\x04 \x03(\t\x12\x18\n\x10received_unix_ns\x18\x05 \x01(\x06\x12\x14\n\x0csent_unix_ns\x18\x06 \x01(\x06\x12\x17\n\x0f\x62uffer_consumed\x18\x07 \x01(\x04\"T\n\x07WireBet\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07outcome\x18\x02 \x03(\x05\x12$\n\x04tree\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.WireTree\"\x88\x01\n\tDraftBets\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12#\n\x04\x62\x65ts\x18\x02 \x03(\x0b\x32\x15.splitspec.v1.WireBet\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x18\n\x10received_unix_ns\x18\x04 \x01(\x06\x12\x14\n\x0csent_unix_ns\x18\x05 \x01(\x06\"\xac\x02\n\x0e\x44rafterMessage\x12-\n\x06sender\x18\x01 \x01(\x0b\x32\x1d.splitspec.v1.DrafterIdentity\x12*\n\x08register\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.RegisterH\x00\x12,\n\theartbeat\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.HeartbeatH\x00\x12/\n\x0b\x64raft_reply\x18\x04 \x01(\x0b\x32\x18.splitspec.v1.DraftReplyH\x00\x12-\n\ndraft_bets\x18\x06 \x01(\x0b\x32\x17.splitspec.v1.DraftBetsH\x00\x12)\n\x07tensors\x18\x05 \x03(\x0b\x32\x18.splitspec.v1.TensorMetaB\x06\n\x04kind\"\x94\x01\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07session\x18\x03 \x01(\x04\x12!\n\x19heartbeat_timeout_seconds\x18\x04 \x01(\x01\x12-\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x1b.splitspec.v1.CudaIpcBuffer\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\"4\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"m\n\x08\x44raftAsk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\r\x12\x11\n\tbet_taken\x18\x04 \x01(\r\x12\x10\n\x08num_bets\x18\x05 \x01(\r\"E\n\x0c\x44raftRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x04\x61sks\x18\x02 \x03(\x0b\x32\x16.splitspec.v1.DraftAsk\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xe6\x02\n\x0fVerifierMessage\x12\x16\n\x0everifier_epoch\x18\x01 \x01(\x04\x12\x0f\n\x07session\x18\x02 \x01(\x04\x12\x35\n\x0eregister_reply\x18\x03 \x01(\x0b\x32\x1b.splitspec.v1.RegisterReplyH\x00\x12\x37\n\x0fheartbeat_reply\x18\x04 \x01(\x0b\x32\x1c.splitspec.v1.HeartbeatReplyH\x00\x12)\n\x04open\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.OpenRequestH\x00\x12+\n\x05\x64raft\x18\x06 \x01(\x0b\x32\x1a.splitspec.v1.DraftRequestH\x00\x12/\n\x07release\x18\x07 \x01(\x0b\x32\x1c.splitspec.v1.ReleaseRequestH\x00\x12)\n\x07tensors\x18\x08 \x03(\x0b\x32\x18.splitspec.v1.TensorMetaB\x06\n\x04kindb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.protos.step_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TENSORMETA']._serialized_start=45
-  _globals['_TENSORMETA']._serialized_end=136
-  _globals['_DRAFTERIDENTITY']._serialized_start=138
-  _globals['_DRAFTERIDENTITY']._serialized_end=210
-  _globals['_REGISTER']._serialized_start=213
-  _globals['_REGISTER']._serialized_end=428
-  _globals['_HEARTBEAT']._serialized_start=430
-  _globals['_HEARTBEAT']._serialized_end=478
-  _globals['_WIRETREE']._serialized_start=480
-  _globals['_WIRETREE']._serialized_end=543
-  _globals['_DRAFTREPLY']._serialized_start=546
-  _globals['_DRAFTREPLY']._serialized_end=714
-  _globals['_WIREBET']._serialized_start=716
-  _globals['_WIREBET']._serialized_end=800
-  _globals['_DRAFTBETS']._serialized_start=803
-  _globals['_DRAFTBETS']._serialized_end=939
-  _globals['_DRAFTERMESSAGE']._serialized_start=942
-  _globals['_DRAFTERMESSAGE']._serialized_end=1242
-  _globals['_REGISTERREPLY']._serialized_start=1244
-  _globals['_REGISTERREPLY']._serialized_end=1345
-  _globals['_HEARTBEATREPLY']._serialized_start=1347
-  _globals['_HEARTBEATREPLY']._serialized_end=1378
-  _globals['_OPENREQUEST']._serialized_start=1380
-  _globals['_OPENREQUEST']._serialized_end=1432
-  _globals['_DRAFTASK']._serialized_start=1434
-  _globals['_DRAFTASK']._serialized_end=1543
-  _globals['_DRAFTREQUEST']._serialized_start=1545
-  _globals['_DRAFTREQUEST']._serialized_end=1614
-  _globals['_RELEASEREQUEST']._serialized_start=1616
-  _globals['_RELEASEREQUEST']._serialized_end=1653
-  _globals['_VERIFIERMESSAGE']._serialized_start=1656
-  _globals['_VERIFIERMESSAGE']._serialized_end=2014
+  _globals['_TENSORMETA']._serialized_start=46
+  _globals['_TENSORMETA']._serialized_end=199
+  _globals['_CUDAIPCBUFFER']._serialized_start=202
+  _globals['_CUDAIPCBUFFER']._serialized_end=398
+  _globals['_DRAFTERIDENTITY']._serialized_start=400
+  _globals['_DRAFTERIDENTITY']._serialized_end=472
+  _globals['_REGISTER']._serialized_start=475
+  _globals['_REGISTER']._serialized_end=712
+  _globals['_HEARTBEAT']._serialized_start=714
+  _globals['_HEARTBEAT']._serialized_end=811
+  _globals['_WIRETREE']._serialized_start=813
+  _globals['_WIRETREE']._serialized_end=876
+  _globals['_DRAFTREPLY']._serialized_start=879
+  _globals['_DRAFTREPLY']._serialized_end=1072
+  _globals['_WIREBET']._serialized_start=1074
+  _globals['_WIREBET']._serialized_end=1158
+  _globals['_DRAFTBETS']._serialized_start=1161
+  _globals['_DRAFTBETS']._serialized_end=1297
+  _globals['_DRAFTERMESSAGE']._serialized_start=1300
+  _globals['_DRAFTERMESSAGE']._serialized_end=1600
+  _globals['_REGISTERREPLY']._serialized_start=1603
+  _globals['_REGISTERREPLY']._serialized_end=1751
+  _globals['_HEARTBEATREPLY']._serialized_start=1753
+  _globals['_HEARTBEATREPLY']._serialized_end=1784
+  _globals['_OPENREQUEST']._serialized_start=1786
+  _globals['_OPENREQUEST']._serialized_end=1838
+  _globals['_DRAFTASK']._serialized_start=1840
+  _globals['_DRAFTASK']._serialized_end=1949
+  _globals['_DRAFTREQUEST']._serialized_start=1951
+  _globals['_DRAFTREQUEST']._serialized_end=2020
+  _globals['_RELEASEREQUEST']._serialized_start=2022
+  _globals['_RELEASEREQUEST']._serialized_end=2059
+  _globals['_VERIFIERMESSAGE']._serialized_start=2062
+  _globals['_VERIFIERMESSAGE']._serialized_end=2420
 # @@protoc_insertion_point(module_scope)

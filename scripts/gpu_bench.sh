@@ -99,7 +99,7 @@ for stage in "${stages[@]}"; do
         bets) python3 -P benchmarks/profile_bets.py --device cuda ${BETS_EXTRA:-} --out "$OUT/bets${SPLIT_TAG:-}.json" \
                   > "$OUT/bets.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
-        tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_draft_loop.py tests/test_model_equivalence.py \
+        tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;
     esac

@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument("--drafter-device", default=None,
                        help="With --drafter-transport zmq: the drafter process's device, e.g. cuda:1 for a drafter on "
                        "its own GPU (default: --device).")
+    split.add_argument("--drafter-plane", default="auto", choices=("auto", "frames"),
+                       help="How hidden states reach the drafter process: auto = through a CUDA-IPC buffer on the "
+                       "verifier's GPU when the drafter sees it (as `splitspec verifier` does), frames = ZeroMQ frames "
+                       "through the host always (--drafter-ipc-buffer-mb 0).")
     engine_args.add_overlap_args(split)
     remote = parser.add_argument_group("against a running deployment")
     remote.add_argument("--url", default=None,
@@ -263,7 +267,8 @@ class RemoteDrafter:
                                 draft_model=(ns.speculative_draft_model_path or "") if ns.speculative_algorithm != "NGRAM" else "",
                                 timeout=5.0, heartbeat_timeout=30.0, hidden_state_layers=layers, overlap=self.overlap,
                                 num_bets=self.num_bets, device=device_identity(runner.device),
-                                overlap_max_bs=ns.speculative_overlap_max_bs)
+                                overlap_max_bs=ns.speculative_overlap_max_bs, tensor_device=runner.device,
+                                ipc_buffer_bytes=0 if ns.drafter_plane == "frames" else 64 << 20)
         flags = ["--verifier-drafter-addr", address, "--drafter-name", "bench", "--log-level", "warning",
                  "--speculative-algorithm", ns.speculative_algorithm, "--device", self.device, "--dtype", ns.dtype,
                  "--page-size", str(ns.page_size),  # and a page per bet's fork
@@ -298,7 +303,9 @@ class RemoteDrafter:
     def fields(self) -> dict:
         counts = {k: self.pool.stats.extra.get(k, 0) for k in ("bet_hits", "bet_misses", "bets_late")}
         asks = sum(counts.values())
-        return {"drafter_device": self.device, "overlap": self.overlap, "num_bets": self.num_bets,
+        drafter = next(iter(self.pool._drafters.values()), None)
+        plane = "cuda-ipc" if drafter is not None and drafter.ipc_ready else "zmq-frames"
+        return {"drafter_device": self.device, "tensor_plane": plane, "overlap": self.overlap, "num_bets": self.num_bets,
                 "bets": {"hits": counts["bet_hits"], "misses": counts["bet_misses"], "late": counts["bets_late"],
                          "hit_rate": round(counts["bet_hits"] / asks, 4) if asks else None},
                 # the drafter's own clock per DraftReply (trees) and per DraftBets (bets), in ms

@@ -105,9 +105,14 @@ def _verifier_message(epoch: int, session: int, **kind) -> step_pb.VerifierMessa
     return message
 
 
-def register_reply(epoch: int, session: int, accepted: bool, reason: str, heartbeat_timeout: float):
-    return _verifier_message(epoch, session, register_reply=step_pb.RegisterReply(
-        accepted=accepted, reason=reason, session=session, heartbeat_timeout_seconds=heartbeat_timeout))
+def register_reply(epoch: int, session: int, accepted: bool, reason: str, heartbeat_timeout: float,
+                   cuda_ipc: dict | None = None):
+    """cuda_ipc: CudaIpcBuffer fields (runtime.tensor_plane.CudaIpcPlane.export) to offer."""
+    reply = step_pb.RegisterReply(accepted=accepted, reason=reason, session=session,
+                                  heartbeat_timeout_seconds=heartbeat_timeout)
+    if cuda_ipc is not None:
+        reply.cuda_ipc.CopyFrom(step_pb.CudaIpcBuffer(**cuda_ipc))
+    return _verifier_message(epoch, session, register_reply=reply)
 
 
 def heartbeat_reply(epoch: int, session: int, known: bool):
@@ -115,7 +120,9 @@ def heartbeat_reply(epoch: int, session: int, known: bool):
 
 
 def _tensor_metas(infos) -> list:
-    return [step_pb.TensorMeta(name=t.name, dtype=t.dtype, shape=list(t.shape), frame=t.frame, request_id=t.request_id)
+    return [step_pb.TensorMeta(name=t.name, dtype=t.dtype, shape=list(t.shape), frame=max(t.frame, 0), request_id=t.request_id,
+                               in_buffer=t.buffer_offset >= 0, buffer_offset=max(t.buffer_offset, 0),
+                               buffer_end=t.buffer_end)
             for t in infos]
 
 

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from splitspec.runtime.tensor_plane import FramePlane, frame_bytes
+from splitspec.runtime.tensor_plane import CudaIpcPlane, FramePlane, frame_bytes
 from splitspec.runtime.tree import DraftTree
 from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
@@ -51,6 +51,8 @@ class _Drafter:
     algorithm: str = ""
     device: str = ""  # "cuda:<GPU UUID>" or "cpu" (Register.device)
     overlap: bool = False  # ask it for bets (its drafting overlaps verification)
+    ipc: CudaIpcPlane | None = None  # the CUDA-IPC buffer offered to it (it shares this host and sees our GPU)
+    ipc_ready: bool = False  # it mapped the buffer: tensors go through it
     alive: bool = True
     pinned: set[str] = field(default_factory=set)
 
@@ -75,12 +77,14 @@ class DrafterPool(DrafterClient):
     def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str | None = None,
                  timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None,
                  hidden_state_layers: tuple[int, ...] = (), overlap: str = "auto", num_bets: int = 0,
-                 device: str = "cpu", overlap_max_bs: int = 8):
+                 device: str = "cpu", overlap_max_bs: int = 8, tensor_device=None, ipc_buffer_bytes: int = 0):
         """overlap (--speculative-overlap): ask drafters for bets on the outcome of the tree being verified,
         num_bets per request, so that when one comes true the next tree is ready when verification ends;
         auto: every drafter that does not share the verifier's device (device: "cuda:<UUID>" or "cpu"; a CPU
         drafter on this host shares its cores); and only for steps of at most overlap_max_bs requests per
-        drafter, since bets multiply a drafter's work by num_bets."""
+        drafter, since bets multiply a drafter's work by num_bets. tensor_device (the verifier's torch device)
+        and ipc_buffer_bytes > 0: a drafter that sees this GPU (it shares the host) is offered a CUDA-IPC
+        buffer of that size for the hidden states (runtime.tensor_plane.CudaIpcPlane) instead of frames."""
         import zmq
 
         super().__init__()
@@ -104,6 +108,7 @@ class DrafterPool(DrafterClient):
         self.metrics = metrics
         self.epoch = secrets.randbits(63) or 1
         self.plane = FramePlane()
+        self.tensor_device, self.ipc_buffer_bytes = tensor_device, ipc_buffer_bytes
         context = zmq.Context.instance()
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -182,6 +187,8 @@ class DrafterPool(DrafterClient):
 
     def _request(self, asks: list[DraftAsk]) -> int:
         """Files the asks and queues their DraftRequests; how many were queued."""
+        import torch
+
         groups: dict[int, tuple[_Drafter, list]] = {}
         sent = 0
         with self._cond:
@@ -191,12 +198,18 @@ class DrafterPool(DrafterClient):
                     continue
                 history.extend(ask.new_tokens)
                 hidden = None
-                if self.needs_hidden_states and ask.new_tokens:  # one host copy: kept for re-pins and sent
-                    hidden = ask.hidden.detach().to("cpu")
-                    self._hidden_history[ask.request_id].append(hidden)
+                drafter = self._pins.get(ask.request_id)
+                ipc = drafter is not None and drafter.alive and drafter.ipc_ready
+                if self.needs_hidden_states and ask.new_tokens:  # one host copy, kept for re-pins
+                    hidden = ask.hidden.detach()
+                    if ipc and hidden.is_cuda:  # read only after the plane's pack synchronises the stream
+                        copy = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+                        self._hidden_history[ask.request_id].append(copy.copy_(hidden, non_blocking=True))
+                    else:
+                        hidden = hidden.to("cpu")
+                        self._hidden_history[ask.request_id].append(hidden)
                 self._results.pop(ask.request_id, None)
                 self._step_of.pop(ask.request_id, None)
-                drafter = self._pins.get(ask.request_id)
                 new_tokens = ask.new_tokens
                 taken = 0
                 if drafter is None or not drafter.alive:
@@ -209,6 +222,8 @@ class DrafterPool(DrafterClient):
                     self._results[ask.request_id] = DRAFT_FAULT  # no drafter alive: decode plainly
                     continue
                 bets = self.num_bets if drafter.overlap and ask.max_nodes >= 2 else 0
+                if hidden is not None and not (drafter.ipc_ready and hidden.is_cuda):
+                    hidden = self._hidden_history[ask.request_id][-1]  # frames: the host copy
                 groups.setdefault(drafter.session, (drafter, []))[1].append(
                     (DraftAsk(ask.request_id, new_tokens, ask.max_nodes, hidden if new_tokens else None), taken, bets))
             for drafter, entries in groups.values():  # a large batch: no bets (they would outlast verification)
@@ -232,11 +247,12 @@ class DrafterPool(DrafterClient):
                         due = self._bet_waits.setdefault(step_id, (drafter, {}, set()))
                         due[1][ask.request_id] = ask.max_nodes
                         due[2].add(ask.request_id)
-                infos, frames = self.plane.pack([("hidden_states", a.request_id, a.hidden) for a in group
-                                                 if a.hidden is not None])
-                if frames and self.metrics is not None:
-                    self.metrics.hidden_bytes.labels(drafter=drafter.name).inc(frame_bytes(frames))
-                    self.metrics.hidden_bytes_per_step.labels(drafter=drafter.name).observe(frame_bytes(frames))
+                infos, frames = self._plane(drafter).pack([("hidden_states", a.request_id, a.hidden) for a in group
+                                                           if a.hidden is not None])
+                nbytes = sum(a.hidden.numel() * a.hidden.element_size() for a in group if a.hidden is not None)
+                if nbytes and self.metrics is not None:  # whichever plane carried them
+                    self.metrics.hidden_bytes.labels(drafter=drafter.name).inc(nbytes)
+                    self.metrics.hidden_bytes_per_step.labels(drafter=drafter.name).observe(nbytes)
                 self._send(drafter, convert.draft_request(self.epoch, session, step_id, entries, infos), frames, step)
                 sent += 1
         return sent
@@ -379,11 +395,31 @@ class DrafterPool(DrafterClient):
         if self.needs_hidden_states and self._hidden_history.get(request_id):
             import torch
 
+            if self.tensor_device is not None and torch.device(self.tensor_device).type == "cuda":
+                torch.cuda.synchronize(self.tensor_device)  # host copies of the history made asynchronously
             tensors = [("hidden_states", request_id, torch.cat(self._hidden_history[request_id]))]
-        infos, frames = self.plane.pack(tensors)
+        infos, frames = self._plane(drafter).pack(tensors)
         self._send(drafter, convert.open_request(self.epoch, drafter.session, request_id, self._history[request_id], infos),
                    frames)
         return drafter
+
+    def _plane(self, drafter: _Drafter):
+        return drafter.ipc if drafter.ipc is not None and drafter.ipc_ready else self.plane
+
+    def _offer_ipc(self, drafter: _Drafter, register) -> dict | None:
+        """A CUDA-IPC buffer for a drafter that sees this verifier's GPU (so shares its host); None otherwise
+        or when it cannot be made (logged: frames still work)."""
+        device = self.tensor_device
+        if not self.ipc_buffer_bytes or device is None or str(device).split(":")[0] != "cuda" \
+                or self.device not in register.visible_gpus:
+            return None
+        try:
+            drafter.ipc = CudaIpcPlane(device, self.ipc_buffer_bytes)
+            return drafter.ipc.export()
+        except Exception:  # noqa: BLE001 (no memory, IPC unsupported): frames
+            logger.exception("could not offer drafter %s a CUDA-IPC buffer; its tensors go in frames", drafter.name)
+            drafter.ipc = None
+            return None
 
     def _declare_dead(self, drafter: _Drafter, why: str) -> None:
         if not drafter.alive:
@@ -405,6 +441,10 @@ class DrafterPool(DrafterClient):
         for step_id, (owner, _, _) in list(self._bet_waits.items()):
             if owner is drafter:
                 del self._bet_waits[step_id]
+        if drafter.ipc is not None:  # a new session is offered a new buffer
+            drafter.ipc, drafter.ipc_ready = None, False
+            if self.metrics is not None:
+                self.metrics.cuda_ipc.labels(drafter=drafter.name).set(0)
         if self.metrics is not None:
             self.metrics.alive.set(len(self._drafters))
         self._cond.notify_all()
@@ -520,6 +560,14 @@ class DrafterPool(DrafterClient):
             if kind == "heartbeat":
                 if self.metrics is not None:
                     self.metrics.heartbeats.labels(drafter=drafter.name).inc()
+                if drafter.ipc is not None:
+                    if message.heartbeat.cuda_ipc_ready and not drafter.ipc_ready:
+                        drafter.ipc_ready = True
+                        logger.info("drafter %s mapped its CUDA-IPC buffer (%d MiB): hidden states go through it",
+                                    drafter.name, drafter.ipc.size >> 20)
+                        if self.metrics is not None:
+                            self.metrics.cuda_ipc.labels(drafter=drafter.name).set(1)
+                    drafter.ipc.acknowledge(message.heartbeat.buffer_consumed)
                 self._send(drafter, convert.heartbeat_reply(self.epoch, drafter.session, known=True))
             elif kind == "draft_reply":
                 self._file_reply(drafter, message.draft_reply)
@@ -584,7 +632,8 @@ class DrafterPool(DrafterClient):
         if self.metrics is not None:
             self.metrics.registrations.labels(outcome="accepted").inc()
             self.metrics.alive.set(len(self._drafters))
-        self._send(drafter, convert.register_reply(self.epoch, drafter.session, True, "", self.heartbeat_timeout))
+        self._send(drafter, convert.register_reply(self.epoch, drafter.session, True, "", self.heartbeat_timeout,
+                                                   self._offer_ipc(drafter, register)))
         self._cond.notify_all()
 
     def _file_reply(self, drafter: _Drafter, reply) -> None:
@@ -594,6 +643,8 @@ class DrafterPool(DrafterClient):
             self._drop(drafter.name, "late" if late else "stale", f"reply to step {reply.step_id}")
             return
         del self._pending[reply.step_id]
+        if drafter.ipc is not None:
+            drafter.ipc.acknowledge(reply.buffer_consumed)
         if self.metrics is not None:
             self.metrics.round_trip.labels(drafter=drafter.name).observe(time.monotonic() - step.sent_at)
             if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:

@@ -103,6 +103,9 @@ class PoolMetrics:
                                                ("drafter",), const,
                                                buckets=(1e3, 1e4, 1e5, 1e6, 4e6, 1.6e7, 6.4e7, 2.56e8))
         self.heartbeats = labelled(Counter, registry, "drafter_heartbeats", "Heartbeats received.", ("drafter",), const)
+        self.cuda_ipc = labelled(Gauge, registry, "drafter_cuda_ipc",
+                                 "1 while a drafter takes its tensors through a CUDA-IPC buffer on the verifier's GPU "
+                                 "(same host), 0 or absent: ZeroMQ frames.", ("drafter",), const)
         self.draft_tokens = labelled(Counter, registry, "drafter_draft_tokens", "Draft tokens verified, per drafter.",
                                       ("drafter",), const)
         self.accepted_tokens = labelled(Counter, registry, "drafter_accepted_tokens", "Draft tokens accepted, per drafter.",
