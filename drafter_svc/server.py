@@ -115,7 +115,8 @@ class DrafterServer:
         self._send(register=convert.register(self.drafter.name, self.draft_model, self.vocab_size, self.hidden_state_layers,
                                              self.capacity, self.max_nodes, self.metrics_port, self.metrics_host,
                                              device_identity(self.device), self.drafter.supports_bets,
-                                             visible_gpus() if self.drafter.needs_hidden_states else []))
+                                             visible_gpus() if self.drafter.needs_hidden_states
+                                             and str(self.device).startswith("cuda") else []))
 
     # loop -------------------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -213,8 +214,18 @@ class DrafterServer:
             infos = convert.tensor_infos(message)
             if any(i.buffer_offset >= 0 for i in infos) and self.ipc is None:
                 raise TensorError("tensors in a CUDA-IPC buffer this drafter has not mapped")
-            plane = self.ipc if self.ipc is not None else self.plane
-            return {rid: t for name, rid, t in plane.unpack(infos, list(frames))
+            if self.ipc is None:
+                return {rid: t for name, rid, t in self.plane.unpack(infos, list(frames)) if name == "hidden_states"}
+            try:
+                tensors = self.ipc.unpack(infos, list(frames))
+            except TensorError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (a failed copy out of the buffer): frames from now on
+                logger.exception("reading the CUDA-IPC buffer failed; asking for frames from now on")
+                self.ipc = None
+                self._heartbeat()
+                raise TensorError(f"the CUDA-IPC buffer could not be read ({exc})") from exc
+            return {rid: t for name, rid, t in tensors
                     if name == "hidden_states"}
         except TensorError as exc:
             self._drop(f"{message.WhichOneof('kind')}: {exc}")

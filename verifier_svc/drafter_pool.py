@@ -109,6 +109,8 @@ class DrafterPool(DrafterClient):
         self.epoch = secrets.randbits(63) or 1
         self.plane = FramePlane()
         self.tensor_device, self.ipc_buffer_bytes = tensor_device, ipc_buffer_bytes
+        self._ipc_planes: dict[str, CudaIpcPlane] = {}  # drafter name -> its CUDA-IPC buffer
+        self._ipc_worked: dict[str, bool] = {}  # drafter name -> some session of it mapped the buffer
         context = zmq.Context.instance()
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -187,9 +189,8 @@ class DrafterPool(DrafterClient):
 
     def _request(self, asks: list[DraftAsk]) -> int:
         """Files the asks and queues their DraftRequests; how many were queued."""
-        import torch
-
         groups: dict[int, tuple[_Drafter, list]] = {}
+        later = []  # (history, index, GPU rows): host copies made after the sends are queued
         sent = 0
         with self._cond:
             for ask in asks:
@@ -202,12 +203,13 @@ class DrafterPool(DrafterClient):
                 ipc = drafter is not None and drafter.alive and drafter.ipc_ready
                 if self.needs_hidden_states and ask.new_tokens:  # one host copy, kept for re-pins
                     hidden = ask.hidden.detach()
-                    if ipc and hidden.is_cuda:  # read only after the plane's pack synchronises the stream
-                        copy = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
-                        self._hidden_history[ask.request_id].append(copy.copy_(hidden, non_blocking=True))
+                    rows = self._hidden_history[ask.request_id]
+                    if ipc and hidden.is_cuda:  # the GPU rows go through the buffer; the host copy once they left
+                        later.append((rows, len(rows), hidden))
+                        rows.append(None)
                     else:
                         hidden = hidden.to("cpu")
-                        self._hidden_history[ask.request_id].append(hidden)
+                        rows.append(hidden)
                 self._results.pop(ask.request_id, None)
                 self._step_of.pop(ask.request_id, None)
                 new_tokens = ask.new_tokens
@@ -222,8 +224,8 @@ class DrafterPool(DrafterClient):
                     self._results[ask.request_id] = DRAFT_FAULT  # no drafter alive: decode plainly
                     continue
                 bets = self.num_bets if drafter.overlap and ask.max_nodes >= 2 else 0
-                if hidden is not None and not (drafter.ipc_ready and hidden.is_cuda):
-                    hidden = self._hidden_history[ask.request_id][-1]  # frames: the host copy
+                if hidden is not None and hidden.is_cuda and not drafter.ipc_ready:  # re-pinned meanwhile: frames
+                    hidden = hidden.to("cpu")
                 groups.setdefault(drafter.session, (drafter, []))[1].append(
                     (DraftAsk(ask.request_id, new_tokens, ask.max_nodes, hidden if new_tokens else None), taken, bets))
             for drafter, entries in groups.values():  # a large batch: no bets (they would outlast verification)
@@ -255,6 +257,8 @@ class DrafterPool(DrafterClient):
                     self.metrics.hidden_bytes_per_step.labels(drafter=drafter.name).observe(nbytes)
                 self._send(drafter, convert.draft_request(self.epoch, session, step_id, entries, infos), frames, step)
                 sent += 1
+            for rows, index, hidden in later:
+                rows[index] = hidden.to("cpu")
         return sent
 
     def _match_bet(self, drafter: _Drafter, ask: DraftAsk) -> int:
@@ -395,8 +399,6 @@ class DrafterPool(DrafterClient):
         if self.needs_hidden_states and self._hidden_history.get(request_id):
             import torch
 
-            if self.tensor_device is not None and torch.device(self.tensor_device).type == "cuda":
-                torch.cuda.synchronize(self.tensor_device)  # host copies of the history made asynchronously
             tensors = [("hidden_states", request_id, torch.cat(self._hidden_history[request_id]))]
         infos, frames = self._plane(drafter).pack(tensors)
         self._send(drafter, convert.open_request(self.epoch, drafter.session, request_id, self._history[request_id], infos),
@@ -413,9 +415,18 @@ class DrafterPool(DrafterClient):
         if not self.ipc_buffer_bytes or device is None or str(device).split(":")[0] != "cuda" \
                 or self.device not in register.visible_gpus:
             return None
+        if self._ipc_worked.get(drafter.name) is False and drafter.name in self._ipc_planes:
+            return None  # a process of this name was offered one and never mapped it: frames
         try:
-            drafter.ipc = CudaIpcPlane(device, self.ipc_buffer_bytes)
-            return drafter.ipc.export()
+            # one buffer per drafter name, reused by its next sessions: a process killed while it maps the buffer
+            # never releases torch's count of its mappings, so a buffer dropped then would never be freed
+            plane = self._ipc_planes.get(drafter.name)
+            if plane is None:
+                plane = self._ipc_planes[drafter.name] = CudaIpcPlane(device, self.ipc_buffer_bytes)
+            plane.reset()
+            drafter.ipc = plane
+            self._ipc_worked.setdefault(drafter.name, False)
+            return plane.export()
         except Exception:  # noqa: BLE001 (no memory, IPC unsupported): frames
             logger.exception("could not offer drafter %s a CUDA-IPC buffer; its tensors go in frames", drafter.name)
             drafter.ipc = None
@@ -441,7 +452,7 @@ class DrafterPool(DrafterClient):
         for step_id, (owner, _, _) in list(self._bet_waits.items()):
             if owner is drafter:
                 del self._bet_waits[step_id]
-        if drafter.ipc is not None:  # a new session is offered a new buffer
+        if drafter.ipc is not None:  # its next session gets the buffer again, emptied
             drafter.ipc, drafter.ipc_ready = None, False
             if self.metrics is not None:
                 self.metrics.cuda_ipc.labels(drafter=drafter.name).set(0)
@@ -561,13 +572,19 @@ class DrafterPool(DrafterClient):
                 if self.metrics is not None:
                     self.metrics.heartbeats.labels(drafter=drafter.name).inc()
                 if drafter.ipc is not None:
-                    if message.heartbeat.cuda_ipc_ready and not drafter.ipc_ready:
-                        drafter.ipc_ready = True
-                        logger.info("drafter %s mapped its CUDA-IPC buffer (%d MiB): hidden states go through it",
-                                    drafter.name, drafter.ipc.size >> 20)
-                        if self.metrics is not None:
-                            self.metrics.cuda_ipc.labels(drafter=drafter.name).set(1)
                     drafter.ipc.acknowledge(message.heartbeat.buffer_consumed)
+                    ready = message.heartbeat.cuda_ipc_ready
+                    if ready != drafter.ipc_ready:
+                        drafter.ipc_ready = ready
+                        self._ipc_worked[drafter.name] = self._ipc_worked.get(drafter.name, False) or ready
+                        if ready:
+                            logger.info("drafter %s mapped its CUDA-IPC buffer (%d MiB): hidden states go through it",
+                                        drafter.name, drafter.ipc.size >> 20)
+                        else:
+                            logger.warning("drafter %s can no longer read its CUDA-IPC buffer: hidden states go in frames",
+                                           drafter.name)
+                        if self.metrics is not None:
+                            self.metrics.cuda_ipc.labels(drafter=drafter.name).set(int(ready))
                 self._send(drafter, convert.heartbeat_reply(self.epoch, drafter.session, known=True))
             elif kind == "draft_reply":
                 self._file_reply(drafter, message.draft_reply)
@@ -637,14 +654,14 @@ class DrafterPool(DrafterClient):
         self._cond.notify_all()
 
     def _file_reply(self, drafter: _Drafter, reply) -> None:
+        if drafter.ipc is not None:  # a late reply still acknowledges what the drafter copied out
+            drafter.ipc.acknowledge(reply.buffer_consumed)
         step = self._pending.get(reply.step_id)
         if step is None or step.drafter is not drafter:
             late = reply.step_id in self._expired
             self._drop(drafter.name, "late" if late else "stale", f"reply to step {reply.step_id}")
             return
         del self._pending[reply.step_id]
-        if drafter.ipc is not None:
-            drafter.ipc.acknowledge(reply.buffer_consumed)
         if self.metrics is not None:
             self.metrics.round_trip.labels(drafter=drafter.name).observe(time.monotonic() - step.sent_at)
             if math.isfinite(reply.draft_seconds) and reply.draft_seconds >= 0:

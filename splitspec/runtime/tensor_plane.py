@@ -102,13 +102,19 @@ class CudaIpcPlane(TensorPlane):
 
     def __init__(self, device, size_bytes: int):
         self.device = torch.device(device)
-        self.size = int(size_bytes)
+        self.size = int(size_bytes) // ALIGN * ALIGN
+        if self.size <= 0:
+            raise ValueError(f"a CUDA-IPC buffer of {size_bytes} bytes: at least {ALIGN}")
         self.buffer = torch.zeros(self.size, dtype=torch.uint8, device=self.device)
-        self.written = 0  # running count of bytes placed (a place that would wrap skips to the start)
-        self.consumed = 0  # what the drafter has acknowledged copying out
+        self.reset()
         self.frames = FramePlane()
         self.bytes_in_buffer = 0
         self.bytes_in_frames = 0
+
+    def reset(self) -> None:
+        """Empty, for a new reader (a drafter's next session)."""
+        self.written = 0  # running count of bytes placed (a place that would wrap skips to the start)
+        self.consumed = 0  # what the drafter has acknowledged copying out
 
     def export(self) -> dict:
         """The CudaIpcBuffer fields: torch's CUDA IPC share of the buffer's storage."""
