@@ -22,6 +22,14 @@ One JSON row per point:
                             a GPU the engine waits for the device at each boundary, so phases hold their
                             kernels' time
     speedup                 output_tok_s over plain's at the same batch size
+    with --drafter-transport zmq (a `splitspec drafter` process):
+    tensor_plane            how hidden states reached it: cuda-ipc (a buffer on the verifier's GPU) or zmq-frames
+    bets                    overlap: hits, misses, late, hit_rate
+    drafter_reply_ms        the drafter's own time per DraftReply (trees); drafter_bets_ms per DraftBets
+    round_trip_ms           from sending a DraftRequest to filing its reply, on the verifier's clock
+    transport_ms            that round trip's legs by wall clocks (one host): queue (until the pool's I/O
+                            thread sends), out (until the drafter has it), drafter, in (until the pool filed
+                            the reply); bets_in; wake (filed -> the engine thread running again)
 
 Targets no draft fits (--preset: a dummy model of a known shape) are measured with simulated acceptance:
 --simulate-acceptance PROFILE records plain decoding's outputs as the reference and wraps the drafter in
