@@ -29,6 +29,11 @@
 #             sums them up; SPLIT_PAIR=demo runs the demo target with its trained EAGLE-3 head (real acceptance) instead
 #   bets      where a drafter's time goes with overlap: benchmarks/profile_bets.py on the split stage's point (dummy
 #             EAGLE-3 head of the 8B shape, steps 5, top-1) for 1, 2 and 6 bets against a fresh tree
+#   sweep     issue 15's batch sweep: the demo pair (target + its trained EAGLE-3 head, real acceptance) measured at
+#             batch 1 for its per-position acceptance profile, then the 8B-shaped dummy target with a dummy EAGLE-3 head
+#             drafting for real, plain vs steps 5 top-1 (6 tokens) fixed and load-adaptive, at SWEEP_BS (default
+#             1,2,4,8,16,32,64,128), under that profile replayed and under accept length 6; benchmarks/plot_sweep.py
+#             then sums up sweep_summary.json and draws sweep.png where matplotlib imports (SWEEP_EXTRA adds bench flags)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
 #             suite with forwards on CUDA
@@ -98,6 +103,18 @@ for stage in "${stages[@]}"; do
                python3 -P scripts/split_summary.py "$OUT" "${SPLIT_TAG:-}" > "$OUT/split${SPLIT_TAG:-}_summary.json" ;;
         bets) python3 -P benchmarks/profile_bets.py --device cuda ${BETS_EXTRA:-} --out "$OUT/bets${SPLIT_TAG:-}.json" \
                   > "$OUT/bets.log" 2>&1 ;;
+        sweep) python3 -P -m splitspec bench --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 --steps 5 --topk 1 \
+                   --num-draft-tokens 6 --batch-size 1 --num-prompts 16 --prompt-len 128 --output-len 128 \
+                   --out "$OUT/sweep_demo_profile.json" > "$OUT/sweep.log" 2>&1 &&
+               profile=$(python3 -c "import json, sys; row = [r for r in json.load(open(sys.argv[1]))['rows'] if r['speculative']][0]; print(','.join(str(min(a, 1.0)) for a in row['accepted_per_position']))" "$OUT/sweep_demo_profile.json") &&
+               echo "demo pair's profile: $profile" | tee -a "$OUT/sweep.log" &&
+               python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b \
+                   --speculative-algorithm EAGLE3 --steps 5 --topk 1 --num-draft-tokens 6 --speculative-adaptive both \
+                   --simulate-acceptance "$profile;accept-length:6" --batch-size "${SWEEP_BS:-1,2,4,8,16,32,64,128}" \
+                   --prompt-len 128 --output-len 128 ${SWEEP_EXTRA:-} --out "$OUT/sweep.json" >> "$OUT/sweep.log" 2>&1 &&
+               python3 -P benchmarks/plot_sweep.py "$OUT/sweep.json" --summary "$OUT/sweep_summary.json" >> "$OUT/sweep.log" 2>&1 &&
+               { python3 -P benchmarks/plot_sweep.py "$OUT/sweep.json" --png "$OUT/sweep.png" >/dev/null 2>&1 ||
+                 echo "no plot here (matplotlib): benchmarks/plot_sweep.py sweep.json --png sweep.png elsewhere" >> "$OUT/sweep.log"; } ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;

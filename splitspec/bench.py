@@ -22,6 +22,9 @@ One JSON row per point:
                             a GPU the engine waits for the device at each boundary, so phases hold their
                             kernels' time
     speedup                 output_tok_s over plain's at the same batch size
+    adaptive, budgets       whether the point ran load-adaptive (--speculative-adaptive on|both); decode steps per
+                            tree budget the engine used (1: no drafts)
+    profile                 simulated rows: the acceptance profile replayed
     with --drafter-transport zmq (a `splitspec drafter` process):
     tensor_plane            how hidden states reached it: cuda-ipc (a buffer on the verifier's GPU) or zmq-frames
     bets                    overlap: hits, misses, late, hit_rate
@@ -80,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "--simulate-acceptance.")
     engine_args.add_scheduler_args(parser)
     engine_args.add_speculative_args(parser)
+    for action in parser._actions:  # the bench's fixed trees by default; both: every point fixed, then adaptive
+        if action.dest == "speculative_adaptive":
+            action.choices, action.default = ("off", "on", "both"), "off"
+            action.help = ("off (the default here): every grid point's tree as given; on: the point's tree as the "
+                           "largest budget of load-adaptive speculation (see `splitspec verifier --help`), one policy "
+                           "learning across the batch sizes in order, as a server's does as load grows; both: each "
+                           "point fixed, then adaptive. Rows say adaptive and the budgets their decode steps used.")
     grid = parser.add_argument_group("the grid and the load")
     grid.add_argument("--batch-size", default="1", help="Comma-separated: requests running at once.")
     grid.add_argument("--steps", default=None,
@@ -101,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="0: greedy; above 0 each request samples with seed = its index (lossless either way).")
     grid.add_argument("--simulate-acceptance", default=None, metavar="PROFILE",
                       help="Simulated speculation: record plain decoding's outputs and replay them as drafts accepted per "
-                      "PROFILE (accept-length:L, or per-depth rates a_1,a_2,...; see --speculative-replay-profile). "
-                      "Greedy only; rows are labelled simulated.")
+                      "PROFILE (accept-length:L, or per-depth rates a_1,a_2,...; see --speculative-replay-profile); "
+                      "several profiles separated by ';' measure every point under each. Greedy only; rows are "
+                      "labelled simulated and name their profile.")
     grid.add_argument("--warmup-requests", type=int, default=2, help="Untimed requests before each point (8 tokens each).")
     split = parser.add_argument_group("the drafter in its own process (the split)")
     split.add_argument("--drafter-transport", default="in-process", choices=("in-process", "zmq"),
@@ -208,13 +219,16 @@ def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: in
 
 
 # in process ----------------------------------------------------------------------------------------
-def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, params: list, scheduler) -> tuple[dict, list]:
-    """Serve the prompts with at most batch_size running; (row fields, requests)."""
-    from splitspec.verifier_svc.engine import Engine
-
-    from splitspec.verifier_svc.engine import SpecConfig
+def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, params: list, scheduler,
+          policy=None) -> tuple[dict, list]:
+    """Serve the prompts with at most batch_size running; (row fields, requests). policy: an adaptive policy to
+    go on learning with (a server keeps one for its life), else the engine's own."""
+    from splitspec.verifier_svc.engine import Engine, SpecConfig
 
     engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=True)
+    if policy is not None:
+        engine.adaptive = policy
+    budgets: dict[int, int] = {}
     waiting = list(range(len(prompts)))
     timelines = [Timeline() for _ in prompts]
     requests, index = [None] * len(prompts), {}
@@ -236,6 +250,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
             decode_seconds += now - step_start
             for phase, seconds in report.seconds.items():
                 phases[phase] = phases.get(phase, 0.0) + seconds
+            if drafter is not None:
+                budgets[report.budget] = budgets.get(report.budget, 0) + 1
         for event in events:
             i = index[event.request_id]
             if event.new_token_ids:
@@ -250,6 +266,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
         step["total"] = round(decode_seconds / decode_steps * 1e3, 3)
         step["other"] = round(step["total"] - sum(v for k, v in step.items() if k != "total"), 3)
         row.update(decode_steps=decode_steps, step_ms=step)
+    if budgets:
+        row["budgets"] = {str(k): v for k, v in sorted(budgets.items())}  # decode steps per tree budget
     return row, requests
 
 
@@ -477,37 +495,46 @@ def run_in_process(args) -> dict:
             for prompt, output in zip(prompts, plain_outputs[batch_size]):
                 reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
         reference.close()
+    profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]
+    series = {"off": [False], "on": [True], "both": [False, True]}[args.speculative_adaptive or "off"]
     try:
-        for ns in points:
-            ns = copy.copy(ns)
+        for point, profile in itertools.product(points, profiles):
+            ns = copy.copy(point)
             if reference is not None:
-                ns.speculative_replay, ns.speculative_replay_profile = reference.name, args.simulate_acceptance
+                ns.speculative_replay, ns.speculative_replay_profile = reference.name, profile
             if args.drafter_transport == "zmq":
                 drafter = RemoteDrafter(ns, runner, draft_tokens, max(batch_sizes))
-                spec = engine_args.spec_config(ns)
             else:
-                drafter, spec = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
+                drafter, _ = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
             steps, topk, tokens = tree_of(ns)
             try:
-                runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
-                for batch_size, (prompts, params, warm) in loads.items():
-                    drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler)
-                    drafter.stats.__init__()
-                    row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler)
-                    plain = plain_rows[batch_size]
-                    row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps,
-                           "topk": topk, "num_draft_tokens": tokens, "simulated": bool(reference),
-                           "drafter_transport": args.drafter_transport, **row, **spec_fields(requests, drafter)}
-                    if isinstance(drafter, RemoteDrafter):
-                        row.update(drafter.fields())
-                    if reference is not None:
-                        row["profile"] = args.simulate_acceptance
-                    row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
-                    row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs[batch_size]))
-                    rows.append(row)
-                    logger.info("batch %d %s steps %d topk %d tokens %d: accept length %s, %s tok/s (x%s)%s", batch_size,
-                                ns.speculative_algorithm, steps, topk, tokens, row["accept_length"], row["output_tok_s"],
-                                row["speedup"], " SIMULATED" if reference else "")
+                for adaptive in series:
+                    ns.speculative_adaptive = "on" if adaptive else "off"
+                    spec = engine_args.spec_config(ns)
+                    from splitspec.verifier_svc.engine import adaptive_policy
+
+                    policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
+                    runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
+                    for batch_size, (prompts, params, warm) in loads.items():
+                        drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy)
+                        drafter.stats.__init__()
+                        row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy)
+                        plain = plain_rows[batch_size]
+                        row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps,
+                               "topk": topk, "num_draft_tokens": tokens, "adaptive": adaptive, "simulated": bool(reference),
+                               "drafter_transport": args.drafter_transport, **row, **spec_fields(requests, drafter)}
+                        if isinstance(drafter, RemoteDrafter):
+                            row.update(drafter.fields())
+                        if reference is not None:
+                            row["profile"] = profile
+                        row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
+                        row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs[batch_size]))
+                        rows.append(row)
+                        logger.info("batch %d %s steps %d topk %d tokens %d%s: accept length %s, %s tok/s (x%s)%s%s",
+                                    batch_size, ns.speculative_algorithm, steps, topk, tokens, " adaptive" if adaptive else "",
+                                    row["accept_length"], row["output_tok_s"], row["speedup"],
+                                    f" budgets {row.get('budgets')}" if adaptive else "",
+                                    f" SIMULATED ({profile})" if reference else "")
             finally:
                 runner.set_capture_layers(())
                 drafter.close()

@@ -54,8 +54,12 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                        "pt (pytorch_model.bin, loaded weights-only) or dummy (random, for profiling). Default: "
                        "--load-format where the command has one, else auto.")
     group.add_argument("--speculative-draft-model-quantization", default=None, choices=("unquant", "fp8"),
-                       help="Quantization of the draft's weights: unquant (the default: the draft runs in --dtype). fp8 "
-                       "is refused at start until the GPU kernels land.")
+                       help="Quantization of the draft's weights (SGLang's flag; the draft does not follow the target's "
+                       "--quantization). fp8: the draft's linear layers (a STANDALONE draft's decoder layers; an "
+                       "EAGLE/EAGLE3 head's fc and layers; MTP layers) get FP8 weights as --quantization fp8 describes, "
+                       "never its embedding or lm_head. unquant: unquantized in --dtype even beside an FP8 target (an "
+                       "FP8 draft checkpoint is then refused). Default: as its checkpoint is (unquantized, or FP8 when "
+                       "its config.json says so).")
     group.add_argument("--speculative-draft-attention-backend", default=None, choices=["auto", *sorted({*ATTENTION_BACKENDS, *SGLANG_ATTENTION_BACKENDS})],
                        help="Attention kernels of the draft model (default: the same as --attention-backend). SGLang's "
                        "names that are not implemented yet are served by torch (logged).")
@@ -95,6 +99,19 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                            help="Below 1.0: SGLang's lossy rule accepts a draft whose target probability reaches this.")
         group.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0,
                            help="Below 1.0: SGLang's lossy rule accepts when the coin is below accumulated mass / this.")
+        group.add_argument("--speculative-adaptive", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                           help="Load-adaptive speculation: each step's tree budget (1 = no drafts .. "
+                           "--speculative-num-draft-tokens; the drafter's depth follows it) is the one with the largest "
+                           "expected throughput for the batch decoding now, from the measured acceptance per depth and "
+                           "the measured cost of the target forward per token count and of drafting, so speculation "
+                           "turns itself down and off as load grows, without a cliff, and back on as it falls (the "
+                           "choice is the gauge splitspec:spec_adaptive_num_draft_tokens). Given alone: on. auto: on "
+                           "when the target runs on a GPU, off on CPU (fixed trees).")
+        group.add_argument("--speculative-adaptive-hysteresis", type=float, default=0.015,
+                           help="Adaptive: the predicted relative gain a change of budget needs (against flapping).")
+        group.add_argument("--speculative-adaptive-probe-interval", type=int, default=200,
+                           help="Adaptive: steps without drafts after which one step drafts, to measure the acceptance "
+                           "again (only when better acceptance could make speculation pay at that load).")
     group.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1, help="NGRAM: shortest suffix matched.")
     group.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12, help="NGRAM: longest suffix matched.")
     group.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM: BFS breadth for the longest match.")
@@ -242,12 +259,41 @@ def spec_config(args: argparse.Namespace):
 
     if args.speculative_algorithm is None:
         return SpecConfig()
+    tokens = num_draft_tokens(args)
+    if args.speculative_algorithm in MODEL_ALGORITHMS:
+        from splitspec.draft_models import draft_tree_shape
+
+        steps, topk = draft_tree_shape(args)[:2]
+    else:
+        steps, topk = tokens - 1, 0
+    if getattr(args, "speculative_adaptive_hysteresis", 0.015) < 0:
+        raise FlagError(f"--speculative-adaptive-hysteresis {args.speculative_adaptive_hysteresis}: must be >= 0")
+    if getattr(args, "speculative_adaptive_probe_interval", 200) < 1:
+        raise FlagError(f"--speculative-adaptive-probe-interval {args.speculative_adaptive_probe_interval}: must be >= 1")
     return SpecConfig(
-        num_draft_tokens=num_draft_tokens(args),
+        num_draft_tokens=tokens,
         accept_threshold_single=args.speculative_accept_threshold_single,
         accept_threshold_acc=args.speculative_accept_threshold_acc,
         force_greedy_verify=args.speculative_algorithm == "NGRAM" and args.speculative_ngram_force_greedy_verify,
+        adaptive=adaptive_enabled(args),
+        num_steps=steps,
+        topk=topk,
+        adaptive_hysteresis=getattr(args, "speculative_adaptive_hysteresis", 0.015),
+        adaptive_probe_interval=getattr(args, "speculative_adaptive_probe_interval", 200),
     )
+
+
+def adaptive_enabled(args: argparse.Namespace) -> bool:
+    """--speculative-adaptive: on, off, or auto (on when the target runs on a GPU)."""
+    mode = getattr(args, "speculative_adaptive", "auto") or "auto"
+    if mode != "auto":
+        return mode == "on"
+    device = str(getattr(args, "device", "auto") or "auto")
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):

@@ -140,6 +140,37 @@ def test_simulated_acceptance_on_a_dummy_target_with_a_dummy_eagle3_head(tmp_pat
         assert row["step_ms"]["draft"] > 0 and row["drafter"]["trees"] == row["verify_steps"]
 
 
+def test_batch_sweep_with_two_profiles_fixed_and_adaptive_and_its_plot(tmp_path):
+    """The sweep (issue 15): several batch sizes, two acceptance profiles (';'-separated), every point with its
+    fixed tree and then load-adaptive; every row lossless, fixed rows verify their tree at every decode step,
+    adaptive rows say which budgets they used; plot_sweep turns the JSON into a PNG and a summary."""
+    out = tmp_path / "sweep.json"
+    report = bench("--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm", "EAGLE3",
+                   "--simulate-acceptance", "accept-length:3;0.9,0.6,0.3", "--steps", "3", "--topk", "1",
+                   "--num-draft-tokens", "4", "--speculative-adaptive", "both", "--batch-size", "1,4",
+                   "--num-prompts", "4", "--prompt-len", "16", "--output-len", "40", "--out", str(out))
+    spec = [r for r in report["rows"] if r["speculative"]]
+    assert len(spec) == 8 and len(report["rows"]) == 10
+    assert {(r["profile"], r["adaptive"], r["batch_size"]) for r in spec} == {
+        (p, a, b) for p in ("accept-length:3", "0.9,0.6,0.3") for a in (False, True) for b in (1, 4)}
+    for row in spec:
+        assert row["outputs_equal_plain"] == 4 and row["fallbacks"] == 0, row
+        assert row["budgets"] and set(row["budgets"]) <= {"1", "2", "3", "4"}
+        if not row["adaptive"]:
+            assert set(row["budgets"]) == {"4"} and row["accepted_tokens"] > 0
+    png, summary = tmp_path / "sweep.png", tmp_path / "summary.json"
+    result = subprocess.run([sys.executable, "benchmarks/plot_sweep.py", str(out), "--png", str(png), "--summary",
+                             str(summary)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    profiles = json.loads(summary.read_text())["profiles"]
+    assert set(profiles) == {"accept-length:3", "0.9,0.6,0.3"}
+    for series in profiles.values():
+        assert set(series) == {"plain", "fixed steps 3 topk 1 tokens 4", "adaptive (up to steps 3 topk 1 tokens 4)"}
+        fixed = series["fixed steps 3 topk 1 tokens 4"]
+        assert set(fixed["speedup"]) == {"1", "4"} and fixed["min_speedup"] == min(fixed["speedup"].values())
+
+
 def test_bench_refuses_what_it_cannot_measure():
     result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick",
                              "--simulate-acceptance", "accept-length:2"], capture_output=True, text=True, timeout=120)

@@ -38,6 +38,7 @@ from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_l
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, child_links, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens
+from splitspec.verifier_svc.adaptive import AdaptiveConfig, AdaptiveSpeculation, StepShape
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class SpecConfig:
     accept_threshold_single: float = 1.0  # below 1.0: SGLang's lossy coin rule for sampled requests
     accept_threshold_acc: float = 1.0
     force_greedy_verify: bool = False  # SGLANG_NGRAM_FORCE_GREEDY_VERIFY: accept by argmax even when sampling
+    adaptive: bool = False  # --speculative-adaptive: each step's budget follows load and acceptance (adaptive.py)
+    num_steps: int = 0  # the drafter's depth (--speculative-num-steps); 0: num_draft_tokens - 1
+    topk: int = 0  # the drafter's branching (--speculative-eagle-topk); 0: not a beam drafter (NGRAM: trees)
+    adaptive_hysteresis: float = 0.015
+    adaptive_probe_interval: int = 200
 
     @property
     def lossless(self) -> bool:
@@ -97,7 +103,7 @@ class Request:
     fill_len: int = 0  # tokens to prefill before decoding: the prompt, or prompt + output[:-1] after preemption
     arrival: int = 0  # admission priority: lower runs first and is preempted last
     num_preemptions: int = 0
-    draft_requested: bool = False  # its next tree was asked for at the end of the last step
+    draft_budget: int = 0  # the next verify's tree budget, once decided (asked for when >= 2); 0: not yet
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
 
     def __post_init__(self):
@@ -134,6 +140,9 @@ class StepReport:
     prompt_tokens: int = 0  # prompt tokens of requests that got their first token this step
     generated_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # per verify with drafts: accepted + 1
+    tree_depths: list[int] = field(default_factory=list)  # per verify with drafts: the tree's depth
+    budget: int = 0  # the tree budget this step's speculating requests verified (1: plain decoding)
+    forward_tokens: int = 0  # tokens in the target forward
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
@@ -174,6 +183,22 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
             for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]
 
 
+def adaptive_policy(spec: SpecConfig) -> AdaptiveSpeculation | None:
+    """The load-adaptive policy the config asks for, or None (fixed trees)."""
+    if not spec.adaptive:
+        return None
+    return AdaptiveSpeculation(AdaptiveConfig(spec.num_draft_tokens, spec.num_steps or spec.num_draft_tokens - 1,
+                                              spec.topk == 1, spec.adaptive_hysteresis, spec.adaptive_probe_interval))
+
+
+FEED_EVERY = 16  # adaptive, speculation off: a request's new tokens go to the drafter in batches of this many
+
+
+def _trim(tree: DraftTree, budget: int) -> DraftTree:
+    """The tree's first `budget` nodes (parents come before children, so it is still a tree)."""
+    return DraftTree(tree.tokens[:budget], tree.parents[:budget], tree.scores[:budget] if tree.scores else None)
+
+
 @dataclass
 class _Verify:
     request: Request
@@ -201,6 +226,11 @@ class Engine:
         # before it (REFERENCES §1.4: token t[p+1] pairs with h[p]): the final normed state, or the inputs
         # of the layers the runner captures (EAGLE-3, concatenated)
         self.needs_hidden = drafter is not None and drafter.needs_hidden_states
+        self.adaptive = adaptive_policy(spec) if drafter is not None else None
+        self.budget = spec.num_draft_tokens  # the tree budget of the asks being made (adaptive: chosen per step)
+        self._step_budget = self.budget  # the budget of the trees this step verifies
+        # the policy needs the forward's own time: on a GPU, wait for it (the accept phase that follows waits anyway)
+        self._sync_verify = self.adaptive is not None and runner.device.type == "cuda"
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
         number = next(self._ids)
@@ -233,7 +263,7 @@ class Engine:
         return time.perf_counter()
 
     def step(self) -> list[StepEvent]:
-        self.report = StepReport()
+        self.report = StepReport(budget=self.budget)
         start = self._clock()
         prefills = self._schedule()
         scheduled = self._clock()
@@ -250,12 +280,42 @@ class Engine:
         self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
         self.report.generated_tokens = sum(len(e.new_token_ids) for e in events)
         self.report.finished = [e.finish_reason for e in events if e.finish_reason]
+        if self.adaptive is not None:
+            self._observe(verifies)
         return events
+
+    def _observe(self, verifies: list[_Verify]) -> None:
+        """Feed the adaptive policy what this step did."""
+        seconds = self.report.seconds
+        speculating = sum(1 for v in verifies if v.request.speculate)
+        self.adaptive.observe(StepShape(
+            budget=self.report.budget, speculating=speculating, plain=len(verifies) - speculating,
+            forward_tokens=self.report.forward_tokens, verify_seconds=seconds.get("verify", 0.0),
+            spec_seconds=seconds.get("draft", 0.0) + seconds.get("ask", 0.0),
+            base_seconds=sum(seconds.get(k, 0.0) for k in ("schedule", "accept", "commit")),
+            accepts=list(zip(self.report.tree_depths, [n - 1 for n in self.report.accept_lengths]))))
+
+    def _choose_budget(self) -> int:
+        """The tree budget of the next step's asks: fixed, or the adaptive policy's choice for the batch that
+        will decode next."""
+        if self.adaptive is None:
+            return self.spec.num_draft_tokens
+        decoding = [r for r in self.running if r.decoding or r.num_prefilled + self._chunk_hint(r) >= r.fill_len]
+        speculating = sum(1 for r in decoding if r.speculate)
+        return self.adaptive.choose(speculating, len(decoding) - speculating, self.report.prefill_tokens)
+
+    def _chunk_hint(self, request: Request) -> int:
+        """Tokens of a prefilling request's next chunk (without a chunk limit: all of them)."""
+        limit = self.scheduler.chunked_prefill_size
+        remaining = request.fill_len - request.num_prefilled
+        return remaining if limit <= 0 else min(remaining, limit)
 
     # schedule ------------------------------------------------------------------------------------
     def _tree_tokens(self, request: Request) -> int:
         """KV slots a decoding request's next verify may write: its tree budget, or the root alone."""
-        return self.spec.num_draft_tokens if request.speculate else 1
+        if not request.speculate:
+            return 1
+        return request.draft_budget or self.budget
 
     def _schedule(self) -> list[_Chunk]:
         """Admit, then reserve this step's pages oldest request first, preempting the newest when the
@@ -309,7 +369,7 @@ class Engine:
         request.num_prefilled = 0
         request.num_preemptions += 1
         self.report.preemptions += 1
-        request.draft_requested = False  # asked again once it decodes
+        request.draft_budget = 0  # asked again once it decodes
         self.running.remove(request)
         position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
         self.waiting.insert(position, request)
@@ -364,16 +424,25 @@ class Engine:
 
     # draft ---------------------------------------------------------------------------------------
     def _request_drafts(self, only_missing: bool = False) -> None:
-        """Ask the drafter for the next tree of every decoding request that speculates. A hidden-state
-        drafter also gets each prefill chunk's (token, state) pairs as they are computed (a budget of 0:
-        no tree), so it catches up on a long prompt alongside chunked prefill, not all at once."""
+        """Ask the drafter for the next tree of every decoding request that speculates, with this step's budget
+        (adaptive: the policy's choice; below 2, no tree: its new tokens still reach the drafter every
+        FEED_EVERY tokens, so that speculation resumes without a catch-up). A hidden-state drafter also gets
+        each prefill chunk's (token, state) pairs as they are computed (a budget of 0: no tree), so it catches
+        up on a long prompt alongside chunked prefill, not all at once."""
+        if not only_missing:
+            self.budget = self._choose_budget()
         asks = []
         for request in self.running:
             if not request.speculate:
                 continue
-            if request.decoding and not (only_missing and request.draft_requested):
-                budget = self.spec.num_draft_tokens
-                request.draft_requested = True
+            if request.decoding and not (only_missing and request.draft_budget):
+                request.draft_budget = self.budget
+                if self.budget >= 2:
+                    budget = self.budget
+                elif len(request.unsent) >= FEED_EVERY:
+                    budget = 0  # feed only
+                else:
+                    continue
             elif not request.decoding and not only_missing and self.needs_hidden and request.unsent:
                 budget = 0  # feed only
             else:
@@ -387,25 +456,29 @@ class Engine:
     def _draft(self) -> dict[str, DraftTree | None]:
         """Collect this step's trees (asking now for requests that began decoding since)."""
         self._request_drafts(only_missing=True)
-        ids = [r.request_id for r in self.running if r.speculate and r.decoding]
-        if not ids:
+        asked = {r.request_id: r for r in self.running if r.speculate and r.decoding}
+        for request_id, request in list(asked.items()):
+            if request.draft_budget < 2:  # no tree this step
+                request.draft_budget = 0
+                del asked[request_id]
+        if not asked:
             return {}
-        trees = self.drafter.collect(ids)
-        for request in self.running:
-            if request.request_id not in trees:
-                continue
-            request.draft_requested = False
-            tree = trees[request.request_id]
-            if tree is DRAFT_FAULT or (tree is not None and not self._usable(request, tree)):
-                trees[request.request_id] = None
+        trees = self.drafter.collect(list(asked))
+        for request_id, request in asked.items():
+            budget, request.draft_budget = request.draft_budget, 0
+            tree = trees.get(request_id)
+            if isinstance(tree, DraftTree) and tree.num_nodes > budget:  # a bet drafted under a larger budget
+                tree = trees[request_id] = _trim(tree, budget)
+            if tree is DRAFT_FAULT or (tree is not None and not self._usable(request, tree, budget)):
+                trees[request_id] = None
                 request.stats.fallbacks += 1
                 self.report.fallbacks += 1
         return trees
 
-    def _usable(self, request: Request, tree: DraftTree) -> bool:
+    def _usable(self, request: Request, tree: DraftTree, budget: int) -> bool:
         vocab = self.runner.config.vocab_size
-        # the budget is the same for every request; tokens past a request's limit are dropped at emit
-        return (tree.tokens[0] == request.output_ids[-1] and tree.num_nodes <= self.spec.num_draft_tokens
+        # tokens past a request's limit are dropped at emit
+        return (tree.tokens[0] == request.output_ids[-1] and tree.num_nodes <= budget
                 and all(0 <= t < vocab for t in tree.tokens))
 
     # verify + accept -----------------------------------------------------------------------------
@@ -423,7 +496,10 @@ class Engine:
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
         features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         logits = output.logits  # [rows, V]
+        if self._sync_verify and not self.sync_timing:
+            torch.cuda.synchronize(self.runner.device)
         self.report.seconds["verify"] = self._clock() - forward_start
+        self.report.forward_tokens = sum(batch.attention.q_lens)
         accept_start = self._clock()
         rows = [0]  # first row of each sequence among the batch's new tokens
         for q_len in batch.attention.q_lens:
@@ -542,6 +618,7 @@ class Engine:
                 stats.accepted_per_position[d] += 1
         v.request.stats.verify_steps += 1
         self.report.accept_lengths.append(acceptance.num_accepted + 1)
+        self.report.tree_depths.append(max(depths(v.tree.parents)))
         self.drafter.accepted(v.request.request_id, v.tree.num_drafts, acceptance.num_accepted)
 
     def _pair_prompt_states(self, request: Request, chunk: _Chunk, hidden: torch.Tensor) -> torch.Tensor | None:

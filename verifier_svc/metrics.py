@@ -47,6 +47,17 @@ class EngineMetrics:
         self.kv_free = gauge("kv_pages_free", "KV-cache pages free.")
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to join.")
+        self.budget = gauge("spec_adaptive_num_draft_tokens",
+                            "Tree budget (nodes, root included) of the last step's speculating requests: fixed without "
+                            "--speculative-adaptive, the policy's choice with it; 1 = no drafts.")
+        self.depth = gauge("spec_adaptive_num_steps", "Drafting depth that budget allows (0 = no drafts).")
+        self.predicted_speedup = gauge("spec_adaptive_predicted_speedup",
+                                       "Adaptive: the chosen budget's predicted throughput over plain decoding's, for the "
+                                       "batch of the last choice.")
+        self.switches = counter("spec_adaptive_switches", "Adaptive: changes of the tree budget.")
+        self.probes = counter("spec_adaptive_probes", "Adaptive: steps that drafted to measure acceptance while "
+                              "speculation was off.")
+        self._switches = self._probes = 0
 
     def observe(self, engine: Engine) -> None:
         report, labels = engine.report, self.labels
@@ -68,6 +79,17 @@ class EngineMetrics:
         for phase, seconds in report.seconds.items():
             self.step_seconds.labels(**labels, phase=phase).observe(seconds)
         self.observe_state(engine)
+        policy = engine.adaptive
+        if engine.drafter is not None:
+            self.budget.labels(**labels).set(report.budget)
+            steps = engine.spec.num_steps or engine.spec.num_draft_tokens - 1
+            self.depth.labels(**labels).set(min(steps, report.budget - 1))
+        if policy is not None:
+            if policy.predicted.get(1):
+                self.predicted_speedup.labels(**labels).set(policy.predicted.get(policy.budget, 0.0) / policy.predicted[1])
+            self.switches.labels(**labels).inc(policy.switches - self._switches)
+            self.probes.labels(**labels).inc(policy.probes - self._probes)
+            self._switches, self._probes = policy.switches, policy.probes
 
     def observe_state(self, engine: Engine) -> None:
         allocator = engine.runner.kv_cache.allocator

@@ -1,0 +1,233 @@
+"""Load-adaptive speculation (verifier_svc/adaptive.py): the policy against a modelled GPU whose costs it must
+learn, and the engine with the policy on a real tiny model, lossless, with per-request opt-out."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.verifier_svc.adaptive import AdaptiveConfig, AdaptiveSpeculation, StepShape, budget_ladder
+from splitspec.verifier_svc.engine import Engine, SpecConfig
+from splitspec.verifier_svc.metrics import EngineMetrics
+from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+from splitspec.runtime.tree import DraftTree
+from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+
+
+class ModelGpu:
+    """Step costs of an 8B-like target: the forward is memory-bound (flat) up to `knee` tokens, then compute-bound
+    (linear); a co-located drafter costs per step and per request at its depth; acceptance per depth is q^d."""
+
+    def __init__(self, q: float, knee: int = 128, flat: float = 0.010, draft_per_depth: float = 0.0004,
+                 steps: int = 5, seed: int = 0):
+        self.q, self.knee, self.flat, self.draft_per_depth, self.steps = q, knee, flat, draft_per_depth, steps
+        self.random = random.Random(seed)
+
+    def verify(self, tokens: int) -> float:
+        return self.flat * max(1.0, tokens / self.knee)
+
+    def draft(self, budget: int, batch: int) -> float:
+        depth = min(self.steps, budget - 1)
+        return depth * self.draft_per_depth * (1 + batch / 64) if budget > 1 else 0.0
+
+    def expected(self, budget: int) -> float:
+        return 1 + sum(self.q ** d for d in range(1, min(self.steps, budget - 1) + 1))
+
+    def throughput(self, budget: int, batch: int) -> float:
+        """The true tokens/s of a step at this budget (what the policy must maximise without knowing it)."""
+        return batch * self.expected(budget) / (self.verify(batch * budget) + self.draft(budget, batch) + 0.001)
+
+    def step(self, budget: int, batch: int) -> StepShape:
+        accepts = []
+        if budget > 1:
+            depth = min(self.steps, budget - 1)
+            for _ in range(batch):
+                accepted = 0
+                while accepted < depth and self.random.random() < self.q:
+                    accepted += 1
+                accepts.append((depth, accepted))
+        noise = 1 + 0.02 * (self.random.random() - 0.5)  # timings are never exact
+        return StepShape(budget, batch, 0, batch * budget, self.verify(batch * budget) * noise,
+                         self.draft(budget, batch) * noise, 0.001, accepts)
+
+
+def chain_policy(**kwargs) -> AdaptiveSpeculation:
+    return AdaptiveSpeculation(AdaptiveConfig(max_budget=6, num_steps=5, chain=True, **kwargs))
+
+
+def run_policy(policy: AdaptiveSpeculation, gpu: ModelGpu, batch: int, steps: int) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        budget = policy.choose(batch)
+        chosen.append(budget)
+        policy.observe(gpu.step(budget, batch))
+    return chosen
+
+
+def test_budget_ladder():
+    assert budget_ladder(6) == [1, 2, 3, 4, 5, 6]
+    assert budget_ladder(2) == [1, 2]
+    assert budget_ladder(32) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 27, 32]
+
+
+@pytest.mark.parametrize("q", [0.8, 0.5])
+def test_policy_is_never_below_plain_and_has_no_cliff(q):
+    """A load that grows from 1 to 256 requests, as a server sees it (one policy learning as it goes): at every
+    batch size the budgets it settles on give at least 0.98x plain decoding's true throughput, speculation is
+    on at low load and off at the highest, and the throughput of its choices never drops by more than the
+    batch's own change explains (no cliff where it switches)."""
+    gpu = ModelGpu(q)
+    policy = chain_policy()
+    settled = {}
+    for batch in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+        chosen = run_policy(policy, gpu, batch, 60)
+        tail = chosen[-20:]
+        mean = sum(gpu.throughput(b, batch) for b in tail) / len(tail)
+        plain = gpu.throughput(1, batch)
+        best = max(gpu.throughput(b, batch) for b in policy.ladder)
+        settled[batch] = (max(set(tail), key=tail.count), mean)
+        assert mean >= 0.98 * plain, (batch, tail, mean, plain)
+        assert mean >= 0.9 * best, (batch, tail, mean, best)
+    assert settled[1][0] >= 3  # speculating at low load (the best budget depends on q)
+    assert settled[256][0] == 1
+    sizes = sorted(settled)
+    for a, b in zip(sizes, sizes[1:]):  # tokens/s never falls as the batch grows (a cliff would)
+        assert settled[b][1] >= 0.97 * settled[a][1], (a, b, settled)
+
+
+def test_policy_follows_acceptance_and_probes_while_off():
+    """A drafter whose drafts are never accepted: speculation goes off even at batch 1, and comes back once a
+    probe measures that acceptance has recovered."""
+    gpu = ModelGpu(q=0.0)
+    policy = chain_policy(probe_interval=50)
+    chosen = run_policy(policy, gpu, 1, 300)
+    assert chosen[-50:].count(1) >= 48, chosen[-50:]
+    assert policy.probes >= 3
+    gpu.q = 0.9
+    chosen = run_policy(policy, gpu, 1, 200)
+    assert chosen[-20:] == [6] * 20, chosen[-40:]
+
+
+def test_policy_does_not_flap():
+    """Near a switch point the hysteresis keeps the budget still: a few switches, not one per step."""
+    gpu = ModelGpu(q=0.8)
+    policy = chain_policy()
+    run_policy(policy, gpu, 1, 30)
+    crossing = next(b for b in range(1, 256) if gpu.throughput(1, b) > max(gpu.throughput(n, b) for n in range(2, 7)))
+    before = policy.switches
+    run_policy(policy, gpu, crossing, 300)
+    assert policy.switches - before <= 6, policy.switches - before
+
+
+# the engine ----------------------------------------------------------------------------------------------
+PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "import os\nimport sys\n\n",
+           "for i in range(10):\n    print(i)\nfor i in range(10):\n", "class Config:\n    def __init__(self, path):\n",
+           "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [", "assert a == 1\nassert b == 2\nassert c == 3\nassert"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from transformers import AutoTokenizer
+
+    from splitspec.demo import demo_model_dirs
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu",
+                                            max_total_tokens=len(PROMPTS) * 256, page_size=16))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return runner, [tokenizer.encode(p) for p in PROMPTS]
+
+
+class Recording(NgramDrafter):
+    """NGRAM, recording how many tokens each extend brought."""
+
+    def __init__(self):
+        super().__init__(NgramConfig())
+        self.extends: dict[str, list[int]] = {}
+
+    def extend(self, request_id, tokens):
+        self.extends.setdefault(request_id, []).append(len(tokens))
+        super().extend(request_id, tokens)
+
+
+class Wrong(NgramDrafter):
+    """Drafts chains of tokens the target never picks (its drafts are never accepted)."""
+
+    def draft(self, request_ids, max_nodes):
+        return [DraftTree.chain(self.contexts[r][-1], [0] * (n - 1)) if n >= 2 else None
+                for r, n in zip(request_ids, max_nodes)]
+
+
+def step_all(engine: Engine, metrics: EngineMetrics | None = None) -> list[int]:
+    """Run to the end; the budget of every decode step."""
+    budgets = []
+    while engine.has_work:
+        engine.step()
+        if metrics is not None:
+            metrics.observe(engine)
+        if engine.report.generated_tokens and not engine.report.prefill_tokens:
+            budgets.append(engine.report.budget)
+    return budgets
+
+
+def test_engine_with_the_policy_is_lossless_and_speculates(demo):
+    """Greedy outputs with the policy on equal plain decoding's, speculation happened (drafts proposed and
+    accepted, no fallbacks), the budgets it chose are reported per step and as gauges, and requests that opted
+    out get no drafts."""
+    runner, prompts = demo
+    params = [SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True) for _ in prompts]
+    plain = Engine(runner, None, SpecConfig(), set()).run(prompts, params)
+    engine = Engine(runner, InProcessDrafterClient(NgramDrafter(NgramConfig())),
+                    SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5), set())
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "demo")
+    requests = [engine.add_request(p, sp, speculate=i % 3 != 2) for i, (p, sp) in enumerate(zip(prompts, params))]
+    budgets = step_all(engine, metrics)
+    assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+    speculating = [r for r in requests if r.speculate]
+    assert sum(r.stats.draft_tokens for r in speculating) > 0
+    assert sum(r.stats.accepted_tokens for r in speculating) > 0
+    assert all(r.stats.fallbacks == 0 for r in requests)
+    assert all(r.stats.verify_steps == 0 for r in requests if not r.speculate)
+    assert set(budgets) <= set(engine.adaptive.ladder) and budgets[0] == 6
+    labels = {"model_name": "demo"}
+    assert registry.get_sample_value("splitspec:spec_adaptive_num_draft_tokens", labels) == engine.report.budget
+    assert registry.get_sample_value("splitspec:spec_adaptive_num_steps", labels) == min(5, engine.report.budget - 1)
+    assert runner.kv_cache.allocator.num_used == 0
+
+
+def test_engine_turns_speculation_off_when_it_cannot_pay_and_stays_lossless(demo):
+    """Drafts that are never accepted cannot pay for what drafting and verifying them costs: the policy turns
+    drafting off (budget 1 on nearly every later step, a probe now and then) and outputs stay plain's."""
+    runner, prompts = demo
+    params = [SamplingParams(temperature=0.0, max_new_tokens=120, ignore_eos=True) for _ in prompts[:3]]
+    plain = Engine(runner, None, SpecConfig(), set()).run(prompts[:3], params)
+    engine = Engine(runner, InProcessDrafterClient(Wrong(NgramConfig())),
+                    SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5, adaptive_probe_interval=40), set())
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params)]
+    budgets = step_all(engine)
+    assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+    assert budgets[0] == 6 and all(r.stats.draft_tokens > 0 and r.stats.accepted_tokens == 0 for r in requests)
+    assert budgets[-60:].count(1) >= 55, budgets
+
+
+def test_speculation_off_still_feeds_the_drafter(demo):
+    """With speculation off (the policy's choice forced to 1), the drafter still gets every request's tokens, in
+    batches of FEED_EVERY, so drafting can resume at once; no drafts are verified."""
+    from splitspec.verifier_svc.engine import FEED_EVERY
+
+    runner, prompts = demo
+    params = [SamplingParams(temperature=0.0, max_new_tokens=3 * FEED_EVERY + 5, ignore_eos=True) for _ in prompts[:2]]
+    drafter = Recording()
+    engine = Engine(runner, InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5),
+                    set())
+    engine.adaptive.choose = lambda *args, **kwargs: 1  # the policy's decision, forced: the feeding is under test
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:2], params)]
+    step_all(engine)
+    for request in requests:
+        assert drafter.extends[request.request_id] == [FEED_EVERY] * 3, drafter.extends
+        assert request.stats.verify_steps == 0 and len(request.output_ids) == 3 * FEED_EVERY + 5

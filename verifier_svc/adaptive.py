@@ -1,0 +1,252 @@
+"""Load-adaptive speculation (--speculative-adaptive): each step's tree budget follows the batch size and the
+measured acceptance, down to none, so that speculative decoding is never slower than plain decoding.
+
+vLLM switches the number of drafts by fixed batch-size thresholds, and throughput falls off a cliff where a
+threshold is crossed (REFERENCES §11); SGLang's adaptive mode picks among step tiers from the accept length
+alone, blind to load. Here every step picks, among the budgets 1 (plain decoding) .. --speculative-num-draft-
+tokens, the one with the largest expected throughput
+
+    tokens per second(N) = (B * E(N) + P) / (base(B) + spec(N, B) + verify(B * N + P + F))
+
+    B          decoding requests that speculate; P: those that do not (per-request opt-out, one token each);
+               F: prefill tokens in the step
+    E(N)       expected tokens per verify of a tree of N nodes: 1 + a_1 + ... + a_D, D = min(steps, N - 1),
+               a_d = the measured fraction of verifies that accept at least d drafts (decayed counts, so it
+               follows the traffic); for trees (top-k > 1, NGRAM), where N was used recently enough, its own
+               measured accept length
+    verify(T)  the target forward's measured time for T tokens: a running mean per quarter-octave of T,
+               made non-decreasing in T and interpolated between the points seen (the cost's shape is learned,
+               not assumed: flat while memory-bound, rising once compute-bound)
+    spec(N,B)  the measured time speculation adds outside the forward at that budget and batch: waiting for
+               trees (a co-located drafter's compute; ~0 for a drafter on its own GPU with overlap) and
+               asking for them
+    base(B)    the rest of a step (schedule, accept, commit)
+
+Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as
+load crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the
+budget does not flap. A budget never tried is predicted optimistically (its acceptance from the larger
+budgets, its drafting cost from the nearest batch seen), tried, measured and kept or left. While speculation is
+off the acceptance cannot be measured, so every --speculative-adaptive-probe-interval steps one step
+speculates with the best budget, when full acceptance could make speculation win at that load at all.
+
+Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def budget_ladder(max_budget: int) -> list[int]:
+    """The budgets a step may use: 1 (no drafts) .. max_budget, every one up to 8, then about x1.5 apart."""
+    ladder = list(range(1, min(max_budget, 8) + 1))
+    while ladder[-1] < max_budget:
+        ladder.append(min(max_budget, int(ladder[-1] * 1.5)))
+    return ladder
+
+
+def _bucket(tokens: int) -> int:
+    """Quarter-octave bucket of a token count."""
+    return round(4 * math.log2(max(tokens, 1)))
+
+
+def _batch_bucket(batch: int) -> int:
+    """Power-of-two bucket of a batch size."""
+    return max(batch - 1, 0).bit_length()
+
+
+class _Mean:
+    """An exponential running mean (the first observation starts it)."""
+
+    __slots__ = ("value", "count")
+
+    def __init__(self):
+        self.value, self.count = 0.0, 0
+
+    def add(self, x: float, alpha: float) -> None:
+        self.count += 1
+        # a plain mean while few are seen, then exponential
+        self.value += (x - self.value) * max(alpha, 1.0 / self.count)
+
+
+@dataclass
+class StepShape:
+    """What a finished step did, for the policy."""
+
+    budget: int  # the tree budget its speculating requests were asked with (1: none)
+    speculating: int  # decoding requests that verified a tree (or their root, at budget 1) and speculate
+    plain: int  # decoding requests that do not speculate
+    forward_tokens: int  # tokens in the target forward (trees, roots and prefill chunks)
+    verify_seconds: float
+    spec_seconds: float  # draft + ask phases
+    base_seconds: float  # schedule + accept + commit
+    accepts: list[tuple[int, int]] = field(default_factory=list)  # per verify with drafts: (tree depth, accepted)
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    max_budget: int  # --speculative-num-draft-tokens
+    num_steps: int  # the drafter's depth (--speculative-num-steps)
+    chain: bool = False  # top-1 drafts: a budget's tree is the chain of its depth, so E(N) comes from a_d alone
+    hysteresis: float = 0.015  # relative predicted gain a switch needs
+    probe_interval: int = 200  # steps without drafts between two probes of the acceptance
+    decay: float = 0.99  # per step, of the acceptance counts (about 100 steps of memory)
+    alpha: float = 0.1  # of the running time means
+    min_samples: float = 8.0  # decayed verifies at a budget before its own accept length is trusted
+    optimism: float = 0.25  # the acceptance bonus of a depth with no trials (over trials + 1 with them)
+
+
+class AdaptiveSpeculation:
+    """Picks the next step's tree budget; fed each finished step (observe) and asked before each ask (choose)."""
+
+    def __init__(self, config: AdaptiveConfig):
+        self.config = config
+        self.ladder = budget_ladder(config.max_budget)
+        self.budget = config.max_budget  # what the last choice was
+        depth = self._depth(config.max_budget)
+        self._trials = [0.0] * (depth + 1)  # [d]: decayed verifies that drafted depth d with d-1 accepted
+        self._hits = [0.0] * (depth + 1)  # [d]: those that accepted d
+        self._tier_tokens: dict[int, float] = {}  # budget -> decayed sum of tokens per verify
+        self._tier_count: dict[int, float] = {}  # budget -> decayed verifies
+        self._verify: dict[int, tuple[_Mean, _Mean]] = {}  # token bucket -> (mean tokens, mean seconds)
+        self._spec: dict[tuple[int, int], _Mean] = {}  # (budget, batch bucket) -> seconds outside the forward
+        self._base: dict[int, _Mean] = {}  # batch bucket -> seconds
+        self._off_steps = 0  # consecutive steps at budget 1
+        self.switches = 0
+        self.probes = 0
+        self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
+
+    def _depth(self, budget: int) -> int:
+        return min(self.config.num_steps, budget - 1)
+
+    # learning ------------------------------------------------------------------------------------
+    def observe(self, step: StepShape) -> None:
+        cfg = self.config
+        if step.speculating + step.plain == 0 and step.forward_tokens == 0:
+            return
+        if step.forward_tokens:
+            key = _bucket(step.forward_tokens)
+            tokens, seconds = self._verify.setdefault(key, (_Mean(), _Mean()))
+            tokens.add(step.forward_tokens, cfg.alpha)
+            seconds.add(step.verify_seconds, cfg.alpha)
+        batch = step.speculating + step.plain
+        if batch:
+            self._base.setdefault(_batch_bucket(batch), _Mean()).add(step.base_seconds, cfg.alpha)
+            if step.speculating:
+                self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Mean()).add(
+                    step.spec_seconds, cfg.alpha)
+        if step.accepts:
+            for d in range(1, len(self._trials)):
+                self._trials[d] *= cfg.decay
+                self._hits[d] *= cfg.decay
+            for tier in self._tier_count:
+                self._tier_count[tier] *= cfg.decay
+                self._tier_tokens[tier] *= cfg.decay
+            for depth, accepted in step.accepts:
+                for d in range(1, min(depth, len(self._trials) - 1) + 1):
+                    if accepted < d - 1:
+                        break
+                    self._trials[d] += 1
+                    self._hits[d] += accepted >= d
+            self._tier_count[step.budget] = self._tier_count.get(step.budget, 0.0) + len(step.accepts)
+            self._tier_tokens[step.budget] = self._tier_tokens.get(step.budget, 0.0) + sum(1 + a for _, a in step.accepts)
+
+    # prediction ----------------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """a_1..a_S: the estimated fraction of verifies that accept at least d drafts, from each depth's
+        conditional rate: its decayed hits over trials, pulled towards the depth above's rate while it has few
+        trials, plus an optimism bonus that shrinks as trials grow (a depth not drafted lately, whose trials
+        decay, gets tried again instead of staying judged by a few old samples)."""
+        rates, a, prior, weight = [], 1.0, 0.5, 0.2
+        for d in range(1, len(self._trials)):
+            trials = self._trials[d]
+            rate = (self._hits[d] + weight * prior) / (trials + weight)
+            prior, weight = rate, 1.0
+            a *= min(1.0, rate + self.config.optimism / (trials + 1.0))
+            rates.append(a)
+        return rates
+
+    def expected_tokens(self, budget: int, optimistic: bool = False) -> float:
+        """E(N): tokens per verify of a request at this budget (1 at budget 1)."""
+        if budget <= 1:
+            return 1.0
+        depth = self._depth(budget)
+        if optimistic:
+            return 1.0 + depth
+        count = self._tier_count.get(budget, 0.0)
+        if not self.config.chain and count >= self.config.min_samples:
+            return self._tier_tokens[budget] / count
+        return 1.0 + sum(self.acceptance()[:depth])
+
+    def verify_seconds(self, tokens: int) -> float | None:
+        """The forward's time for this many tokens, interpolated between the points seen; below the first,
+        proportional (optimistic: a smaller forward not timed yet gets tried), above the last, the last
+        segment's slope (optimistic too: a larger one gets tried, and its time then corrects the curve)."""
+        points = sorted((t.value, s.value) for t, s in self._verify.values())
+        if not points:
+            return None
+        for i in range(len(points) - 2, -1, -1):  # more tokens never cost less: a noisy high point does not stick
+            if points[i][1] > points[i + 1][1]:
+                points[i] = (points[i][0], points[i + 1][1])
+        if tokens <= points[0][0]:  # not seen: optimistic (proportional), so that it is tried and measured
+            return points[0][1] * tokens / points[0][0]
+        for (t0, s0), (t1, s1) in zip(points, points[1:]):
+            if tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0) if t1 > t0 else s1
+        t_last, s_last = points[-1]
+        slope = 0.0
+        if len(points) > 1:
+            t_prev, s_prev = points[-2]
+            slope = max((s_last - s_prev) / (t_last - t_prev), 0.0) if t_last > t_prev else 0.0
+        return s_last + slope * (tokens - t_last)
+
+    def _nearest(self, table: dict, batch_bucket: int, budget: int | None = None) -> float:
+        keys = [k for k in table if budget is None or k[0] == budget]
+        if not keys:
+            return 0.0
+        if budget is None:
+            return table[min(keys, key=lambda k: abs(k - batch_bucket))].value
+        return table[min(keys, key=lambda k: abs(k[1] - batch_bucket))].value
+
+    def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
+                   optimistic: bool = False) -> float | None:
+        """Predicted tokens per second of a step at this budget; None before any forward was timed."""
+        verify = self.verify_seconds(speculating * budget + plain + prefill_tokens)
+        if verify is None:
+            return None
+        bucket = _batch_bucket(speculating + plain)
+        seconds = verify + self._nearest(self._base, bucket)
+        if speculating:
+            seconds += self._nearest(self._spec, _batch_bucket(speculating), budget)
+        tokens = speculating * self.expected_tokens(budget, optimistic) + plain
+        return tokens / seconds if seconds > 0 else None
+
+    # choosing ------------------------------------------------------------------------------------
+    def choose(self, speculating: int, plain: int = 0, prefill_tokens: int = 0) -> int:
+        """The budget of the next trees of `speculating` requests (1: no drafts this step)."""
+        if speculating == 0:
+            return self.budget
+        predicted = {n: self.throughput(n, speculating, plain, prefill_tokens) for n in self.ladder}
+        if any(v is None for v in predicted.values()):  # nothing timed yet: speculate fully and measure
+            return self.budget
+        self.predicted = predicted
+        best = max(self.ladder, key=lambda n: (predicted[n], -n))  # ties: the smaller tree
+        choice = self.budget if self.budget in predicted and predicted[self.budget] >= (
+            1 - self.config.hysteresis) * predicted[best] else best
+        if choice == 1:
+            self._off_steps += 1
+            if self._off_steps >= self.config.probe_interval:  # refresh the acceptance if it could matter
+                self._off_steps = 0
+                hopeful = {n: self.throughput(n, speculating, plain, prefill_tokens, optimistic=True)
+                           for n in self.ladder[1:]}
+                probe = max(hopeful, key=lambda n: hopeful[n]) if hopeful else 1
+                if hopeful and hopeful[probe] > predicted[1]:
+                    self.probes += 1
+                    return probe  # one step; self.budget stays 1
+        else:
+            self._off_steps = 0
+        if choice != self.budget:
+            self.switches += 1
+            self.budget = choice
+        return choice
