@@ -101,7 +101,8 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                            help="Below 1.0: SGLang's lossy rule accepts when the coin is below accumulated mass / this.")
         group.add_argument("--speculative-adaptive", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                            help="Load-adaptive speculation: each step's tree budget (1 = no drafts .. "
-                           "--speculative-num-draft-tokens; the drafter's depth follows it) is the one with the largest "
+                           "--speculative-num-draft-tokens; a chain's depth follows it, while a model drafter still runs its "
+                           "--speculative-num-steps) is the one with the largest "
                            "expected throughput for the batch decoding now, from the measured acceptance per depth and "
                            "the measured cost of the target forward per token count and of drafting, so speculation "
                            "turns itself down and off as load grows, without a cliff, and back on as it falls (the "

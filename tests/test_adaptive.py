@@ -212,7 +212,7 @@ def test_engine_turns_speculation_off_when_it_cannot_pay_and_stays_lossless(demo
     budgets = step_all(engine)
     assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
     assert budgets[0] == 6 and all(r.stats.draft_tokens > 0 and r.stats.accepted_tokens == 0 for r in requests)
-    assert budgets[-60:].count(1) >= 55, budgets
+    assert budgets[-60:].count(1) >= 50, budgets
 
 
 def test_speculation_off_still_feeds_the_drafter(demo):

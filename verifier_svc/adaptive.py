@@ -14,7 +14,7 @@ tokens, the one with the largest expected throughput
                a_d = the measured fraction of verifies that accept at least d drafts (decayed counts, so it
                follows the traffic); for trees (top-k > 1, NGRAM), where N was used recently enough, its own
                measured accept length
-    verify(T)  the target forward's measured time for T tokens: a running mean per quarter-octave of T,
+    verify(T)  the target forward's measured time for T tokens: the median of recent timings per quarter-octave of T,
                made non-decreasing in T and interpolated between the points seen (the cost's shape is learned,
                not assumed: flat while memory-bound, rising once compute-bound)
     spec(N,B)  the measured time speculation adds outside the forward at that budget and batch: waiting for
@@ -56,18 +56,27 @@ def _batch_bucket(batch: int) -> int:
     return max(batch - 1, 0).bit_length()
 
 
-class _Mean:
-    """An exponential running mean (the first observation starts it)."""
+class _Recent:
+    """The median of the last few observations: a pause (a page fault, a collection, another process) does
+    not move it, a change of load does within a few steps."""
 
-    __slots__ = ("value", "count")
+    __slots__ = ("values", "count")
+    WINDOW = 9
 
     def __init__(self):
-        self.value, self.count = 0.0, 0
+        self.values: list[float] = []
+        self.count = 0
 
-    def add(self, x: float, alpha: float) -> None:
+    def add(self, x: float) -> None:
         self.count += 1
-        # a plain mean while few are seen, then exponential
-        self.value += (x - self.value) * max(alpha, 1.0 / self.count)
+        self.values.append(x)
+        del self.values[: -self.WINDOW]
+
+    @property
+    def value(self) -> float:
+        ordered = sorted(self.values)
+        n = len(ordered)
+        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 @dataclass
@@ -92,7 +101,7 @@ class AdaptiveConfig:
     hysteresis: float = 0.015  # relative predicted gain a switch needs
     probe_interval: int = 200  # steps without drafts between two probes of the acceptance
     decay: float = 0.99  # per step, of the acceptance counts (about 100 steps of memory)
-    alpha: float = 0.1  # of the running time means
+    min_timings: int = 3  # timings of a forward size before they count (until then it is predicted optimistically)
     min_samples: float = 8.0  # decayed verifies at a budget before its own accept length is trusted
     optimism: float = 0.25  # the acceptance bonus of a depth with no trials (over trials + 1 with them)
 
@@ -109,9 +118,9 @@ class AdaptiveSpeculation:
         self._hits = [0.0] * (depth + 1)  # [d]: those that accepted d
         self._tier_tokens: dict[int, float] = {}  # budget -> decayed sum of tokens per verify
         self._tier_count: dict[int, float] = {}  # budget -> decayed verifies
-        self._verify: dict[int, tuple[_Mean, _Mean]] = {}  # token bucket -> (mean tokens, mean seconds)
-        self._spec: dict[tuple[int, int], _Mean] = {}  # (budget, batch bucket) -> seconds outside the forward
-        self._base: dict[int, _Mean] = {}  # batch bucket -> seconds
+        self._verify: dict[int, tuple[_Recent, _Recent]] = {}  # token bucket -> (mean tokens, mean seconds)
+        self._spec: dict[tuple[int, int], _Recent] = {}  # (budget, batch bucket) -> seconds outside the forward
+        self._base: dict[int, _Recent] = {}  # batch bucket -> seconds
         self._off_steps = 0  # consecutive steps at budget 1
         self.switches = 0
         self.probes = 0
@@ -127,15 +136,15 @@ class AdaptiveSpeculation:
             return
         if step.forward_tokens:
             key = _bucket(step.forward_tokens)
-            tokens, seconds = self._verify.setdefault(key, (_Mean(), _Mean()))
-            tokens.add(step.forward_tokens, cfg.alpha)
-            seconds.add(step.verify_seconds, cfg.alpha)
+            tokens, seconds = self._verify.setdefault(key, (_Recent(), _Recent()))
+            tokens.add(step.forward_tokens)
+            seconds.add(step.verify_seconds)
         batch = step.speculating + step.plain
         if batch:
-            self._base.setdefault(_batch_bucket(batch), _Mean()).add(step.base_seconds, cfg.alpha)
+            self._base.setdefault(_batch_bucket(batch), _Recent()).add(step.base_seconds)
             if step.speculating:
-                self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Mean()).add(
-                    step.spec_seconds, cfg.alpha)
+                self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Recent()).add(
+                    step.spec_seconds)
         if step.accepts:
             for d in range(1, len(self._trials)):
                 self._trials[d] *= cfg.decay
@@ -183,9 +192,13 @@ class AdaptiveSpeculation:
         """The forward's time for this many tokens, interpolated between the points seen; below the first,
         proportional (optimistic: a smaller forward not timed yet gets tried), above the last, the last
         segment's slope (optimistic too: a larger one gets tried, and its time then corrects the curve)."""
-        points = sorted((t.value, s.value) for t, s in self._verify.values())
-        if not points:
+        timed = list(self._verify.values())
+        if not timed:
             return None
+        trusted = [(t.value, s.value) for t, s in timed if s.count >= self.config.min_timings]
+        # sizes timed fewer times are left out once others are trusted: predicted from those, optimistically,
+        # they get tried again instead of being judged by one sample
+        points = sorted(trusted or [(t.value, s.value) for t, s in timed])
         for i in range(len(points) - 2, -1, -1):  # more tokens never cost less: a noisy high point does not stick
             if points[i][1] > points[i + 1][1]:
                 points[i] = (points[i][0], points[i + 1][1])

@@ -430,7 +430,12 @@ class Engine:
         each prefill chunk's (token, state) pairs as they are computed (a budget of 0: no tree), so it catches
         up on a long prompt alongside chunked prefill, not all at once."""
         if not only_missing:
+            was = self.adaptive is not None and self.adaptive.budget >= 2
             self.budget = self._choose_budget()
+            if self.adaptive is not None and was != (self.adaptive.budget >= 2):  # not for a probe's one step
+                logger.info("adaptive speculation: %s at %d decoding requests (predicted tokens/s by budget: %s)",
+                            "drafting again" if self.adaptive.budget >= 2 else "drafting off", len(self.running),
+                            {n: round(v) for n, v in self.adaptive.predicted.items()})
         asks = []
         for request in self.running:
             if not request.speculate:
