@@ -231,3 +231,37 @@ def test_speculation_off_still_feeds_the_drafter(demo):
     for request in requests:
         assert drafter.extends[request.request_id] == [FEED_EVERY] * 3, drafter.extends
         assert request.stats.verify_steps == 0 and len(request.output_ids) == 3 * FEED_EVERY + 5
+
+
+def test_budgets_that_change_every_few_steps_over_zeromq_with_overlap(demo):
+    """The policy's decisions as the drafter pool sees them: a real `splitspec drafter` process over tcp with
+    overlap on, the budget changing every few steps (full, none with feed-only asks, smaller with bets drafted
+    under the larger one trimmed, full again). Outputs equal plain's, drafts are accepted, no step falls back
+    and the drafter drops nothing."""
+    from test_drafter_pool import start_drafter
+    from test_verifier_service import free_port
+
+    from splitspec.verifier_svc.drafter_pool import DrafterPool
+
+    runner, prompts = demo
+    params = [SamplingParams(temperature=0.0, max_new_tokens=90, ignore_eos=True) for _ in prompts[:4]]
+    plain = Engine(runner, None, SpecConfig(), set()).run(prompts[:4], params)
+    pool = DrafterPool(f"tcp://127.0.0.1:{free_port()}", "NGRAM", runner.config.vocab_size, timeout=5.0,
+                       heartbeat_timeout=30.0, overlap="on", num_bets=4)
+    process = start_drafter(pool.address, "adaptive")
+    try:
+        assert pool.wait_for_drafters(1, 60.0)
+        engine = Engine(runner, pool, SpecConfig(num_draft_tokens=6, adaptive=True), set())
+        schedule = [6] * 5 + [1] * 20 + [3] * 5 + [6] * 4 + [2] * 3
+        steps = iter(range(10_000))
+        engine.adaptive.choose = lambda *args, **kwargs: schedule[next(steps) % len(schedule)]
+        requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:4], params)]
+        budgets = step_all(engine)
+        assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+        assert {1, 2, 3, 6} <= set(budgets)
+        assert all(r.stats.fallbacks == 0 and r.stats.accepted_tokens > 0 for r in requests)
+        assert pool.stats.faults == 0 and pool.stats.extra.get("bet_hits", 0) > 0
+    finally:
+        pool.close()
+        process.kill()
+        process.wait(timeout=30)
