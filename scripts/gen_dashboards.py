@@ -79,6 +79,11 @@ DASHBOARDS = {
         ("Tokens per verify step (p50, p90)", "timeseries", "short", q("splitspec:spec_accept_length", (0.5, 0.9))),
         ("Inter-token latency (p50, p95, p99)", "timeseries", "s", q("splitspec:inter_token_latency_seconds", (0.5, 0.95, 0.99))),
         ("Fallbacks to plain decoding/s", "timeseries", "short", [(rate("splitspec:spec_decode_fallbacks_total"), "fallbacks/s")]),
+        ("Tree budget per step (1 = no drafts; --speculative-adaptive)", "timeseries", "short",
+         [("max(splitspec:spec_adaptive_num_draft_tokens)", "tree nodes"), ("max(splitspec:spec_adaptive_num_steps)", "depth")]),
+        ("Adaptive speculation: switches and probes/s", "timeseries", "short",
+         [(f"{rate('splitspec:spec_adaptive_switches_total')} or vector(0)", "budget switches/s"),
+          (f"{rate('splitspec:spec_adaptive_probes_total')} or vector(0)", "probes/s")]),
     ]),
     "splitspec-drafters": ("splitspec: Drafters", [
         ("Drafters alive", "stat", "short", [("sum(splitspec:drafters_alive)", "alive")]),
