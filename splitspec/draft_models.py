@@ -151,11 +151,16 @@ def draft_attention_backend(args: argparse.Namespace) -> str:
 
 
 def validate_draft_options(args: argparse.Namespace) -> None:
-    """SGLang's draft loading flags: what this build honours, refuses or ignores (logged)."""
-    quantization = getattr(args, "speculative_draft_model_quantization", None)
-    if quantization not in (None, "unquant"):
-        raise FlagError(f"--speculative-draft-model-quantization {quantization}: not available yet (drafts load "
-                        "unquantized; use unquant)")
+    """SGLang's draft loading flags: what this build honours, refuses or ignores (logged).
+    --speculative-draft-model-quantization: fp8 quantizes the draft's linear layers (a STANDALONE draft's
+    decoder, a head's fc and layers; never embeddings or lm_head), unquant keeps it unquantized whatever
+    the target's --quantization, and unset loads it as its checkpoint is (FP8 checkpoints detected)."""
+    from splitspec.runtime.quantization import check_method
+
+    try:
+        check_method(getattr(args, "speculative_draft_model_quantization", None), "--speculative-draft-model-quantization")
+    except ValueError as exc:
+        raise FlagError(str(exc)) from None
     for flag in ("speculative_moe_runner_backend", "speculative_moe_a2a_backend"):
         value = getattr(args, flag, None)
         if value is not None:
@@ -207,7 +212,8 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
                             or getattr(args, "speculative_draft_disable_cuda_graph", False)),
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         torch_compile_max_bs=torch_compile_max_bs(args),
-        family=None if kind == "standalone" else kind))
+        family=None if kind == "standalone" else kind,
+        quantization=getattr(args, "speculative_draft_model_quantization", None)))
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
     layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()
     check_feature_width(kind, runner, target_cfg, layers, path)

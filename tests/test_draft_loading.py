@@ -98,8 +98,9 @@ def test_draft_load_format_and_revision(tmp_path, caplog):
                                    "--speculative-draft-model-quantization", "unquant"))
     assert "--speculative-moe-runner-backend triton: the draft has no MoE layers, nothing to do" in caplog.text
     assert "--speculative-moe-a2a-backend deepep: the draft has no MoE layers, nothing to do" in caplog.text
-    with pytest.raises(engine_args.FlagError, match=r"--speculative-draft-model-quantization fp8: not available yet"):
-        build_drafter(eagle3_flags(head, "--speculative-draft-model-quantization", "fp8"))
+    from splitspec.runtime.fp8 import Fp8Linear  # fp8: the head's linear layers quantized (tests/test_fp8.py)
+
+    assert isinstance(build_drafter(eagle3_flags(head, "--speculative-draft-model-quantization", "fp8")).runner.model.fc, Fp8Linear)
     with pytest.raises(SystemExit):
         eagle3_flags(head, "--speculative-moe-runner-backend", "nonsense")
 

@@ -115,7 +115,7 @@ def test_every_flag_the_seed_names_is_a_verifier_flag():
     assert draft_attention_backend(args) == "auto"  # fa3's kernels are not here: flashinfer on CUDA, torch on CPU
     assert draft_attention_backend(parser.parse_args(base)) == "auto"
     assert draft_attention_backend(parser.parse_args([*base, "--attention-backend", "torch"])) == "torch"
-    for refused, flag in ((["--quantization", "fp8"], "--quantization fp8"), (["--enable-dp-attention"], "--enable-dp-attention"),
+    for refused, flag in ((["--quantization", "awq"], "--quantization awq"), (["--enable-dp-attention"], "--enable-dp-attention"),
                           (["--attention-backend", "flashinfer"], "--attention-backend flashinfer")):
         with pytest.raises(ValueError, match=flag):
             check_sglang_server_flags(parser.parse_args([*base, *refused]), "splitspec verifier")

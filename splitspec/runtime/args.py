@@ -14,6 +14,7 @@ from splitspec.runtime.attention import ATTENTION_BACKENDS
 from splitspec.runtime.config import DTYPES
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.loader import LOAD_FORMATS
+from splitspec.runtime.quantization import check_method as check_quantization_method
 from splitspec.runtime.runner import RuntimeConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -44,8 +45,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
     group.add_argument("--random-seed", type=int, default=0, help="Seed of --load-format dummy weights.")
     group.add_argument("--quantization", default=None,
-                       help="SGLang's weight quantization (fp8, awq, gptq, ...): refused at start with the reason until "
-                       "quantized kernels land; weights load in --dtype.")
+                       help="Weight quantization of the target (SGLang's flag). fp8: the linear layers of every decoder "
+                       "layer (q/k/v, o, gate/up, down) hold float8_e4m3fn weights with a float32 scale per output "
+                       "channel; a bf16/fp16/fp32 checkpoint is quantized as it loads, an FP8 checkpoint (llm-compressor "
+                       "/ vLLM layout: F8_E4M3 weights with per-tensor or per-channel weight_scale) loads as stored; "
+                       "embeddings, norms and lm_head stay in --dtype. On CUDA GPUs of compute capability >= 8.9 the "
+                       "matmuls are W8A8 (torch._scaled_mm, activations quantized per token on the fly); elsewhere "
+                       "weight-only (FP8 weights dequantized to --dtype). unquant: load unquantized (an FP8 checkpoint "
+                       "is then refused). Default: unquantized, unless config.json's quantization_config names an FP8 "
+                       "checkpoint (detected and logged). SGLang's other methods (awq, gptq, bitsandbytes, ...) are "
+                       "refused at start with the reason.")
     memory = parser.add_argument_group("memory")
     memory.add_argument("--page-size", type=int, default=16, help="Tokens per KV-cache page.")
     memory.add_argument(
@@ -113,9 +122,7 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
             logger.info("%s: --torch-compile-max-bs is a no-op without --enable-torch-compile", command)
     if getattr(args, "trust_remote_code", False):
         logger.info("%s: --trust-remote-code accepted; no checkpoint code is executed", command)
-    if getattr(args, "quantization", None) is not None:
-        raise ValueError(f"--quantization {args.quantization} is not available yet: weights load unquantized in --dtype "
-                         "(--dtype bfloat16 or float16 halves fp32 memory)")
+    check_quantization_method(getattr(args, "quantization", None))
     if on_cpu and getattr(args, "attention_backend", "auto") == "flashinfer":
         raise ValueError("--attention-backend flashinfer needs a CUDA device; on CPU use auto or torch")
     if getattr(args, "attention_backend", "auto") not in ("auto", *ATTENTION_BACKENDS):
@@ -159,6 +166,7 @@ def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_
         seed=args.random_seed,
         attention_mode=getattr(args, "speculative_attention_mode", "prefill"),
         torch_compile_max_bs=torch_compile_max_bs(args),
+        quantization=getattr(args, "quantization", None),
     )
 
 

@@ -6,6 +6,11 @@ Loading is all-or-nothing. The model is first built on the meta device; the chec
 names, shapes and dtypes are read from the safetensors headers and checked against what the model
 expects; only then is memory allocated and data read. A missing, unexpected or misshaped tensor is a
 `CheckpointError` that names it (and its file), raised before any weight is materialised.
+
+FP8 (runtime.quantization decides which Linear layers, runtime.fp8 computes): the chosen layers become
+Fp8Linear before the checks, so the checkpoint is checked against FP8 weights and their scales; a float
+weight loading into an FP8 layer is quantized per output channel as it is copied in (one tensor at a
+time on the device, never the whole model in full precision).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from splitspec.runtime import quantization
 from splitspec.runtime.config import ModelConfig
+from splitspec.runtime.fp8 import FP8_DTYPE, quantize_per_channel
 from splitspec.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
@@ -49,6 +56,8 @@ class TensorTarget:
     row_start: int
     shape: tuple[int, ...]
     floating: bool = True  # a float tensor (cast to the model dtype); else an integer one, kept as is
+    fp8: bool = False  # an FP8 layer's weight: F8_E4M3 as stored, or a float tensor quantized as it loads
+    scale: bool = False  # an FP8 layer's weight_scale rows: the checkpoint's may be one per tensor ([] or [1])
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ def checkpoint_spec(model: nn.Module) -> dict[str, TensorTarget]:
         for fused_name, sources in getattr(module, "packed", {}).items():
             prefix = f"{module_name}." if module_name else ""
             sizes = _block_rows(module, fused_name, sources)
-            for leaf in ("weight", "bias"):
+            for leaf in ("weight", "bias", "weight_scale"):
                 param_name = f"{prefix}{fused_name}.{leaf}"
                 if param_name not in params:
                     continue
@@ -77,14 +86,18 @@ def checkpoint_spec(model: nn.Module) -> dict[str, TensorTarget]:
                 row = 0
                 for source, rows in zip(sources, sizes):
                     shape = (rows, *params[param_name].shape[1:])
-                    spec[f"{prefix}{source}.{leaf}"] = TensorTarget(param_name, row, shape)
+                    spec[f"{prefix}{source}.{leaf}"] = _target(param_name, row, shape, params[param_name])
                     row += rows
     for name, param in params.items():
         if name not in fused:
-            spec[name] = TensorTarget(name, 0, tuple(param.shape))
+            spec[name] = _target(name, 0, tuple(param.shape), param)
     for name, buffer in _persistent_buffers(model).items():
         spec[name] = TensorTarget(name, 0, tuple(buffer.shape), buffer.is_floating_point())
     return spec
+
+
+def _target(param_name: str, row: int, shape: tuple[int, ...], param: torch.Tensor) -> TensorTarget:
+    return TensorTarget(param_name, row, shape, fp8=param.dtype == FP8_DTYPE, scale=param_name.endswith(".weight_scale"))
 
 
 def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -203,13 +216,19 @@ def validate_checkpoint(spec: dict[str, TensorTarget], tensors: dict[str, Tensor
         problems.append(f"unexpected tensors: {_listing([f'{k} (in {tensors[k].file})' for k in unexpected])}")
     for key in sorted(set(spec) & set(tensors)):
         info, target = tensors[key], spec[key]
-        if info.shape != target.shape:
-            problems.append(f"tensor {key!r} in {info.file} has shape {list(info.shape)}, expected {list(target.shape)}")
+        shapes = (target.shape,) if not target.scale else ((), (1,), target.shape, (*target.shape, 1))
+        if info.shape not in shapes:
+            problems.append(f"tensor {key!r} in {info.file} has shape {list(info.shape)}, expected {list(target.shape)}"
+                            + (" (or one value for the tensor)" if target.scale else ""))
         if not target.floating:
             if info.dtype not in INT_DTYPES:
                 problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype}, expected an integer tensor")
-        elif info.dtype not in FLOAT_DTYPES:
-            problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype} (quantized checkpoints are not supported)")
+        elif info.dtype == quantization.FP8_CODE and not target.fp8:
+            problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype}, but only the weights of linear "
+                            "layers load FP8 (embeddings, norms, lm_head and biases must be float)")
+        elif info.dtype not in FLOAT_DTYPES and not (target.fp8 and info.dtype == quantization.FP8_CODE):
+            problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype} (quantized checkpoints other than "
+                            "FP8 are not supported)")
     if problems:
         raise CheckpointError(f"checkpoint does not match {config.architecture}: " + "; ".join(problems))
 
@@ -226,26 +245,41 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    quantization_flag: str | None = None,
 ) -> nn.Module:
-    """Build the model for `config` and fill it from `model_dir` (or randomly for 'dummy')."""
+    """Build the model for `config` and fill it from `model_dir` (or randomly for 'dummy').
+    quantization_flag: None, "fp8" or "unquant" (runtime.quantization); the model's `quant_plan` says
+    what it did."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported (choose from {', '.join(LOAD_FORMATS)})")
     with torch.device("meta"):
         model = model_class(config)(config).to(dtype)
     spec = checkpoint_spec(model)
     if load_format == "dummy":
+        qplan = quantization.plan(model, spec, None, config, quantization_flag)
         model.to_empty(device=device)
         _init_dummy(model, seed)
+        quantization.swap_in_fp8(model, qplan.modules, device, dtype, quantize=True)  # the same weights, quantized
+        model.quant_plan = qplan
         logger.info("initialised %s with random (dummy) weights, seed %d", config.architecture, seed)
         return model.eval()
     model_dir = Path(model_dir)
     tensors = rename_for_model(model, read_checkpoint_index(model_dir, load_format))
+    qplan = quantization.plan(model, spec, tensors, config, quantization_flag)
+    ignored = tuple(getattr(model, "ignored_checkpoint_keys", ()))
+    if qplan.quantized:
+        quantization.swap_in_fp8(model, qplan.modules, device, dtype)
+        spec = checkpoint_spec(model)
+        if qplan.mode == "online":  # the scales are computed from the float weights as they load
+            spec = {k: v for k, v in spec.items() if not v.scale}
+        ignored += quantization.unused_checkpoint_keys(tensors)
+    model.quant_plan = qplan
     # tensors a model can take from elsewhere when the checkpoint lacks them (an EAGLE-3 head without a
     # draft vocabulary shares the target's lm_head); the model learns which ones were absent
     optional = set(getattr(model, "optional_checkpoint_keys", ()))
     model.absent_checkpoint_keys = sorted(k for k in optional & set(spec) if k not in tensors)
     spec = {k: v for k, v in spec.items() if k not in model.absent_checkpoint_keys}
-    validate_checkpoint(spec, tensors, config, getattr(model, "ignored_checkpoint_keys", ()))
+    validate_checkpoint(spec, tensors, config, ignored)
     model.to_empty(device=device)
     _load_tensors(model, spec, tensors, model_dir, device)
     return model.eval()
@@ -270,7 +304,14 @@ def _load_tensors(model: nn.Module, spec, tensors, model_dir: Path, device: torc
             target = spec[key]
             data = get(tensors[key].key or key)
             num_bytes += data.numel() * data.element_size()
-            params[target.param][target.row_start : target.row_start + target.shape[0]].copy_(data)  # casts dtype
+            rows = slice(target.row_start, target.row_start + target.shape[0])
+            if target.fp8 and data.dtype != FP8_DTYPE:  # a float weight into an FP8 layer: quantized per row
+                q, scale = quantize_per_channel(data.to(device))
+                params[target.param][rows].copy_(q)
+                params[f"{target.param}_scale"][rows].copy_(scale)
+            else:  # casts dtype; a per-tensor scale ([] or [1]) fills its rows, [N, 1] is read as [N]
+                dest = params[target.param][rows]
+                dest.copy_(data.reshape(dest.shape) if target.scale and data.numel() == dest.numel() else data)
             bar.update()
     bar.close()
     logger.info(

@@ -21,7 +21,9 @@ from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_b
 from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.kv_cache import KVCache
+from splitspec.runtime import quantization
 from splitspec.runtime.loader import load_model
+from splitspec.runtime.quantization import weight_bytes as weight_bytes_of
 from splitspec.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,7 @@ class RuntimeConfig:
     family: str | None = None  # model family regardless of config.json (EAGLE heads look like Llama configs)
     attention_mode: str = "prefill"  # tree verification: one masked prefill pass, or decode rows (tree_decode)
     torch_compile_max_bs: int = 0  # > 0: uniform batches of up to this many requests run torch.compile'd (runtime.compile)
+    quantization: str | None = None  # None, "fp8" or "unquant" (runtime.quantization; an FP8 checkpoint is detected)
 
 
 @dataclass
@@ -118,6 +121,7 @@ def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtyp
         logger.info("KV cache on CPU: %d tokens (%.0f MiB); --max-total-tokens sets it", num_tokens,
                     num_tokens * per_token / 2**20)
         return num_tokens // rc.page_size
+    torch.cuda.empty_cache()  # blocks freed while loading (each tensor read, quantized and copied) count as free
     free, total = torch.cuda.mem_get_info(device)
     fraction = rc.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION
     budget = total * fraction - (total - free)
@@ -143,6 +147,7 @@ class ModelRunner:
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
+        self.weight_bytes = weight_bytes_of(model)  # {"total", "fp8_layers"}: the model's own weights (shared ones not counted)
         self.cuda_graph_max_bs = cuda_graph_max_bs if _graphs_supported(backend) and self.device.type == "cuda" else 0
         self.graphs = None
         self.compiled = None
@@ -209,7 +214,9 @@ class ModelRunner:
         dtype = resolve_dtype(rc.dtype, config, device)
         logger.info("loading %s (%s, %d layers) from %s as %s on %s", config.architecture, config.model_type,
                     config.num_hidden_layers, model_dir, str(dtype).replace("torch.", ""), device)
-        model = load_model(model_dir, config, dtype, device, rc.load_format, rc.seed)
+        model = load_model(model_dir, config, dtype, device, rc.load_format, rc.seed, rc.quantization)
+        logger.info("weights: %.1f MB%s", weight_bytes_of(model)["total"] / 1e6,
+                    f"; {quantization.describe(model, model.quant_plan, dtype)}" if model.quant_plan.quantized else "")
         num_pages = kv_cache_num_pages(rc, config, dtype, device)
         kv_cache = KVCache(config, num_pages, rc.page_size, dtype, device)
         logger.info("KV cache: %d pages x %d tokens (%.1f MB)", num_pages, rc.page_size,

@@ -65,8 +65,9 @@ class EagleHead(nn.Module):
         if features is None or self.embed_weight is None:
             raise ValueError("an EAGLE head needs the target's embedding (share_target) and a feature per token")
         ctx = ForwardContext(backend, plan, self.rotary_emb, positions)
-        embeds = nn.functional.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)
-        x = self.fc(torch.cat([embeds, features.to(self.fc.weight.dtype)], dim=-1))
+        dtype = self.layers[0].post_attention_layernorm.weight.dtype  # the head's dtype (fc may hold FP8 weights)
+        embeds = nn.functional.embedding(input_ids, self.embed_weight).to(dtype)
+        x = self.fc(torch.cat([embeds, features.to(dtype)], dim=-1))
         x = self.layers[0](positions, x, ctx)
         return x, []
 

@@ -130,7 +130,7 @@ class Eagle3Head(nn.Module):
         if features is None or self.embed_weight is None:
             raise ValueError("an EAGLE-3 head needs the target's embedding (share_target) and a feature per token")
         ctx = ForwardContext(backend, plan, self.rotary_emb, positions)
-        dtype = self.fc.weight.dtype
+        dtype = self.norm.weight.dtype  # the head's dtype (fc may hold FP8 weights)
         h = features.to(dtype)
         if h.shape[-1] == self.fc_input_size:
             h = self.fc(h)

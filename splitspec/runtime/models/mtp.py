@@ -80,7 +80,7 @@ class MtpHead(nn.Module):
             raise ValueError("MTP layers need the target's embedding (share_target) and a feature per token")
         ctx = ForwardContext(backend, plan, self.rotary_emb, positions)
         layer = self.model.mtp_layers[draft_layer]
-        dtype = layer.input_proj.weight.dtype
+        dtype = layer.final_layernorm.weight.dtype  # the head's dtype (input_proj may hold FP8 weights)
         embeds = nn.functional.embedding(input_ids, self.embed_weight).to(dtype)
         embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
         return layer(positions, embeds, features.to(dtype), ctx), []
