@@ -34,9 +34,12 @@
 #             drafting for real, plain vs steps 5 top-1 (6 tokens) fixed and load-adaptive, at SWEEP_BS (default
 #             1,2,4,8,16,32,64,128), under that profile replayed and under accept length 6; benchmarks/plot_sweep.py
 #             then sums up sweep_summary.json and draws sweep.png where matplotlib imports (SWEEP_EXTRA adds bench flags)
+#   fp8       issue 15's FP8 weights: benchmarks/fp8_accuracy.py on the 8B-shaped dummy model, bf16 against
+#             --quantization fp8 (W8A8 torch._scaled_mm): greedy agreement and logit error over 64 prompts, batch-1
+#             decode tok/s with CUDA graphs, weight bytes and the weight floor at the H100's 3.35e12 B/s
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
-#             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), and the runtime
-#             suite with forwards on CUDA
+#             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
+#             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA
 set -uo pipefail
 OUT="${OUT:-/tmp/splitspec-gpu}"
 mkdir -p "$OUT"
@@ -115,9 +118,11 @@ for stage in "${stages[@]}"; do
                python3 -P benchmarks/plot_sweep.py "$OUT/sweep.json" --summary "$OUT/sweep_summary.json" >> "$OUT/sweep.log" 2>&1 &&
                { python3 -P benchmarks/plot_sweep.py "$OUT/sweep.json" --png "$OUT/sweep.png" >/dev/null 2>&1 ||
                  echo "no plot here (matplotlib): benchmarks/plot_sweep.py sweep.json --png sweep.png elsewhere" >> "$OUT/sweep.log"; } ;;
+        fp8) python3 -P benchmarks/fp8_accuracy.py --device cuda --preset llama-3.1-8b --dtype bfloat16 --num-prompts 64 \
+                 --prompt-len 32 --new-tokens 32 --decode-tokens 128 --out "$OUT/fp8_8b.json" > "$OUT/fp8.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
-                   tests/test_paged_attention.py tests/test_rope.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
+                   tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;
     esac
     rc=$?
