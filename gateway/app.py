@@ -12,6 +12,7 @@ answer is streamed or assembled. A client that disconnects has its requests abor
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -392,7 +393,8 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                             .body(), status_code=500)
 
     def authorized(request: Request) -> None:
-        if config.api_key is not None and request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+        if config.api_key is not None and not hmac.compare_digest(  # constant time: no key guessing by timing
+                request.headers.get("authorization", "").encode(), f"Bearer {config.api_key}".encode()):
             raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
                            "invalid_request_error", code="invalid_api_key")
 
