@@ -531,7 +531,7 @@ class Engine:
                     token = sample(apply_penalties(row_logits, request.params, request.prompt_ids, []), [request.params],
                                    [0]).item()
                 events.append(self._emit(request, [token], hidden, token_logprobs(row_logits, [token], request.params)))
-        commit_seconds, move_src, move_dst, lengths = 0.0, [], [], []
+        commit_seconds, move_src, move_dst, lengths, accepted = 0.0, [], [], [], []
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
             targets = greedy[batch.cu_logits[i] : batch.cu_logits[i + 1]] if greedy is not None else None
@@ -541,12 +541,24 @@ class Engine:
             lengths.append((v.request.table, v.seq_len + len(acceptance.path)))
             commit_seconds += self._clock() - commit_start
             self._count(v, acceptance)
-            hidden = None
-            if self.needs_hidden and v.request.speculate:  # the accepted path's states pair with the emitted tokens
-                hidden = features[rows[i] : rows[i + 1]][list(acceptance.path)]
+            accepted.append((v, acceptance, node_logits, rows[i]))
+        # the accepted paths' states pair with the emitted tokens: every request's rows in one gather, each
+        # request keeping a slice of that step-sized copy (not of the whole forward's states)
+        states = {}
+        picks = [(v.request.request_id, [row + node for node in acceptance.path]) for v, acceptance, _, row in accepted
+                 if self.needs_hidden and v.request.speculate]
+        if picks:
+            flat = [r for _, request_rows in picks for r in request_rows]
+            gathered = features.index_select(0, torch.tensor(flat, device=features.device))
+            start = 0
+            for request_id, request_rows in picks:
+                states[request_id] = gathered[start : start + len(request_rows)]
+                start += len(request_rows)
+        for v, acceptance, node_logits, _ in accepted:
             logprobs = (token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
                         if v.request.params.logprobs is not None else None)
-            events.append(self._emit(v.request, acceptance.tokens, hidden, logprobs))
+            events.append(self._emit(v.request, acceptance.tokens, states.get(v.request.request_id), logprobs,
+                                     fresh=True))
         commit_start = self._clock()
         kv = self.runner.kv_cache
         if move_src:  # every request's compaction in one kernel, before any page is freed
@@ -639,9 +651,10 @@ class Engine:
         return hidden[last - chunk.start :][:1] if chunk.end == request.fill_len else None
 
     def _emit(self, request: Request, tokens: list[int], hidden: torch.Tensor | None = None,
-              logprobs: list[TokenLogprob] | None = None) -> StepEvent:
+              logprobs: list[TokenLogprob] | None = None, fresh: bool = False) -> StepEvent:
         """Append tokens until a stop condition; what follows a stop is dropped. hidden: one state per
-        token (a hidden-state drafter's pairing), kept for the emitted ones."""
+        token (a hidden-state drafter's pairing), kept for the emitted ones; fresh: hidden is a small copy
+        already (else it is a view of the step's states, and only the rows kept are copied)."""
         emitted = []
         for token in tokens:
             request.output_ids.append(token)
@@ -655,7 +668,8 @@ class Engine:
         if request.speculate and request.finish_reason is None:  # a finished request is never asked again
             request.unsent.extend(emitted)
             if self.needs_hidden:
-                request.unsent_hidden.append(hidden[: len(emitted)].clone())  # not a view of the whole step
+                kept = hidden[: len(emitted)]
+                request.unsent_hidden.append(kept if fresh else kept.clone())  # not a view of the whole step
         if logprobs is not None:
             logprobs = logprobs[: len(emitted)]
             request.logprobs.extend(logprobs)
