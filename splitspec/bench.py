@@ -495,6 +495,8 @@ def run_in_process(args) -> dict:
             for prompt, output in zip(prompts, plain_outputs[batch_size]):
                 reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
         reference.close()
+    from splitspec.verifier_svc.engine import adaptive_policy
+
     profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]
     series = {"off": [False], "on": [True], "both": [False, True]}[args.speculative_adaptive or "off"]
     try:
@@ -511,8 +513,6 @@ def run_in_process(args) -> dict:
                 for adaptive in series:
                     ns.speculative_adaptive = "on" if adaptive else "off"
                     spec = engine_args.spec_config(ns)
-                    from splitspec.verifier_svc.engine import adaptive_policy
-
                     policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
                     runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
                     for batch_size, (prompts, params, warm) in loads.items():

@@ -228,7 +228,6 @@ class Engine:
         self.needs_hidden = drafter is not None and drafter.needs_hidden_states
         self.adaptive = adaptive_policy(spec) if drafter is not None else None
         self.budget = spec.num_draft_tokens  # the tree budget of the asks being made (adaptive: chosen per step)
-        self._step_budget = self.budget  # the budget of the trees this step verifies
         # the policy needs the forward's own time: on a GPU, wait for it (the accept phase that follows waits anyway)
         self._sync_verify = self.adaptive is not None and runner.device.type == "cuda"
 
@@ -300,15 +299,10 @@ class Engine:
         will decode next."""
         if self.adaptive is None:
             return self.spec.num_draft_tokens
-        decoding = [r for r in self.running if r.decoding or r.num_prefilled + self._chunk_hint(r) >= r.fill_len]
+        limit = self.scheduler.chunked_prefill_size  # a prefill that fits the next chunk decodes next step too
+        decoding = [r for r in self.running if r.decoding or limit <= 0 or r.fill_len - r.num_prefilled <= limit]
         speculating = sum(1 for r in decoding if r.speculate)
         return self.adaptive.choose(speculating, len(decoding) - speculating, self.report.prefill_tokens)
-
-    def _chunk_hint(self, request: Request) -> int:
-        """Tokens of a prefilling request's next chunk (without a chunk limit: all of them)."""
-        limit = self.scheduler.chunked_prefill_size
-        remaining = request.fill_len - request.num_prefilled
-        return remaining if limit <= 0 else min(remaining, limit)
 
     # schedule ------------------------------------------------------------------------------------
     def _tree_tokens(self, request: Request) -> int:
@@ -461,11 +455,13 @@ class Engine:
     def _draft(self) -> dict[str, DraftTree | None]:
         """Collect this step's trees (asking now for requests that began decoding since)."""
         self._request_drafts(only_missing=True)
-        asked = {r.request_id: r for r in self.running if r.speculate and r.decoding}
-        for request_id, request in list(asked.items()):
-            if request.draft_budget < 2:  # no tree this step
-                request.draft_budget = 0
-                del asked[request_id]
+        asked = {}
+        for request in self.running:
+            if request.speculate and request.decoding:
+                if request.draft_budget >= 2:
+                    asked[request.request_id] = request
+                else:  # no tree this step
+                    request.draft_budget = 0
         if not asked:
             return {}
         trees = self.drafter.collect(list(asked))
@@ -557,8 +553,7 @@ class Engine:
         for v, acceptance, node_logits, _ in accepted:
             logprobs = (token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
                         if v.request.params.logprobs is not None else None)
-            events.append(self._emit(v.request, acceptance.tokens, states.get(v.request.request_id), logprobs,
-                                     fresh=True))
+            events.append(self._emit(v.request, acceptance.tokens, states.get(v.request.request_id), logprobs))
         commit_start = self._clock()
         kv = self.runner.kv_cache
         if move_src:  # every request's compaction in one kernel, before any page is freed
@@ -635,7 +630,8 @@ class Engine:
                 stats.accepted_per_position[d] += 1
         v.request.stats.verify_steps += 1
         self.report.accept_lengths.append(acceptance.num_accepted + 1)
-        self.report.tree_depths.append(max(depths(v.tree.parents)))
+        if self.adaptive is not None:
+            self.report.tree_depths.append(max(depths(v.tree.parents)))
         self.drafter.accepted(v.request.request_id, v.tree.num_drafts, acceptance.num_accepted)
 
     def _pair_prompt_states(self, request: Request, chunk: _Chunk, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -648,13 +644,13 @@ class Engine:
             request.unsent.extend(request.prompt_ids[start + 1 : inner_end + 1])
             request.unsent_hidden.append(hidden[start - chunk.start : inner_end - chunk.start].clone())
         request.hidden_upto = max(request.hidden_upto, chunk.end)
-        return hidden[last - chunk.start :][:1] if chunk.end == request.fill_len else None
+        return hidden[last - chunk.start :][:1].clone() if chunk.end == request.fill_len else None  # not a view of the step
 
     def _emit(self, request: Request, tokens: list[int], hidden: torch.Tensor | None = None,
-              logprobs: list[TokenLogprob] | None = None, fresh: bool = False) -> StepEvent:
+              logprobs: list[TokenLogprob] | None = None) -> StepEvent:
         """Append tokens until a stop condition; what follows a stop is dropped. hidden: one state per
-        token (a hidden-state drafter's pairing), kept for the emitted ones; fresh: hidden is a small copy
-        already (else it is a view of the step's states, and only the rows kept are copied)."""
+        token (a hidden-state drafter's pairing; a copy of its own, not a view of the whole step's states),
+        kept for the emitted ones."""
         emitted = []
         for token in tokens:
             request.output_ids.append(token)
@@ -668,8 +664,7 @@ class Engine:
         if request.speculate and request.finish_reason is None:  # a finished request is never asked again
             request.unsent.extend(emitted)
             if self.needs_hidden:
-                kept = hidden[: len(emitted)]
-                request.unsent_hidden.append(kept if fresh else kept.clone())  # not a view of the whole step
+                request.unsent_hidden.append(hidden[: len(emitted)])
         if logprobs is not None:
             logprobs = logprobs[: len(emitted)]
             request.logprobs.extend(logprobs)
