@@ -42,7 +42,15 @@ class DrafterMetrics:
                            "Sessions given up, by reason (verifier_silent, verifier_restarted, unknown_session).",
                            extra=("reason",))
         self.dropped = make(Counter, "drafter_dropped_messages",
-                            "Messages from the verifier that could not be used (each is logged).")
+                            "Messages from the verifier that could not be used, by reason: unreadable, unexpected_kind, "
+                            "stale (for another session), tensors (unreadable hidden states), request_state (a request "
+                            "that cannot follow; reopened), error (a failure handling it). Logged; stale ones at debug.",
+                            extra=("reason",))
+        for reason in ("unreadable", "unexpected_kind", "stale", "tensors", "request_state", "error"):
+            self.dropped.labels(reason=reason)  # every series exists from the start, at 0
+        self.superseded = make(Counter, "drafter_superseded_asks",
+                               "Asks answered without a tree because a newer ask for the same request was already "
+                               "waiting (this drafter fell behind; the verifier had stopped waiting for them).")
         self.kv_usage = make(Gauge, "drafter_kv_cache_usage", "Share of the draft model's KV pages in use (0 without a draft model).")
         self.bytes = make(Counter, "drafter_wire_bytes", "Bytes on the step channel, by direction (received, sent).",
                           extra=("direction",))

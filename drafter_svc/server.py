@@ -7,6 +7,11 @@ a time (DraftRequest: new tokens per request) and releases finished requests. Wh
 silent, restarts (a new verifier epoch) or no longer knows this drafter's session, every request of
 the old session is dropped and the drafter registers again. Start as many as you like, on any hosts:
 each joins the pool without restarting anything.
+
+With --zmq-curve-server-key and --zmq-curve-secret-key the socket is a CURVE client (runtime/curve.py):
+the step channel is encrypted and the verifier admits this drafter only if its key is authorized there. A
+handshake the verifier refuses (an unauthorized key, CURVE on one side only) ends the drafter with a
+message saying why, as a refused registration does.
 """
 
 from __future__ import annotations
@@ -22,20 +27,25 @@ from splitspec import engine_args
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
 from splitspec.runtime.args import LOG_LEVELS, setup_logging
+from splitspec.runtime.curve import ClientKeys, CurveError, HandshakeMonitor, Throttle, client_keys, make_client
 from splitspec.runtime.tensor_plane import FramePlane, TensorError, device_identity, visible_gpus
 
 logger = logging.getLogger("splitspec.drafter")
 
 
+MAX_BATCH = 1024  # messages read off the socket before handling them
+
+
 class RefusedError(RuntimeError):
-    """The verifier refused the registration (algorithm or model mismatch)."""
+    """The verifier refused the registration (algorithm or model mismatch) or the handshake (CURVE)."""
 
 
 class DrafterServer:
     def __init__(self, drafter: Drafter, address: str, name: str, capacity: int, max_nodes: int,
                  heartbeat_interval: float = 0.25, verifier_timeout: float = 5.0, draft_model: str = "",
                  vocab_size: int = 0, hidden_state_layers: tuple[int, ...] = (), metrics=None,
-                 metrics_port: int = 0, metrics_host: str = ""):
+                 metrics_port: int = 0, metrics_host: str = "", curve: ClientKeys | None = None):
+        """curve: this drafter's CURVE keys and the verifier's public key (None: no CURVE)."""
         import zmq
 
         self.zmq = zmq
@@ -57,18 +67,49 @@ class DrafterServer:
         self.device = runner.device if runner is not None else "cpu"
         self.bet_steps = 0  # steps whose bets were drafted (overlap)
         self.received_ns = 0  # wall clock when the message being handled arrived (stamped on replies)
+        self.curve = curve
         self.context = zmq.Context.instance()
         self.socket = None
+        self.handshakes: HandshakeMonitor | None = None  # the socket's failed handshakes
+        self.poller = None
+        self._handshake_log = Throttle()
+        self._behind_log = Throttle()
         self.stopping = False
 
     # socket ---------------------------------------------------------------------------------------
     def _connect(self) -> None:
-        if self.socket is not None:
-            self.socket.close(linger=0)
+        self._close()
         self.socket = self.context.socket(self.zmq.DEALER)
         self.socket.setsockopt(self.zmq.LINGER, 0)
         self.socket.setsockopt(self.zmq.IMMEDIATE, 1)  # nothing queues up while the verifier is away
+        if self.curve is not None:
+            make_client(self.socket, self.curve)
+        self.handshakes = HandshakeMonitor(self.socket, "drafter", self.curve is not None)
+        self.poller = self.zmq.Poller()
+        self.poller.register(self.socket, self.zmq.POLLIN)
+        self.poller.register(self.handshakes.socket, self.zmq.POLLIN)
         self.socket.connect(self.address)
+
+    def _close(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
+            self.handshakes = None
+        if self.socket is not None:
+            self.socket.close(linger=0)
+            self.socket = None
+
+    def _check_handshakes(self) -> bool:
+        """Handshakes with the verifier: True when one succeeded (time to register); a refusal (RefusedError)
+        ends the drafter; other failures are logged (at most once per reason every 10 s) while ZeroMQ reconnects."""
+        succeeded = self.handshakes.num_succeeded
+        for failure in self.handshakes.read():
+            if failure.fatal:
+                raise RefusedError(f"the handshake on {self.address} failed ({failure.reason}): {failure.detail}")
+            held = self._handshake_log.allow(failure.reason, time.monotonic())
+            if held is not None:
+                logger.warning("the handshake with the verifier at %s failed (%s): %s; retrying%s", self.address,
+                               failure.reason, failure.detail, f" ({held} more since the last report)" if held else "")
+        return self.handshakes.num_succeeded > succeeded
 
     def _send(self, **kind) -> None:
         message = convert.envelope(self.name, self.epoch, self.session, **kind)
@@ -122,9 +163,16 @@ class DrafterServer:
     def serve(self) -> None:
         """Until stop(); raises RefusedError if the verifier refuses this drafter."""
         self._connect()
+        try:
+            self._serve()
+        finally:
+            self._close()
+
+    def _serve(self) -> None:
         last_register = last_heartbeat = -1e9
         last_heard = time.monotonic()
-        logger.info("drafter %s (%s) connecting to %s", self.name, self.drafter.name, self.address)
+        logger.info("drafter %s (%s) connecting to %s%s", self.name, self.drafter.name, self.address,
+                    " (CURVE)" if self.curve is not None else "")
         while not self.stopping:
             now = time.monotonic()
             if self.session == 0 and now - last_register >= 1.0:
@@ -137,40 +185,102 @@ class DrafterServer:
                 self._reset(f"no word from the verifier for {self.verifier_timeout:.1f} s", "verifier_silent")
                 self._connect()
                 last_heard = now
-            if self.socket.poll(timeout=int(self.heartbeat_interval * 1000) or 1):
-                frames = self.socket.recv_multipart(copy=False)
-                self.received_ns = time.time_ns()
+            events = dict(self.poller.poll(timeout=int(self.heartbeat_interval * 1000) or 1))
+            if self.handshakes.socket in events and self._check_handshakes() and self.session == 0:
+                self._register()  # connected: register now rather than at the next retry
+                last_register = time.monotonic()
+            if self.socket in events:
+                batch = self._receive_waiting()
                 last_heard = time.monotonic()
-                if self.metrics is not None:
-                    self.metrics.bytes.labels(direction="received").inc(sum(len(f) for f in frames))
-                try:
-                    self._handle(frames)
-                except RefusedError:
-                    raise
-                except Exception:  # a bug or a bad message must not take the drafter down; the verifier times out
-                    logger.exception("failed to handle a message from the verifier; dropped")
-                    self._count_drop()
+                for received_ns, message, frames, superseded in self._in_order(batch):
+                    self.received_ns = received_ns
+                    try:
+                        self._handle(message, frames, superseded)
+                    except RefusedError:
+                        raise
+                    except Exception:  # a bug or a bad message must not take the drafter down; the verifier times out
+                        logger.exception("failed to handle a message from the verifier; dropped")
+                        self._count_drop("error")
+                    if self.session and time.monotonic() - last_heartbeat >= self.heartbeat_interval:
+                        self._heartbeat()  # a long backlog: beat between its messages
+                        last_heartbeat = time.monotonic()
                 if self.metrics is not None:
                     self.metrics.held.set(len(self.requests))
 
     def stop(self) -> None:
         self.stopping = True
 
-    def _drop(self, why: str) -> None:
-        self._count_drop()
+    def _drop(self, why: str, reason: str) -> None:
+        self._count_drop(reason)
         logger.warning("dropped a message from the verifier: %s", why)
 
-    def _count_drop(self) -> None:
+    def _count_drop(self, reason: str) -> None:
         self.dropped += 1
         if self.metrics is not None:
-            self.metrics.dropped.inc()
+            self.metrics.dropped.labels(reason=reason).inc()
 
-    def _handle(self, frames) -> None:
-        try:
-            message = convert.parse_verifier(frames[0].bytes)
-        except Exception as exc:  # noqa: BLE001 (protobuf raises DecodeError and others)
-            self._drop(f"unreadable envelope ({exc})")
-            return
+    def _receive_waiting(self) -> list:
+        """Every message waiting on the socket (at most MAX_BATCH), each as (arrival wall clock ns, frames)."""
+        batch = []
+        while len(batch) < MAX_BATCH:
+            try:
+                frames = self.socket.recv_multipart(self.zmq.NOBLOCK, copy=False)
+            except self.zmq.Again:
+                break
+            batch.append((time.time_ns(), frames))
+            if self.metrics is not None:
+                self.metrics.bytes.labels(direction="received").inc(sum(len(f) for f in frames))
+        return batch
+
+    def _in_order(self, batch: list):
+        """The waiting messages, parsed, as (arrival ns, message, frames, superseded request ids), in the order
+        to handle them: replies to this drafter's own registration and heartbeats first (a verifier that no
+        longer knows this session makes everything queued behind it for that session stale, dropped without
+        drafting), then the verifier's messages in the order it sent them. An ask for a request that a later
+        waiting message asks for (or opens, or releases) again is superseded: the verifier stopped waiting
+        for its tree when it sent the next one, so its new tokens are taken but no tree or bets are drafted.
+        A drafter that fell behind (its CPU or GPU shared, a long stall) thus catches up in one draft per
+        request rather than drafting every stale step in turn while the verifier keeps moving on."""
+        parsed = []
+        for received_ns, frames in batch:
+            try:
+                message = convert.parse_verifier(frames[0].bytes)
+            except Exception as exc:  # noqa: BLE001 (protobuf raises DecodeError and others)
+                self._drop(f"unreadable envelope ({exc})", "unreadable")
+                continue
+            parsed.append((received_ns, message, frames))
+        control = [p for p in parsed if p[1].WhichOneof("kind") in ("register_reply", "heartbeat_reply")]
+        rest = [p for p in parsed if p[1].WhichOneof("kind") not in ("register_reply", "heartbeat_reply")]
+        later: set[str] = set()  # requests that a message after the one looked at names
+        superseded = []
+        for _, message, _ in reversed(rest):
+            kind = message.WhichOneof("kind")
+            if kind == "draft":
+                asked = {a.request_id for a in message.draft.asks}
+                superseded.append(asked & later)
+                later |= asked
+            else:
+                superseded.append(set())
+                if kind == "open":
+                    later.add(message.open.request_id)
+                elif kind == "release":
+                    later.update(message.release.request_ids)
+        superseded.reverse()
+        skipped = sum(map(len, superseded))
+        if skipped:
+            if self.metrics is not None:
+                self.metrics.superseded.inc(skipped)
+            held = self._behind_log.allow("behind", time.monotonic())
+            if held is not None:
+                logger.warning("fell behind the verifier: %d messages were waiting; %d stale asks get no tree (only "
+                               "the newest ask of each request is drafted)%s", len(batch), skipped,
+                               f"; {held} more catch-ups since the last report" if held else "")
+        return ([(ns, m, f, set()) for ns, m, f in control]
+                + [(ns, m, f, s) for (ns, m, f), s in zip(rest, superseded)])
+
+    def _handle(self, message, frames, superseded: set[str] = frozenset()) -> None:
+        """One message from the verifier (parsed; frames[0] is its envelope). superseded: requests whose
+        asks in it are stale (see _in_order)."""
         kind = message.WhichOneof("kind")
         if kind == "register_reply":
             reply = message.register_reply
@@ -188,8 +298,10 @@ class DrafterServer:
                 if reply.HasField("cuda_ipc"):
                     self._map_ipc(reply.cuda_ipc)
             return
-        if self.session == 0 or message.session != self.session:
-            return  # for an old session: stale
+        if self.session == 0 or message.session != self.session:  # for an old session (or none): stale
+            self._count_drop("stale")
+            logger.debug("dropped a %s for session %d (this one: %d)", kind, message.session, self.session)
+            return
         if message.verifier_epoch != self.verifier_epoch:
             self._reset("the verifier restarted", "verifier_restarted")
             return
@@ -199,14 +311,14 @@ class DrafterServer:
         elif kind == "open":
             self._open(message, frames[1:])
         elif kind == "draft":
-            self._draft(message, frames[1:])
+            self._draft(message, frames[1:], superseded)
         elif kind == "release":
             for request_id in message.release.request_ids:
                 if request_id in self.requests:
                     self.drafter.release(request_id)
                     self.requests.discard(request_id)
         else:
-            self._drop(f"unexpected message kind {kind!r}")
+            self._drop(f"unexpected message kind {kind!r}", "unexpected_kind")
 
     def _hidden(self, message, frames) -> dict[str, object] | None:
         """Request id -> its hidden-state rows from the message's frames; None (logged) when unreadable."""
@@ -228,7 +340,7 @@ class DrafterServer:
             return {rid: t for name, rid, t in tensors
                     if name == "hidden_states"}
         except TensorError as exc:
-            self._drop(f"{message.WhichOneof('kind')}: {exc}")
+            self._drop(f"{message.WhichOneof('kind')}: {exc}", "tensors")
             return None
 
     def _open(self, message, frames) -> None:
@@ -242,17 +354,18 @@ class DrafterServer:
             return
         hidden = self._hidden(message, frames)
         if hidden is None or not tokens or (len(tokens) > 1 and (request_id not in hidden or len(hidden[request_id]) != len(tokens) - 1)):
-            self._drop(f"open {request_id}: {len(tokens)} tokens need {len(tokens) - 1} hidden states")
+            self._drop(f"open {request_id}: {len(tokens)} tokens need {len(tokens) - 1} hidden states", "tensors")
             return  # its asks come back as unknown and the verifier opens it again
         self.drafter.open(request_id, tokens[:1])
         if len(tokens) > 1:
             self.drafter.extend(request_id, tokens[1:], hidden[request_id].to(self.device))
         self.requests.add(request_id)
 
-    def _draft(self, message, frames) -> None:
+    def _draft(self, message, frames, superseded: set[str] = frozenset()) -> None:
         """Extend every ask's request by its new tokens; draft trees for the asks whose bet did not come
         true and reply; then, when the verifier asked for bets (overlap), draft them for every asked
-        request while it verifies, and send them."""
+        request while it verifies, and send them. Superseded asks (a newer one for the request is waiting)
+        only extend: no tree, no bets; the reply still goes, so the verifier files the step."""
         start = time.perf_counter()
         step_id = message.draft.step_id
         asks = [a for a in message.draft.asks if a.request_id in self.requests]
@@ -277,12 +390,12 @@ class DrafterServer:
                 elif ask.new_token_ids:
                     self.drafter.extend(ask.request_id, list(ask.new_token_ids))
             except (ValueError, KeyError, IndexError) as exc:  # its state cannot follow: the verifier opens it again
-                self._drop(f"draft {step_id}: {ask.request_id}: {exc}; reopening it")
+                self._drop(f"draft {step_id}: {ask.request_id}: {exc}; reopening it", "request_state")
                 self._forget(ask.request_id)
                 unknown.append(ask.request_id)
                 continue
             kept.append(ask)
-        fresh = [a for a in kept if not a.bet_taken]
+        fresh = [a for a in kept if not a.bet_taken and a.request_id not in superseded]
         budgets = [min(a.max_nodes, self.max_nodes) for a in fresh]
         trees = self._draft_trees(fresh, budgets, unknown)
         self.steps += 1
@@ -292,8 +405,8 @@ class DrafterServer:
                                                    self.ipc.consumed if self.ipc is not None else 0))
         if self.metrics is not None:
             self._observe_step(len(fresh), pairs, seconds)
-        betting = [a for a in kept if a.num_bets and a.request_id in self.requests]
-        if any(a.num_bets for a in message.draft.asks):
+        betting = [a for a in kept if a.num_bets and a.request_id in self.requests and a.request_id not in superseded]
+        if any(a.num_bets for a in message.draft.asks if a.request_id not in superseded):
             self._bets(step_id, betting)
 
     def _draft_trees(self, asks, budgets: list[int], unknown: list[str]) -> list:
@@ -366,6 +479,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--metrics-host", default="127.0.0.1",
                        help="Address the metrics endpoint binds. 0.0.0.0 (or ::) lets other hosts scrape it; the "
                        "verifier then advertises the address it sees this drafter connect from.")
+    group.add_argument("--zmq-curve-server-key", default=None, metavar="PATH",
+                       help="The verifier's public CURVE certificate (NAME.key from `splitspec zmq-keys`, the public half "
+                       "of its --zmq-curve-secret-key): the step channel is encrypted with ZeroMQ CURVE and this "
+                       "drafter talks only to the holder of that key. Needs --zmq-curve-secret-key.")
+    group.add_argument("--zmq-curve-secret-key", default=None, metavar="PATH",
+                       help="This drafter's secret CURVE certificate (NAME.key_secret from `splitspec zmq-keys`); its "
+                       "public half (NAME.key) must be in the verifier's --zmq-curve-authorized-keys directory, or the "
+                       "verifier refuses the handshake and this drafter exits (code 3). Needs --zmq-curve-server-key.")
     group.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="Logging level.")
     model = parser.add_argument_group("draft model (model drafters)")
     model.add_argument("--model-path", "--model", dest="model_path", default=None,
@@ -396,6 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    try:
+        curve = client_keys(args.zmq_curve_server_key, args.zmq_curve_secret_key)
+    except CurveError as exc:
+        print(f"splitspec drafter: error: {exc}", file=__import__("sys").stderr)
+        return 2
     if args.speculative_algorithm is None:
         print("splitspec drafter: error: --speculative-algorithm is required (the algorithm this drafter runs)",
               file=__import__("sys").stderr)
@@ -439,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
                            draft_model=args.speculative_draft_model_path or "" if model_drafter else "",
                            vocab_size=drafter.vocab_size if model_drafter else 0,
                            hidden_state_layers=drafter.hidden_state_layers, metrics=metrics,
-                           metrics_port=metrics_port, metrics_host=metrics_host)
+                           metrics_port=metrics_port, metrics_host=metrics_host, curve=curve)
     try:
         server.serve()
     except RefusedError as exc:

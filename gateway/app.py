@@ -22,13 +22,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitspec.gateway.client import StreamBroken, VerifierClient
 from splitspec.gateway.metrics import GatewayMetrics
-from splitspec.gateway.protocol import APIError, Generation, invalid, parse_chat, parse_completion
+from splitspec.gateway.protocol import APIError, Generation, invalid, parse_chat, parse_completion, request_schemas
 from splitspec.gateway.text import IncrementalDecoder, StopMatcher, TemplateError, TextCodec
 from splitspec.protos import verifier_pb2 as pb
 
@@ -371,8 +372,26 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         finally:
             await gateway.stop()
 
-    app = FastAPI(title="splitspec gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="splitspec gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.gateway = gateway
+
+    def openapi() -> dict:
+        """The OpenAPI document: request bodies are the models that check them (protocol.py); once the
+        verifier is known, the served model's name and the vocabulary bound `model` and token ids."""
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from splitspec import __version__
+
+        document = get_openapi(title=app.title, version=__version__, routes=app.routes,
+                               description="OpenAI-compatible completions in front of a speculative-decoding verifier")
+        info = gateway.client.info if gateway.ready else None
+        schemas = request_schemas(gateway.model_name if info else None, info.vocab_size if info else None)
+        document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        if info is not None:
+            app.openapi_schema = document  # final: what the verifier serves does not change
+        return document
+
+    app.openapi = openapi
 
     def error_response(exc: APIError, endpoint: str) -> JSONResponse:
         if gateway.metrics is not None:
@@ -563,11 +582,22 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
             gateway.release(admitted)
             gateway.metrics.in_flight.labels(**gateway.metrics.model).dec()
 
-    @app.post("/v1/chat/completions")
+    def documented(model: str) -> dict:
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        return {"openapi_extra": {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}}}}, "responses": {
+            200: {"description": "the completion, whole (application/json) or streamed (text/event-stream)",
+                  "content": {"application/json": {}, "text/event-stream": {}}},
+            **{status: {"description": why, "content": error} for status, why in (
+                (400, "the request is invalid"), (401, "a wrong or missing API key"), (404, "no such model"),
+                (413, "the body is too large"), (429, "the queue is full; retry after Retry-After seconds"),
+                (503, "the verifier is unavailable"))}}}
+
+    @app.post("/v1/chat/completions", **documented("ChatCompletionRequest"))
     async def chat_completions(request: Request):
         return await generate(request, "/v1/chat/completions", chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **documented("CompletionRequest"))
     async def completions(request: Request):
         return await generate(request, "/v1/completions", chat=False)
 

@@ -16,6 +16,7 @@ import logging
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitspec.protos import channel
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.protos import verifier_pb2_grpc as pb_grpc
 
@@ -37,7 +38,8 @@ class StreamBroken:
 class VerifierClient:
     def __init__(self, address: str, on_grpc_error=None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self.channel = grpc.aio.insecure_channel(address, options=channel.client_options())  # keepalive: a hung
+        # verifier or a silently cut path ends the stream (and its requests, with an error) within ~15 s
         self.stub = pb_grpc.VerifierStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.info: pb.ModelInfo | None = None

@@ -1,23 +1,33 @@
-"""OpenAI request bodies checked into plain objects, and the error object (REFERENCES §7).
+"""OpenAI request bodies as typed, bounded models (pydantic), the error object (REFERENCES §7), and the
+request schema the gateway publishes at /openapi.json -- generated from the same models that check
+requests, so what the schema says and what the server accepts cannot drift apart.
 
 Every parameter of OpenAI's CreateChatCompletionRequest / CreateCompletionRequest is known here: the
-ones splitspec serves are checked for type and range; the ones it does not serve are accepted at their
+ones splitspec serves are checked for type and range; the ones it does not serve are typed as their
 neutral value (null, false, an empty list, "auto", ...) and refused with a 400 naming them otherwise;
 a parameter OpenAI does not define is refused too (OpenAI answers "Unrecognized request argument").
 Extensions, as in vLLM and SGLang: `top_k`, `repetition_penalty`, `ignore_eos`, `speculative`
-(false: no drafts for this request).
+(false: no drafts for this request). Types are strict, as JSON's: 1 is not a boolean, "2" not a number.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, model_validator
+from pydantic.json_schema import models_json_schema
+from pydantic_core import PydanticCustomError
 
 from splitspec.runtime.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 1024  # one stop string (a stop longer than any completion can never match)
 MAX_N = 16
 MAX_BATCH_CHOICES = 128  # completions: prompts x n in one request
+MAX_MESSAGES = 8192
+MAX_TOKENS = 2**31 - 1
+MAX_NAME_CHARS = 256  # model, message names, user
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -64,216 +74,337 @@ class Generation:
     user: str | None = None
 
 
-# neutral values of the OpenAI parameters splitspec does not serve
-def _none(v):
-    return v is None
+# --- the models ------------------------------------------------------------------------------------
+
+def _one_of(what: str):
+    """A union's errors as one: 'x' must be <what> (pydantic reports each member's failure apart)."""
+
+    def check(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_type", "must be " + what) from None
+
+    return WrapValidator(check)
 
 
-def _empty(v):
-    return v is None or v == [] or v == {}
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: the wire's floats are 32-bit
 
 
-def _false(v):
-    return v is None or v is False
+def _number(low: float, high: float, *, positive: bool = False):
+    """A finite number in [low, high]; positive: above zero as a float32 too (a smaller one would reach the
+    verifier as 0)."""
+    return Annotated[float, Field(ge=FLOAT32_TINY if positive else low, le=high), Field(allow_inf_nan=False)]
 
 
-NEUTRAL_CHAT = {
-    "logit_bias": _empty, "tools": _empty, "functions": _empty, "function_call": lambda v: v in (None, "none", "auto"),
-    "tool_choice": lambda v: v in (None, "none", "auto"), "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
-    "response_format": lambda v: v is None or v == {"type": "text"}, "audio": _none, "modalities": lambda v: v in (None, ["text"]),
-    "prediction": _none, "reasoning_effort": _none, "web_search_options": _none, "store": _false,
-    "metadata": lambda v: v is None or isinstance(v, dict), "service_tier": lambda v: v in (None, "auto", "default"),
-    "verbosity": _none, "prompt_cache_key": lambda v: v is None or isinstance(v, str),
-    "safety_identifier": lambda v: v is None or isinstance(v, str),
-}
-NEUTRAL_COMPLETION = {
-    "logit_bias": _empty, "echo": _false, "best_of": lambda v: v in (None, 1), "suffix": lambda v: v in (None, ""),
-}
+def _integral(value):
+    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema says); 3.5 is not an integer."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _false_only(value):
+    """A neutral `false`: JSON's false alone (pydantic's Literal[False] would take 0, which equals False)."""
+    if value is not False and value is not None:
+        raise PydanticCustomError("literal_error", "Input should be false")
+    return value
 
 
-def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+NeutralFalse = Annotated[Literal[False], BeforeValidator(_false_only)]
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v):
-        raise invalid(name, f"'{name}' must be a number, got {_show(v)}", "invalid_type")
-    if v < low or v > high or (low_open and v == low):
-        bracket = "(" if low_open else "["
-        raise invalid(name, f"'{name}' must be in {bracket}{low}, {high}], got {v}")
-    return float(v)
+def _int(low: int, high: int):
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
 
 
-def _int(body: dict, name: str, default, low: int, high: int):
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise invalid(name, f"'{name}' must be an integer, got {_show(v)}", "invalid_type")
-    if not low <= v <= high:
-        raise invalid(name, f"'{name}' must be in [{low}, {high}], got {v}")
-    return v
+NonEmpty = Annotated[str, Field(min_length=1)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+Empty = Annotated[list[Any], Field(max_length=0)]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = Annotated[Union[StopText, Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)]],
+                 _one_of(f"a string or a list of at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_CHARS} "
+                         "characters")]
+TokenIds = Annotated[list[_int(0, MAX_TOKENS)], Field(min_length=1)]
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(name, f"'{name}' must be a boolean, got {_show(v)}", "invalid_type")
-    return v
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _show(v) -> str:
-    text = repr(v)
-    return f"{type(v).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None
 
 
-def _common(body: dict, neutral: dict, served: set[str]) -> Generation:
-    for name, value in body.items():
-        if name in served:
-            continue
-        if name in neutral:
-            if not neutral[name](value):
-                raise invalid(name, f"'{name}' is not supported by this server (only its neutral value is accepted)",
-                              "unsupported_parameter")
-            continue
-        raise invalid(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "'model' is required and must be a non-empty string", "missing_required_parameter"
-                      if model is None else "invalid_type")
-    g = Generation(model=model)
-    g.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    g.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    top_k = _int(body, "top_k", -1, -1, 2**31 - 1)
-    g.top_k = -1 if top_k == 0 else top_k
-    g.seed = _int(body, "seed", None, -(2**63), 2**64 - 1)
-    if g.seed is not None:
-        g.seed %= MAX_SEED  # OpenAI takes any int64; the engine keys noise by a non-negative one
-    g.n = _int(body, "n", 1, 1, MAX_N)
-    g.stream = _bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is not None:
-        if not g.stream:
-            raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
-            raise invalid("stream_options", "'stream_options' must be an object with 'include_usage'", "invalid_type")
-        g.include_usage = _bool(options, "include_usage", False)
-    g.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    g.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
-    g.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0, low_open=True)
-    g.ignore_eos = _bool(body, "ignore_eos", False)
-    g.speculative = _bool(body, "speculative", True)
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise invalid("stop", "'stop' must be a string or a list of strings", "invalid_type")
-        if len(stops) > MAX_STOP_SEQUENCES:
-            raise invalid("stop", f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}")
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(_Strict):
+    name: Name | None = None
+    tool_call_id: str | None = None
+    tool_calls: Empty | None = Field(default=None, description="tool calls are not supported by this server")
+    refusal: str | None = None
+
+
+Content = Annotated[Union[str, list[TextPart]], _one_of("a string or a list of text parts ({'type': 'text', 'text': ...})")]
+
+
+class Message(_Message):
+    """A system, developer, user or tool message: text content (a string or text parts)."""
+
+    role: Literal["system", "developer", "user", "tool"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    """An assistant's earlier turn: text content, or none; no tool calls."""
+
+    role: Literal["assistant"]
+    content: Annotated[Union[str, list[TextPart], None], _one_of("a string, a list of text parts or null")] = None
+
+
+AnyMessage = Annotated[Union[Message, AssistantMessage], Field(discriminator="role")]
+
+
+class _Request(_Strict):
+    """What chat and text completions share."""
+
+    model: Annotated[NonEmpty, Field(max_length=MAX_NAME_CHARS)]
+    temperature: _number(0.0, 2.0) | None = None
+    top_p: _number(0.0, 1.0, positive=True) | None = None
+    top_k: _int(-1, 2**31 - 1) | None = Field(default=None, description="-1 or 0: all tokens")
+    seed: _int(-(2**63), 2**64 - 1) | None = None
+    n: _int(1, MAX_N) | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: Stop | None = None
+    frequency_penalty: _number(-2.0, 2.0) | None = None
+    presence_penalty: _number(-2.0, 2.0) | None = None
+    repetition_penalty: _number(0.0, 10.0, positive=True) | None = None
+    ignore_eos: bool | None = None
+    speculative: bool | None = Field(default=None, description="false: no drafts for this request")
+    user: Name | None = None
+    # OpenAI parameters not served: only their neutral values
+    logit_bias: Annotated[dict[str, int], Field(max_length=0)] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        return self
+
+    def generation(self) -> Generation:
+        g = Generation(model=self.model)
+        g.temperature = 1.0 if self.temperature is None else self.temperature
+        g.top_p = 1.0 if self.top_p is None else self.top_p
+        g.top_k = -1 if self.top_k in (None, 0) else self.top_k
+        g.seed = None if self.seed is None else self.seed % MAX_SEED  # OpenAI: any int64; the engine: non-negative
+        g.n = self.n or 1
+        g.stream = bool(self.stream)
+        g.include_usage = bool(self.stream_options and self.stream_options.include_usage)
+        g.frequency_penalty = self.frequency_penalty or 0.0
+        g.presence_penalty = self.presence_penalty or 0.0
+        g.repetition_penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty
+        g.ignore_eos = bool(self.ignore_eos)
+        g.speculative = self.speculative is not False
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         g.stop = [s for s in stops if s]
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise invalid("user", "'user' must be a string", "invalid_type")
-    g.user = user
-    return g
+        g.user = self.user
+        return g
 
 
-CHAT_SERVED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-               "n", "stream", "stream_options", "user", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty",
-               "repetition_penalty", "ignore_eos", "speculative"}
-COMPLETION_SERVED = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-                     "stream_options", "user", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                     "ignore_eos", "speculative"}
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[AnyMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: _int(1, MAX_TOKENS) | None = None
+    max_completion_tokens: _int(1, MAX_TOKENS) | None = None
+    logprobs: bool | None = None
+    top_logprobs: _int(0, MAX_TOP_LOGPROBS) | None = None
+    # not served: neutral values only
+    tools: Empty | None = None
+    functions: Empty | None = None
+    function_call: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: TextFormat | None = None
+    audio: None = None
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    web_search_options: None = None
+    store: NeutralFalse | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    verbosity: None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+        return self
+
+    def generation(self) -> Generation:
+        g = super().generation()
+        g.messages = []
+        for m in self.messages:
+            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+            message = {"role": m.role, "content": content}
+            if m.name is not None:
+                message["name"] = m.name
+            g.messages.append(message)
+        g.max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        g.logprobs = bool(self.logprobs)
+        g.top_logprobs = self.top_logprobs or 0
+        return g
+
+
+Prompt = Annotated[
+    Union[NonEmpty, TokenIds, Annotated[list[Union[NonEmpty, TokenIds]], Field(min_length=1, max_length=MAX_BATCH_CHOICES)]],
+    _one_of("a non-empty string, a list of token ids, or a non-empty list of either"),
+]
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    max_tokens: _int(1, MAX_TOKENS) | None = Field(default=None, description="default 16, as OpenAI's")
+    logprobs: _int(0, 5) | None = None
+    # not served: neutral values only
+    echo: NeutralFalse | None = None
+    best_of: _int(1, 1) | None = None
+    suffix: Literal[""] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self, info: ValidationInfo):
+        batch, vocab = self.batch(), (info.context or {}).get("vocab_size")
+        for i, p in enumerate(batch):
+            bad = None if vocab is None or isinstance(p, str) else next((t for t in p if t >= vocab), None)
+            if bad is not None:
+                where = "prompt" if batch is not self.prompt else f"prompt[{i}]"
+                raise PydanticCustomError("prompt", "token id {bad} in '{where}' is outside the vocabulary [0, {vocab})",
+                                          {"bad": bad, "where": where, "vocab": vocab})
+        if len(batch) * (self.n or 1) > MAX_BATCH_CHOICES:
+            raise PydanticCustomError("prompt", "{prompts} prompts x n={n} choices is more than {limit}",
+                                      {"prompts": len(batch), "n": self.n or 1, "limit": MAX_BATCH_CHOICES})
+        return self
+
+    def batch(self) -> list:
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else p
+
+    def generation(self) -> Generation:
+        g = super().generation()
+        g.prompts = [p if isinstance(p, str) else list(p) for p in self.batch()]
+        g.max_tokens = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+        g.logprobs, g.top_logprobs = self.logprobs is not None, self.logprobs or 0
+        return g
+
+
+NOT_SERVED = {"logit_bias", "tools", "functions", "function_call", "tool_choice", "parallel_tool_calls",
+              "response_format", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "store",
+              "metadata", "service_tier", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix"}
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+def _param(loc: tuple) -> str | None:
+    out = ""
+    for i, part in enumerate(loc):
+        if i >= 2 and loc[i - 2] == "messages" and isinstance(loc[i - 1], int) and part in ROLES:
+            continue  # the tag pydantic puts in a message's path (role-discriminated union)
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or None
+
+
+def _api_error(exc: ValidationError) -> APIError:
+    """pydantic's first error as OpenAI's: param is the path (messages[2].role), code says which kind."""
+    e = exc.errors(include_url=False)[0]
+    kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
+    param = _param(loc)
+    if kind in ("stream_options", "top_logprobs", "prompt"):  # a check across fields, already phrased
+        return invalid(kind, msg)
+    if kind == "model_type" and not loc:
+        return invalid(None, "the request body must be a JSON object", "invalid_type")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # a message's role
+        role = e.get("input", {}).get("role") if isinstance(e.get("input"), dict) else None
+        return invalid(f"{param}.role", f"'{param}.role' must be one of {', '.join(ROLES)}, got {role!r}",
+                       "missing_required_parameter" if kind == "union_tag_not_found" else "invalid_value")
+    if kind == "missing":
+        return invalid(param, f"'{param}' is required", "missing_required_parameter")
+    if kind == "extra_forbidden":
+        if len(loc) == 1:
+            return invalid(param, f"Unrecognized request argument supplied: {param}", "unknown_parameter")
+        return invalid(param, f"Unrecognized field '{param}'", "unknown_parameter")
+    if loc[:1] and loc[0] in NOT_SERVED or loc[-1:] == ("tool_calls",):
+        return invalid(param, f"'{param}' is not supported by this server (only its neutral value is accepted)",
+                       "unsupported_parameter")
+    if kind == "invalid_type":  # a union's failure, phrased by _one_of
+        return invalid(param, f"'{param}' {msg}", "invalid_type")
+    typed = kind.endswith("_type") or kind.endswith("_parsing") or kind == "none_required"
+    return invalid(param, f"'{param}': {msg}", "invalid_type" if typed else "invalid_value")
 
 
 def parse_chat(body) -> Generation:
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object", "invalid_type")
-    g = _common(body, NEUTRAL_CHAT, CHAT_SERVED)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "'messages' must be a non-empty list", "invalid_type" if messages is not None
-                      else "missing_required_parameter")
-    g.messages = [_message(i, m) for i, m in enumerate(messages)]
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    g.max_tokens = _int(body, limit, None, 1, 2**31 - 1)
-    g.logprobs = _bool(body, "logprobs", False)
-    g.top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-    if body.get("top_logprobs") is not None and not g.logprobs:
-        raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
-    return g
-
-
-def _message(i: int, m) -> dict:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise invalid(where, f"'{where}' must be an object", "invalid_type")
-    role = m.get("role")
-    if role not in ROLES:
-        raise invalid(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {_show(role)}")
-    content = m.get("content")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{where}.content[{j}]", f"'{where}.content[{j}]' must be a text part "
-                              "({'type': 'text', 'text': ...}); this server reads text only")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if content is None and role == "assistant":
-        content = ""
-    if not isinstance(content, str):
-        raise invalid(f"{where}.content", f"'{where}.content' must be a string or a list of text parts", "invalid_type")
-    message = {"role": role, "content": content}
-    name = m.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise invalid(f"{where}.name", f"'{where}.name' must be a string", "invalid_type")
-        message["name"] = name
-    for key in m:
-        if key not in ("role", "content", "name", "tool_call_id", "tool_calls", "refusal"):
-            raise invalid(f"{where}.{key}", f"Unrecognized field '{where}.{key}'", "unknown_parameter")
-    if m.get("tool_calls"):
-        raise invalid(f"{where}.tool_calls", "tool calls are not supported by this server", "unsupported_parameter")
-    return message
+    try:
+        return ChatCompletionRequest.model_validate(body).generation()
+    except ValidationError as exc:
+        raise _api_error(exc) from None
 
 
 def parse_completion(body, vocab_size: int) -> Generation:
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object", "invalid_type")
-    g = _common(body, NEUTRAL_COMPLETION, COMPLETION_SERVED)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
-        batch = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        batch = prompt  # OpenAI's batch: several texts or token-id lists
-    else:
-        raise invalid("prompt", "'prompt' must be a string, a list of token ids, or a non-empty list of either",
-                      "missing_required_parameter" if prompt is None else "invalid_type")
-    if len(batch) * g.n > MAX_BATCH_CHOICES:
-        raise invalid("prompt", f"{len(batch)} prompts x n={g.n} choices is more than {MAX_BATCH_CHOICES}")
-    for i, p in enumerate(batch):
-        where = "prompt" if len(batch) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            if not p:
-                raise invalid(where, f"'{where}' is empty")
-        elif not p or not all(_is_int(t) for t in p):
-            raise invalid(where, f"'{where}' must be a non-empty string or list of token ids", "invalid_type")
-        else:
-            bad = next((t for t in p if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise invalid(where, f"token id {bad} in '{where}' is outside the vocabulary [0, {vocab_size})")
-        g.prompts.append(p if isinstance(p, str) else list(p))
-    g.max_tokens = _int(body, "max_tokens", 16, 1, 2**31 - 1)  # OpenAI's default for completions
-    lp = _int(body, "logprobs", None, 0, 5)  # OpenAI's limit for completions
-    g.logprobs, g.top_logprobs = lp is not None, lp or 0
-    return g
+    try:
+        return CompletionRequest.model_validate(body, context={"vocab_size": vocab_size}).generation()
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+
+
+# --- the published schema --------------------------------------------------------------------------
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+def request_schemas(model_name: str | None = None, vocab_size: int | None = None) -> dict:
+    """The components/schemas of the request and error models; where the gateway knows them, the served
+    model's name and the vocabulary bound the model field and the token ids."""
+    _, top = models_json_schema([(m, "validation") for m in (*REQUEST_MODELS.values(), ErrorResponse)],
+                                ref_template="#/components/schemas/{model}")
+    schemas = top["$defs"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        if model_name is not None:
+            schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
+    if vocab_size is not None:
+        _bound_token_ids(schemas["CompletionRequest"]["properties"]["prompt"], vocab_size - 1)
+    return schemas
+
+
+def _bound_token_ids(node, maximum: int) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("maximum") == MAX_TOKENS and node.get("minimum") == 0:
+            node["maximum"] = maximum
+        for value in node.values():
+            _bound_token_ids(value, maximum)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_token_ids(value, maximum)

@@ -169,3 +169,15 @@ def accept_tree_coins(candidates: torch.Tensor, next_token: torch.Tensor, next_s
     goal = final_coins[rows, last].float() * cdf[:, -1]
     bonus = torch.searchsorted(cdf, goal[:, None], right=True)[:, 0].clamp(max=weights.shape[-1] - 1)
     return accept_index, (accept_index[:, 1:] >= 0).sum(dim=-1), bonus
+
+
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+FP8_MIN_SCALE = 1e-12  # an all-zero row gets this scale instead of 0
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [T, K] -> (float8_e4m3fn [T, K], scale [T, 1] float32): each row's own dynamic scale
+    max|x| / 448, and x / scale rounded to the nearest float8 (saturating)."""
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)  # max |x|
+    scale = (amax / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale

@@ -54,6 +54,38 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, fp8_max, min_scale, N: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """One row: max |x| (first pass), then x / (max / fp8_max) saturated and rounded to float8 e4m3 (second pass).
+    N (the row's width, a layer's in_features) is a compile-time constant: a model has a few."""
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in tl.static_range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), fp8_max), min_scale)
+    tl.store(scale_ptr + row, scale)
+    for start in tl.static_range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = cols < N
+        x = tl.load(x_ptr + row * stride_x + cols, mask=keep, other=0.0).to(tl.float32)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)  # IEEE division, as the twin's
+        tl.store(q_ptr + row * stride_q + cols, y.to(q_ptr.dtype.element_ty), mask=keep)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _rows(x)
+    n = rows.shape[1]
+    q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
+    block = min(triton.next_power_of_2(n), 4096)
+    _quantize_fp8_kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), q.stride(0), 448.0, 1e-12, N=n, BLOCK=block,
+                                           num_warps=min(max(block // 256, 1), 8))
+    return q.view(x.shape), scale
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

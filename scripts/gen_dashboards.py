@@ -81,9 +81,10 @@ DASHBOARDS = {
         ("Fallbacks to plain decoding/s", "timeseries", "short", [(rate("splitspec:spec_decode_fallbacks_total"), "fallbacks/s")]),
         ("Tree budget per step (1 = no drafts; --speculative-adaptive)", "timeseries", "short",
          [("max(splitspec:spec_adaptive_num_draft_tokens)", "tree nodes"), ("max(splitspec:spec_adaptive_num_steps)", "depth")]),
-        ("Adaptive speculation: switches and probes/s", "timeseries", "short",
+        ("Adaptive speculation: switches, probes and tries/s", "timeseries", "short",
          [(f"{rate('splitspec:spec_adaptive_switches_total')} or vector(0)", "budget switches/s"),
-          (f"{rate('splitspec:spec_adaptive_probes_total')} or vector(0)", "probes/s")]),
+          (f"{rate('splitspec:spec_adaptive_probes_total')} or vector(0)", "probes/s"),
+          (f"{rate('splitspec:spec_adaptive_tries_total')} or vector(0)", "tries/s")]),
     ]),
     "splitspec-drafters": ("splitspec: Drafters", [
         ("Drafters alive", "stat", "short", [("sum(splitspec:drafters_alive)", "alive")]),
@@ -121,9 +122,10 @@ DASHBOARDS = {
         ("Drafter memory (RSS)", "timeseries", "bytes",
          [('process_resident_memory_bytes{job="splitspec-drafters"} * on (instance) group_left (drafter) '
            "splitspec:drafter_info", "{{drafter}}")]),
-        ("Drafter session resets and dropped messages", "timeseries", "short",
+        ("Drafter session resets, dropped messages and superseded asks", "timeseries", "short",
          [("sum by (reason) (splitspec:drafter_session_resets_total) or vector(0)", "resets {{reason}}"),
-          ("sum(splitspec:drafter_dropped_messages_total)", "dropped messages")]),
+          ("sum by (reason) (splitspec:drafter_dropped_messages_total)", "dropped {{reason}}"),
+          ("sum(splitspec:drafter_superseded_asks_total)", "superseded asks (fell behind)")]),
     ]),
 }
 

@@ -495,7 +495,7 @@ def run_in_process(args) -> dict:
             for prompt, output in zip(prompts, plain_outputs[batch_size]):
                 reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
         reference.close()
-    from splitspec.verifier_svc.engine import adaptive_policy
+    from splitspec.verifier_svc.engine import adaptive_policy, verify_tree_sizes
 
     profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]
     series = {"off": [False], "on": [True], "both": [False, True]}[args.speculative_adaptive or "off"]
@@ -514,7 +514,7 @@ def run_in_process(args) -> dict:
                     ns.speculative_adaptive = "on" if adaptive else "off"
                     spec = engine_args.spec_config(ns)
                     policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
-                    runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
+                    runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec))
                     for batch_size, (prompts, params, warm) in loads.items():
                         drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy)
                         drafter.stats.__init__()

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "drafter": ("splitspec.drafter_svc.server", "one drafting algorithm serving a verifier's pool over ZeroMQ"),
     "bench": ("splitspec.bench", "speculative decoding measured over a grid of batch size x tree shape, in process or against a deployment"),
     "demo-models": ("splitspec.demo", "print (building if needed) the demo target and draft directories"),
+    "zmq-keys": ("splitspec.zmq_keys", "CURVE key pairs that encrypt and authenticate the verifier-drafter step channel"),
     "train": ("splitspec.train.cli", "train models: `train lm` (tokenizer + causal LM from scratch), `train eagle|eagle3` (draft heads)"),
 }
 

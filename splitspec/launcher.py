@@ -7,6 +7,7 @@ drafters and the gateway, each exec'd as `splitspec <service> ...`.
   the model and the dtype/device go to the drafters too.
 - It waits until the gateway answers /health (the verifier serving behind it), then prints the URL
   and examples to paste; every service's log lines are prefixed with its name.
+- `--zmq-curve-keys DIR` turns CURVE on for the step channel, with certificates made in DIR if missing.
 - A service that exits is reported and restarted (compose's `restart: unless-stopped`), with a short
   back-off; Ctrl-C (SIGINT) or SIGTERM stops them all, drafters and gateway first.
 """
@@ -22,6 +23,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 PASS_THROUGH = True  # cli.main hands unknown flags over as args.passthrough
 DEMO_DRAFT = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}
@@ -61,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--health-timeout", type=float, default=600.0,
                         help="Seconds to wait for the services to serve before giving up.")
     parser.add_argument("--max-restarts", type=int, default=10,
-                        help="Restarts of one service before the launcher gives up on it.")
+                        help="Restarts of one service in a row, each within 30 s of its start (a crash loop), before the "
+                        "launcher gives up on it; a service that ran longer starts its count again.")
+    parser.add_argument("--zmq-curve-keys", default=None, metavar="DIR",
+                        help="Encrypt and authenticate the verifier-drafter step channel with ZeroMQ CURVE, with the "
+                        "certificates in DIR (made there if missing, as `splitspec zmq-keys` makes them: "
+                        "verifier.key[_secret], and drafters/drafter.key[_secret] shared by the drafters); "
+                        "nothing to do without drafter processes.")
     parser.add_argument("--prometheus-config", default=None, metavar="FILE",
                         help="Write a Prometheus configuration that scrapes this launch (the gateway, the verifier, and "
                         "every drafter through the verifier's service discovery) to FILE; run "
@@ -106,8 +114,13 @@ class Launcher:
                 extra = [*extra, "--max-total-tokens", DEMO_MAX_TOTAL_TOKENS]
         self.url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         self.model_name = served or model
+        if args.zmq_curve_keys and algorithm and args.drafters > 0:
+            try:
+                make_curve_keys(args.zmq_curve_keys)
+            except (ValueError, OSError) as exc:
+                raise SystemExit(f"splitspec up: error: --zmq-curve-keys {args.zmq_curve_keys}: {exc}") from None
         commands = service_commands(model, draft, algorithm, served, extra, args.drafters, args.port, args.host,
-                                    args.log_level, args.api_key)
+                                    args.log_level, args.api_key, curve_keys=args.zmq_curve_keys)
         python = [sys.executable, "-m", "splitspec"]
         if args.prometheus_config:
             with open(args.prometheus_config, "w") as f:
@@ -171,14 +184,16 @@ class Launcher:
             code = service.process.poll()
             if code is None or self.stopping:
                 continue
+            lived = time.monotonic() - service.started
+            if lived > 30:  # it served a while: not a crash loop, so its count starts again
+                service.restarts = 0
             service.restarts += 1
             why = f" ({service.last_error})" if service.last_error else ""
             service.last_error = ""
             if service.restarts > self.args.max_restarts:
-                self.say(f"{service.name} exited with code {code}{why}; it was restarted {self.args.max_restarts} times, "
-                         "giving up")
+                self.say(f"{service.name} exited with code {code}{why}; it was restarted {self.args.max_restarts} times in a "
+                         "row, each within 30 s of its start, giving up")
                 return False
-            lived = time.monotonic() - service.started
             delay = 0.0 if lived > 30 else min(0.5 * 2 ** (service.restarts - 1), 10.0)
             self.say(f"{service.name} exited with code {code} after {lived:.1f} s{why}; restarting it"
                      + (f" in {delay:.1f} s" if delay else "") + f" (restart {service.restarts})")
@@ -218,13 +233,31 @@ class Launcher:
                 + "\n  Ctrl-C stops everything")
 
 
+def curve_flags(keys_dir: str) -> tuple[list[str], list[str]]:
+    """(verifier flags, drafter flags) for CURVE with the certificates of `up --zmq-curve-keys DIR`."""
+    root = Path(keys_dir)
+    return (["--zmq-curve-secret-key", str(root / "verifier.key_secret"), "--zmq-curve-authorized-keys", str(root / "drafters")],
+            ["--zmq-curve-server-key", str(root / "verifier.key"),
+             "--zmq-curve-secret-key", str(root / "drafters" / "drafter.key_secret")])
+
+
+def make_curve_keys(keys_dir: str) -> None:
+    """The certificates curve_flags names, each pair made unless one of its files exists."""
+    from splitspec.runtime.curve import write_certificates
+
+    root = Path(keys_dir)
+    for directory, name in ((root, "verifier"), (root / "drafters", "drafter")):
+        if not any((directory / f"{name}{suffix}").exists() for suffix in (".key", ".key_secret")):
+            write_certificates(directory, name)
+
+
 def service_commands(model: str, draft: str | None, algorithm: str | None, served: str | None, extra: list[str],
                      drafters: int, port: int, host: str, log_level: str, api_key: str | None = None,
-                     topology: str = "local") -> list[tuple[str, list[str]]]:
+                     topology: str = "local", curve_keys: str | None = None) -> list[tuple[str, list[str]]]:
     """(service name, `splitspec ...` argv) of every service. topology "local": processes on this machine
     (verifier on 127.0.0.1, drafters named drafter-i); "compose": containers (every service binds
     0.0.0.0 and finds the verifier by its service name; one drafter service, scaled, names its replicas
-    by hostname)."""
+    by hostname). curve_keys: a directory of certificates as make_curve_keys writes them (CURVE on)."""
     compose = topology == "compose"
     verifier_host = "verifier" if compose else "127.0.0.1"
     spec = ["--speculative-algorithm", algorithm] if algorithm else []
@@ -235,15 +268,16 @@ def service_commands(model: str, draft: str | None, algorithm: str | None, serve
     if served:
         verifier += ["--served-model-name", served]
     drafter_addr = f"tcp://{verifier_host}:{port + 3}"
+    verifier_curve, drafter_curve = curve_flags(curve_keys) if curve_keys else ([], [])
     if algorithm and drafters > 0:
         bind = f"tcp://0.0.0.0:{port + 3}" if compose else drafter_addr
-        verifier += ["--drafter-bind-addr", bind, "--wait-for-drafters", "1"]
+        verifier += ["--drafter-bind-addr", bind, "--wait-for-drafters", "1", *verifier_curve]
     commands = [("verifier", verifier)]
     # drafters serve their own /metrics (the verifier advertises them at /sd/drafters): in a container
     # on a fixed port, on every interface; as local processes on a free port each
     metrics = ["--metrics-host", "0.0.0.0", "--metrics-port", str(port + 4)] if compose else ["--metrics-port", "0"]
     drafter = ["splitspec", "drafter", "--verifier-drafter-addr", drafter_addr, "--model-path", model,
-               "--log-level", log_level, *metrics, *spec, *_speculative_and_model_flags(extra)]
+               "--log-level", log_level, *metrics, *drafter_curve, *spec, *_speculative_and_model_flags(extra)]
     if algorithm and compose and drafters > 0:
         commands.append(("drafter", drafter))
     elif algorithm:

@@ -255,6 +255,32 @@ def check_norms_and_activation(device: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), **tol)
 
 
+def check_fp8_quantization(device: str, dtype: torch.dtype) -> int:
+    """Per-token FP8 activations: the same scales and the same float8 bits (both divide in float32 and round
+    to nearest, saturating), for rows wider than one block, an all-zero row, and outliers."""
+    g = torch.Generator().manual_seed(5)
+    rows = 0
+    for count, width in ((1, 64), (5, 4096), (3, 5000)):
+        x = (torch.randn(count, width, generator=g) * 3).to(device, dtype)
+        x[0, :7] = torch.tensor([0.0, 1e-3, -2.5, 448.0, -1e4, 17.0, 0.5]).to(device, dtype)
+        if count > 1:
+            x[1] = 0
+        got_q, got_s = triton_ops.quantize_fp8_per_token(x)
+        want_q, want_s = torch_ops.quantize_fp8_per_token(x)
+        assert got_q.dtype == torch.float8_e4m3fn and got_s.shape == (count, 1), (got_q.dtype, got_s.shape)
+        assert torch.equal(got_s, want_s), (got_s, want_s)
+        got, want = got_q.float(), want_q.float()
+        if device == "cpu":
+            # Triton's interpreter emulates the float8 cast its own way (it truncates 0.0068 to 0.0059, not 0.0078, and
+            # drops the carry into the exponent: 31.7 -> 16, not 32); a GPU rounds to nearest, checked bit for bit
+            # there. Here: every element within that emulation's reach of the twin's (scales, rows, strides right)
+            assert (got * want >= 0).all() and ((got - want).abs() <= want.abs() / 2 + 2**-9).all()
+        else:
+            assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), (got - want).abs().max()
+        rows += count
+    return rows
+
+
 def main(device: str = "cpu") -> int:
     dtypes = (torch.float32, torch.float16) if device == "cpu" else (torch.bfloat16, torch.float32)
     with torch.no_grad():
@@ -262,6 +288,7 @@ def main(device: str = "cpu") -> int:
             moved = check_move_kv_slots(device, dtype)
             check_norms_and_activation(device, dtype)
             check_rope_and_kv_write(device, dtype)
+            fp8_rows = check_fp8_quantization(device, dtype)
         accepted = check_verify_tree_greedy(device)
         drawn = check_gumbel_argmax(device)
         draft_rows = check_draft_topk(device)
@@ -269,7 +296,7 @@ def main(device: str = "cpu") -> int:
         coin_accepted = check_accept_tree_coins(device)
     print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
           f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
-          f"top-k rows, {filtered} top-k/top-p rows, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
+          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
           f"{[str(d) for d in dtypes]}: all equal their twins")
     return 0
 

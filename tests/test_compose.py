@@ -54,6 +54,13 @@ def test_compose_topology():
     for name in ("verifier", "gateway"):
         assert services[name]["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "splitspec.healthcheck"]
     assert "ports" not in services["drafter"]  # replicas scale with --scale without port clashes
+    for name in SERVICES:  # hardened: no writes to the image, no capabilities, no privilege gain
+        service = services[name]
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"] and any(t.startswith("/tmp") for t in service["tmpfs"])
+    for name, service in services.items():  # published on loopback unless BIND_ADDRESS says otherwise
+        for port in service.get("ports", []):
+            assert port.startswith("${BIND_ADDRESS:-127.0.0.1}:"), (name, port)
     env = dict(line.split("=", 1) for line in (COMPOSE / ".env").read_text().splitlines() if line and not line.startswith("#"))
     for variable in set(re.findall(r"\$\{(\w+)(:-[^}]*)?\}", (COMPOSE / "compose.yaml").read_text())):
         assert variable[0] in env, f"${{{variable[0]}}} is not in deploy/compose/.env"

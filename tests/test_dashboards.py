@@ -108,7 +108,7 @@ def test_every_panel_query_returns_data_under_load(tmp_path):
             if not empty or time.time() > deadline:
                 break
             time.sleep(2)
-        assert not empty, "\n".join(empty)
+        assert not empty, "\n".join(empty + ["the deployment's log, last lines:", *up.lines[-60:]])
     finally:
         stop.set()
         for w in workers:  # each finishes its round while the services still run

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -359,6 +360,51 @@ def test_disconnect_mid_stream_frees_the_kv_pages(stack):
     assert aborts and float(aborts[0].split()[-1]) >= 2
 
 
+def test_a_stalled_stream_reader_holds_no_one_else(stack):
+    """A client that stops reading its stream: the verifier still finishes it at full speed (its pages are
+    freed before the client reads a byte), others are served meanwhile, and when the client reads at
+    last it gets the whole stream, equal to the same request answered whole."""
+    host, port = stack["url"].removeprefix("http://").split(":")
+    body = {"model": MODEL, "prompt": "def parse(text):", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "logprobs": 5}
+    started = time.time()
+    whole = httpx.post(stack["url"] + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    read_at_once = time.time() - started
+    data = json.dumps({**body, "stream": True}).encode()
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes back up
+    slow.connect((host, int(port)))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(data), data))
+    try:
+        started = time.time()
+        time.sleep(0.5)
+        while _held_pages(stack["stub"].metrics_url) > 0:  # the verifier runs it to the end unread
+            assert time.time() - started < 60, "the verifier did not finish a request whose client stopped reading"
+            time.sleep(0.1)
+        finished = time.time() - started
+        others_started = time.time()
+        for prompt in ("x = 1\n", "import re\n", "class A:\n"):
+            r = httpx.post(stack["url"] + "/v1/completions", timeout=30,
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200
+        others = time.time() - others_started
+        slow.settimeout(30)
+        raw = b""
+        while chunk := slow.recv(1 << 16):  # to the end: the gateway closes the connection (Connection: close)
+            raw += chunk
+    finally:
+        slow.close()
+    events = [json.loads(line[len("data: "):]) for line in raw.decode().splitlines()
+              if line.startswith("data: {")]
+    text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+    assert b"data: [DONE]" in raw and text == whole and events[-1]["choices"][0]["finish_reason"] == "length"
+    print(f"a stalled reader: the verifier finished its 400 tokens {finished:.1f} s after the request, unread "
+          f"(the same request read at once: {read_at_once:.1f} s); "
+          f"3 other requests took {others:.1f} s meanwhile; the stream was {len(raw) / 1024:.0f} KiB")
+    assert len(raw) > 64 << 10  # more than the socket buffers between them hold: the gateway held the rest
+
+
 def test_api_key(stack):
     port = stack["stub"].port
     process, url = start_gateway(port, "--api-key", "sekret")
@@ -494,3 +540,120 @@ def test_verifier_down_is_503_and_a_dying_verifier_ends_requests_with_503(valida
         if process is not None:
             process.kill()
             process.wait(timeout=30)
+
+
+def _held_pages(metrics_url: str) -> float:
+    """KV pages held by running requests (the prefix cache keeps finished prompts' pages)."""
+    values = scrape(metrics_url)
+    return sum(v for (name, _), v in values.items() if name == "splitspec:kv_pages_used") - sum(
+        v for (name, _), v in values.items() if name == "splitspec:prefix_cache_pages")
+
+
+async def _read_stream(http, url: str, prompt: str) -> tuple[list[dict], float]:
+    """A streamed completion read to its end: (its data events, the time its last line came)."""
+    events = []
+    async with http.stream("POST", url + "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 1900, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: "):]))
+    return events, time.time()
+
+
+def test_a_hung_verifier_ends_streams_with_an_error_and_the_gateway_recovers(validate):
+    """The verifier stopped with SIGSTOP mid-stream (a hung host: its socket stays open, nothing answers): the
+    gateway's keepalive pings go unanswered, so every stream ends with a terminal SSE error event and [DONE] in
+    seconds, not never, and a request sent meanwhile gets 503; after SIGCONT the verifier finds the connection
+    gone, aborts the orphans (their KV pages come back), and the gateway serves again on a new connection."""
+    from splitspec.protos.channel import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
+
+    process, stub = start_verifier("--max-total-tokens", "16384", "--served-model-name", MODEL)
+    gateway, url = start_gateway(stub.port)
+    try:
+        ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 4, "temperature": 0},
+                        timeout=60)
+        assert ok.status_code == 200
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as http:
+                streams = [asyncio.ensure_future(_read_stream(http, url, p)) for p in
+                           ("import os\n", "def f(x):\n", "class A:\n", "for i in range(3):\n")]
+                await asyncio.sleep(2.0)
+                assert _held_pages(stub.metrics_url) > 0 and not any(s.done() for s in streams)
+                os.kill(process.pid, signal.SIGSTOP)
+                stopped = time.time()
+                late = await http.post(url + "/v1/completions", json={"model": MODEL, "prompt": "y = ", "max_tokens": 4})
+                return stopped, await asyncio.gather(*streams), late, time.time()
+
+        stopped, results, late, late_at = asyncio.run(main())
+        limit = KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS + 15
+        for events, ended in results:
+            assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+            assert events[-2]["error"]["code"] and ended - stopped < limit, (events[-2], ended - stopped)
+            assert any(e.get("choices") for e in events[:-2])  # tokens came before the hang
+        assert late.status_code == 503 and late_at - stopped < limit, (late.status_code, late_at - stopped)
+        print(f"a hung verifier: streams ended with an error {min(e for _, e in results) - stopped:.1f} to "
+              f"{max(e for _, e in results) - stopped:.1f} s after SIGSTOP, a new request got 503 after "
+              f"{late_at - stopped:.1f} s")
+        validate(late.json(), "ErrorResponse")
+        os.kill(process.pid, signal.SIGCONT)
+        deadline = time.time() + 30
+        while _held_pages(stub.metrics_url) > 0:  # the orphans aborted once the verifier runs and sees the stream gone
+            assert time.time() < deadline, "the verifier kept the hung gateway's requests"
+            time.sleep(0.2)
+        deadline = time.time() + 60
+        while True:
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 4, "temperature": 0},
+                           timeout=60)
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503 and time.time() < deadline, r.text
+            time.sleep(0.5)
+        assert r.json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGCONT)
+        gateway.kill()
+        gateway.wait(timeout=30)
+        stop(process, stub)
+
+
+def test_a_killed_gateway_has_its_requests_aborted_and_a_new_one_serves(validate):
+    """kill -9 of the gateway while it streams: the verifier sees its Generate stream end and aborts every
+    orphaned request at once (their KV pages back within the next step), and a gateway
+    started again serves the same output."""
+    process, stub = start_verifier("--max-total-tokens", "16384", "--served-model-name", MODEL)
+    gateway, url = start_gateway(stub.port)
+    try:
+        first = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 8,
+                                                          "temperature": 0}, timeout=60).json()
+
+        async def main():
+            async with httpx.AsyncClient(timeout=120) as http:
+                streams = [asyncio.ensure_future(_read_stream(http, url, p)) for p in ("import os\n", "def f(x):\n")]
+                await asyncio.sleep(2.0)
+                assert _held_pages(stub.metrics_url) > 0
+                gateway.kill()
+                killed = time.time()
+                for s in streams:
+                    with pytest.raises(httpx.HTTPError):
+                        await s
+                return killed
+
+        killed = asyncio.run(main())
+        while _held_pages(stub.metrics_url) > 0:
+            assert time.time() - killed < 10, "the verifier kept the dead gateway's requests"
+            time.sleep(0.05)
+        freed = time.time() - killed
+        gateway.wait(timeout=30)
+        gateway, url = start_gateway(stub.port)
+        again = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 8,
+                                                          "temperature": 0}, timeout=60)
+        assert again.status_code == 200 and again.json()["choices"][0]["text"] == first["choices"][0]["text"]
+        print(f"a killed gateway's requests were aborted and their pages freed {freed:.2f} s after the kill")
+    finally:
+        gateway.kill()
+        gateway.wait(timeout=30)
+        stop(process, stub)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -134,16 +135,16 @@ def test_cli_input_ids_batch_and_sampling_flags(model_with_tokenizer):
 
 def test_cli_rejects_bad_input(model_with_tokenizer):
     path, _ = model_with_tokenizer
-    out_of_vocab = run_cli("--model-path", str(path), "--input-ids", "1,99999")
+    runs = [("--model-path", str(path), "--input-ids", "1,99999"), ("--model-path", str(path), "--input-ids", "1,x"),
+            ("--model-path", str(path)), ("--model-path", "/no/such/dir", "--input-ids", "1"),
+            ("--model-path", str(path), "--input-ids", "1,2,3", "--max-new-tokens", "40", "--max-total-tokens", "16",
+             "--page-size", "4")]
+    with ThreadPoolExecutor(3) as pool:  # separate processes: side by side
+        out_of_vocab, garbage, nothing, missing, small_cache = pool.map(lambda args: run_cli(*args), runs)
     assert out_of_vocab.returncode == 2 and "outside the vocabulary" in out_of_vocab.stderr
-    garbage = run_cli("--model-path", str(path), "--input-ids", "1,x")
     assert garbage.returncode == 2 and "comma-separated integers" in garbage.stderr
-    nothing = run_cli("--model-path", str(path))
     assert nothing.returncode == 2 and "--prompt or --input-ids" in nothing.stderr
-    missing = run_cli("--model-path", "/no/such/dir", "--input-ids", "1")
     assert missing.returncode == 2 and "no such directory" in missing.stderr
-    small_cache = run_cli("--model-path", str(path), "--input-ids", "1,2,3", "--max-new-tokens", "40",
-                          "--max-total-tokens", "16", "--page-size", "4")
     assert small_cache.returncode == 2 and "--max-total-tokens 16 is too small" in small_cache.stderr
     assert "Traceback" not in small_cache.stderr
 

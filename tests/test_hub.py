@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -50,12 +51,15 @@ def output_ids(result: subprocess.CompletedProcess) -> list[int]:
 
 
 def test_hub_id_resolves_offline_by_revision(hf_cache, tiny_checkpoints):
-    local_main = output_ids(generate(str(tiny_checkpoints["llama-tied"]), hf_cache))
-    local_v2 = output_ids(generate(str(tiny_checkpoints["qwen2-qkv-bias"]), hf_cache))
+    runs = [(str(tiny_checkpoints["llama-tied"]),), (str(tiny_checkpoints["qwen2-qkv-bias"]),), (REPO_ID,),
+            (REPO_ID, "--revision", "v2"), (REPO_ID, "--revision", COMMIT_V2)]
+    with ThreadPoolExecutor(3) as pool:  # separate processes: side by side
+        local_main, local_v2, hub_main, hub_v2, hub_commit = map(
+            output_ids, pool.map(lambda run: generate(run[0], hf_cache, *run[1:]), runs))
     assert local_main != local_v2  # the two revisions are distinguishable
-    assert output_ids(generate(REPO_ID, hf_cache)) == local_main
-    assert output_ids(generate(REPO_ID, hf_cache, "--revision", "v2")) == local_v2
-    assert output_ids(generate(REPO_ID, hf_cache, "--revision", COMMIT_V2)) == local_v2
+    assert hub_main == local_main
+    assert hub_v2 == local_v2
+    assert hub_commit == local_v2
 
 
 def test_unknown_hub_id_offline_is_a_clear_error(hf_cache):

@@ -20,14 +20,19 @@ tokens, the one with the largest expected throughput
     spec(N,B)  the measured time speculation adds outside the forward at that budget and batch: waiting for
                trees (a co-located drafter's compute; ~0 for a drafter on its own GPU with overlap) and
                asking for them
-    base(B)    the rest of a step (schedule, accept, commit)
+    base(B,s)  the rest of a step's whole cycle, until the next step starts (schedule, accept, commit, the
+               engine's bookkeeping and its caller's handling of the new tokens), measured apart for steps that
+               speculate (s) and steps that do not: it grows with the tokens a step emits
 
 Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as
 load crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the
 budget does not flap. A budget never tried is predicted optimistically (its acceptance from the larger
 budgets, its drafting cost from the nearest batch seen), tried, measured and kept or left. While speculation is
 off the acceptance cannot be measured, so every --speculative-adaptive-probe-interval steps one step
-speculates with the best budget, when full acceptance could make speculation win at that load at all.
+speculates with the best budget, when full acceptance could make speculation win at that load at all. While it
+speculates, timings older than 256 steps are not trusted (a forward size or budget timed only that long ago is
+predicted optimistically again) and are dropped when a new one comes: a budget judged by its first, warming-up
+steps, or by a load that has passed, is measured again rather than left out for good.
 
 Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
 """
@@ -58,17 +63,23 @@ def _batch_bucket(batch: int) -> int:
 
 class _Recent:
     """The median of the last few observations: a pause (a page fault, a collection, another process) does
-    not move it, a change of load does within a few steps."""
+    not move it, a change of load does within a few steps. Observations older than `stale` steps when a new
+    one comes are dropped: a budget not used for a while is judged by what it costs now, not by its first
+    (warming-up) steps."""
 
-    __slots__ = ("values", "count")
+    __slots__ = ("values", "count", "last")
     WINDOW = 9
 
     def __init__(self):
         self.values: list[float] = []
         self.count = 0
+        self.last = 0  # the policy's step of the newest observation
 
-    def add(self, x: float) -> None:
+    def add(self, x: float, step: int = 0, stale: int = 0) -> None:
+        if stale and step - self.last > stale:
+            self.values.clear()
         self.count += 1
+        self.last = step
         self.values.append(x)
         del self.values[: -self.WINDOW]
 
@@ -89,7 +100,7 @@ class StepShape:
     forward_tokens: int  # tokens in the target forward (trees, roots and prefill chunks)
     verify_seconds: float
     spec_seconds: float  # draft + ask phases
-    base_seconds: float  # schedule + accept + commit
+    base_seconds: float  # the rest of the step's cycle (schedule, accept, commit, bookkeeping, the caller's share)
     accepts: list[tuple[int, int]] = field(default_factory=list)  # per verify with drafts: (tree depth, accepted)
 
 
@@ -104,6 +115,7 @@ class AdaptiveConfig:
     min_timings: int = 3  # timings of a forward size before they count (until then it is predicted optimistically)
     min_samples: float = 8.0  # decayed verifies at a budget before its own accept length is trusted
     optimism: float = 0.25  # the acceptance bonus of a depth with no trials (over trials + 1 with them)
+    stale_steps: int = 256  # while speculating, timings older than this are not trusted (see the module's doc)
 
 
 class AdaptiveSpeculation:
@@ -120,10 +132,13 @@ class AdaptiveSpeculation:
         self._tier_count: dict[int, float] = {}  # budget -> decayed verifies
         self._verify: dict[int, tuple[_Recent, _Recent]] = {}  # token bucket -> (mean tokens, mean seconds)
         self._spec: dict[tuple[int, int], _Recent] = {}  # (budget, batch bucket) -> seconds outside the forward
-        self._base: dict[int, _Recent] = {}  # batch bucket -> seconds
+        self._base: dict[tuple[bool, int], _Recent] = {}  # (drafted?, batch bucket) -> seconds
         self._off_steps = 0  # consecutive steps at budget 1
+        self._steps = 0  # steps observed
+        self._used: dict[int, int] = {}  # budget -> the step it was last chosen at
         self.switches = 0
         self.probes = 0
+        self.tries = 0  # single steps at a budget not used lately, to measure it before switching to it
         self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
 
     def _depth(self, budget: int) -> int:
@@ -134,17 +149,20 @@ class AdaptiveSpeculation:
         cfg = self.config
         if step.speculating + step.plain == 0 and step.forward_tokens == 0:
             return
+        self._steps += 1
+        now, stale = self._steps, cfg.stale_steps
         if step.forward_tokens:
             key = _bucket(step.forward_tokens)
             tokens, seconds = self._verify.setdefault(key, (_Recent(), _Recent()))
-            tokens.add(step.forward_tokens)
-            seconds.add(step.verify_seconds)
+            tokens.add(step.forward_tokens, now, stale)
+            seconds.add(step.verify_seconds, now, stale)
         batch = step.speculating + step.plain
         if batch:
-            self._base.setdefault(_batch_bucket(batch), _Recent()).add(step.base_seconds)
+            drafted = step.budget > 1 and step.speculating > 0
+            self._base.setdefault((drafted, _batch_bucket(batch)), _Recent()).add(step.base_seconds, now, stale)
             if step.speculating:
                 self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Recent()).add(
-                    step.spec_seconds)
+                    step.spec_seconds, now, stale)
         if step.accepts:
             for d in range(1, len(self._trials)):
                 self._trials[d] *= cfg.decay
@@ -189,12 +207,15 @@ class AdaptiveSpeculation:
         return 1.0 + sum(self.acceptance()[:depth])
 
     def verify_seconds(self, tokens: int) -> float | None:
-        """The forward's time for this many tokens, interpolated between the points seen; below the first,
+        """The forward's time for this many tokens, interpolated between the points seen (a size between two
+        far-apart points, never timed itself, costs the smaller's: it may be flat up to there); below the first,
         proportional (optimistic: a smaller forward not timed yet gets tried), above the last, the last
         segment's slope (optimistic too: a larger one gets tried, and its time then corrects the curve)."""
         timed = list(self._verify.values())
         if not timed:
             return None
+        fresh = [(t, s) for t, s in timed if s.last >= self._horizon()]
+        timed = fresh or timed
         trusted = [(t.value, s.value) for t, s in timed if s.count >= self.config.min_timings]
         # sizes timed fewer times are left out once others are trusted: predicted from those, optimistically,
         # they get tried again instead of being judged by one sample
@@ -206,6 +227,8 @@ class AdaptiveSpeculation:
             return points[0][1] * tokens / points[0][0]
         for (t0, s0), (t1, s1) in zip(points, points[1:]):
             if tokens <= t1:
+                if _bucket(tokens) not in (_bucket(t0), _bucket(t1)):  # a size between two far apart, never timed:
+                    return s0  # as cheap as the smaller (the cost may stay flat that far), so that it gets tried
                 return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0) if t1 > t0 else s1
         t_last, s_last = points[-1]
         slope = 0.0
@@ -214,12 +237,18 @@ class AdaptiveSpeculation:
             slope = max((s_last - s_prev) / (t_last - t_prev), 0.0) if t_last > t_prev else 0.0
         return s_last + slope * (tokens - t_last)
 
-    def _nearest(self, table: dict, batch_bucket: int, budget: int | None = None) -> float:
-        keys = [k for k in table if budget is None or k[0] == budget]
+    def _horizon(self) -> int:
+        """The oldest step whose timings are trusted: all of them while speculation is off (probes are how it
+        comes back), the last stale_steps while it is on."""
+        return self._steps - self.config.stale_steps if self.budget > 1 else -1
+
+    def _nearest(self, table: dict, batch_bucket: int, first, fresh: bool = False) -> float:
+        """The entry of table (keyed (first, batch bucket)) nearest this batch bucket among those of `first`
+        (and with fresh, timed lately); 0 where there is none: optimistic, so that it gets tried."""
+        horizon = self._horizon() if fresh else -1
+        keys = [k for k in table if k[0] == first and table[k].last >= horizon]
         if not keys:
             return 0.0
-        if budget is None:
-            return table[min(keys, key=lambda k: abs(k - batch_bucket))].value
         return table[min(keys, key=lambda k: abs(k[1] - batch_bucket))].value
 
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
@@ -229,9 +258,13 @@ class AdaptiveSpeculation:
         if verify is None:
             return None
         bucket = _batch_bucket(speculating + plain)
-        seconds = verify + self._nearest(self._base, bucket)
+        drafted = budget > 1 and speculating > 0
+        base = self._nearest(self._base, bucket, drafted)
+        if drafted and not any(k[0] for k in self._base):  # nothing drafted timed yet: as the steps without drafts
+            base = self._nearest(self._base, bucket, False)
+        seconds = verify + base
         if speculating:
-            seconds += self._nearest(self._spec, _batch_bucket(speculating), budget)
+            seconds += self._nearest(self._spec, _batch_bucket(speculating), budget, fresh=True)
         tokens = speculating * self.expected_tokens(budget, optimistic) + plain
         return tokens / seconds if seconds > 0 else None
 
@@ -260,6 +293,12 @@ class AdaptiveSpeculation:
         else:
             self._off_steps = 0
         if choice != self.budget:
+            last = self._used.get(choice)
+            if last is None or self._steps - last > self.config.stale_steps:  # predicted from little or old data:
+                self._used[choice] = self._steps  # one step to measure it; the next choice switches if it holds
+                self.tries += 1
+                return choice
             self.switches += 1
             self.budget = choice
+        self._used[choice] = self._steps
         return choice

@@ -16,6 +16,11 @@ unknown or old session, for a step or request it was not asked, or with an inval
 counted and logged, and that request decodes a plain token that step. Requests of a dead drafter are
 re-pinned (re-opened with their full token history) on the next ask, or continue unspeculated while
 no drafter is alive. Drafters join and leave at any time.
+
+With CURVE keys (--zmq-curve-secret-key, --zmq-curve-authorized-keys; runtime/curve.py) the socket is a
+CURVE server in a context of its own, whose ZAP handler admits only the authorized drafters' keys. A
+connection refused in the handshake (an unknown key, a drafter without CURVE) never delivers a message,
+so it never registers; the socket's monitor reports it, and it is logged and counted by reason.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from splitspec.runtime.curve import Authorizer, HandshakeMonitor, ServerKeys, Throttle, make_server
 from splitspec.runtime.tensor_plane import CudaIpcPlane, FramePlane, frame_bytes
 from splitspec.runtime.tree import DraftTree
 from splitspec.verifier_svc import convert
@@ -55,10 +61,18 @@ class _Drafter:
     ipc_ready: bool = False  # it mapped the buffer: tensors go through it
     alive: bool = True
     pinned: set[str] = field(default_factory=set)
+    missed_at: float = 0.0  # when it last let a deadline pass
 
     @property
     def load(self) -> float:
         return len(self.pinned) / self.capacity
+
+    @property
+    def unresponsive(self) -> bool:
+        """It let a deadline pass and nothing came from it since (not even a heartbeat): steps do not wait
+        for it (its requests decode plain tokens) until it is heard from, or declared dead and its requests
+        move. A drafter cut off behind a silent network costs one deadline, not one per step."""
+        return self.missed_at > self.last_seen
 
 
 @dataclass
@@ -77,14 +91,16 @@ class DrafterPool(DrafterClient):
     def __init__(self, bind: str, algorithm: str, vocab_size: int, draft_model: str | None = None,
                  timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None,
                  hidden_state_layers: tuple[int, ...] = (), overlap: str = "auto", num_bets: int = 0,
-                 device: str = "cpu", overlap_max_bs: int = 8, tensor_device=None, ipc_buffer_bytes: int = 0):
+                 device: str = "cpu", overlap_max_bs: int = 8, tensor_device=None, ipc_buffer_bytes: int = 0,
+                 curve: ServerKeys | None = None):
         """overlap (--speculative-overlap): ask drafters for bets on the outcome of the tree being verified,
         num_bets per request, so that when one comes true the next tree is ready when verification ends;
         auto: every drafter that does not share the verifier's device (device: "cuda:<UUID>" or "cpu"; a CPU
         drafter on this host shares its cores); and only for steps of at most overlap_max_bs requests per
         drafter, since bets multiply a drafter's work by num_bets. tensor_device (the verifier's torch device)
         and ipc_buffer_bytes > 0: a drafter that sees this GPU (it shares the host) is offered a CUDA-IPC
-        buffer of that size for the hidden states (runtime.tensor_plane.CudaIpcPlane) instead of frames."""
+        buffer of that size for the hidden states (runtime.tensor_plane.CudaIpcPlane) instead of frames.
+        curve: the verifier's CURVE keys and the drafters' it admits (None: no CURVE, as before)."""
         import zmq
 
         super().__init__()
@@ -111,13 +127,24 @@ class DrafterPool(DrafterClient):
         self.tensor_device, self.ipc_buffer_bytes = tensor_device, ipc_buffer_bytes
         self._ipc_planes: dict[str, CudaIpcPlane] = {}  # drafter name -> its CUDA-IPC buffer
         self._ipc_worked: dict[str, bool] = {}  # drafter name -> some session of it mapped the buffer
-        context = zmq.Context.instance()
+        self.curve = curve
+        self._context = self._authorizer = None
+        if curve is None:
+            context = zmq.Context.instance()
+        else:  # a context of its own: its ZAP handler (one per context) is this pool's, bound before the socket
+            context = self._context = zmq.Context()
+            self._authorizer = Authorizer(context, curve)
+        self.handshake_failures: collections.Counter[str] = collections.Counter()  # reason -> connections refused
+        self._handshake_log = Throttle()
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable message raises instead of vanishing
         self._router.setsockopt(zmq.SNDHWM, 100_000)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
         self._router.setsockopt(zmq.MAXMSGSIZE, 16 << 20)  # replies are trees: a peer sending more is cut off
+        if curve is not None:
+            make_server(self._router, curve)
+        self._handshakes = HandshakeMonitor(self._router, "verifier", curve is not None)
         self._router.bind(bind)
         self.address = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
         wake = f"inproc://drafter-pool-wake-{id(self)}"
@@ -143,8 +170,10 @@ class DrafterPool(DrafterClient):
         self._stopping = False
         self._thread = threading.Thread(target=self._io_loop, name="drafter-pool", daemon=True)
         self._thread.start()
-        logger.info("drafter pool for %s bound at %s (deadline %.0f ms, heartbeat timeout %.1f s)", algorithm,
-                    self.address, timeout * 1000, heartbeat_timeout)
+        logger.info("drafter pool for %s bound at %s (deadline %.0f ms, heartbeat timeout %.1f s, %s)", algorithm,
+                    self.address, timeout * 1000, heartbeat_timeout,
+                    f"CURVE, {len(curve.authorized)} authorized drafter key(s) in {curve.authorized_dir}"
+                    if curve is not None else "no CURVE")
 
     # what the engine calls ---------------------------------------------------------------------------
     @property
@@ -269,7 +298,7 @@ class DrafterPool(DrafterClient):
         if step_id is None:
             return 0
         step = self._pending.get(step_id)
-        deadline = (step.sent_at if step is not None else time.monotonic()) + self.timeout
+        deadline = (step.sent_at if step is not None else time.monotonic()) + (0 if drafter.unresponsive else self.timeout)
         waited = False
         while request_id in self._bet_waits.get(step_id, (None, {}, ()))[1]:
             remaining = deadline - time.monotonic()
@@ -313,10 +342,14 @@ class DrafterPool(DrafterClient):
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | object]:
         """Waits until every asked tree is filed or its ask is --drafter-timeout-ms old."""
         with self._cond:
-            sent = [self._pending[s].sent_at for s in (self._step_of.get(r) for r in request_ids) if s in self._pending]
+            def awaited(request_id: str) -> _Step | None:  # its tree is due from a drafter worth waiting for
+                step = self._pending.get(self._step_of.get(request_id))
+                return step if step is not None and not step.drafter.unresponsive else None
+
+            sent = [step.sent_at for step in map(awaited, request_ids) if step is not None]
             deadline = max(sent, default=time.monotonic()) + self.timeout
             waited = False
-            while any(self._step_of.get(r) in self._pending for r in request_ids):
+            while any(awaited(r) is not None for r in request_ids):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -334,8 +367,10 @@ class DrafterPool(DrafterClient):
                 if step is None:
                     trees[request_id] = None  # not asked
                     continue
-                trees[request_id] = DRAFT_FAULT  # the deadline passed
+                trees[request_id] = DRAFT_FAULT  # the deadline passed (or its drafter is unresponsive)
                 self._count_drop(step.drafter.name, "timeout")
+                if not step.drafter.unresponsive:
+                    step.drafter.missed_at = time.monotonic()
                 del step.budgets[request_id]
                 if not step.budgets:
                     del self._pending[step_id]
@@ -378,8 +413,13 @@ class DrafterPool(DrafterClient):
         self._stopping = True
         self._wake()
         self._thread.join(timeout=5)
+        self._handshakes.close()
         for socket in (self._router, self._wake_in, self._wake_out):
             socket.close(linger=0)
+        if self._authorizer is not None:
+            self._authorizer.stop()
+        if self._context is not None:
+            self._context.destroy(linger=0)
 
     # pinning (under self._cond) ------------------------------------------------------------------------
     def _pin(self, request_id: str, repin: bool) -> _Drafter | None:
@@ -489,6 +529,7 @@ class DrafterPool(DrafterClient):
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
+        poller.register(self._handshakes.socket, zmq.POLLIN)
         while not self._stopping:
             try:
                 events = dict(poller.poll(timeout=50))
@@ -506,6 +547,8 @@ class DrafterPool(DrafterClient):
                             break
                         self._receive(frames)
                     self._flush()
+                if self._handshakes.socket in events:
+                    self._count_handshake_failures()
                 self._check_heartbeats()
             except Exception:  # the pool must outlive anything a drafter or a bug throws at it
                 logger.exception("drafter pool I/O loop error; continuing")
@@ -527,6 +570,21 @@ class DrafterPool(DrafterClient):
                     drafter = next((d for d in self._drafters.values() if d.identity == identity), None)
                     if drafter is not None:
                         self._declare_dead(drafter, f"a message could not be delivered ({exc.strerror})")
+
+    def _count_handshake_failures(self) -> None:
+        """Connections refused in the ZeroMQ handshake (they never registered): counted by reason, logged
+        (at most once per reason every 10 s)."""
+        refused_keys = self._authorizer.refused if self._authorizer is not None else None
+        for failure in self._handshakes.read():
+            self.handshake_failures[failure.reason] += 1
+            if self.metrics is not None:
+                self.metrics.handshake_failures.labels(reason=failure.reason).inc()
+            key = refused_keys.popleft() if failure.reason == "unauthorized" and refused_keys else None
+            held = self._handshake_log.allow(failure.reason, time.monotonic())
+            if held is not None:
+                logger.warning("a connection to the step channel failed its handshake (%s): %s%s%s", failure.reason,
+                               failure.detail, f" (its key: {key.decode()})" if key else "",
+                               f"; {held} more since the last report" if held else "")
 
     def _check_heartbeats(self) -> None:
         now = time.monotonic()

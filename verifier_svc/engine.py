@@ -38,7 +38,7 @@ from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_l
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, child_links, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens
-from splitspec.verifier_svc.adaptive import AdaptiveConfig, AdaptiveSpeculation, StepShape
+from splitspec.verifier_svc.adaptive import AdaptiveConfig, AdaptiveSpeculation, StepShape, budget_ladder
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 
 logger = logging.getLogger(__name__)
@@ -191,6 +191,14 @@ def adaptive_policy(spec: SpecConfig) -> AdaptiveSpeculation | None:
                                               spec.topk == 1, spec.adaptive_hysteresis, spec.adaptive_probe_interval))
 
 
+def verify_tree_sizes(spec: SpecConfig | None) -> tuple[int, ...]:
+    """The tree sizes a target verifies (each gets CUDA graphs): the full budget, or with the adaptive policy
+    every budget of its ladder (a budget that ran eagerly would cost more than its graph and mislead the policy)."""
+    if spec is None:
+        return ()
+    return tuple(n for n in budget_ladder(spec.num_draft_tokens) if n > 1) if spec.adaptive else (spec.num_draft_tokens,)
+
+
 FEED_EVERY = 16  # adaptive, speculation off: a request's new tokens go to the drafter in batches of this many
 
 
@@ -230,6 +238,7 @@ class Engine:
         self.budget = spec.num_draft_tokens  # the tree budget of the asks being made (adaptive: chosen per step)
         # the policy needs the forward's own time: on a GPU, wait for it (the accept phase that follows waits anyway)
         self._sync_verify = self.adaptive is not None and runner.device.type == "cuda"
+        self._unobserved: tuple[StepShape, float, float] | None = None  # the last step: (shape, start, seconds)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
         number = next(self._ids)
@@ -264,6 +273,11 @@ class Engine:
     def step(self) -> list[StepEvent]:
         self.report = StepReport(budget=self.budget)
         start = self._clock()
+        if self._unobserved is not None:  # the last step's whole cycle is known now: the caller's handling of its
+            shape, began, seconds = self._unobserved  # events (streaming, detokenizing) is part of its cost too
+            self._unobserved = None
+            shape.base_seconds += max(min(start - began, 2 * seconds) - seconds, 0.0)  # not an idle wait
+            self.adaptive.observe(shape)
         prefills = self._schedule()
         scheduled = self._clock()
         trees = self._draft()
@@ -280,19 +294,22 @@ class Engine:
         self.report.generated_tokens = sum(len(e.new_token_ids) for e in events)
         self.report.finished = [e.finish_reason for e in events if e.finish_reason]
         if self.adaptive is not None:
-            self._observe(verifies)
+            self._observe(verifies, start)
         return events
 
-    def _observe(self, verifies: list[_Verify]) -> None:
-        """Feed the adaptive policy what this step did."""
+    def _observe(self, verifies: list[_Verify], start: float) -> None:
+        """What this step did, for the adaptive policy: fed at the next step's start, when the whole cycle is
+        known. Its base is everything but the forward and the speculation phases (schedule, accept, commit,
+        the engine's own bookkeeping, and then the caller's)."""
         seconds = self.report.seconds
         speculating = sum(1 for v in verifies if v.request.speculate)
-        self.adaptive.observe(StepShape(
+        verify, spec = seconds.get("verify", 0.0), seconds.get("draft", 0.0) + seconds.get("ask", 0.0)
+        own = self._clock() - start
+        self._unobserved = (StepShape(
             budget=self.report.budget, speculating=speculating, plain=len(verifies) - speculating,
-            forward_tokens=self.report.forward_tokens, verify_seconds=seconds.get("verify", 0.0),
-            spec_seconds=seconds.get("draft", 0.0) + seconds.get("ask", 0.0),
-            base_seconds=sum(seconds.get(k, 0.0) for k in ("schedule", "accept", "commit")),
-            accepts=list(zip(self.report.tree_depths, [n - 1 for n in self.report.accept_lengths]))))
+            forward_tokens=self.report.forward_tokens, verify_seconds=verify, spec_seconds=spec,
+            base_seconds=max(own - verify - spec, 0.0),
+            accepts=list(zip(self.report.tree_depths, [n - 1 for n in self.report.accept_lengths]))), start, own)
 
     def _choose_budget(self) -> int:
         """The tree budget of the next step's asks: fixed, or the adaptive policy's choice for the batch that

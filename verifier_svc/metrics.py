@@ -57,7 +57,13 @@ class EngineMetrics:
         self.switches = counter("spec_adaptive_switches", "Adaptive: changes of the tree budget.")
         self.probes = counter("spec_adaptive_probes", "Adaptive: steps that drafted to measure acceptance while "
                               "speculation was off.")
-        self._switches = self._probes = 0
+        self.tries = counter("spec_adaptive_tries", "Adaptive: single steps at a budget not used lately (or ever), to "
+                             "measure it before switching to it.")
+        self.grpc_malformed = counter("grpc_malformed_messages", "gRPC messages that did not decode (the call that sent "
+                                      "one ends with a status; nobody else's), by method.", ("method",))
+        self.grpc_refused = counter("grpc_refused_requests", "Submissions refused on arrival (an error delta names the "
+                                    "problem), by gRPC code.", ("code",))
+        self._switches = self._probes = self._tries = 0
 
     def observe(self, engine: Engine) -> None:
         report, labels = engine.report, self.labels
@@ -89,7 +95,8 @@ class EngineMetrics:
                 self.predicted_speedup.labels(**labels).set(policy.predicted.get(policy.budget, 0.0) / policy.predicted[1])
             self.switches.labels(**labels).inc(policy.switches - self._switches)
             self.probes.labels(**labels).inc(policy.probes - self._probes)
-            self._switches, self._probes = policy.switches, policy.probes
+            self.tries.labels(**labels).inc(policy.tries - self._tries)
+            self._switches, self._probes, self._tries = policy.switches, policy.probes, policy.tries
 
     def observe_state(self, engine: Engine) -> None:
         allocator = engine.runner.kv_cache.allocator
@@ -137,6 +144,13 @@ class PoolMetrics:
                              "(miss), and bet replies that came too late (late).", ("drafter", "outcome"), const)
         self.registrations = labelled(Counter, registry, "drafter_registrations", "Drafter registrations, by outcome.",
                                        ("outcome",), const)
+        self.handshake_failures = labelled(
+            Counter, registry, "drafter_handshake_failures",
+            "Connections to the step channel refused in the ZeroMQ handshake (they never register), by reason: "
+            "unauthorized (a CURVE key not among --zmq-curve-authorized-keys), mechanism_mismatch (CURVE on one "
+            "side only), cryptographic (another --zmq-curve-server-key), protocol, no_detail (closed mid-handshake, "
+            "as a peer without CURVE that hangs up first).",
+            ("reason",), const)
         self.repins = Counter(PREFIX + "drafter_repins", "Requests moved to another drafter after theirs died or stalled.",
                               ["model_name"], registry=registry).labels(**const)
         self.alive = Gauge(PREFIX + "drafters_alive", "Drafters registered and heartbeating.", ["model_name"],

@@ -11,17 +11,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitspec import engine_args
+from splitspec.protos import channel
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.protos import verifier_pb2_grpc as pb_grpc
 from splitspec.runtime import args as runtime_args
+from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
-from splitspec.verifier_svc.engine import Engine
+from splitspec.verifier_svc.engine import Engine, verify_tree_sizes
 from splitspec.verifier_svc.worker import EngineWorker, Submission
 
 logger = logging.getLogger("splitspec.verifier")
@@ -58,8 +62,8 @@ class Validator:
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, worker: EngineWorker, validator: Validator, info: pb.ModelInfo):
-        self.worker, self.validator, self.info = worker, validator, info
+    def __init__(self, worker: EngineWorker, validator: Validator, info: pb.ModelInfo, metrics=None):
+        self.worker, self.validator, self.info, self.metrics = worker, validator, info, metrics
         self.by_client_id: dict[str, Submission] = {}
 
     async def Generate(self, request_iterator, context):
@@ -80,6 +84,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             nonlocal reading
             try:
                 async for message in request_iterator:
+                    if isinstance(message, Malformed):  # this stream ends with the status; nobody else's
+                        outbox.put_nowait(message)
+                        break
                     if message.WhichOneof("kind") == "submit":
                         self._submit(message.submit, live, outbox, deliver_from_worker)
                     elif message.WhichOneof("kind") == "abort" and message.abort.request_id in live:
@@ -94,6 +101,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 item = await outbox.get()
                 if item is None:
                     continue
+                if isinstance(item, Malformed):
+                    await refuse_malformed(item, context)
                 client_id, message = item
                 if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED and live.pop(client_id, None) is not None:
                     self.by_client_id.pop(client_id, None)
@@ -110,6 +119,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             problem = f"INVALID_ARGUMENT: request_id {submit.request_id!r} is already running"
         if problem is not None:
             logger.info("refused request %r: %s", submit.request_id, problem)
+            if self.metrics is not None:
+                self.metrics.grpc_refused.labels(**self.metrics.labels, code=problem.split(":", 1)[0]).inc()
             outbox.put_nowait((submit.request_id, convert.error(submit.request_id, problem)))
             return
         submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate, None)
@@ -119,6 +130,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.worker.submit(submission)
 
     async def Abort(self, request, context):
+        await refuse_malformed(request, context)
         submission = self.by_client_id.get(request.request_id)
         if submission is None:
             return pb.AbortResponse(found=False)
@@ -126,7 +138,56 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.AbortResponse(found=found)
 
     async def GetModelInfo(self, request, context):
+        await refuse_malformed(request, context)
         return self.info
+
+
+@dataclass
+class Malformed:
+    """A request message that did not decode, in place of the message (so the call can end with
+    INVALID_ARGUMENT naming it; a parser that raises gets a bare UNKNOWN, or a stream that just ends)."""
+
+    message_type: str
+    error: str
+
+
+async def refuse_malformed(request, context) -> None:
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"a malformed {request.message_type}: {request.error}")
+
+
+def add_servicer(servicer: VerifierServicer, server) -> None:
+    """protos' generated registration, with request parsers that log and count a message that does not
+    decode (gRPC then ends that one call with a status)."""
+    metrics = servicer.metrics
+
+    def parser(message_type, method: str):
+        def parse(data: bytes):
+            try:
+                return message_type.FromString(data)
+            except Exception as exc:  # noqa: BLE001 (protobuf's DecodeError and others)
+                logger.warning("a malformed %s on %s (%d bytes) ends its call: %s", message_type.DESCRIPTOR.name,
+                               method, len(data), exc)
+                if metrics is not None:
+                    metrics.grpc_malformed.labels(**metrics.labels, method=method).inc()
+                return Malformed(message_type.DESCRIPTOR.name, str(exc) or type(exc).__name__)
+        return parse
+
+    handlers = {
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=parser(pb.GenerateClientMessage, "Generate"),
+            response_serializer=pb.GenerateServerMessage.SerializeToString),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort, request_deserializer=parser(pb.AbortRequest, "Abort"),
+            response_serializer=pb.AbortResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=parser(pb.ModelInfoRequest, "GetModelInfo"),
+            response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Verifier"].methods_by_name), "protos changed"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="Address the gRPC server binds.")
     server.add_argument("--port", type=int, default=30001, help="gRPC port.")
     server.add_argument("--served-model-name", default=None, help="Model name reported to clients (default: the model path).")
+    server.add_argument("--context-length", type=int, default=None,
+                        help="The longest prompt plus completion served, in tokens (default: config.json's "
+                        "max_position_embeddings). Longer than the model's is refused unless "
+                        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, as in SGLang.")
     server.add_argument("--disable-radix-cache", action="store_true",
                         help="Do not keep finished requests' KV pages for reuse by prompts that share a prefix.")
     server.add_argument("--metrics-port", type=int, default=None,
@@ -155,13 +220,47 @@ def build_parser() -> argparse.ArgumentParser:
                       help="A GPU verifier offers each drafter process that sees its GPU (one on the same host) a "
                       "buffer of this many MiB on that GPU, mapped through CUDA IPC, to take the hidden states "
                       "from GPU to GPU instead of in ZeroMQ frames through the host; 0: frames always.")
+    pool.add_argument("--zmq-curve-secret-key", default=None, metavar="PATH",
+                      help="The verifier's secret CURVE certificate (NAME.key_secret from `splitspec zmq-keys`): the "
+                      "drafter endpoint encrypts the step channel and authenticates every drafter with ZeroMQ CURVE, "
+                      "for drafters on other hosts. Needs --zmq-curve-authorized-keys; drafters need this "
+                      "certificate's public half (NAME.key) as their --zmq-curve-server-key.")
+    pool.add_argument("--zmq-curve-authorized-keys", default=None, metavar="DIR",
+                      help="Directory of the drafters' public CURVE certificates (*.key): only a drafter holding the "
+                      "secret half of one may connect; others are refused in the handshake, logged and counted "
+                      "(splitspec:drafter_handshake_failures_total). Read at start. Needs --zmq-curve-secret-key.")
     engine_args.add_overlap_args(pool)
     pool.add_argument("--wait-for-drafters", type=int, default=0,
                       help="Report SERVING on health only once this many drafters have registered (they may join later too).")
     return parser
 
 
-async def serve(args: argparse.Namespace) -> None:
+def context_length(args: argparse.Namespace, model_max: int) -> int:
+    """--context-length, checked against the model's own (config.json's max_position_embeddings)."""
+    wanted = args.context_length
+    if wanted is None:
+        return model_max
+    if wanted < 2:
+        raise SystemExit(f"splitspec verifier: --context-length {wanted}: must be at least 2 tokens")
+    if wanted > model_max:
+        if os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() not in ("1", "true"):
+            raise SystemExit(f"splitspec verifier: --context-length {wanted} is longer than the model's "
+                             f"{model_max} (max_position_embeddings); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 "
+                             "to serve it anyway (outputs past the trained length may be wrong)")
+        logger.warning("serving a context of %d tokens, longer than the model's %d", wanted, model_max)
+    return wanted
+
+
+def curve_keys(args: argparse.Namespace) -> ServerKeys | None:
+    """The step channel's CURVE keys from the flags (CurveError names a bad file or a missing flag)."""
+    keys = server_keys(args.zmq_curve_secret_key, args.zmq_curve_authorized_keys)
+    if keys is not None and not (args.drafter_bind_addr and args.speculative_algorithm):
+        raise CurveError("--zmq-curve-secret-key secures the drafter endpoint: it needs --drafter-bind-addr and "
+                         "--speculative-algorithm")
+    return keys
+
+
+async def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> None:
     from splitspec.generate import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
 
@@ -171,12 +270,13 @@ async def serve(args: argparse.Namespace) -> None:
     model_id = args.served_model_name or args.model_path or str(model_dir)
     metrics = registry = None
     if args.metrics_port is not None:
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry, ProcessCollector
 
         from splitspec.metrics_http import start_metrics_server
         from splitspec.verifier_svc.metrics import EngineMetrics
 
         registry = CollectorRegistry()
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, ... (drift)
         metrics = EngineMetrics(registry, model_id)
     if args.drafter_bind_addr and args.speculative_algorithm:
         from splitspec.verifier_svc.drafter_pool import DrafterPool
@@ -195,7 +295,8 @@ async def serve(args: argparse.Namespace) -> None:
                               metrics=PoolMetrics(registry, model_id) if registry is not None else None,
                               overlap=engine_args.overlap_mode(args), num_bets=engine_args.num_bets(args),
                               device=device_identity(runner.device), overlap_max_bs=args.speculative_overlap_max_bs,
-                              tensor_device=runner.device, ipc_buffer_bytes=args.drafter_ipc_buffer_mb << 20)
+                              tensor_device=runner.device, ipc_buffer_bytes=args.drafter_ipc_buffer_mb << 20,
+                              curve=curve)
     else:
         drafter, spec = engine_args.in_process_drafter(args, target=runner)
     if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters
@@ -203,8 +304,8 @@ async def serve(args: argparse.Namespace) -> None:
         start_metrics_server(registry, args.host, args.metrics_port,
                              json_routes={"/sd/drafters": pool.scrape_targets if pool is not None else list})
         logger.info("metrics on http://%s:%d/metrics, drafter discovery at /sd/drafters", args.host, args.metrics_port)
-    # after the drafter chose the layers to capture; before serving: decode, and full trees
-    runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,) if args.speculative_algorithm else ())
+    # after the drafter chose the layers to capture; before serving: decode, and the trees it will verify
+    runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec if args.speculative_algorithm else None))
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
@@ -213,13 +314,13 @@ async def serve(args: argparse.Namespace) -> None:
     if metrics is not None:
         metrics.observe_state(engine)
     worker.start()
+    context = context_length(args, runner.config.max_position_embeddings)
     info = pb.ModelInfo(model_id=model_id, model_path=str(model_dir),
-                        vocab_size=runner.config.vocab_size, max_context_tokens=runner.config.max_position_embeddings,
+                        vocab_size=runner.config.vocab_size, max_context_tokens=context,
                         eos_token_ids=sorted(eos), speculative_algorithm=args.speculative_algorithm or "",
                         speculative_num_draft_tokens=spec.num_draft_tokens if drafter else 0)
-    server = grpc.aio.server()
-    pb_grpc.add_VerifierServicer_to_server(
-        VerifierServicer(worker, Validator(runner.config.vocab_size, runner.config.max_position_embeddings, worker), info), server)
+    server = grpc.aio.server(options=channel.server_options())  # keepalive both ways (protos/channel.py)
+    add_servicer(VerifierServicer(worker, Validator(runner.config.vocab_size, context, worker), info, metrics), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{args.host}:{args.port}"
@@ -246,8 +347,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         runtime_args.check_sglang_server_flags(args, "splitspec verifier")
         engine_args.spec_config(args)  # flag combinations, before anything loads
-        asyncio.run(serve(args))
-    except (ValueError, OSError) as exc:  # FlagError, ConfigError, CheckpointError, a path that is not there
+        curve = curve_keys(args)
+        asyncio.run(serve(args, curve))
+    except (ValueError, OSError) as exc:  # FlagError, ConfigError, CheckpointError, CurveError, a path that is not there
         print(f"splitspec verifier: error: {exc}", file=sys.stderr)
         return 2
     return 0

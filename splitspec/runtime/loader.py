@@ -226,7 +226,7 @@ def validate_checkpoint(spec: dict[str, TensorTarget], tensors: dict[str, Tensor
         elif info.dtype == quantization.FP8_CODE and not target.fp8:
             problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype}, but only the weights of linear "
                             "layers load FP8 (embeddings, norms, lm_head and biases must be float)")
-        elif info.dtype not in FLOAT_DTYPES and not (target.fp8 and info.dtype == quantization.FP8_CODE):
+        elif info.dtype not in FLOAT_DTYPES and info.dtype != quantization.FP8_CODE:
             problems.append(f"tensor {key!r} in {info.file} has dtype {info.dtype} (quantized checkpoints other than "
                             "FP8 are not supported)")
     if problems:

@@ -23,6 +23,8 @@ read them at replay.
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,8 @@ from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
 
 LN2 = 0.6931471805599453
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
+_OVERFLOW = re.compile(r"Buffer overflow when allocating memory for (\w+) with size (\d+)")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,6 +144,27 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan_wrapper(self, wrapper, kind: str, batch: AttentionBatch, requests: list[int], starts: list[int], pages,
                       window) -> None:
+        """_plan_once, with a larger float workspace for this wrapper (and the ones made after it) when FlashInfer
+        says its split-KV partial results do not fit (large batches of trees): wrappers planned before keep
+        the buffer their captured graphs point at."""
+        for _ in range(8):
+            try:
+                return self._plan_once(wrapper, kind, batch, requests, starts, pages, window)
+            except RuntimeError as exc:
+                overflow = _OVERFLOW.search(str(exc))
+                if overflow is None or wrapper._float_workspace_buffer.numel() >= (8 << 30):
+                    raise
+                size = max(2 * self.workspace.numel(), 2 * int(overflow.group(2)))
+                if wrapper._float_workspace_buffer is self.workspace or self.workspace.numel() < size:
+                    logger.info("FlashInfer's workspace grows from %d to %d MiB (%s of %s bytes for %d requests of %s)",
+                                self.workspace.numel() >> 20, size >> 20, overflow.group(1), overflow.group(2),
+                                len(requests), kind)
+                    self.workspace = torch.zeros(size, dtype=torch.uint8, device=self.device)
+                wrapper.reset_workspace_buffer(self.workspace, wrapper._int_workspace_buffer)
+        raise RuntimeError("FlashInfer's workspace kept overflowing")
+
+    def _plan_once(self, wrapper, kind: str, batch: AttentionBatch, requests: list[int], starts: list[int], pages,
+                   window) -> None:
         """Plan one wrapper for these requests: kind "decode" (one token each), "causal" (prompt chunks)
         or "tree" (custom masks; FlashInfer packs them to bits on the GPU, its index arrays there too)."""
         indptr, indices, last = pages

@@ -1,0 +1,45 @@
+"""The soak's 3-minute version (benchmarks/soak.py): open-loop load on two real `splitspec up` deployments
+(NGRAM and EAGLE3, the demo target, each with its drafter processes), a drafter killed every 30 s, through
+real HTTP. Nothing accepted is lost, every repeated greedy or seeded request has the same text across faults and
+algorithms, the launchers bring every drafter back, the verifiers hold no KV pages once the load is gone, and
+the services' file descriptors and memory settle back near their warmed-up level."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+FD_TOLERANCE = 16  # open file descriptors a service may hold above its warmed-up count once drained
+RSS_TOLERANCE = (1.5, 150.0)  # drained RSS <= warm * 1.5 + 150 MB (allocator caches, tokenizer caches, imports)
+
+
+def test_soak_three_minutes_with_drafters_killed(tmp_path):
+    out = tmp_path / "soak.json"
+    result = subprocess.run([sys.executable, "-P", str(SOAK), "--duration", "180", "--rate", "1.0", "--drafters", "1",
+                             "--kill-every", "30", "--warmup", "20", "--out", str(out)],
+                            capture_output=True, text=True, timeout=900)
+    assert out.exists(), result.stderr[-4000:]
+    report = json.loads(out.read_text())
+    print(result.stderr.splitlines()[-1])
+    print(json.dumps({k: report[k] for k in ("sent", "completed", "failed_clear", "lost", "reasons", "peak_in_flight",
+                                             "repeated_keys", "mismatched_keys", "latency_s", "kv_pages_held_after_drain")},
+                     indent=1))
+    assert report["lost"] == 0, report["reasons"]
+    assert report["mismatched_keys"] == 0, report["mismatches"]
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert report["sent"] >= 120 and report["completed"] >= 0.9 * report["sent"], report["reasons"]
+    assert report["repeated_keys"] >= 10  # the same-output check had something to compare
+    faults = report["faults"]
+    assert faults["drafter_kills"] >= 5
+    assert sum(faults["launcher_restart_lines"].values()) >= faults["drafter_kills"]
+    assert all(alive == 1 for alive in faults["drafters_alive_at_end"].values()), faults
+    assert report["latency_s"]["in_fault_windows"] is not None  # requests ran through the faults
+    assert all(held == 0 for held in report["kv_pages_held_after_drain"].values()), report["kv_pages_held_after_drain"]
+    warm, drained = report["resources"]["warm"], report["resources"]["drained"]
+    for service in ("NGRAM/gateway", "NGRAM/verifier", "EAGLE3/gateway", "EAGLE3/verifier"):
+        assert drained[service]["fds"] <= warm[service]["fds"] + FD_TOLERANCE, (service, warm[service], drained[service])
+        assert drained[service]["rss_mb"] <= warm[service]["rss_mb"] * RSS_TOLERANCE[0] + RSS_TOLERANCE[1], (
+            service, warm[service], drained[service])
