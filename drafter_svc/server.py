@@ -241,32 +241,29 @@ class DrafterServer:
         for its tree when it sent the next one, so its new tokens are taken but no tree or bets are drafted.
         A drafter that fell behind (its CPU or GPU shared, a long stall) thus catches up in one draft per
         request rather than drafting every stale step in turn while the verifier keeps moving on."""
-        parsed = []
+        control, rest = [], []
         for received_ns, frames in batch:
             try:
                 message = convert.parse_verifier(frames[0].bytes)
             except Exception as exc:  # noqa: BLE001 (protobuf raises DecodeError and others)
                 self._drop(f"unreadable envelope ({exc})", "unreadable")
                 continue
-            parsed.append((received_ns, message, frames))
-        control = [p for p in parsed if p[1].WhichOneof("kind") in ("register_reply", "heartbeat_reply")]
-        rest = [p for p in parsed if p[1].WhichOneof("kind") not in ("register_reply", "heartbeat_reply")]
+            replies = message.WhichOneof("kind") in ("register_reply", "heartbeat_reply")
+            (control if replies else rest).append((received_ns, message, frames, frozenset()))
         later: set[str] = set()  # requests that a message after the one looked at names
-        superseded = []
-        for _, message, _ in reversed(rest):
+        skipped = 0
+        for i in range(len(rest) - 1, -1, -1):
+            received_ns, message, frames, _ = rest[i]
             kind = message.WhichOneof("kind")
             if kind == "draft":
                 asked = {a.request_id for a in message.draft.asks}
-                superseded.append(asked & later)
+                rest[i] = (received_ns, message, frames, asked & later)
+                skipped += len(asked & later)
                 later |= asked
-            else:
-                superseded.append(set())
-                if kind == "open":
-                    later.add(message.open.request_id)
-                elif kind == "release":
-                    later.update(message.release.request_ids)
-        superseded.reverse()
-        skipped = sum(map(len, superseded))
+            elif kind == "open":
+                later.add(message.open.request_id)
+            elif kind == "release":
+                later.update(message.release.request_ids)
         if skipped:
             if self.metrics is not None:
                 self.metrics.superseded.inc(skipped)
@@ -275,8 +272,7 @@ class DrafterServer:
                 logger.warning("fell behind the verifier: %d messages were waiting; %d stale asks get no tree (only "
                                "the newest ask of each request is drafted)%s", len(batch), skipped,
                                f"; {held} more catch-ups since the last report" if held else "")
-        return ([(ns, m, f, set()) for ns, m, f in control]
-                + [(ns, m, f, s) for (ns, m, f), s in zip(rest, superseded)])
+        return control + rest
 
     def _handle(self, message, frames, superseded: set[str] = frozenset()) -> None:
         """One message from the verifier (parsed; frames[0] is its envelope). superseded: requests whose
@@ -395,7 +391,8 @@ class DrafterServer:
                 unknown.append(ask.request_id)
                 continue
             kept.append(ask)
-        fresh = [a for a in kept if not a.bet_taken and a.request_id not in superseded]
+        current = [a for a in kept if a.request_id not in superseded]
+        fresh = [a for a in current if not a.bet_taken]
         budgets = [min(a.max_nodes, self.max_nodes) for a in fresh]
         trees = self._draft_trees(fresh, budgets, unknown)
         self.steps += 1
@@ -405,7 +402,7 @@ class DrafterServer:
                                                    self.ipc.consumed if self.ipc is not None else 0))
         if self.metrics is not None:
             self._observe_step(len(fresh), pairs, seconds)
-        betting = [a for a in kept if a.num_bets and a.request_id in self.requests and a.request_id not in superseded]
+        betting = [a for a in current if a.num_bets and a.request_id in self.requests]
         if any(a.num_bets for a in message.draft.asks if a.request_id not in superseded):
             self._bets(step_id, betting)
 
