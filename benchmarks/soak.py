@@ -40,6 +40,8 @@ from pathlib import Path
 
 import httpx
 
+from splitspec import lifeline
+
 ROLES = (("gateway", " gateway "), ("verifier", " verifier "), ("drafter", " drafter "))
 
 
@@ -97,7 +99,7 @@ class Deployment:
         self.port = free_port_block(4)
         self.url = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.port + 2}/metrics"
-        self.process = subprocess.Popen(
+        self.process = lifeline.spawn(
             [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(self.port), "--drafters", str(drafters),
              "--speculative-algorithm", algorithm, "--log-level", "warning", "--max-restarts", "3",
              "--max-total-tokens", "65536"],

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.generate import generate_ids
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
@@ -124,7 +125,6 @@ class ZmqDrafter:
 
     def __init__(self, flags: list[str], runner, target: Path):
         import socket
-        import subprocess
 
         from splitspec import draft_models
         from splitspec.verifier_svc.drafter_pool import DrafterPool
@@ -140,7 +140,7 @@ class ZmqDrafter:
         self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
                                 draft_model=ns.speculative_draft_model_path or "", timeout=5.0, heartbeat_timeout=10.0,
                                 hidden_state_layers=layers)
-        self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+        self.process = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                          *flags, "--model-path", str(target), "--dtype", RUNTIME["dtype"],
                                          "--device", RUNTIME["device"],
                                          "--log-level", "warning"])

@@ -26,6 +26,7 @@ import time
 from splitspec import engine_args
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
+from splitspec.protos.step_limits import drafter_receive_limit
 from splitspec.runtime.args import LOG_LEVELS, setup_logging
 from splitspec.runtime.curve import ClientKeys, CurveError, HandshakeMonitor, Throttle, client_keys, make_client
 from splitspec.runtime.tensor_plane import FramePlane, TensorError, device_identity, visible_gpus
@@ -40,12 +41,27 @@ class RefusedError(RuntimeError):
     """The verifier refused the registration (algorithm or model mismatch) or the handshake (CURVE)."""
 
 
+def receive_limit(drafter: Drafter, hidden_state_layers) -> int:
+    """The largest frame a legal verifier sends this drafter: a header, or one request's hidden states (float32 at
+    most, one row per captured layer) over the longest context its model takes (at least 128 Ki tokens: a verifier
+    may serve a longer --context-length than the draft's config names)."""
+    runner = getattr(drafter, "runner", None)
+    if not hidden_state_layers or runner is None:
+        return drafter_receive_limit(0, 0)
+    config = runner.config
+    context = max(config.max_position_embeddings, 1 << 17)
+    return drafter_receive_limit(context, 4 * len(hidden_state_layers) * config.hidden_size)
+
+
 class DrafterServer:
     def __init__(self, drafter: Drafter, address: str, name: str, capacity: int, max_nodes: int,
                  heartbeat_interval: float = 0.25, verifier_timeout: float = 5.0, draft_model: str = "",
                  vocab_size: int = 0, hidden_state_layers: tuple[int, ...] = (), metrics=None,
-                 metrics_port: int = 0, metrics_host: str = "", curve: ClientKeys | None = None):
-        """curve: this drafter's CURVE keys and the verifier's public key (None: no CURVE)."""
+                 metrics_port: int = 0, metrics_host: str = "", curve: ClientKeys | None = None,
+                 max_message_bytes: int | None = None):
+        """curve: this drafter's CURVE keys and the verifier's public key (None: no CURVE).
+        max_message_bytes: the largest frame the verifier may send (default: protos.step_limits.receive_limit for
+        this drafter's model); a verifier sending more is disconnected before the frame is allocated."""
         import zmq
 
         self.zmq = zmq
@@ -53,6 +69,7 @@ class DrafterServer:
         self.capacity, self.max_nodes = capacity, max_nodes
         self.heartbeat_interval, self.verifier_timeout = heartbeat_interval, verifier_timeout
         self.draft_model, self.vocab_size, self.hidden_state_layers = draft_model, vocab_size, list(hidden_state_layers)
+        self.max_message_bytes = max_message_bytes or receive_limit(drafter, self.hidden_state_layers)
         self.epoch = secrets.randbits(63) or 1
         self.session = 0
         self.verifier_epoch = 0
@@ -82,6 +99,7 @@ class DrafterServer:
         self.socket = self.context.socket(self.zmq.DEALER)
         self.socket.setsockopt(self.zmq.LINGER, 0)
         self.socket.setsockopt(self.zmq.IMMEDIATE, 1)  # nothing queues up while the verifier is away
+        self.socket.setsockopt(self.zmq.MAXMSGSIZE, self.max_message_bytes)
         if self.curve is not None:
             make_client(self.socket, self.curve)
         self.handshakes = HandshakeMonitor(self.socket, "drafter", self.curve is not None)

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitspec.gateway.body import BodyError, parse_body
 from splitspec.gateway.client import StreamBroken, VerifierClient
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import APIError, Generation, invalid, parse_chat, parse_completion, request_schemas
@@ -432,9 +433,9 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
                                code="request_too_large")
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise invalid(None, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+            return parse_body(b"".join(chunks))
+        except BodyError as exc:
+            raise invalid(None, str(exc), "invalid_json") from None
 
     async def watch_disconnect(request: Request, task: asyncio.Task) -> None:
         while True:

@@ -2,7 +2,8 @@
 # The test command: `bash scripts/test.sh [pytest args...]`.
 #
 # Sets up the venv (scripts/setup.sh), then runs `python -P -m pytest tests --durations=25 "$@"` from
-# the repo root. -P keeps the repo root off sys.path (its gateway/, kernels/, protos/ folders must not
+# the repo root, on SPLITSPEC_TEST_WORKERS pytest-xdist workers (default 2; 0 runs in this process), one test
+# file per worker at a time (--dist loadfile: a file's module-scoped deployments start once). -P keeps the repo root off sys.path (its gateway/, kernels/, protos/ folders must not
 # be importable as top-level packages; ARCHITECTURE.md §7). When an argument already names a test path
 # (a file or folder relative to the repo root, or a node id with ::), `tests` is not added, so
 # `bash scripts/test.sh tests/test_packaging.py` runs just that file.
@@ -23,9 +24,11 @@ for arg in "$@"; do
     fi
 done
 
-echo "test.sh: $VENV/bin/python -P -m pytest ${targets[*]} --durations=25 $*" >&2
+workers=(-n "${SPLITSPEC_TEST_WORKERS:-2}" --dist loadfile)
+[[ "${SPLITSPEC_TEST_WORKERS:-2}" == 0 ]] && workers=(-p no:xdist)
+echo "test.sh: $VENV/bin/python -P -m pytest ${targets[*]} ${workers[*]} --durations=25 $*" >&2
 set +e
-"$VENV/bin/python" -P -m pytest "${targets[@]}" --durations=25 "$@"
+"$VENV/bin/python" -P -m pytest "${targets[@]}" "${workers[@]}" --durations=25 "$@"
 rc=$?
 set -e
 

@@ -63,6 +63,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from splitspec import engine_args
+from splitspec.lifeline import spawn
 from splitspec.runtime import args as runtime_args
 
 logger = logging.getLogger("splitspec.bench")
@@ -311,7 +312,7 @@ class RemoteDrafter:
                 flags += ["--" + flag.replace("_", "-"), str(value)]
         if getattr(ns, "speculative_draft_disable_cuda_graph", False) or ns.disable_cuda_graph:
             flags.append("--disable-cuda-graph")
-        self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", *flags])
+        self.process = spawn([sys.executable, "-P", "-m", "splitspec", "drafter", *flags])
         self.stats = self.pool.stats
         self.needs_hidden_states = self.pool.needs_hidden_states
         deadline = time.monotonic() + 600

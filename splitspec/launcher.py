@@ -9,7 +9,8 @@ drafters and the gateway, each exec'd as `splitspec <service> ...`.
   and examples to paste; every service's log lines are prefixed with its name.
 - `--zmq-curve-keys DIR` turns CURVE on for the step channel, with certificates made in DIR if missing.
 - A service that exits is reported and restarted (compose's `restart: unless-stopped`), with a short
-  back-off; Ctrl-C (SIGINT) or SIGTERM stops them all, drafters and gateway first.
+  back-off; Ctrl-C (SIGINT) or SIGTERM stops them all, gateway and drafters first. However the launcher
+  ends (SIGKILL, an OOM kill, a closed terminal), its services end with it (splitspec.lifeline).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from splitspec.lifeline import spawn
 
 PASS_THROUGH = True  # cli.main hands unknown flags over as args.passthrough
 DEMO_DRAFT = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}
@@ -129,8 +132,8 @@ class Launcher:
 
     # processes ---------------------------------------------------------------------------------------
     def start(self, service: Service) -> None:
-        service.process = subprocess.Popen(service.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                           bufsize=1, errors="replace", start_new_session=True)
+        service.process = spawn(service.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                errors="replace", start_new_session=True)
         service.started = time.monotonic()
         thread = threading.Thread(target=self._pump, args=(service, service.process), daemon=True)
         thread.start()

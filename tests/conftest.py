@@ -51,6 +51,18 @@ def llama31_v4_dir(published_v4_dirs) -> Path:
     return published_v4_dirs["llama-3.1"]
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist a worker hands its near-tie divergences to the controller, which reports them all."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["near_tie_divergences"] = list(NEAR_TIE_DIVERGENCES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # the controller, as each xdist worker ends (the hook exists only with xdist)
+    NEAR_TIE_DIVERGENCES.extend(getattr(node, "workeroutput", {}).get("near_tie_divergences", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     """ARCHITECTURE.md §3.1: greedy divergences at near-ties are allowed, counted and reported."""
     terminalreporter.write_line(f"greedy near-tie divergences: {len(NEAR_TIE_DIVERGENCES)}")

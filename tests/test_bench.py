@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 
 import pytest
 
+from splitspec import lifeline
 from splitspec.drafter_svc.replay import ReplayDrafter, load_references, parse_profile
 from splitspec.runtime.tree import depths, validate_parents
 
 
 def bench(*flags: str, timeout: float = 600) -> dict:
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "warning", *flags],
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "warning", *flags],
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
@@ -159,7 +159,7 @@ def test_batch_sweep_with_two_profiles_fixed_and_adaptive_and_its_plot(tmp_path)
         if not row["adaptive"]:
             assert set(row["budgets"]) == {"4"} and row["accepted_tokens"] > 0
     png, summary = tmp_path / "sweep.png", tmp_path / "summary.json"
-    result = subprocess.run([sys.executable, "benchmarks/plot_sweep.py", str(out), "--png", str(png), "--summary",
+    result = lifeline.run([sys.executable, "benchmarks/plot_sweep.py", str(out), "--png", str(png), "--summary",
                              str(summary)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
@@ -172,10 +172,10 @@ def test_batch_sweep_with_two_profiles_fixed_and_adaptive_and_its_plot(tmp_path)
 
 
 def test_bench_refuses_what_it_cannot_measure():
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick",
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick",
                              "--simulate-acceptance", "accept-length:2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--simulate-acceptance needs a --speculative-algorithm" in result.stderr
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "ftp://x"],
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "ftp://x"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "expected http(s)://host:port" in result.stderr
 
@@ -192,7 +192,7 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     dataset.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
     reference = tmp_path / "reference.jsonl"
     ids = [flag for p in prompts for flag in ("--input-ids", ",".join(map(str, p)))]
-    generated = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", *ids, "--max-new-tokens", "40",
+    generated = lifeline.run([sys.executable, "-P", "-m", "splitspec", "generate", *ids, "--max-new-tokens", "40",
                                 "--ignore-eos", "--json", "--log-level", "warning"], capture_output=True, text=True,
                                timeout=300)
     assert generated.returncode == 0, generated.stderr

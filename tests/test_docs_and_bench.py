@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
+
+from splitspec import lifeline
+
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,9 +28,9 @@ def test_every_command_flag_has_help():
 
 
 def test_cli_lists_commands_and_refuses_unknown():
-    ok = subprocess.run([sys.executable, "-P", "-m", "splitspec", "--help"], capture_output=True, text=True)
+    ok = lifeline.run([sys.executable, "-P", "-m", "splitspec", "--help"], capture_output=True, text=True)
     assert ok.returncode == 0 and "generate" in ok.stdout
-    bad = subprocess.run([sys.executable, "-P", "-m", "splitspec", "frobnicate"], capture_output=True, text=True)
+    bad = lifeline.run([sys.executable, "-P", "-m", "splitspec", "frobnicate"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
 
 
@@ -51,14 +53,14 @@ def test_readme_main_command_runs():
         lines = up.lines[next(i for i, line in enumerate(up.lines) if "serving splitspec-demo at " in line):]
         curl = next(i for i, line in enumerate(lines) if line.strip().startswith("curl "))
         command = lines[curl].strip() + "\n" + lines[curl + 1].strip()  # printed on two lines, joined by a backslash
-        answer = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+        answer = lifeline.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
         assert answer.returncode == 0, answer.stderr
         reply = json.loads(answer.stdout)
         assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"], reply
         assert reply["speculative"]["algorithm"] == "NGRAM", reply  # the demo speculates with NGRAM by default
         python = next(line.strip() for line in lines if line.strip().startswith("python -c "))
         code = shlex.split(python)[2]
-        printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        printed = lifeline.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert printed.returncode == 0 and printed.stdout.strip(), printed.stderr
         assert re.search(r"Ctrl-C stops everything", "\n".join(lines))
     finally:
@@ -68,7 +70,7 @@ def test_readme_main_command_runs():
 
 def test_decode_benchmark_reports_json(tmp_path):
     out = tmp_path / "bench.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "decode.py"), "--quick", "--batch-sizes", "1,3",
+    result = lifeline.run([sys.executable, str(REPO / "benchmarks" / "decode.py"), "--quick", "--batch-sizes", "1,3",
                              "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
@@ -81,7 +83,7 @@ def test_decode_benchmark_reports_json(tmp_path):
 
 def test_speculative_benchmark_reports_json(tmp_path):
     out = tmp_path / "spec.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speculative_cpu.py"), "--num-prompts", "2",
+    result = lifeline.run([sys.executable, str(REPO / "benchmarks" / "speculative_cpu.py"), "--num-prompts", "2",
                              "--new-tokens", "12", "--batch-sizes", "1,2", "--transports", "inprocess,zmq", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

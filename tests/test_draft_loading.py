@@ -9,7 +9,6 @@ import argparse
 import json
 import logging
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from draft_training import train_eagle3_head
 from test_eagle3_head import write_head
 from test_mtp import EAGLE3_FLOOR, split_lossless
 
+from splitspec import lifeline
 from splitspec import engine_args
 from splitspec.demo import demo_model_dirs
 from splitspec.draft_models import build_drafter
@@ -161,12 +161,12 @@ def test_d2t_out_of_range_or_repeated_is_refused(tmp_path):
 
 def test_cli_names_the_problem_without_a_traceback(tmp_path):
     head = demo_shaped_head(tmp_path, edit=lambda s: s.pop("norm.weight"))
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "EAGLE3",
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "EAGLE3",
                              "--speculative-draft-model-path", str(head), "--dtype", "float32", "--device", "cpu",
                              "--model-path", str(demo_model_dirs()["target"])],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "missing tensors: norm.weight" in result.stderr and "Traceback" not in result.stderr
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
                              "NEXTN", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and "LlamaForCausalLM declares no MTP layers" in result.stderr
     assert "Traceback" not in result.stderr
@@ -186,8 +186,8 @@ def test_generate_in_one_process(algorithm, trained_eagle3, tmp_path_factory):
         spec = ["--speculative-algorithm", "NEXTN", "--enable-multi-layer-eagle"]
     base = [sys.executable, "-P", "-m", "splitspec", "generate", "--model-path", str(model), "--dtype", "float32",
             "--device", "cpu", "--prompt", "def read_lines(filename):\n", "--max-new-tokens", "40", "--ignore-eos", "--json"]
-    plain = subprocess.run(base, capture_output=True, text=True, timeout=600)
-    spec_run = subprocess.run(base + spec, capture_output=True, text=True, timeout=600)
+    plain = lifeline.run(base, capture_output=True, text=True, timeout=600)
+    spec_run = lifeline.run(base + spec, capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0 and spec_run.returncode == 0, spec_run.stderr
     plain_row, spec_row = json.loads(plain.stdout), json.loads(spec_run.stdout)
     from helpers import assert_greedy_match, hf_model
@@ -226,10 +226,10 @@ def test_eagle3_head_without_its_own_lm_head_uses_the_targets(tmp_path):
 
 
 def test_drafter_process_needs_the_targets_path(tmp_path):
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "NEXTN"],
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "NEXTN"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--speculative-algorithm EAGLE needs the target's --model-path" in result.stderr
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "EAGLE3",
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "drafter", "--speculative-algorithm", "EAGLE3",
                              "--model-path", str(demo_model_dirs()["target"]), "--speculative-draft-model-path",
                              str(tmp_path / "nothing-here")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr

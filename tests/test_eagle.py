@@ -12,6 +12,7 @@ from helpers import assert_greedy_match, hf_model
 from test_eagle_head import head_state
 from test_speculative import PROMPTS, run
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.base import Drafter
 from splitspec.drafter_svc.eagle import EagleDrafter
@@ -197,7 +198,7 @@ def test_eagle_drafters_over_tcp_get_hidden_states_keep_output_and_survive_a_rep
     shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"]
 
     def drafter(name):
-        return subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+        return lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                  "--drafter-name", name, "--speculative-algorithm", "EAGLE", "--dtype", "float32",
                                  "--heartbeat-interval", "0.1", "--model-path", str(target_dir),
                                  "--speculative-draft-model-path", trained_head, *shape, "--log-level", "warning"],

@@ -36,7 +36,7 @@ from test_verifier_service import scrape
 
 from splitspec.launcher import DEMO_NAME
 
-HANG = 60.0  # seconds: any wait longer than this is a hang, never a slow machine
+HANG = 180.0  # seconds: any wait longer than this is a hang, never a slow machine (nor one shared with other tests)
 FD_SLACK = 8  # open file descriptors a service may hold above its warmed-up count after a fault and recovery
 RSS_SLACK = 0.25  # ... and resident memory above its warmed-up size, as a fraction of it
 # the step channel stays cut until the verifier has given up on the drafter (a reset is seen at once, a black hole

@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 from helpers import DEVICE, make_hf_model, save_checkpoint
 from safetensors.torch import load_file, save_file
 
+from splitspec import lifeline
 from splitspec import engine_args
 from splitspec.demo import demo_model_dirs
 from splitspec.runtime.batch import SequenceInput
@@ -443,7 +443,7 @@ def test_speculation_on_an_fp8_target_is_lossless(demo_pair, algorithm):
 # the benchmark -------------------------------------------------------------------------------------------
 def test_fp8_accuracy_benchmark_smoke(tmp_path):
     out = tmp_path / "fp8.json"
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fp8_accuracy.py"), "--preset", "quick",
+    result = lifeline.run([sys.executable, str(REPO / "benchmarks" / "fp8_accuracy.py"), "--preset", "quick",
                              "--num-prompts", "3", "--new-tokens", "6", "--decode-tokens", "8", "--repeats", "1",
                              "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from test_verifier_service import free_port, scrape, start_verifier, stop
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 
 SCHEMAS = [Path(os.environ.get("SPLITSPEC_SCHEMAS", "")), Path(__file__).resolve().parents[2] / "shared" / "schemas",
@@ -65,7 +66,7 @@ def validate():
 
 def start_gateway(verifier_port: int, *extra: str):
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(port), "--verifier",
+    process = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(port), "--verifier",
                                 f"127.0.0.1:{verifier_port}", "--log-level", "warning", *extra],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -91,7 +92,7 @@ def stack():
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     flags = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(dirs["eagle"]),
              "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
-    drafter = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+    drafter = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                 "--model-path", str(dirs["target"]), "--dtype", "float32", *flags, "--log-level", "warning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     verifier, stub = start_verifier("--model-path", str(dirs["target"]), "--max-total-tokens", "32768",
@@ -427,7 +428,7 @@ def test_the_gateway_never_imports_torch(stack):
     assert "libtorch" not in maps and "/torch/" not in maps
     code = ("import sys; from splitspec.gateway.server import run, build_parser; import splitspec.gateway.app; "
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    out = lifeline.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
 
 
@@ -496,7 +497,7 @@ def test_queue_limit_answers_429_with_retry_after(stack, validate):
 def test_verifier_down_is_503_and_a_dying_verifier_ends_requests_with_503(validate):
     process, url = None, None
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(gw := free_port()),
+    gateway = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(gw := free_port()),
                                 "--verifier", f"127.0.0.1:{port}", "--log-level", "warning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{gw}"

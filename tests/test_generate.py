@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import assert_greedy_match, load_runner, make_hf_model
 
+from splitspec import lifeline
 from splitspec.generate import generate_ids
 from splitspec.runtime.sampling_params import SamplingParams
 
@@ -96,7 +97,7 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny_checkpoints):
 
 
 def run_cli(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", *args, "--log-level", "warning"],
+    return lifeline.run([sys.executable, "-P", "-m", "splitspec", "generate", *args, "--log-level", "warning"],
                           capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -150,7 +151,7 @@ def test_cli_rejects_bad_input(model_with_tokenizer):
 
 
 def test_help_explains_every_flag():
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--help"], capture_output=True, text=True)
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "generate", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     from splitspec.generate import build_parser
 

@@ -24,6 +24,7 @@ import grpc
 import pytest
 from test_verifier_service import collect, free_port, scrape, start_verifier, stop, submit
 
+from splitspec import lifeline
 from splitspec.protos import step_pb2
 from splitspec.protos import verifier_pb2 as pb
 
@@ -87,7 +88,7 @@ class FakeVerifier:
 def test_a_hostile_verifier_cannot_take_a_drafter_down():
     fake = FakeVerifier()
     metrics_port = free_port()
-    drafter = subprocess.Popen(
+    drafter = lifeline.spawn(
         [sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", fake.address, "--drafter-name", "d",
          "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--heartbeat-interval", "0.1",
          "--verifier-timeout", "30", "--metrics-port", str(metrics_port), "--log-level", "warning"],
@@ -152,11 +153,69 @@ def test_a_hostile_verifier_cannot_take_a_drafter_down():
         fake.close()
 
 
-def _start_drafter(fake: FakeVerifier, metrics_port: int) -> subprocess.Popen:
-    drafter = subprocess.Popen(
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_frames_over_the_step_channel_limit_are_cut_off_before_they_are_allocated():
+    """MAXMSGSIZE on both ends of the step channel (protos.step_limits): a frame larger than the largest legal one
+    costs the receiver no memory (its peak RSS does not grow by it), the connection is dropped, and the receiver
+    works on: the drafter, hearing nothing more, registers again after --verifier-timeout and drafts; the verifier
+    serves."""
+    from splitspec.protos.step_limits import drafter_receive_limit
+
+    oversized = b"\0" * (drafter_receive_limit(0, 0) + (64 << 20))  # an NGRAM drafter's limit, and 64 MiB more
+    fake = FakeVerifier()
+    drafter = _start_drafter(fake, free_port(), verifier_timeout=2)
+    try:
+        history = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+        fake.send(fake.message(open=step_pb2.OpenRequest(request_id="r1", token_ids=history)))
+        fake.send(fake.draft(1, "r1"))
+        assert fake.recv().WhichOneof("kind") == "draft_reply"
+        before = peak_rss_bytes(drafter.pid)
+        fake.raw(oversized)
+        again = fake.recv(timeout=120)  # over a new connection (a new peer id)
+        assert again is not None and again.WhichOneof("kind") == "register", (again, drafter.poll())
+        fake.session = 8
+        fake.send(fake.message(register_reply=step_pb2.RegisterReply(accepted=True, session=8, heartbeat_timeout_seconds=30)))
+        grown = peak_rss_bytes(drafter.pid) - before
+        assert grown < 32 << 20, f"the drafter's peak RSS grew by {grown >> 20} MiB"
+        fake.send(fake.message(open=step_pb2.OpenRequest(request_id="r2", token_ids=history)))
+        fake.send(fake.draft(2, "r2"))
+        reply = fake.recv()
+        assert reply.WhichOneof("kind") == "draft_reply" and reply.draft_reply.trees[0].tokens[:2] == [7, 8]
+    finally:
+        drafter.kill()
+        drafter.wait(timeout=30)
+        fake.close()
+
+    import zmq
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    process, stub = start_verifier("--max-total-tokens", "8192", "--drafter-bind-addr", address)
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    try:
+        peer.connect(address)
+        before = peak_rss_bytes(process.pid)
+        peer.send(oversized)
+        time.sleep(2.0)
+        grown = peak_rss_bytes(process.pid) - before
+        assert grown < 32 << 20, f"the verifier's peak RSS grew by {grown >> 20} MiB"
+        results = collect(stub, [submit("after", [5, 6, 7, 8, 5, 6, 7], max_new_tokens=8)], 1)
+        assert len(results["after"]["tokens"]) == 8 and not results["after"]["error"], results
+    finally:
+        peer.close(linger=0)
+        stop(process, stub)
+
+
+def _start_drafter(fake: FakeVerifier, metrics_port: int, verifier_timeout: float = 30) -> subprocess.Popen:
+    drafter = lifeline.spawn(
         [sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", fake.address, "--drafter-name", "d",
          "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--heartbeat-interval", "0.1",
-         "--verifier-timeout", "30", "--metrics-port", str(metrics_port), "--log-level", "warning"],
+         "--verifier-timeout", str(verifier_timeout), "--metrics-port", str(metrics_port), "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     hello = fake.recv(timeout=120)
     assert hello is not None and hello.WhichOneof("kind") == "register", drafter.poll()

@@ -11,6 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from splitspec import lifeline
+
+
 REPO_ID = "acme/tiny-llama"
 COMMIT_MAIN = "1" * 40
 COMMIT_V2 = "2" * 40
@@ -38,7 +41,7 @@ def hf_cache(tmp_path_factory, tiny_checkpoints):
 
 def generate(model: str, cache, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache.parent)}
-    return subprocess.run(
+    return lifeline.run(
         [sys.executable, "-P", "-m", "splitspec", "generate", "--model-path", model, "--input-ids", "3,4,5",
          "--max-new-tokens", "8", "--ignore-eos", "--json", "--log-level", "warning", *extra],
         capture_output=True, text=True, timeout=300, env=env,

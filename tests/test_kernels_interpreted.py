@@ -7,14 +7,16 @@ the same checks compiled."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from splitspec import lifeline
+
 
 
 def test_triton_kernels_match_their_twins_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_checks.py")), "cpu"],
+    result = lifeline.run([sys.executable, str(Path(__file__).with_name("kernel_checks.py")), "cpu"],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "all equal their twins" in result.stdout

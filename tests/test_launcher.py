@@ -16,11 +16,13 @@ import time
 
 import httpx
 
+from splitspec import lifeline
+
 
 class Up:
-    def __init__(self, *flags: str):
-        self.port = free_port_block(4)  # gateway, verifier, metrics, drafters: port .. port + 3
-        self.process = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "up", "--port", str(self.port), *flags],
+    def __init__(self, *flags: str, port: int | None = None):
+        self.port = port or free_port_block(4)  # gateway, verifier, metrics, drafters: port .. port + 3
+        self.process = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "up", "--port", str(self.port), *flags],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                         start_new_session=True)
         self.lines: list[str] = []
@@ -44,9 +46,14 @@ class Up:
         raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(self.lines[-40:]))
 
     def children(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-f", f"--verifier 127.0.0.1:{self.port + 1}|--port {self.port + 1} |"
+        out = lifeline.run(["pgrep", "-f", f"--verifier 127.0.0.1:{self.port + 1}|--port {self.port + 1} |"
                               f"tcp://127.0.0.1:{self.port + 3}"], capture_output=True, text=True).stdout
         return [int(pid) for pid in out.split()]
+
+    def service_pids(self) -> dict[str, int]:
+        """Every service process the launcher started (restarts included): pid -> service name."""
+        return {int(m.group(2)): m.group(1) for line in list(self.lines)
+                if (m := re.search(r"\| started (\S+) \(pid (\d+)\)", line))}
 
     def stop(self) -> int:
         if self.process.poll() is None:
@@ -56,6 +63,15 @@ class Up:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             raise
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an ended child its new parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def _busy(port: int) -> bool:
@@ -115,7 +131,7 @@ def test_up_serves_survives_a_killed_drafter_and_stops_on_sigint():
                 tasks = [asyncio.ensure_future(one(p)) for p in prompts]
                 if kill_after is not None:
                     await asyncio.sleep(kill_after)
-                    victim = int(subprocess.run(["pgrep", "-f", f"127.0.0.1:{up.port + 3} --drafter-name drafter-2"],
+                    victim = int(lifeline.run(["pgrep", "-f", f"127.0.0.1:{up.port + 3} --drafter-name drafter-2"],
                                                 capture_output=True, text=True).stdout.split()[0])
                     os.kill(victim, signal.SIGKILL)
                 return await asyncio.gather(*tasks)
@@ -148,3 +164,56 @@ def test_up_serves_survives_a_killed_drafter_and_stops_on_sigint():
     assert code == 0 and up.lines[-1].endswith("all services stopped")
     time.sleep(1)
     assert up.children() == []
+
+
+def test_up_killed_with_sigkill_under_load_leaves_no_process_and_starts_again():
+    """However the launcher ends (here SIGKILL, as an OOM kill or `docker kill` ends it), its services end with
+    it within 5 s, and a new launch on the same ports serves; SIGINT then stops that one cleanly."""
+    up = Up("--drafters", "2", "--log-level", "warning")
+    try:
+        up.wait_for_line(r"serving splitspec-demo at ")
+        services = up.service_pids()
+        assert sorted(services.values()) == ["drafter-1", "drafter-2", "gateway", "verifier"]
+        streaming = threading.Event()
+
+        def stream(i: int) -> None:  # streams until the gateway goes away under it
+            try:
+                with httpx.stream("POST", up.url + "/v1/completions", timeout=120, json={
+                        "model": "splitspec-demo", "prompt": f"def load_{i}(rows):\n", "max_tokens": 2000,
+                        "temperature": 0, "ignore_eos": True, "stream": True}) as response:
+                    for _ in response.iter_lines():
+                        streaming.set()
+            except httpx.HTTPError:
+                pass
+
+        clients = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
+        for client in clients:
+            client.start()
+        assert streaming.wait(120), "no stream started"
+        time.sleep(1.0)
+        up.process.kill()  # SIGKILL: the launcher runs no handler, stops nothing itself
+        up.process.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in services) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {pid: name for pid, name in services.items() if alive(pid)}
+        assert not left and up.children() == [], f"still running 5 s after the launcher's SIGKILL: {left}"
+        for client in clients:
+            client.join(timeout=30)
+    finally:
+        if up.process.poll() is None:
+            up.process.kill()
+        for pid in up.service_pids():  # the test's own clean-up, should the assertion above have failed
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+    again = Up("--drafters", "1", "--log-level", "warning", port=up.port)  # the same four ports
+    try:
+        again.wait_for_line(r"serving splitspec-demo at ")
+        answer = httpx.post(again.url + "/v1/completions", timeout=120, json={
+            "model": "splitspec-demo", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}).json()
+        assert answer["choices"][0]["text"] and answer["speculative"]["algorithm"] == "NGRAM", answer
+    finally:
+        code = again.stop()
+    assert code == 0 and again.lines[-1].endswith("all services stopped")
+    assert not any(alive(pid) for pid in again.service_pids()) and again.children() == []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from helpers import load_runner
 from safetensors.torch import load_file, save_file
 
+from splitspec import lifeline
 from splitspec.runtime import loader
 from splitspec.runtime.config import ConfigError, ModelConfig, parse_rope
 from splitspec.runtime.loader import CheckpointError
@@ -132,7 +132,7 @@ def test_both_rope_dialects_agree():
 
 def test_cli_reports_bad_checkpoint_without_traceback(broken):
     path = broken(lambda t: t.pop("model.embed_tokens.weight"))
-    result = subprocess.run(
+    result = lifeline.run(
         [sys.executable, "-P", "-m", "splitspec", "generate", "--model-path", str(path), "--input-ids", "1,2", "--log-level", "error"],
         capture_output=True, text=True, timeout=120,
     )

@@ -14,6 +14,7 @@ import torch
 from draft_training import train_mimo_target, write_mimo_target
 from helpers import assert_greedy_match, hf_model
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.config import ConfigError
@@ -213,7 +214,7 @@ def split_lossless(target_dir, flags: list[str], label: str, min_accept_length: 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    drafter = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+    drafter = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                 "--drafter-name", label, "--dtype", "float32", "--heartbeat-interval", "0.1",
                                 "--model-path", str(target_dir), *flags, "--log-level", "warning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

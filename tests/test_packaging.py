@@ -34,6 +34,9 @@ from pathlib import Path
 
 import pytest
 
+from splitspec import lifeline
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 _SETUPTOOLS_CFG = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
@@ -182,7 +185,7 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
+    proc = lifeline.run(cmd, cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n"
                     f"--- stderr\n{proc.stderr}")

@@ -6,13 +6,13 @@ test also checks that speculation happened."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 from helpers import assert_greedy_match, hf_model, make_hf_model, save_checkpoint
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.base import Drafter
 from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
@@ -192,7 +192,7 @@ def test_tree_sampling_matches_the_target_distribution(small_vocab_model, rule, 
 
 
 def test_generate_cli_reports_speculation():
-    result = subprocess.run(
+    result = lifeline.run(
         [sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "import os\nimport os\nimport os\n",
          "--max-new-tokens", "24", "--ignore-eos", "--json", "--speculative-algorithm", "NGRAM",
          "--speculative-num-draft-tokens", "6", "--log-level", "warning"],
@@ -234,9 +234,9 @@ def test_force_greedy_verify_environment_variable():
     base = [sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "import os\nimport os\n", "--max-new-tokens", "24",
             "--ignore-eos", "--json", "--speculative-algorithm", "NGRAM", "--log-level", "warning"]
     env = {**os.environ, "SGLANG_NGRAM_FORCE_GREEDY_VERIFY": "True"}
-    forced = subprocess.run(base + ["--temperature", "1.0", "--seed", "3"], capture_output=True, text=True, env=env, timeout=300)
-    greedy = subprocess.run(base + ["--temperature", "0"], capture_output=True, text=True, timeout=300)
-    sampled = subprocess.run(base + ["--temperature", "1.0", "--seed", "3"], capture_output=True, text=True, timeout=300)
+    forced = lifeline.run(base + ["--temperature", "1.0", "--seed", "3"], capture_output=True, text=True, env=env, timeout=300)
+    greedy = lifeline.run(base + ["--temperature", "0"], capture_output=True, text=True, timeout=300)
+    sampled = lifeline.run(base + ["--temperature", "1.0", "--seed", "3"], capture_output=True, text=True, timeout=300)
     for r in (forced, greedy, sampled):
         assert r.returncode == 0, r.stderr
     outputs = [json.loads(r.stdout)["output_ids"] for r in (forced, greedy, sampled)]

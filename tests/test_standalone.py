@@ -15,6 +15,7 @@ from helpers import assert_greedy_match, hf_model
 from test_speculative import PROMPTS, run
 from test_verifier_service import collect, scrape, start_verifier, stop, submit
 
+from splitspec import lifeline
 from splitspec import engine_args
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.standalone import StandaloneDrafter
@@ -117,11 +118,11 @@ def test_tree_flags_follow_sglangs_rules():
     with pytest.raises(engine_args.FlagError, match="need at least"):
         engine_args.tree_shape(_flags(speculative_num_steps=0, speculative_eagle_topk=2, speculative_num_draft_tokens=4),
                                (3, 1, 4))
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
                              "STANDALONE", "--speculative-draft-model-path", str(demo_model_dirs()["draft"]),
                              "--speculative-num-draft-tokens", "6"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "set all of --speculative-num-steps" in result.stderr
-    result = subprocess.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
                              "STANDALONE"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "needs --speculative-draft-model-path" in result.stderr
 
@@ -137,7 +138,7 @@ def test_standalone_drafter_process_over_tcp_equals_plain():
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     shape = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"]
-    drafter = subprocess.Popen([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+    drafter = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                 "--drafter-name", "small-llm", "--speculative-algorithm", "STANDALONE", "--dtype", "float32",
                                 "--speculative-draft-model-path", str(dirs["draft"]), *shape, "--log-level", "warning"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -8,12 +8,12 @@ wire format."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from splitspec import lifeline
 from splitspec.runtime.tensor_plane import ALIGN, CudaIpcPlane, CudaIpcReader, FramePlane, TensorError
 
 
@@ -99,7 +99,7 @@ def test_another_process_maps_the_buffer_and_copies_tensors_to_its_gpu():
     fields = {k: v.hex() if isinstance(v, bytes) else v for k, v in plane.export().items()}
     target = f"cuda:{torch.cuda.device_count() - 1}"
     spec = {"fields": fields, "device": target, "infos": [dataclasses.asdict(i) for i in infos]}
-    child = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(spec), capture_output=True, text=True, timeout=120)
+    child = lifeline.run([sys.executable, "-c", CHILD], input=json.dumps(spec), capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
     result = json.loads(child.stdout.strip().splitlines()[-1])
     for rid, t in tensors.items():

@@ -4,12 +4,12 @@ drafts only ever use the listed ids (STANDALONE and EAGLE), and output does not 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.eagle import EagleDrafter
 from splitspec.drafter_svc.standalone import StandaloneDrafter
@@ -78,18 +78,18 @@ def test_generate_with_a_token_map_keeps_output_and_speculates(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(dirs["target"])
     base = [sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", PROMPT, "--max-new-tokens", "40",
             "--ignore-eos", "--json", "--log-level", "warning"]
-    plain = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    plain = lifeline.run(base, capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0, plain.stderr
     plain_ids = json.loads(plain.stdout)["output_ids"]
     frequent = sorted(set(tokenizer.encode(PROMPT) + plain_ids)) + list(range(0, 4096, 16))
     torch.save(list(dict.fromkeys(frequent)), tmp_path / "freq.pt")
-    spec = subprocess.run(base + ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(dirs["draft"]),
+    spec = lifeline.run(base + ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(dirs["draft"]),
                                   "--speculative-token-map", str(tmp_path / "freq.pt")], capture_output=True, text=True, timeout=300)
     assert spec.returncode == 0, spec.stderr
     row = json.loads(spec.stdout)
     assert row["output_ids"] == plain_ids
     assert row["speculative"]["accepted_tokens"] > 0 and row["speculative"]["fallbacks"] == 0
     torch.save([1, 99999], tmp_path / "bad.pt")
-    bad = subprocess.run(base + ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(dirs["draft"]),
+    bad = lifeline.run(base + ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(dirs["draft"]),
                                  "--speculative-token-map", str(tmp_path / "bad.pt")], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "outside the target's vocabulary" in bad.stderr

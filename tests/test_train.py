@@ -16,6 +16,7 @@ import torch
 from helpers import assert_greedy_match, hf_model, load_runner
 from safetensors.torch import load_file
 
+from splitspec import lifeline
 from splitspec.train import corpus
 from splitspec.train.dataset import check_manifest, prepare_dataset
 
@@ -70,7 +71,7 @@ def test_dataset_has_tokenizer_tokens_and_manifest(dataset):
 
 def test_smoke_training_learns_and_loads(tmp_path, dataset):
     out = tmp_path / "lm"
-    result = subprocess.run(train_cli(out, dataset), capture_output=True, text=True, timeout=600)
+    result = lifeline.run(train_cli(out, dataset), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "training.json").read_text())
     history = [h["held_out_loss"] for h in report["history"]]
@@ -92,7 +93,7 @@ def test_smoke_training_learns_and_loads(tmp_path, dataset):
 def test_interrupted_training_resumes_to_the_same_weights(tmp_path, dataset):
     steps = ["--steps", "120", "--save-every", "30", "--eval-every", "40"]
     straight = tmp_path / "straight"
-    assert subprocess.run(train_cli(straight, dataset, *steps), capture_output=True, timeout=600).returncode == 0
+    assert lifeline.run(train_cli(straight, dataset, *steps), capture_output=True, timeout=600).returncode == 0
     interrupted = tmp_path / "interrupted"
     process = subprocess.Popen(train_cli(interrupted, dataset, *steps), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
@@ -103,7 +104,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, dataset):
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert not (interrupted / "training.json").exists()
-    resumed = subprocess.run(train_cli(interrupted, dataset, *steps), capture_output=True, text=True, timeout=600)
+    resumed = lifeline.run(train_cli(interrupted, dataset, *steps), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed" in resumed.stderr
     a, b = load_file(straight / "model.safetensors"), load_file(interrupted / "model.safetensors")

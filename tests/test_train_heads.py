@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
@@ -123,7 +124,7 @@ def train_cli(kind: str, out, *extra: str) -> list[str]:
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_a_short_run_learns_and_reports_an_engine_accept_length(tmp_path, kind):
     extra = ["--draft-vocab-size", "1024", "--ttt-steps", "2"] if kind == "eagle3" else []
-    result = subprocess.run(train_cli(kind, tmp_path / "head", "--steps", "60", "--eval-every", "30", "--accept-prompts", "4",
+    result = lifeline.run(train_cli(kind, tmp_path / "head", "--steps", "60", "--eval-every", "30", "--accept-prompts", "4",
                                       "--accept-new-tokens", "24", *extra),
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -140,7 +141,7 @@ def test_a_short_run_learns_and_reports_an_engine_accept_length(tmp_path, kind):
 def test_an_interrupted_run_resumes_exactly(tmp_path):
     args = ["--steps", "40", "--eval-every", "10", "--save-every", "10", "--accept-prompts", "0", "--draft-vocab-size", "512",
             "--ttt-steps", "2", "--seed", "3"]
-    straight = subprocess.run(train_cli("eagle3", tmp_path / "straight", *args), capture_output=True, text=True, timeout=900)
+    straight = lifeline.run(train_cli("eagle3", tmp_path / "straight", *args), capture_output=True, text=True, timeout=900)
     assert straight.returncode == 0, straight.stderr[-2000:]
     process = subprocess.Popen(train_cli("eagle3", tmp_path / "resumed", *args), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -151,7 +152,7 @@ def test_an_interrupted_run_resumes_exactly(tmp_path):
     assert state.exists(), "no checkpoint was written"
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    resumed = subprocess.run(train_cli("eagle3", tmp_path / "resumed", *args), capture_output=True, text=True, timeout=900)
+    resumed = lifeline.run(train_cli("eagle3", tmp_path / "resumed", *args), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0 and "resumed" in resumed.stderr
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import assert_greedy_match, hf_model
 
+from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.generate import generate_ids
 from splitspec.protos import verifier_pb2 as pb
@@ -37,7 +38,7 @@ def free_port() -> int:
 def start_verifier(*extra: str, port: int | None = None):
     """A `splitspec verifier` process with metrics; returns (process, stub). stub.metrics_port is set."""
     port, metrics_port = port or free_port(), free_port()
-    process = subprocess.Popen(
+    process = lifeline.spawn(
         [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--metrics-port", str(metrics_port),
          "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
          "--log-level", "warning", *extra],
@@ -100,7 +101,7 @@ class Prometheus:
                           "  - job_name: splitspec-verifier\n    static_configs:\n"
                           f"      - targets: [{', '.join(repr(f'127.0.0.1:{t}') for t in targets)}]\n")
         self.port = free_port()
-        self.process = subprocess.Popen(
+        self.process = lifeline.spawn(
             [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from splitspec.protos.step_limits import verifier_receive_limit
 from splitspec.runtime.curve import Authorizer, HandshakeMonitor, ServerKeys, Throttle, make_server
 from splitspec.runtime.tensor_plane import CudaIpcPlane, FramePlane, frame_bytes
 from splitspec.runtime.tree import DraftTree
@@ -92,7 +93,7 @@ class DrafterPool(DrafterClient):
                  timeout: float = 0.5, heartbeat_timeout: float = 2.0, metrics=None,
                  hidden_state_layers: tuple[int, ...] = (), overlap: str = "auto", num_bets: int = 0,
                  device: str = "cpu", overlap_max_bs: int = 8, tensor_device=None, ipc_buffer_bytes: int = 0,
-                 curve: ServerKeys | None = None):
+                 curve: ServerKeys | None = None, max_message_bytes: int = verifier_receive_limit(4096, 64, 2)):
         """overlap (--speculative-overlap): ask drafters for bets on the outcome of the tree being verified,
         num_bets per request, so that when one comes true the next tree is ready when verification ends;
         auto: every drafter that does not share the verifier's device (device: "cuda:<UUID>" or "cpu"; a CPU
@@ -100,7 +101,9 @@ class DrafterPool(DrafterClient):
         drafter, since bets multiply a drafter's work by num_bets. tensor_device (the verifier's torch device)
         and ipc_buffer_bytes > 0: a drafter that sees this GPU (it shares the host) is offered a CUDA-IPC
         buffer of that size for the hidden states (runtime.tensor_plane.CudaIpcPlane) instead of frames.
-        curve: the verifier's CURVE keys and the drafters' it admits (None: no CURVE, as before)."""
+        curve: the verifier's CURVE keys and the drafters' it admits (None: no CURVE, as before).
+        max_message_bytes: the largest frame a drafter may send (protos.step_limits.verifier_receive_limit of the
+        verifier's limits); a drafter sending more is disconnected before the frame is allocated."""
         import zmq
 
         super().__init__()
@@ -141,7 +144,8 @@ class DrafterPool(DrafterClient):
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an undeliverable message raises instead of vanishing
         self._router.setsockopt(zmq.SNDHWM, 100_000)
         self._router.setsockopt(zmq.RCVHWM, 100_000)
-        self._router.setsockopt(zmq.MAXMSGSIZE, 16 << 20)  # replies are trees: a peer sending more is cut off
+        self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # replies are trees: a peer sending more is cut off
+        self.max_message_bytes = max_message_bytes
         if curve is not None:
             make_server(self._router, curve)
         self._handshakes = HandshakeMonitor(self._router, "verifier", curve is not None)

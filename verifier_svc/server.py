@@ -283,11 +283,15 @@ async def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> No
         from splitspec.verifier_svc.metrics import PoolMetrics
 
         from splitspec.draft_models import capture_for, hidden_state_layers
+        from splitspec.protos.step_limits import verifier_receive_limit
         from splitspec.runtime.tensor_plane import device_identity
 
         spec = engine_args.spec_config(args)
         layers = hidden_state_layers(args, runner.config)
         capture_for(runner, layers)
+        # trees for every request that can run at once (each holds a KV page at least)
+        max_requests = args.max_running_requests or runner.kv_cache.num_pages
+        max_message = verifier_receive_limit(max_requests, spec.num_draft_tokens, engine_args.num_bets(args))
         drafter = DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
                               draft_model=(args.speculative_draft_model_path or "") if args.speculative_algorithm != "NGRAM" else "",
                               timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
@@ -296,7 +300,7 @@ async def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> No
                               overlap=engine_args.overlap_mode(args), num_bets=engine_args.num_bets(args),
                               device=device_identity(runner.device), overlap_max_bs=args.speculative_overlap_max_bs,
                               tensor_device=runner.device, ipc_buffer_bytes=args.drafter_ipc_buffer_mb << 20,
-                              curve=curve)
+                              curve=curve, max_message_bytes=max_message)
     else:
         drafter, spec = engine_args.in_process_drafter(args, target=runner)
     if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters

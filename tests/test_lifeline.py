@@ -1,0 +1,58 @@
+"""splitspec.lifeline: a child started with spawn() or run() ends when the process that started it is SIGKILLed
+(it gets no chance to stop anything), and one started with plain subprocess does not (the control)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from splitspec import lifeline
+
+PARENT = """
+import subprocess, sys, time
+from splitspec import lifeline
+how = sys.argv[1]
+sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+if how == "spawn":
+    child = lifeline.spawn(sleeper)
+elif how == "plain":
+    child = subprocess.Popen(sleeper)
+if how == "run":
+    import threading
+    threading.Thread(target=lifeline.run, args=(sleeper,), daemon=False).start()
+    time.sleep(0.5)
+    print(subprocess.run(["pgrep", "-P", str(__import__("os").getpid())], capture_output=True, text=True).stdout.split()[0], flush=True)
+else:
+    print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not lifeline.supported(), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("how", ["spawn", "run", "plain"])
+def test_children_end_with_their_parent_however_it_ends(how):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, how], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        assert alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive(child) == (how == "plain"), f"{how}: child {child} alive {alive(child)}"
+    finally:
+        if alive(child):
+            subprocess.run(["kill", "-9", str(child)])
