@@ -7,6 +7,7 @@ or a norm cannot pass an equivalence test by accident.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,6 +17,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import NEAR_TIE_DIVERGENCES, PUBLISHED_V4_CONFIGS, TINY_FAMILIES, make_hf_model, randomize, save_checkpoint  # noqa: E402
+
+# The files that take longest (slowest first, measured on a 2-core CI machine with 2 workers) run first, so that
+# pytest-xdist's workers (--dist loadfile hands out files in collection order) end together instead of one of them
+# running a long end-to-end file alone at the end.
+SLOW_FILES_FIRST = (
+    "test_soak.py", "test_seed_launch_lines.py", "test_faults.py", "test_train_heads.py", "test_draft_loading.py",
+    "test_mtp.py", "test_demo_models.py", "test_fuzz.py", "test_eagle.py", "test_drafter_pool.py", "test_launcher.py",
+    "test_gateway.py", "test_speculative.py", "test_torch_compile.py", "test_long_prompt.py", "test_train.py",
+    "test_kernels_interpreted.py", "test_bench.py", "test_dashboards.py", "test_token_map.py", "test_verifier_service.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[item]))
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
@@ -52,15 +70,28 @@ def llama31_v4_dir(published_v4_dirs) -> Path:
 
 
 def pytest_sessionfinish(session):
-    """Under pytest-xdist a worker hands its near-tie divergences to the controller, which reports them all."""
+    """Under pytest-xdist a worker hands its near-tie divergences to the controller, which reports them all (and
+    removes the folder the workers shared trained drafts through)."""
+    from draft_training import shared_root
+
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["near_tie_divergences"] = list(NEAR_TIE_DIVERGENCES)
+        workeroutput["shared_root"] = str(shared_root())
+    else:  # the controller, once every worker is down
+        for root in SHARED_ROOTS:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+SHARED_ROOTS: set[str] = set()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):  # the controller, as each xdist worker ends (the hook exists only with xdist)
-    NEAR_TIE_DIVERGENCES.extend(getattr(node, "workeroutput", {}).get("near_tie_divergences", []))
+    output = getattr(node, "workeroutput", {})
+    NEAR_TIE_DIVERGENCES.extend(output.get("near_tie_divergences", []))
+    if output.get("shared_root"):
+        SHARED_ROOTS.add(output["shared_root"])
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -6,9 +6,12 @@ learns the target's next-token distribution (cross-entropy against it)."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,10 +21,36 @@ from safetensors.torch import load_file, save_file
 from splitspec.demo import demo_model_dirs
 
 
+def shared_root() -> Path | None:
+    """A folder every pytest-xdist worker of this run shares (None outside xdist); conftest removes it at the end."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return Path(tempfile.gettempdir()) / f"splitspec-tests-{uid}" if uid else None
+
+
+def across_workers(name: str, compute):
+    """compute() once per test run: the first worker to ask computes and saves it, the others wait and load it."""
+    root = shared_root()
+    if root is None:
+        return compute()
+    root.mkdir(exist_ok=True)
+    path = root / f"{name}.pt"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return torch.load(path)
+        value = compute()
+        torch.save(value, path)
+        return value
+
+
 @functools.lru_cache(maxsize=1)
 def greedy_corpus() -> tuple[list[torch.Tensor], tuple]:
     """(sequences, per sequence ([input of layer i for i < L] + [the last layer's output before the final
-    norm], the final normed state)), cached."""
+    norm], the final normed state)), cached (across xdist workers too)."""
+    return across_workers("greedy_corpus", _greedy_corpus)
+
+
+def _greedy_corpus() -> tuple[list[torch.Tensor], tuple]:
     from test_speculative import PROMPTS, run
     from transformers import AutoTokenizer
 
@@ -132,6 +161,10 @@ def train_mimo_target(out: Path, num_layers: int = 2, prenorm: bool = False, ste
 
 @functools.lru_cache(maxsize=2)
 def _trained_mtp_layers(num_layers: int, prenorm: bool, steps: int) -> list[dict[str, torch.Tensor]]:
+    return across_workers(f"mtp_layers_{num_layers}_{prenorm}_{steps}", lambda: _train_mtp_layers(num_layers, prenorm, steps))
+
+
+def _train_mtp_layers(num_layers: int, prenorm: bool, steps: int) -> list[dict[str, torch.Tensor]]:
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 

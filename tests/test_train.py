@@ -95,7 +95,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tmp_path, dataset):
     straight = tmp_path / "straight"
     assert lifeline.run(train_cli(straight, dataset, *steps), capture_output=True, timeout=600).returncode == 0
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen(train_cli(interrupted, dataset, *steps), stdout=subprocess.DEVNULL,
+    process = lifeline.spawn(train_cli(interrupted, dataset, *steps), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while not (interrupted / "train_state.pt").exists() and process.poll() is None and time.time() < deadline:
