@@ -28,7 +28,7 @@ done
 # One torch (OpenMP) thread per process: the tests' models are tiny, so a second thread buys ~10% of a file's
 # time for ~75% more CPU, and with two workers, each starting services, the extra threads only fight for the cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-workers=(-n "${SPLITSPEC_TEST_WORKERS:-3}" --dist loadfile)
+workers=(-n "${SPLITSPEC_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder)  # files in collection order: conftest puts the slow ones first
 [[ "${SPLITSPEC_TEST_WORKERS:-3}" == 0 ]] && workers=(-p no:xdist)
 echo "test.sh: $VENV/bin/python -P -m pytest ${targets[*]} ${workers[*]} --durations=25 $*" >&2
 set +e

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import NEAR_TIE_DIVERGENCES, PUBLISHED_V4_CONFIGS, TINY_FAMILIES, make_hf_model, randomize, save_checkpoint  # noqa: E402
 
 # The files that take longest (slowest first, measured on a 2-core CI machine with 2 workers) run first, so that
-# pytest-xdist's workers (--dist loadfile hands out files in collection order) end together instead of one of them
+# pytest-xdist's workers (--dist loadfile --no-loadscope-reorder hands out files in collection order) end together instead of one of them
 # running a long end-to-end file alone at the end.
 SLOW_FILES_FIRST = (
     "test_soak.py", "test_seed_launch_lines.py", "test_faults.py", "test_train_heads.py", "test_draft_loading.py",

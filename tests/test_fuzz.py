@@ -30,7 +30,7 @@ from test_verifier_service import scrape, start_verifier, stop
 from splitspec.demo import demo_model_dirs
 
 CONTEXT = 48  # tokens: keeps every generated completion short on a CPU
-EXAMPLES = {GenerationMode.POSITIVE: int(os.environ.get('FUZZ_POS', 50)), GenerationMode.NEGATIVE: int(os.environ.get('FUZZ_NEG', 500))}  # per POST operation (FUZZ_POS / FUZZ_NEG: a longer run); GETs take 60
+EXAMPLES = {GenerationMode.POSITIVE: int(os.environ.get('FUZZ_POS', 50)), GenerationMode.NEGATIVE: int(os.environ.get('FUZZ_NEG', 300))}  # per POST operation (FUZZ_POS / FUZZ_NEG: a longer run); GETs take 60
 # what a body the schema allows may still be refused for, by (param, code): no JSON schema states these
 ALLOWED_REFUSALS = {
     ("max_tokens", "context_length_exceeded"), ("messages", "context_length_exceeded"),
@@ -167,8 +167,8 @@ def test_fuzz_every_operation_from_the_openapi_document(fuzz_stack):
         print(f"  {key}: {tally[key]:.1f}" if key == "seconds" else f"  {key}: {tally[key]}")
     kinds = Counter(f.split(":", 1)[0] + " " + f.split("-> ", 1)[-1][:120] for f in failures)
     assert not failures, f"{len(failures)} failures; by kind: {kinds.most_common(8)}; the first: " + "\n".join(failures[:3])
-    # the fuzzer reached the engine, both ways, and a thousand times in all
-    assert tally["cases"] >= 1000 and tally["completed"] >= 50 and tally["outside schema"] >= 700, tally
+    # the fuzzer reached the engine, both ways, and hundreds of times in all
+    assert tally["cases"] >= 700 and tally["completed"] >= 50 and tally["outside schema"] >= 450, tally
     metrics = scrape(fuzz_stack["stub"].metrics_url)
     drafted = sum(v for (name, _), v in metrics.items() if name == "splitspec:spec_decode_num_draft_tokens_total")
     accepted = sum(v for (name, _), v in metrics.items() if name == "splitspec:spec_decode_num_accepted_tokens_total")

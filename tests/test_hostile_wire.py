@@ -143,7 +143,11 @@ def test_a_hostile_verifier_cannot_take_a_drafter_down():
         fake.send(fake.draft(5, "r3"))
         reply = fake.recv()
         assert reply.WhichOneof("kind") == "draft_reply" and reply.draft_reply.step_id == 5
-        assert reply.draft_reply.trees[0].tokens[:2] == [7, 8] and fake.heartbeats > beats
+        assert reply.draft_reply.trees[0].tokens[:2] == [7, 8]
+        deadline = time.time() + 60
+        while fake.heartbeats <= beats:  # and heartbeating (however busy the machine, within a minute)
+            assert time.time() < deadline, "no heartbeat since the hostile frames"
+            fake.recv(timeout=1)
         assert _metric(metrics_url, "splitspec:drafter_registered") == 1
         print(f"a hostile verifier: {len(hostile)} unusable frames and {len(quiet)} wrong messages, "
               f"{dropped:.0f} drops counted, the drafter alive and drafting")

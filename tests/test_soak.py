@@ -21,7 +21,7 @@ RSS_TOLERANCE = (1.5, 150.0)  # drained RSS <= warm * 1.5 + 150 MB (allocator ca
 def test_soak_sixty_seconds_with_drafters_killed(tmp_path):
     out = tmp_path / "soak.json"
     result = lifeline.run([sys.executable, "-P", str(SOAK), "--duration", "60", "--rate", "1.5", "--drafters", "1",
-                           "--kill-every", "11", "--warmup", "10", "--out", str(out)],
+                           "--kill-every", "11", "--warmup", "10", "--prompts", "12", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert out.exists(), result.stderr[-4000:]
     report = json.loads(out.read_text())

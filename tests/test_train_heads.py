@@ -124,7 +124,7 @@ def train_cli(kind: str, out, *extra: str) -> list[str]:
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_a_short_run_learns_and_reports_an_engine_accept_length(tmp_path, kind):
     extra = ["--draft-vocab-size", "1024", "--ttt-steps", "2"] if kind == "eagle3" else []
-    result = lifeline.run(train_cli(kind, tmp_path / "head", "--steps", "60", "--eval-every", "30", "--accept-prompts", "4",
+    result = lifeline.run(train_cli(kind, tmp_path / "head", "--steps", "40", "--eval-every", "20", "--accept-prompts", "4",
                                       "--accept-new-tokens", "24", *extra),
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
