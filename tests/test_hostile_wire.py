@@ -88,10 +88,10 @@ class FakeVerifier:
 def test_a_hostile_verifier_cannot_take_a_drafter_down():
     fake = FakeVerifier()
     metrics_port = free_port()
-    drafter = lifeline.spawn(
+    drafter = lifeline.spawn(  # the fake answers heartbeats only while the test reads: a busy machine must not look silent
         [sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", fake.address, "--drafter-name", "d",
          "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--heartbeat-interval", "0.1",
-         "--verifier-timeout", "30", "--metrics-port", str(metrics_port), "--log-level", "warning"],
+         "--verifier-timeout", "600", "--metrics-port", str(metrics_port), "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-from splitspec import lifeline
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -17,7 +17,7 @@ GENERATED = ("verifier_pb2.py", "verifier_pb2.pyi", "verifier_pb2_grpc.py")
 
 
 def test_generated_code_is_reproducible(tmp_path):
-    lifeline.run(["bash", str(REPO / "scripts" / "gen_protos.sh"), str(tmp_path)], check=True, capture_output=True, timeout=600)
+    subprocess.run(["bash", str(REPO / "scripts" / "gen_protos.sh"), str(tmp_path)], check=True, capture_output=True, timeout=600)
     for name in GENERATED:
         assert (tmp_path / name).read_bytes() == (REPO / "protos" / name).read_bytes(), f"{name}: run scripts/gen_protos.sh"
 
@@ -55,9 +55,9 @@ def test_generated_code_runs_on_the_gpu_images_versions(tmp_path):
     """A fresh venv with exactly grpcio 1.84.0 and protobuf 7.36.2 (the GPU image's) imports the
     generated modules and round-trips a message through them."""
     venv = tmp_path / "venv"
-    lifeline.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    lifeline.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
                     "grpcio==1.84.0", "protobuf==7.36.2"], check=True, capture_output=True, timeout=600)
     package = tmp_path / "pkg" / "splitspec"
     shutil.copytree(REPO / "protos", package / "protos")
@@ -71,6 +71,6 @@ def test_generated_code_runs_on_the_gpu_images_versions(tmp_path):
               "d = step.DrafterMessage(sender=step.DrafterIdentity(name='d', session=3), heartbeat=step.Heartbeat(steps=2))\n"
               "assert step.DrafterMessage.FromString(d.SerializeToString()) == d\n"
               "print(grpc.__version__, google.protobuf.__version__)\n")
-    result = lifeline.run([str(python), "-c", script], capture_output=True, text=True, cwd=tmp_path / "pkg", timeout=120)
+    result = subprocess.run([str(python), "-c", script], capture_output=True, text=True, cwd=tmp_path / "pkg", timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1.84.0", "7.36.2"]
