@@ -52,19 +52,19 @@ def supported() -> bool:
     return _PRCTL is not None
 
 
+def _dying_with_this_process(kwargs: dict) -> dict:
+    if _PRCTL is not None:
+        if "preexec_fn" in kwargs:
+            raise TypeError("splitspec.lifeline sets preexec_fn itself")
+        kwargs["preexec_fn"] = _die_with(os.getpid())
+    return kwargs
+
+
 def spawn(argv: list[str], **popen_kwargs) -> subprocess.Popen:
     """subprocess.Popen(argv, **popen_kwargs), the child SIGKILLed when this process dies."""
-    if _PRCTL is not None:
-        if "preexec_fn" in popen_kwargs:
-            raise TypeError("spawn() sets preexec_fn itself")
-        popen_kwargs["preexec_fn"] = _die_with(os.getpid())
-    return subprocess.Popen(argv, **popen_kwargs)
+    return subprocess.Popen(argv, **_dying_with_this_process(popen_kwargs))
 
 
 def run(argv: list[str], **run_kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(argv, **run_kwargs), the child SIGKILLed when this process dies."""
-    if _PRCTL is not None:
-        if "preexec_fn" in run_kwargs:
-            raise TypeError("run() sets preexec_fn itself")
-        run_kwargs["preexec_fn"] = _die_with(os.getpid())
-    return subprocess.run(argv, **run_kwargs)
+    return subprocess.run(argv, **_dying_with_this_process(run_kwargs))

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from test_launcher import alive
 
 from splitspec import lifeline
 
@@ -30,14 +31,6 @@ else:
     print(child.pid, flush=True)
 time.sleep(120)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not lifeline.supported(), reason="PR_SET_PDEATHSIG is Linux's")
