@@ -7,6 +7,8 @@ or a norm cannot pass an equivalence test by accident.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +35,23 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     order = {item: i for i, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[item]))
+
+
+def _cpu_seconds() -> float:
+    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """SPLITSPEC_TEST_CPU_LOG=path: one JSON line per test with the CPU seconds it cost (this process and every
+    child process it reaped, set-up and tear-down included), to see where a 2-core CI's time goes."""
+    log = os.environ.get("SPLITSPEC_TEST_CPU_LOG")
+    before = _cpu_seconds() if log else 0.0
+    yield
+    if log:
+        with open(log, "a") as out:
+            out.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before, 2)}) + "\n")
 
 
 @pytest.fixture(scope="session")
