@@ -39,6 +39,11 @@
 #             --quantization fp8 (W8A8 torch._scaled_mm): batch-1 decode tok/s with CUDA graphs, weight bytes and the
 #             weight floor at the H100's 3.35e12 B/s (its agreement says little: random weights are chaotic, so any
 #             perturbation flips their flat logits); then the accuracy on the trained demo target over 256 prompts
+#   served    issue 31: what a user gets over HTTP next to the engine, in one run (benchmarks/served.py: `splitspec up` on
+#             the GPU measured by `splitspec bench --url`, then `splitspec bench` in process with the same model flags
+#             and load; one JSON per case with both reports and served/in-process per point). SERVED_CASES picks among
+#             demo-ngram, demo-eagle3 (the demo target, plain and speculative, batch 1 and 16) and 8b-plain (the
+#             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64); SERVED_LOAD adds bench flags
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA
@@ -129,6 +134,17 @@ for stage in "${stages[@]}"; do
              python3 -P benchmarks/fp8_accuracy.py --device cuda --model-path splitspec/demo_models/target --dtype bfloat16 \
                  --num-prompts 256 --prompt-len 32 --new-tokens 32 --decode-tokens 128 --out "$OUT/fp8_demo.json" >> "$OUT/fp8.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
+        served) for case in ${SERVED_CASES:-demo-ngram demo-eagle3 8b-plain}; do
+                    case $case in
+                        demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
+                        demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
+                        8b-plain) pre=(--dummy-preset llama-3.1-8b); model=(); bs=1,8,32,64 ;;
+                        *) echo "unknown served case $case" >> "$OUT/served.log"; false; break ;;
+                    esac
+                    timeout "${SERVED_TIMEOUT:-540}" python3 -P benchmarks/served.py "${pre[@]}" --out "$OUT/served_$case.json" \
+                        --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
+                        -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || break
+                done ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;

@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
 from splitspec import lifeline
+
+REPO = Path(__file__).resolve().parents[1]
 from splitspec.drafter_svc.replay import ReplayDrafter, load_references, parse_profile
 from splitspec.runtime.tree import depths, validate_parents
 
@@ -214,3 +217,27 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     for row in rows[1::2]:
         assert abs(row["accept_length"] - 3) < 0.4, row["accept_length"]
         assert row["speedup"] > 0
+
+
+def test_served_against_in_process_in_one_command(tmp_path):
+    """benchmarks/served.py: `splitspec up` measured by `splitspec bench --url`, then the same model and load in
+    process; the report pairs every point (plain and NGRAM) with its served/in-process ratio, and both sides
+    speculated."""
+    from test_launcher import free_port_block
+
+    out = tmp_path / "served.json"
+    port = free_port_block(4)
+    result = lifeline.run([sys.executable, "-P", "benchmarks/served.py", "--out", str(out), "--port", str(port),
+                           "--load", "--batch-size 2 --prompt-len 32 --output-len 12 --num-prompts 2 --warmup-requests 1",
+                           "--", "--speculative-algorithm", "NGRAM", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600, cwd=str(REPO))
+    log = (tmp_path / "served.log").read_text() if (tmp_path / "served.log").exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + log[-3000:]
+    report = json.loads(out.read_text())
+    points = {(p["batch_size"], p["speculative"]): p for p in report["points"]}
+    assert set(points) == {(2, None), (2, "NGRAM")}, report["points"]
+    for point in points.values():
+        assert point["served_errors"] == 0 and point["served_tok_s"] > 0 and point["in_process_tok_s"] > 0
+        assert point["served_over_in_process"] == round(point["served_tok_s"] / point["in_process_tok_s"], 3)
+    assert points[(2, "NGRAM")]["served_accept_length"] > 1 and points[(2, "NGRAM")]["in_process_accept_length"] > 1
+    assert report["served"]["url"] == f"http://127.0.0.1:{port}" and "served.py" in report["command"]

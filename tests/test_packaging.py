@@ -291,3 +291,26 @@ def test_installed_layout_has_one_import_root(mode, tmp_path, outer_farm):
         assert info["path"] and all(Path(p).resolve() == expected.resolve() for p in info["path"]), (
             f"{pkg}.__path__ = {info['path']}, expected [{expected}]{context}"
         )
+
+
+SOURCE_TREE_CHECK = """
+import importlib, json, sys
+sys.path.append(sys.argv[1])  # the environment's packages, without its .pth files (no editable finder)
+print(json.dumps({pkg: importlib.import_module(pkg).__path__[0] for pkg in json.loads(sys.argv[2])}))
+"""
+
+
+def test_a_source_tree_on_the_path_imports_every_mapped_package():
+    """No install at all (a GPU image), `python -m splitspec ...` run in the repository's root as `splitspec up`
+    starts its services: the root's splitspec/ comes first on sys.path, and its mapped sub-packages
+    (splitspec.drafter_svc from drafter_svc/, ...) still import, from the repository's folders."""
+    purelib = sysconfig.get_paths()["purelib"]
+    result = lifeline.run([sys.executable, "-S", "-c", SOURCE_TREE_CHECK, purelib, json.dumps(PACKAGES)], cwd=REPO,
+                          env=_clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    paths = json.loads(result.stdout)
+    for pkg in PACKAGES:
+        assert Path(paths[pkg]).resolve() == (REPO / _expected_source_dir(pkg)).resolve(), (pkg, paths[pkg])
+    helped = lifeline.run([sys.executable, "-S", "-m", "splitspec", "drafter", "--help"], cwd=REPO,
+                          env={**_clean_env(), "PYTHONPATH": purelib}, capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--verifier-drafter-addr" in helped.stdout, helped.stderr

@@ -1,7 +1,9 @@
 """`splitspec verifier`: the target model and the step loop behind the splitspec.v1.Verifier gRPC API.
 
 The engine runs on its own thread (worker.EngineWorker); each Generate stream is an asyncio task that
-validates submissions, hands them to the worker and yields the deltas the worker delivers. A bad
+validates submissions, hands them to the worker and yields the deltas the worker delivers: a step's
+deltas cross from the engine thread in one hand-off (StreamRouter), and each stream writes everything
+waiting for it as one message. A bad
 request gets an error delta naming the problem (INVALID_ARGUMENT: ...) and its stream keeps serving
 the others; a stream that closes aborts its unfinished requests.
 """
@@ -61,6 +63,48 @@ class Validator:
         return params, None
 
 
+class Stream:
+    """One Generate call's deltas waiting to be written: the router appends whole steps, the call writes
+    everything waiting as one GenerateServerMessage."""
+
+    def __init__(self):
+        self.pending: list = []  # TokenDelta, or a Malformed / None from the reader
+        self.wake = asyncio.Event()
+
+    def put(self, item) -> None:
+        self.pending.append(item)
+        self.wake.set()
+
+    async def take(self) -> list:
+        await self.wake.wait()
+        self.wake.clear()
+        items, self.pending = self.pending, []
+        return items
+
+
+class StreamRouter:
+    """The worker's publish: on the engine thread, each delivery becomes its TokenDelta (a snapshot of the
+    request's counts as of this step) and the whole step crosses to the event loop in one call, which files
+    each delta with its stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def publish(self, deliveries) -> None:
+        batch = []
+        for submission, event in deliveries:
+            batch.append((submission.stream, convert.delta(submission.client_id, submission.request, event.new_token_ids,
+                                                           event.finish_reason, submission.first, event.error,
+                                                           event.logprobs)))
+            submission.first = False
+        self.loop.call_soon_threadsafe(self._file, batch)
+
+    @staticmethod
+    def _file(batch) -> None:
+        for stream, message in batch:
+            stream.put(message)
+
+
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, worker: EngineWorker, validator: Validator, info: pb.ModelInfo, metrics=None):
         self.worker, self.validator, self.info, self.metrics = worker, validator, info, metrics
@@ -68,52 +112,46 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def Generate(self, request_iterator, context):
         loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue = asyncio.Queue()
+        stream = Stream()
         live: dict[str, Submission] = {}
         reading = True
-
-        def deliver_from_worker(submission: Submission, first: list[bool]):
-            def deliver(request, event):
-                message = convert.delta(submission.client_id, request, event.new_token_ids, event.finish_reason, first[0],
-                                        event.error, event.logprobs)
-                first[0] = False
-                loop.call_soon_threadsafe(outbox.put_nowait, (submission.client_id, message))
-            return deliver
 
         async def read():
             nonlocal reading
             try:
                 async for message in request_iterator:
                     if isinstance(message, Malformed):  # this stream ends with the status; nobody else's
-                        outbox.put_nowait(message)
+                        stream.put(message)
                         break
                     if message.WhichOneof("kind") == "submit":
-                        self._submit(message.submit, live, outbox, deliver_from_worker)
+                        self._submit(message.submit, live, stream)
                     elif message.WhichOneof("kind") == "abort" and message.abort.request_id in live:
                         await loop.run_in_executor(None, self.worker.abort, live[message.abort.request_id])
             finally:
                 reading = False
-                outbox.put_nowait(None)
+                stream.put(None)
 
         reader = asyncio.create_task(read())
         try:
             while reading or live:
-                item = await outbox.get()
-                if item is None:
-                    continue
-                if isinstance(item, Malformed):
-                    await refuse_malformed(item, context)
-                client_id, message = item
-                if message.finish_reason != pb.FINISH_REASON_UNSPECIFIED and live.pop(client_id, None) is not None:
-                    self.by_client_id.pop(client_id, None)
-                yield pb.GenerateServerMessage(deltas=[message])
+                deltas = []
+                for item in await stream.take():
+                    if item is None:
+                        continue
+                    if isinstance(item, Malformed):
+                        await refuse_malformed(item, context)
+                    if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED and live.pop(item.request_id, None) is not None:
+                        self.by_client_id.pop(item.request_id, None)
+                    deltas.append(item)
+                if deltas:  # every delta that waited, in one message (one write)
+                    yield pb.GenerateServerMessage(deltas=deltas)
         finally:
             reader.cancel()
             for submission in list(live.values()):  # the stream went away: abort what it left running
                 await loop.run_in_executor(None, self.worker.abort, submission)
                 self.by_client_id.pop(submission.client_id, None)
 
-    def _submit(self, submit, live, outbox, deliver_from_worker) -> None:
+    def _submit(self, submit, live, stream: Stream) -> None:
         params, problem = self.validator.check(submit)
         if problem is None and (submit.request_id in live or submit.request_id in self.by_client_id):
             problem = f"INVALID_ARGUMENT: request_id {submit.request_id!r} is already running"
@@ -121,10 +159,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             logger.info("refused request %r: %s", submit.request_id, problem)
             if self.metrics is not None:
                 self.metrics.grpc_refused.labels(**self.metrics.labels, code=problem.split(":", 1)[0]).inc()
-            outbox.put_nowait((submit.request_id, convert.error(submit.request_id, problem)))
+            stream.put(convert.error(submit.request_id, problem))
             return
-        submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate, None)
-        submission.deliver = deliver_from_worker(submission, [True])
+        submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate, stream=stream)
         live[submit.request_id] = submission
         self.by_client_id[submit.request_id] = submission
         self.worker.submit(submission)
@@ -314,7 +351,7 @@ async def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> No
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
     engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache)
-    worker = EngineWorker(engine, metrics)
+    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish)
     if metrics is not None:
         metrics.observe_state(engine)
     worker.start()

@@ -1,5 +1,7 @@
 """The engine's thread: it owns the Engine, takes submissions and aborts from a queue, steps while
-there is work, and hands each step's deltas to the streams that asked for them.
+there is work, and hands each step's deltas to the streams that asked for them: all of a step's deltas in
+one hand-off (`publish`), so the engine thread pays one call per step, not one per request (the server's
+publish crosses to the event loop once; the protobuf and the streams' writes happen there).
 
 Submissions join the engine's waiting queue at once; the engine admits them as pages allow and
 preempts when the pool runs dry, so a request only has to fit alone (the server checks that).
@@ -24,8 +26,19 @@ class Submission:
     prompt_ids: list[int]
     params: object  # SamplingParams
     speculate: bool
-    deliver: Callable[[Request, StepEvent], None]  # called on the worker thread with each delta
+    deliver: Callable[[Request, StepEvent], None] | None = None  # the default publish calls it with each delta
     request: Request | None = None
+    stream: object = None  # the server's: which Generate stream the deltas go to
+    first: bool = True  # no delta sent yet (the first carries the prompt's counts and the seed)
+
+
+Delivery = tuple[Submission, StepEvent]
+
+
+def deliver_each(deliveries: list[Delivery]) -> None:
+    """The default publish: each submission's own deliver (in-process users and tests)."""
+    for submission, event in deliveries:
+        submission.deliver(submission.request, event)
 
 
 @dataclass
@@ -36,9 +49,9 @@ class _Abort:
 
 
 class EngineWorker(threading.Thread):
-    def __init__(self, engine: Engine, metrics=None):
+    def __init__(self, engine: Engine, metrics=None, publish: Callable[[list[Delivery]], None] = deliver_each):
         super().__init__(name="engine", daemon=True)
-        self.engine, self.metrics = engine, metrics
+        self.engine, self.metrics, self.publish = engine, metrics, publish
         self.inbox: queue.Queue = queue.Queue()
         self.live: dict[str, Submission] = {}  # engine request id -> submission
         self.finished: dict[str, Submission] = {}  # ended this step, delta not yet delivered
@@ -71,8 +84,9 @@ class EngineWorker(threading.Thread):
                     self._settle(event)
                 if self.metrics is not None:  # before delivery, so a client never sees newer tokens than metrics
                     self.metrics.observe(self.engine)
-                for event in events:
-                    self._deliver(event)
+                deliveries = [d for d in map(self._delivery, events) if d is not None]
+                if deliveries:
+                    self.publish(deliveries)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -92,18 +106,21 @@ class EngineWorker(threading.Thread):
         if submission.request is not None and self.engine.abort(submission.request):
             item.found = True
             self._finish(submission)
-            submission.deliver(submission.request, StepEvent(submission.request.request_id, [], "abort"))
+            self.publish([(submission, StepEvent(submission.request.request_id, [], "abort"))])
         if item.found and self.metrics is not None:
             self.metrics.finished.labels(**self.metrics.labels, finished_reason="abort").inc()
             self.metrics.observe_state(self.engine)
         item.done.set()
 
     def _fail_all(self, message: str) -> None:
+        deliveries = []
         for submission in list(self.live.values()):
             self.engine.abort(submission.request)
             submission.request.finish_reason = "error"
             self._finish(submission)
-            submission.deliver(submission.request, StepEvent(submission.request.request_id, [], "error", message))
+            deliveries.append((submission, StepEvent(submission.request.request_id, [], "error", message)))
+        if deliveries:
+            self.publish(deliveries)
 
     def _settle(self, event: StepEvent) -> None:
         """Move a finished request out of the live set (before anyone hears it finished)."""
@@ -112,10 +129,9 @@ class EngineWorker(threading.Thread):
             self._finish(submission)
             self.finished[event.request_id] = submission
 
-    def _deliver(self, event: StepEvent) -> None:
+    def _delivery(self, event: StepEvent) -> Delivery | None:
         submission = self.live.get(event.request_id) or self.finished.pop(event.request_id, None)
-        if submission is not None:
-            submission.deliver(submission.request, event)
+        return None if submission is None else (submission, event)
 
     def _finish(self, submission: Submission) -> None:
         self.live.pop(submission.request.request_id, None)

@@ -1,0 +1,190 @@
+"""What a user gets over HTTP next to what the engine makes, in one run on one machine.
+
+    python -P benchmarks/served.py --out served.json --load "--batch-size 1,8 --prompt-len 128 --output-len 128" \
+        -- --speculative-algorithm NGRAM --device cpu
+
+Starts `splitspec up` with the model flags after `--` (plus --serve's), measures it with
+`splitspec bench --url` (streaming completions through the gateway, the verifier's gRPC stream and the
+drafter processes), stops it, then runs `splitspec bench` in process with the same model flags and the same
+load (--load: batch sizes, prompt and output lengths; the same prompt token ids on both sides), and writes
+both reports and, for every point both measured (batch size, plain or speculative), served tok/s over in
+process tok/s. --dummy-preset builds a random-weight model of a published shape (e.g. llama-3.1-8b) with the
+demo tokenizer, so that the gateway can tokenize for it (its vocabulary cut to the tokenizer's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from splitspec import lifeline
+from splitspec.bench import git_commit
+
+# Flags `splitspec bench` and `splitspec up` both take that describe the model; the rest of `--` goes to up only.
+BENCH_MODEL_FLAGS = ("--model-path", "--load-format", "--dtype", "--device", "--speculative-algorithm",
+                     "--speculative-draft-model-path", "--speculative-draft-load-format", "--speculative-num-steps",
+                     "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--attention-backend",
+                     "--disable-cuda-graph", "--quantization", "--speculative-draft-model-revision",
+                     "--max-running-requests", "--cuda-graph-max-bs", "--speculative-adaptive")
+BENCH_GRID = {"--speculative-num-steps": "--steps", "--speculative-eagle-topk": "--topk",
+              "--speculative-num-draft-tokens": "--num-draft-tokens"}
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--load", default="--batch-size 1,8 --prompt-len 128 --output-len 128",
+                        help="`splitspec bench` flags of the load, for both sides (batch sizes, lengths, prompts).")
+    parser.add_argument("--serve", default="", help="More `splitspec up` flags (e.g. --drafters 2).")
+    parser.add_argument("--dummy-preset", default=None,
+                        help="A random-weight target of this shape (splitspec.model_shapes) with the demo tokenizer.")
+    parser.add_argument("--port", type=int, default=31000, help="The gateway's port (up takes the next four too).")
+    parser.add_argument("--timeout", type=float, default=900, help="Seconds for each of the three steps.")
+    parser.add_argument("--out", required=True, help="The JSON report.")
+    if "--" in argv:
+        at = argv.index("--")
+        return parser.parse_args(argv[:at]), argv[at + 1:]
+    return parser.parse_args(argv), []
+
+
+def dummy_with_demo_tokenizer(preset: str) -> Path:
+    """The preset's config (vocabulary cut to the demo tokenizer's) beside the demo target's tokenizer files."""
+    from splitspec.demo import demo_model_dirs
+    from splitspec.model_shapes import PRESETS
+
+    target = demo_model_dirs()["target"]
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    folder = Path(tempfile.mkdtemp(prefix=f"splitspec-served-{preset}-"))
+    config = {**PRESETS[preset], "vocab_size": vocab}
+    for key in ("bos_token_id", "eos_token_id"):
+        config[key] = json.loads((target / "config.json").read_text()).get(key)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (target / name).is_file():
+            shutil.copy(target / name, folder / name)
+    return folder
+
+
+def bench_flags(model_flags: list[str]) -> list[str]:
+    """The model flags `splitspec bench` takes (its grid flags under their bench names)."""
+    out, i = [], 0
+    while i < len(model_flags):
+        flag = model_flags[i].split("=", 1)[0]
+        inline = "=" in model_flags[i]
+        value = None if inline or i + 1 >= len(model_flags) or model_flags[i + 1].startswith("--") else model_flags[i + 1]
+        if flag in BENCH_MODEL_FLAGS:
+            name = BENCH_GRID.get(flag, flag)
+            out += [f"{name}={model_flags[i].split('=', 1)[1]}"] if inline else [name, *([value] if value else [])]
+        i += 1 if inline or value is None else 2
+    return out
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"splitspec up exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"splitspec up not ready after {timeout} s")
+
+
+def free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def bench(argv: list[str], out: Path, timeout: float, log) -> dict:
+    command = [sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", *argv, "--out", str(out)]
+    print("$ " + shlex.join(command[2:]), file=log, flush=True)
+    result = lifeline.run(command, stdout=subprocess.DEVNULL, stderr=log, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"splitspec bench exited with {result.returncode} (see the log)")
+    return json.loads(out.read_text())
+
+
+def ratios(served: dict, in_process: dict) -> list[dict]:
+    def key(row: dict) -> tuple[int, bool]:
+        return row["batch_size"], row["speculative"] is not None
+
+    inside = {}
+    for row in in_process["rows"]:  # the first grid point's rows (served runs the server's one tree)
+        inside.setdefault(key(row), row)
+    out = []
+    for row in served["rows"]:
+        twin = inside.get(key(row))
+        if twin is None:
+            continue
+        out.append({"batch_size": row["batch_size"], "speculative": row["speculative"],
+                    "served_tok_s": row["output_tok_s"], "in_process_tok_s": twin["output_tok_s"],
+                    "served_over_in_process": round(row["output_tok_s"] / twin["output_tok_s"], 3)
+                    if twin["output_tok_s"] else None,
+                    "served_accept_length": row.get("accept_length"), "in_process_accept_length": twin.get("accept_length"),
+                    "served_errors": len(row.get("errors") or [])})
+    for row in out:  # speculation's gain as each side sees it
+        plain = next((r for r in out if r["batch_size"] == row["batch_size"] and r["speculative"] is None), None)
+        if row["speculative"] is not None and plain is not None:
+            row["served_speedup"] = round(row["served_tok_s"] / plain["served_tok_s"], 3) if plain["served_tok_s"] else None
+            row["in_process_speedup"] = (round(row["in_process_tok_s"] / plain["in_process_tok_s"], 3)
+                                         if plain["in_process_tok_s"] else None)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args, model_flags = parse_args(argv)
+    out = Path(args.out)
+    work = Path(tempfile.mkdtemp(prefix="splitspec-served-"))
+    if args.dummy_preset:
+        model_flags = ["--model-path", str(dummy_with_demo_tokenizer(args.dummy_preset)), "--load-format", "dummy",
+                       *model_flags]
+    if "--model-path" not in " ".join(model_flags):  # up serves the demo target: bench tokenizes with its tokenizer
+        from splitspec.demo import demo_model_dirs
+
+        model_flags = ["--model-path", str(demo_model_dirs()["target"]), *model_flags]
+    load = shlex.split(args.load)
+    log = open(out.with_suffix(".log"), "w")
+    if not free(args.port):
+        raise SystemExit(f"port {args.port} is taken")
+    up_command = [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(args.port), "--log-level", "warning",
+                  *shlex.split(args.serve), *model_flags]
+    print("$ " + shlex.join(up_command[2:]), file=log, flush=True)
+    up = lifeline.spawn(up_command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_ready(url, up, args.timeout)
+        model_path = model_flags[model_flags.index("--model-path") + 1]
+        served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            up.kill()
+    in_process = bench([*bench_flags(model_flags), *load], work / "in_process.json", args.timeout, log)
+    report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
+              "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
+              "points": ratios(served, in_process), "served": served, "in_process": in_process}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    for point in report["points"]:
+        print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
+              f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
