@@ -2,8 +2,8 @@
 # The test command: `bash scripts/test.sh [pytest args...]`.
 #
 # Sets up the venv (scripts/setup.sh), then runs `python -P -m pytest tests --durations=25 "$@"` from
-# the repo root, on SPLITSPEC_TEST_WORKERS pytest-xdist workers (default 3: the end-to-end tests wait on their services much of
-# the time, so a third worker fills two cores; 0 runs in this process), one test
+# the repo root, on SPLITSPEC_TEST_WORKERS pytest-xdist workers (default 4: the end-to-end tests wait on their services much of
+# the time, so four workers fill two cores; 0 runs in this process), one test
 # file per worker at a time (--dist loadfile: a file's module-scoped deployments start once). -P keeps the repo root off sys.path (its gateway/, kernels/, protos/ folders must not
 # be importable as top-level packages; ARCHITECTURE.md §7). When an argument already names a test path
 # (a file or folder relative to the repo root, or a node id with ::), `tests` is not added, so
@@ -28,8 +28,8 @@ done
 # One torch (OpenMP) thread per process: the tests' models are tiny, so a second thread buys ~10% of a file's
 # time for ~75% more CPU, and with two workers, each starting services, the extra threads only fight for the cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-workers=(-n "${SPLITSPEC_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder)  # files in collection order: conftest puts the slow ones first
-[[ "${SPLITSPEC_TEST_WORKERS:-3}" == 0 ]] && workers=(-p no:xdist)
+workers=(-n "${SPLITSPEC_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder)  # files in collection order: conftest puts the slow ones first
+[[ "${SPLITSPEC_TEST_WORKERS:-4}" == 0 ]] && workers=(-p no:xdist)
 echo "test.sh: $VENV/bin/python -P -m pytest ${targets[*]} ${workers[*]} --durations=25 $*" >&2
 set +e
 "$VENV/bin/python" -P -m pytest "${targets[@]}" "${workers[@]}" --durations=25 "$@"

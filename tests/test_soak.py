@@ -18,10 +18,10 @@ FD_TOLERANCE = 16  # open file descriptors a service may hold above its warmed-u
 RSS_TOLERANCE = (1.5, 150.0)  # drained RSS <= warm * 1.5 + 150 MB (allocator caches, tokenizer caches, imports)
 
 
-def test_soak_sixty_seconds_with_drafters_killed(tmp_path):
+def test_soak_forty_seconds_with_drafters_killed(tmp_path):
     out = tmp_path / "soak.json"
-    result = lifeline.run([sys.executable, "-P", str(SOAK), "--duration", "60", "--rate", "1.5", "--drafters", "1",
-                           "--kill-every", "11", "--warmup", "10", "--prompts", "12", "--out", str(out)],
+    result = lifeline.run([sys.executable, "-P", str(SOAK), "--duration", "40", "--rate", "1.5", "--drafters", "1",
+                           "--kill-every", "7", "--warmup", "10", "--prompts", "12", "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert out.exists(), result.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -32,7 +32,7 @@ def test_soak_sixty_seconds_with_drafters_killed(tmp_path):
     assert report["lost"] == 0, report["reasons"]
     assert report["mismatched_keys"] == 0, report["mismatches"]
     assert result.returncode == 0, result.stderr[-4000:]
-    assert report["sent"] >= 65 and report["completed"] >= 0.9 * report["sent"], report["reasons"]
+    assert report["sent"] >= 45 and report["completed"] >= 0.9 * report["sent"], report["reasons"]
     assert report["repeated_keys"] >= 10  # the same-output check had something to compare
     faults = report["faults"]
     assert faults["drafter_kills"] >= 5
