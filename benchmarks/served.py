@@ -152,10 +152,12 @@ def main(argv: list[str]) -> int:
     if args.dummy_preset:
         model_flags = ["--model-path", str(dummy_with_demo_tokenizer(args.dummy_preset)), "--load-format", "dummy",
                        *model_flags]
-    if "--model-path" not in " ".join(model_flags):  # up serves the demo target: bench tokenizes with its tokenizer
+    if "--model-path" in model_flags:
+        model_path = model_flags[model_flags.index("--model-path") + 1]
+    else:  # up and bench both serve the demo target (and its demo draft); bench --url tokenizes with its tokenizer
         from splitspec.demo import demo_model_dirs
 
-        model_flags = ["--model-path", str(demo_model_dirs()["target"]), *model_flags]
+        model_path = str(demo_model_dirs()["target"])
     load = shlex.split(args.load)
     log = open(out.with_suffix(".log"), "w")
     if not free(args.port):
@@ -167,7 +169,6 @@ def main(argv: list[str]) -> int:
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_ready(url, up, args.timeout)
-        model_path = model_flags[model_flags.index("--model-path") + 1]
         served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
     finally:
         up.send_signal(signal.SIGINT)

@@ -88,6 +88,7 @@ class Service:
     restarts: int = 0
     started: float = 0.0
     last_error: str = ""  # its latest output line that names an error, repeated when it exits
+    pump: threading.Thread | None = None  # copies its output to ours
 
 
 class Launcher:
@@ -135,8 +136,8 @@ class Launcher:
         service.process = spawn(service.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 errors="replace", start_new_session=True)
         service.started = time.monotonic()
-        thread = threading.Thread(target=self._pump, args=(service, service.process), daemon=True)
-        thread.start()
+        service.pump = threading.Thread(target=self._pump, args=(service, service.process), daemon=True)
+        service.pump.start()
         self.say(f"started {service.name} (pid {service.process.pid})")
 
     def _pump(self, service: Service, process: subprocess.Popen) -> None:
@@ -167,7 +168,16 @@ class Launcher:
         while not self.healthy():
             if self.stopping:
                 return self.stop_all()
-            self.supervise()
+            refused = next((s for s in self.services if s.restarts == 0 and s.process.poll() == USAGE_ERROR), None)
+            if refused is not None:  # its flags or files are wrong: starting it again cannot help
+                refused.pump.join(timeout=5)  # its last lines (the error) read
+                self.say(f"{refused.name} refused to start (exit code {USAGE_ERROR}"
+                         + (f": {refused.last_error}" if refused.last_error else "") + "); stopping")
+                self.stop_all()
+                return USAGE_ERROR
+            if self.supervise() is False:
+                self.stop_all()
+                return 1
             if time.monotonic() > deadline:
                 self.say(f"the services did not serve within {self.args.health_timeout:.0f} s; stopping")
                 self.stop_all()
@@ -234,6 +244,9 @@ class Launcher:
                 f"drafters listed at http://127.0.0.1:{self.args.port + 2}/sd/drafters"
                 + (f"; prometheus --config.file={self.args.prometheus_config}" if self.args.prometheus_config else "")
                 + "\n  Ctrl-C stops everything")
+
+
+USAGE_ERROR = 2  # a service's exit code for flags, files or ports it cannot use (argparse's too)
 
 
 def curve_flags(keys_dir: str) -> tuple[list[str], list[str]]:

@@ -217,3 +217,20 @@ def test_up_killed_with_sigkill_under_load_leaves_no_process_and_starts_again():
         code = again.stop()
     assert code == 0 and again.lines[-1].endswith("all services stopped")
     assert not any(alive(pid) for pid in again.service_pids()) and again.children() == []
+
+
+def test_a_service_refused_at_start_stops_the_launch_with_its_reason():
+    """A flag combination a service refuses (EAGLE3 with no draft path beside an explicit target) is not a crash to
+    restart ten times: up stops at once with the service's reason and exit code 2, leaving nothing running."""
+    from splitspec.demo import demo_model_dirs
+
+    up = Up("--model-path", str(demo_model_dirs()["target"]), "--speculative-algorithm", "EAGLE3")
+    try:
+        assert up.process.wait(timeout=180) == 2, "\n".join(up.lines[-30:])
+    finally:
+        up.stop()
+    up.reader.join(timeout=10)
+    said = "\n".join(up.lines)
+    assert "refused to start" in said and "--speculative-draft-model-path" in said, said[-3000:]
+    assert "restarting" not in said, said[-3000:]
+    assert not [pid for pid in up.service_pids() if alive(pid)]

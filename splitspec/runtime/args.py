@@ -80,7 +80,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "executes code shipped in a checkpoint.")
     sglang.add_argument("--cuda-graph-max-bs", type=int, default=None,
                         help="Largest decode batch replayed from CUDA graphs (captured at start for 1, 2, 4, 8, then "
-                        "every 8; default 32). Needs a CUDA device and the flashinfer backend; a logged no-op elsewhere.")
+                        "every 8; default by the GPU's memory, as SGLang: 256 above 90 GiB, 160 above 20 GiB, else 32). Needs a CUDA device and the flashinfer backend; a logged no-op elsewhere.")
     sglang.add_argument("--disable-cuda-graph", action="store_true", help="Run every step eagerly (no CUDA graphs).")
     sglang.add_argument("--enable-torch-compile", action="store_true",
                         help="torch.compile (inductor) the model's forward for uniform batches (decode steps, tree "

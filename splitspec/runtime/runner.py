@@ -29,7 +29,12 @@ from splitspec.runtime.models import model_class
 logger = logging.getLogger(__name__)
 
 DEFAULT_GPU_MEM_FRACTION = 0.85
-DEFAULT_CUDA_GRAPH_MAX_BS = 32
+def default_cuda_graph_max_bs(device: torch.device) -> int:
+    """The largest decode batch replayed from CUDA graphs when --cuda-graph-max-bs is not given, by the GPU's
+    memory as SGLang sizes it: 256 on a GPU of more than 90 GiB (H200), 160 on one of more than 20 GiB (H100,
+    A100), else 32. A server's batches above it run eagerly (an 8B target at batch 64: 0.36x the graphs' speed)."""
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
+    return 256 if total > 90 else 160 if total > 20 else 32
 INITIAL_ROPE_POSITIONS = 32768  # the RoPE cache starts this large and grows when a batch needs more
 
 
@@ -46,7 +51,7 @@ class RuntimeConfig:
     max_total_tokens: int | None = None
     mem_fraction_static: float | None = None
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when it imports, else torch
-    cuda_graph_max_bs: int | None = None  # decode graphs up to this batch size (None: DEFAULT_CUDA_GRAPH_MAX_BS)
+    cuda_graph_max_bs: int | None = None  # decode graphs up to this batch size (None: default_cuda_graph_max_bs)
     disable_cuda_graph: bool = False
     seed: int = 0
     capture_layers: tuple[int, ...] = ()  # layer inputs returned as aux hidden states
@@ -227,7 +232,7 @@ class ModelRunner:
             from splitspec.runtime.attention.tree_decode import DecodeModeBackend
 
             backend = DecodeModeBackend(backend)
-        max_bs = 0 if rc.disable_cuda_graph else (rc.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS)
+        max_bs = 0 if rc.disable_cuda_graph else (rc.cuda_graph_max_bs or default_cuda_graph_max_bs(device))
         logger.info("attention backend %s%s%s", backend_name, ", trees verified in decode mode" if rc.attention_mode == "decode" else "",
                     f", CUDA graphs for decode batches up to {max_bs}" if max_bs and device.type == "cuda"
                     and _graphs_supported(backend) else "")
