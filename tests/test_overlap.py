@@ -144,3 +144,61 @@ def test_bets_that_arrive_after_their_request_finished_are_dropped_quietly():
     finally:
         dealer.close(linger=0)
         pool.close()
+
+
+def test_a_bet_drafted_for_a_larger_budget_is_filed_and_cut_to_the_budget_of_the_step_it_serves():
+    """Bets are drafted while the budget of the step they will serve is not known (an adaptive budget moves):
+    a bet larger than the budget of the step that asked for it is not dropped as an invalid tree; when its
+    outcome comes true it becomes the next step's tree cut to that step's budget."""
+    import socket as sockets
+
+    import zmq
+    from prometheus_client import CollectorRegistry
+
+    from splitspec.drafter_svc import convert
+    from splitspec.protos import step_pb2
+    from splitspec.verifier_svc.drafter_client import DraftAsk
+    from splitspec.verifier_svc.drafter_pool import DrafterPool
+    from splitspec.verifier_svc.metrics import PoolMetrics
+
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    registry = CollectorRegistry()
+    pool = DrafterPool(address, "NGRAM", 1000, timeout=5.0, heartbeat_timeout=30.0, metrics=PoolMetrics(registry, "m"),
+                       overlap="on", num_bets=2)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(address)
+
+    def send(**kind):
+        dealer.send(convert.envelope("scripted", 7, session, **kind).SerializeToString())
+
+    def receive(kind):
+        assert dealer.poll(5000), f"no {kind} came"
+        message = step_pb2.VerifierMessage.FromString(dealer.recv_multipart()[0])
+        return message if message.WhichOneof("kind") == kind else receive(kind)
+
+    def dropped(reason):
+        return registry.get_sample_value("splitspec:drafter_drafts_dropped_total",
+                                         {"drafter": "scripted", "reason": reason, "model_name": "m"}) or 0
+
+    try:
+        session = 0
+        send(register=convert.register("NGRAM", "", 1000, [], 64, 8, bets=True))
+        session = receive("register_reply").register_reply.session
+        assert pool.wait_for_drafters(1, 5.0)
+        pool.open("r0", [5, 6, 7])
+        pool.request([DraftAsk("r0", [], 4)])  # this step's budget: 4 nodes
+        receive("open")
+        draft = receive("draft").draft
+        send(draft_reply=convert.draft_reply(draft.step_id, [("r0", DraftTree((7, 8, 9, 10), (-1, 0, 1, 2)))], 0.001, []))
+        assert pool.collect(["r0"])["r0"].tokens == (7, 8, 9, 10)
+        bet = Bet((8, 9), DraftTree((9, 20, 21, 22, 23, 24), (-1, 0, 1, 2, 3, 4)))  # 6 nodes: its last budget's size
+        send(draft_bets=convert.draft_bets(draft.step_id, [("r0", bet)], 0.001))
+        pool.request([DraftAsk("r0", [8, 9], 3)])  # the outcome came true; the next step's budget is 3
+        tree = pool.collect(["r0"])["r0"]
+        assert tree.tokens == (9, 20, 21) and tree.parents == (-1, 0, 1)
+        assert dropped("invalid_tree") == 0
+    finally:
+        dealer.close(linger=0)
+        pool.close()

@@ -322,7 +322,7 @@ class DrafterPool(DrafterClient):
         outcome = tuple(ask.new_tokens)
         for index, (bet_outcome, tree) in enumerate(bets):
             if bet_outcome == outcome:
-                self._results[request_id] = tree
+                self._results[request_id] = tree.first(ask.max_nodes)
                 self._tally("bet_hits")
                 self._count_bet(drafter, "hit")
                 return index + 1
@@ -809,7 +809,9 @@ class DrafterPool(DrafterClient):
                 self._drop(drafter.name, "wrong_request", f"step {message.step_id} did not ask bets for {request_id!r}")
                 continue
             outcome = list(wire.outcome)
-            problem = convert.tree_problem(wire.tree, budgets[request_id], self.vocab_size)
+            # a bet is the next step's tree, whose budget is not known yet (an adaptive budget moves between
+            # steps): bounded here by what the drafter registered, cut to that step's budget when it comes true
+            problem = convert.tree_problem(wire.tree, max(budgets[request_id], drafter.max_nodes), self.vocab_size)
             if problem is None and (not outcome or len(outcome) > budgets[request_id]
                                     or any(not 0 <= t < self.vocab_size for t in outcome)):
                 problem = f"an outcome of {len(outcome)} tokens"

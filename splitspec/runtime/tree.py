@@ -54,6 +54,14 @@ class DraftTree:
     def num_nodes(self) -> int:
         return len(self.tokens)
 
+    def first(self, count: int) -> "DraftTree":
+        """The tree of its first `count` nodes (a tree still: every node's parent comes before it); itself when
+        it has no more. Drafters put their likeliest nodes first, so this is the tree a smaller budget keeps."""
+        if count >= len(self.tokens):
+            return self
+        count = max(count, 1)
+        return DraftTree(self.tokens[:count], self.parents[:count], None if self.scores is None else self.scores[:count])
+
     @property
     def num_drafts(self) -> int:
         return len(self.tokens) - 1
