@@ -139,7 +139,7 @@ def test_a_short_run_learns_and_reports_an_engine_accept_length(tmp_path, kind):
 
 
 def test_an_interrupted_run_resumes_exactly(tmp_path):
-    args = ["--steps", "20", "--eval-every", "10", "--save-every", "5", "--accept-prompts", "0", "--draft-vocab-size", "512",
+    args = ["--steps", "12", "--eval-every", "6", "--save-every", "4", "--accept-prompts", "0", "--draft-vocab-size", "512",
             "--ttt-steps", "2", "--seed", "3"]
     straight = lifeline.run(train_cli("eagle3", tmp_path / "straight", *args), capture_output=True, text=True, timeout=900)
     assert straight.returncode == 0, straight.stderr[-2000:]
