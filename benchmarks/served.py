@@ -118,6 +118,31 @@ def bench(argv: list[str], out: Path, timeout: float, log) -> dict:
     return json.loads(out.read_text())
 
 
+def loop_totals(metrics_url: str) -> dict[str, float]:
+    """The verifier's engine-loop and step-phase histograms' sums and counts, by part and phase."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in ("splitspec:engine_loop_seconds", "splitspec:step_phase_seconds"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                key = f"{sample.labels.get('part') or sample.labels.get('phase')}{sample.name[sample.name.rindex('_'):]}"
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def loop_report(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Per busy loop iteration (one engine step) over the served bench: mean ms of each part and phase."""
+    steps = after.get("step_count", 0.0) - before.get("step_count", 0.0)
+    names = sorted({k.rsplit("_", 1)[0] for k in after if k.endswith("_sum")})
+    return {"steps": int(steps), "mean_ms": {name: round((after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0))
+                                                          / steps * 1e3, 4) if steps else None for name in names}}
+
+
 def ratios(served: dict, in_process: dict) -> list[dict]:
     def key(row: dict) -> tuple[int, bool]:
         return row["batch_size"], row["speculative"] is not None
@@ -169,7 +194,10 @@ def main(argv: list[str]) -> int:
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_ready(url, up, args.timeout)
+        metrics_url = f"http://127.0.0.1:{args.port + 2}/metrics"  # the verifier's (up: the gateway's port + 2)
+        before = loop_totals(metrics_url)
         served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
+        served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -179,8 +207,10 @@ def main(argv: list[str]) -> int:
     in_process = bench([*bench_flags(model_flags), *load], work / "in_process.json", args.timeout, log)
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
               "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
-              "points": ratios(served, in_process), "served": served, "in_process": in_process}
+              "points": ratios(served, in_process), "served_engine_loop": served.get("engine_loop"),
+              "served": served, "in_process": in_process}
     out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"served engine loop: {report['served_engine_loop']}")
     for point in report["points"]:
         print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
               f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}")

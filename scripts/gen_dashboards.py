@@ -58,6 +58,9 @@ DASHBOARDS = {
         ("Verifier step phases (mean s)", "timeseries", "s",
          [(f"{rate('splitspec:step_phase_seconds_sum', 'phase')} / {rate('splitspec:step_phase_seconds_count', 'phase')}",
            "{{phase}}")]),
+        ("Verifier engine loop per step (mean s)", "timeseries", "s",
+         [(f"{rate('splitspec:engine_loop_seconds_sum', 'part')} / {rate('splitspec:engine_loop_seconds_count', 'part')}",
+           "{{part}}")]),
     ]),
     "splitspec-speculative": ("splitspec: Speculative decoding", [
         ("Draft acceptance rate", "stat", "percentunit", [(f"{rate(ACCEPTED)} / {rate(DRAFT_TOKENS)}", "acceptance rate")]),

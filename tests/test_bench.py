@@ -241,3 +241,6 @@ def test_served_against_in_process_in_one_command(tmp_path):
         assert point["served_over_in_process"] == round(point["served_tok_s"] / point["in_process_tok_s"], 3)
     assert points[(2, "NGRAM")]["served_accept_length"] > 1 and points[(2, "NGRAM")]["in_process_accept_length"] > 1
     assert report["served"]["url"] == f"http://127.0.0.1:{port}" and "served.py" in report["command"]
+    loop = report["served_engine_loop"]  # the served verifier's loop, from its /metrics around the served bench
+    assert loop["steps"] > 0 and loop["mean_ms"]["step"] > 0 and loop["mean_ms"]["verify"] > 0, loop
+    assert {"intake", "metrics", "publish", "schedule", "draft", "accept", "commit"} <= set(loop["mean_ms"]), loop

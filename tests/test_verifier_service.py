@@ -312,6 +312,11 @@ def test_metrics_count_what_the_responses_report(verifier, prometheus):
     assert prometheus.query(f'sum(splitspec:step_phase_seconds_count{{{instance},phase="verify"}})') > 0
     for phase in ("schedule", "draft", "verify", "accept", "commit"):
         assert prometheus.query(f'sum(splitspec:step_phase_seconds_count{{{instance},phase="{phase}"}})'), phase
+    # the engine loop's parts, one observation of each per step: the step's own time inside the loop's
+    steps = prometheus.query(f'sum(splitspec:engine_loop_seconds_count{{{instance},part="step"}})')
+    assert steps >= prometheus.query(f'sum(splitspec:step_phase_seconds_count{{{instance},phase="verify"}})') > 0
+    for part in ("intake", "metrics", "publish"):
+        assert prometheus.query(f'sum(splitspec:engine_loop_seconds_count{{{instance},part="{part}"}})') == steps, part
     # every page in use is held by the evictable prefix cache alone; nothing runs or waits
     used = prometheus.query(f"splitspec:kv_pages_used{{{instance}}}")
     assert used == prometheus.query(f"splitspec:prefix_cache_pages{{{instance}}}")

@@ -41,6 +41,13 @@ class EngineMetrics:
                                       [*labels, "phase"],
                                       buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
                                       registry=registry)
+        self.loop_seconds = Histogram(PREFIX + "engine_loop_seconds",
+                                      "Time per busy engine-loop iteration by part: intake (submissions and aborts), step "
+                                      "(Engine.step), metrics (this observation), publish (handing the step's deltas to the "
+                                      "streams). What is not step is host work the served path adds to every step.",
+                                      [*labels, "part"],
+                                      buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+                                      registry=registry)
         self.prefix_hit_tokens = counter("prefix_cache_hit_tokens", "Tokens whose KV came from the prefix cache at admission (readmission after preemption included).")
         self.prefix_pages = gauge("prefix_cache_pages", "KV-cache pages held by the prefix cache.")
         self.kv_used = gauge("kv_pages_used", "KV-cache pages in use (the prefix cache's included).")
@@ -97,6 +104,10 @@ class EngineMetrics:
             self.probes.labels(**labels).inc(policy.probes - self._probes)
             self.tries.labels(**labels).inc(policy.tries - self._tries)
             self._switches, self._probes, self._tries = policy.switches, policy.probes, policy.tries
+
+    def observe_loop(self, parts: dict[str, float]) -> None:
+        for part, seconds in parts.items():
+            self.loop_seconds.labels(**self.labels, part=part).observe(seconds)
 
     def observe_state(self, engine: Engine) -> None:
         allocator = engine.runner.kv_cache.allocator

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,22 +72,31 @@ class EngineWorker(threading.Thread):
         return command.found
 
     def run(self) -> None:
+        clock = time.perf_counter
         while True:
-            self._drain(block=not self.engine.has_work)
+            busy = self.engine.has_work
+            start = clock()
+            self._drain(block=not busy)
             if self.engine.has_work:
+                stepped = clock()
                 try:
                     events = self.engine.step()
                 except Exception as exc:  # never hang the streams: end every live request with the error
                     logger.exception("engine step failed; ending the %d running requests", len(self.live))
                     self._fail_all(f"INTERNAL: the engine step failed: {exc}")
                     continue
+                observed = clock()
                 for event in events:
                     self._settle(event)
                 if self.metrics is not None:  # before delivery, so a client never sees newer tokens than metrics
                     self.metrics.observe(self.engine)
+                published = clock()
                 deliveries = [d for d in map(self._delivery, events) if d is not None]
                 if deliveries:
                     self.publish(deliveries)
+                if self.metrics is not None:
+                    self.metrics.observe_loop({"intake": stepped - start if busy else 0.0, "step": observed - stepped,
+                                               "metrics": published - observed, "publish": clock() - published})
 
     def _drain(self, block: bool) -> None:
         try:
