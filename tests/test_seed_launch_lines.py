@@ -85,7 +85,7 @@ def test_every_seed_launch_line_runs_as_splitspec_up(local_models):
             up.wait_for_line(r"serving .* at http")
             client = OpenAI(base_url=up.url + "/v1", api_key="None", max_retries=0, timeout=120)
             raw = client.chat.completions.with_raw_response.create(model=model, messages=REQUEST, temperature=0,
-                                                                   max_tokens=64)
+                                                                   max_tokens=16)
             response = raw.parse()
             assert response.choices[0].finish_reason in ("stop", "length")
             assert response.usage.completion_tokens > 0
