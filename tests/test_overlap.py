@@ -84,46 +84,63 @@ def test_standalone_bets_are_the_trees_drafted_after_their_outcomes():
         assert runner.kv_cache.allocator.num_used == 0
 
 
+class ScriptedDrafter:
+    """A DrafterPool with overlap on (2 bets per request) and one drafter scripted by the test over a real
+    ZeroMQ DEALER socket, registered (capacity 64, 8 nodes, bets) before the test speaks."""
+
+    def __init__(self):
+        import socket as sockets
+
+        import zmq
+        from prometheus_client import CollectorRegistry
+
+        from splitspec.drafter_svc import convert
+        from splitspec.verifier_svc.drafter_pool import DrafterPool
+        from splitspec.verifier_svc.metrics import PoolMetrics
+
+        self.convert = convert
+        with sockets.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        self.registry = CollectorRegistry()
+        self.pool = DrafterPool(address, "NGRAM", 1000, timeout=5.0, heartbeat_timeout=30.0,
+                                metrics=PoolMetrics(self.registry, "m"), overlap="on", num_bets=2)
+        self.dealer = zmq.Context.instance().socket(zmq.DEALER)
+        self.dealer.connect(address)
+        self.session = 0
+        self.send(register=convert.register("NGRAM", "", 1000, [], 64, 8, bets=True))
+        self.session = self.receive("register_reply").register_reply.session
+        assert self.pool.wait_for_drafters(1, 5.0)
+
+    def send(self, **kind):
+        self.dealer.send(self.convert.envelope("scripted", 7, self.session, **kind).SerializeToString())
+
+    def receive(self, kind):
+        from splitspec.protos import step_pb2
+
+        assert self.dealer.poll(5000), f"no {kind} came"
+        message = step_pb2.VerifierMessage.FromString(self.dealer.recv_multipart()[0])
+        return message if message.WhichOneof("kind") == kind else self.receive(kind)
+
+    def dropped(self, reason):
+        return self.registry.get_sample_value("splitspec:drafter_drafts_dropped_total",
+                                              {"drafter": "scripted", "reason": reason, "model_name": "m"}) or 0
+
+    def close(self):
+        self.dealer.close(linger=0)
+        self.pool.close()
+
+
 def test_bets_that_arrive_after_their_request_finished_are_dropped_quietly():
     """A request can finish (or be re-pinned) while its bets are being drafted: bets for it that arrive
     then are discarded, not counted as a drafter's wrong request; bets for a request the step never asked
     about still are. A scripted drafter over a real ZeroMQ socket holds its bets until the request is released."""
-    import socket as sockets
-
-    import zmq
-    from prometheus_client import CollectorRegistry
-
     from splitspec.drafter_svc import convert
-    from splitspec.protos import step_pb2
     from splitspec.verifier_svc.drafter_client import DraftAsk
-    from splitspec.verifier_svc.drafter_pool import DrafterPool
-    from splitspec.verifier_svc.metrics import PoolMetrics
 
-    with sockets.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    registry = CollectorRegistry()
-    pool = DrafterPool(address, "NGRAM", 1000, timeout=5.0, heartbeat_timeout=30.0, metrics=PoolMetrics(registry, "m"),
-                       overlap="on", num_bets=2)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(address)
-
-    def send(**kind):
-        dealer.send(convert.envelope("scripted", 7, session, **kind).SerializeToString())
-
-    def receive(kind):
-        assert dealer.poll(5000), f"no {kind} came"
-        message = step_pb2.VerifierMessage.FromString(dealer.recv_multipart()[0])
-        return message if message.WhichOneof("kind") == kind else receive(kind)
-
-    def dropped(reason):
-        return registry.get_sample_value("splitspec:drafter_drafts_dropped_total", {"drafter": "scripted", "reason": reason, "model_name": "m"}) or 0
-
+    scripted = ScriptedDrafter()
+    pool, send, receive, dropped = scripted.pool, scripted.send, scripted.receive, scripted.dropped
     try:
-        session = 0
-        send(register=convert.register("NGRAM", "", 1000, [], 64, 8, bets=True))
-        session = receive("register_reply").register_reply.session
-        assert pool.wait_for_drafters(1, 5.0)
         pool.open("r0", [5, 6, 7])
         pool.request([DraftAsk("r0", [], 8)])
         receive("open")
@@ -142,51 +159,19 @@ def test_bets_that_arrive_after_their_request_finished_are_dropped_quietly():
         assert dropped("wrong_request") == 1  # the stranger; r0's bet was dropped quietly
         assert dropped("late") == dropped("stale") == dropped("invalid_tree") == 0
     finally:
-        dealer.close(linger=0)
-        pool.close()
+        scripted.close()
 
 
 def test_a_bet_drafted_for_a_larger_budget_is_filed_and_cut_to_the_budget_of_the_step_it_serves():
     """Bets are drafted while the budget of the step they will serve is not known (an adaptive budget moves):
     a bet larger than the budget of the step that asked for it is not dropped as an invalid tree; when its
     outcome comes true it becomes the next step's tree cut to that step's budget."""
-    import socket as sockets
-
-    import zmq
-    from prometheus_client import CollectorRegistry
-
     from splitspec.drafter_svc import convert
-    from splitspec.protos import step_pb2
     from splitspec.verifier_svc.drafter_client import DraftAsk
-    from splitspec.verifier_svc.drafter_pool import DrafterPool
-    from splitspec.verifier_svc.metrics import PoolMetrics
 
-    with sockets.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    registry = CollectorRegistry()
-    pool = DrafterPool(address, "NGRAM", 1000, timeout=5.0, heartbeat_timeout=30.0, metrics=PoolMetrics(registry, "m"),
-                       overlap="on", num_bets=2)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(address)
-
-    def send(**kind):
-        dealer.send(convert.envelope("scripted", 7, session, **kind).SerializeToString())
-
-    def receive(kind):
-        assert dealer.poll(5000), f"no {kind} came"
-        message = step_pb2.VerifierMessage.FromString(dealer.recv_multipart()[0])
-        return message if message.WhichOneof("kind") == kind else receive(kind)
-
-    def dropped(reason):
-        return registry.get_sample_value("splitspec:drafter_drafts_dropped_total",
-                                         {"drafter": "scripted", "reason": reason, "model_name": "m"}) or 0
-
+    scripted = ScriptedDrafter()
+    pool, send, receive, dropped = scripted.pool, scripted.send, scripted.receive, scripted.dropped
     try:
-        session = 0
-        send(register=convert.register("NGRAM", "", 1000, [], 64, 8, bets=True))
-        session = receive("register_reply").register_reply.session
-        assert pool.wait_for_drafters(1, 5.0)
         pool.open("r0", [5, 6, 7])
         pool.request([DraftAsk("r0", [], 4)])  # this step's budget: 4 nodes
         receive("open")
@@ -200,5 +185,4 @@ def test_a_bet_drafted_for_a_larger_budget_is_filed_and_cut_to_the_budget_of_the
         assert tree.tokens == (9, 20, 21) and tree.parents == (-1, 0, 1)
         assert dropped("invalid_tree") == 0
     finally:
-        dealer.close(linger=0)
-        pool.close()
+        scripted.close()
