@@ -76,8 +76,17 @@ class TextCodec:
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def encode(self, text: str) -> list[int]:
+        """One completion prompt's ids, special tokens added (transformers' `tokenizer.encode`)."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.special_tokens.get("eos_token")
+        return self.tokenizer.token_to_id(eos) if eos else None
 
     # logprobs ---------------------------------------------------------------------------------------
     def token_bytes(self, token_id: int) -> bytes:

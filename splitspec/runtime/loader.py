@@ -257,7 +257,7 @@ def load_model(
     spec = checkpoint_spec(model)
     if load_format == "dummy":
         qplan = quantization.plan(model, spec, None, config, quantization_flag)
-        model.to_empty(device=device)
+        _materialize(model, device)
         _init_dummy(model, seed)
         quantization.swap_in_fp8(model, qplan.modules, device, dtype, quantize=True)  # the same weights, quantized
         model.quant_plan = qplan
@@ -280,9 +280,28 @@ def load_model(
     model.absent_checkpoint_keys = sorted(k for k in optional & set(spec) if k not in tensors)
     spec = {k: v for k, v in spec.items() if k not in model.absent_checkpoint_keys}
     validate_checkpoint(spec, tensors, config, ignored)
-    model.to_empty(device=device)
+    _materialize(model, device)
     _load_tensors(model, spec, tensors, model_dir, device)
     return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)`, tensor by tensor: uninitialised storage of each parameter's and buffer's shape
+    and dtype on `device`. (to_empty's empty_like of a meta tensor runs through torch's reference ops, whose
+    first use imports torch's meta registrations and symbolic shapes: about a CPU second per process.)"""
+    made: dict[int, torch.Tensor] = {}  # a tensor shared by two modules (tied weights) stays shared
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else fresh
+        return made[id(t)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    table[name] = empty(tensor)
 
 
 @torch.no_grad()

@@ -96,7 +96,10 @@ MTP_PREFIX = "model.mtp_layers."  # MTP layers inside a target checkpoint (REFER
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built uninitialised (the loader fills it): nn.Embedding's own normal_ init on the meta device
+        # runs through torch's reference ops, whose first use imports torch._dynamo (about 3 CPU seconds)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
