@@ -44,7 +44,8 @@ def add_head_args(parser: argparse.ArgumentParser, kind: str) -> None:
     parser.add_argument("--data", nargs="+", required=True,
                         help="Training text: files and directories (every 20th file held out; one file: its last 5%%), "
                         "`stdlib` for this machine's Python standard library (the demo models' corpus), or a dataset "
-                        "directory prepared for `train lm` in the target's tokenizer.")
+                        "directory prepared for `train lm` in the target's tokenizer. Text's token ids are cached under "
+                        "~/.cache/splitspec/tokens ($SPLITSPEC_TOKEN_CACHE), keyed by the tokenizer and every text.")
     parser.add_argument("--out", required=True, help="Output head directory (resumes a run interrupted there).")
     train = parser.add_argument_group("training")
     for name, help_text in (

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import sysconfig
 from dataclasses import dataclass
@@ -49,9 +50,14 @@ def is_selected(relative: Path) -> bool:
 
 def select_files(root: Path | None = None) -> list[CorpusFile]:
     root = root or stdlib_root()
+    found = []
+    for directory, subdirs, names in os.walk(root):  # excluded directories are not entered (site-packages can be large)
+        subdirs[:] = [d for d in subdirs if d not in EXCLUDED_DIRS and not d.startswith("config-")]
+        base = Path(directory).relative_to(root)
+        found += [base / name for name in names if name.endswith(".py")]
     files = []
-    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
-        relative = path.relative_to(root)
+    for relative in sorted(found, key=lambda p: p.as_posix()):
+        path = root / relative
         if path.is_file() and is_selected(relative):
             data = path.read_bytes()
             files.append(CorpusFile(relative.as_posix(), hashlib.sha256(data).hexdigest(), len(data)))

@@ -22,8 +22,10 @@ the drafter in process), and the mean accept length is reported.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -444,6 +446,37 @@ def load_text_tokens(data: list[str], target_dir: Path) -> tuple[torch.Tensor, t
         else:
             splits = ([t for i, t in enumerate(texts) if i % corpus.HELD_OUT_MODULUS != corpus.HELD_OUT_MODULUS - 1],
                       [t for i, t in enumerate(texts) if i % corpus.HELD_OUT_MODULUS == corpus.HELD_OUT_MODULUS - 1])
+    train, held_out = _encode_cached(tokenizer, tokenizer_file, eos, splits)
+    if held_out.numel() == 0:  # one file: its last 5% is held out
+        cut = int(train.numel() * 0.95)
+        train, held_out = train[:cut], train[cut:]
+    return train, held_out
+
+
+def token_cache_dir() -> Path:
+    return Path(os.environ.get("SPLITSPEC_TOKEN_CACHE") or Path.home() / ".cache" / "splitspec" / "tokens")
+
+
+def _encode_cached(tokenizer, tokenizer_file: Path, eos: int | None, splits) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each split's texts encoded and joined by EOS. The result is cached under token_cache_dir(), keyed by
+    the sha256 of the tokenizer file, the EOS id and every text (any change tokenizes again): the standard
+    library is ~3M tokens, seconds of CPU per run otherwise."""
+    from safetensors.torch import load_file
+
+    key = hashlib.sha256(tokenizer_file.read_bytes())
+    key.update(f"eos={eos}".encode())
+    for texts in splits:
+        key.update(f"split of {len(texts)}".encode())
+        for text in texts:
+            key.update(hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest())
+    cached = token_cache_dir() / f"{key.hexdigest()}.safetensors"
+    if cached.is_file():
+        try:
+            tensors = load_file(cached)
+            logger.info("token ids from the cache %s", cached)
+            return tensors["train"], tensors["held_out"]
+        except Exception as exc:  # noqa: BLE001 (a torn or foreign file: tokenize again)
+            logger.warning("unreadable token cache %s (%s): tokenizing again", cached, exc)
     encoded = []
     for texts in splits:
         ids: list[int] = []
@@ -452,8 +485,11 @@ def load_text_tokens(data: list[str], target_dir: Path) -> tuple[torch.Tensor, t
             if eos is not None:
                 ids.append(eos)
         encoded.append(torch.tensor(ids, dtype=torch.long))
-    train, held_out = encoded
-    if held_out.numel() == 0:  # one file: its last 5% is held out
-        cut = int(train.numel() * 0.95)
-        train, held_out = train[:cut], train[cut:]
-    return train, held_out
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+        save_file({"train": encoded[0], "held_out": encoded[1]}, partial)
+        os.replace(partial, cached)  # whole or absent, also with two writers
+    except OSError as exc:
+        logger.info("token ids not cached (%s)", exc)
+    return encoded[0], encoded[1]
