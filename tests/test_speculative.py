@@ -175,7 +175,7 @@ def test_tree_sampling_matches_the_target_distribution(small_vocab_model, rule, 
                                             max_total_tokens=500 * 32, page_size=4))
     spec = SpecConfig(num_draft_tokens=10) if rule == "lossless" else \
         SpecConfig(num_draft_tokens=10, accept_threshold_single=0.0, accept_threshold_acc=1.0)
-    num = 4000
+    num = 2000  # the biased rule scores ~7000 against a critical ~200 here; the lossless one ~dof
     counts = torch.zeros(8, 8, 8)
     accepted = 0
     for start in range(0, num, 500):
