@@ -106,13 +106,11 @@ def file_lock(path: Path):
 
 def code_completion_quality(model_dir: Path, device: str = "cpu") -> list[dict]:
     """Greedy completions of QUALITY_PROMPTS on the splitspec runtime, each with whether it compiles."""
-    from transformers import AutoTokenizer
-
-    from splitspec.generate import generate_ids
+    from splitspec.generate import generate_ids, load_tokenizer
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
     from splitspec.runtime.sampling_params import SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = load_tokenizer(Path(model_dir), required=True)
     prompts = [tokenizer.encode(p) for p in QUALITY_PROMPTS]
     runner = ModelRunner.load(RuntimeConfig(model_path=str(model_dir), device=device, dtype="float32",
                                             max_total_tokens=len(prompts) * 256))

@@ -137,17 +137,21 @@ def test_compile_rule():
 
 
 def test_rebuild_into_cache_when_install_is_read_only(tmp_path):
-    """Two processes find no usable demo models and a read-only install: one trains (smoke sizes,
-    for time) into the cache under the lock, the other waits and reuses the result."""
+    """Two processes find no usable demo models and a read-only install: one trains (smoke sizes, 20 steps:
+    this is about the cache and its lock, not the models) into the cache under the lock, the other waits and
+    reuses the result."""
     script = f"""
-import logging, sys
+import dataclasses, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 from splitspec import demo
+from splitspec.train import presets
+shape, config = presets.PRESETS["smoke"]
+presets.PRESETS["smoke-20"] = (shape, dataclasses.replace(config, steps=20, eval_every=10, save_every=10))
 demo.SHIPPED_ROOT = Path({str(tmp_path / "install" / "demo_models")!r})
 demo.is_writable = lambda directory: False
 dirs = demo.demo_model_dirs(cache_dir=Path({str(tmp_path / "cache" / "demo-models")!r}), device="cpu",
-                            presets={{"target": "smoke", "draft": "smoke"}})
+                            presets={{"target": "smoke-20", "draft": "smoke-20"}})
 print(dirs["target"])
 """
     processes = [lifeline.spawn([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
