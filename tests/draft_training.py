@@ -149,7 +149,7 @@ def mtp_state(prefix: str, layer) -> dict[str, torch.Tensor]:
     return {f"{prefix}{k}": v.detach().clone() for k, v in layer.state_dict().items()}
 
 
-def train_mimo_target(out: Path, num_layers: int = 2, prenorm: bool = False, steps: int = 100) -> Path:
+def train_mimo_target(out: Path, num_layers: int = 2, prenorm: bool = False, steps: int = 70) -> Path:
     """A MiMo-layout copy of the demo target: its weights with zero q/k/v biases (a Qwen2 whose outputs
     are the demo target's) plus `num_layers` MTP layers, layer k trained to predict token p+2+k from
     (h[p], token p+1+k) as MTP layer k of a multi-layer draft does; position 0's embedding masked. h is
