@@ -91,7 +91,7 @@ def test_smoke_training_learns_and_loads(tmp_path, dataset):
 
 
 def test_interrupted_training_resumes_to_the_same_weights(tmp_path, dataset):
-    steps = ["--steps", "120", "--save-every", "30", "--eval-every", "40"]
+    steps = ["--steps", "60", "--save-every", "15", "--eval-every", "20"]
     straight = tmp_path / "straight"
     assert lifeline.run(train_cli(straight, dataset, *steps), capture_output=True, timeout=600).returncode == 0
     interrupted = tmp_path / "interrupted"
