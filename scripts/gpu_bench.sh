@@ -42,8 +42,9 @@
 #   served    issue 31: what a user gets over HTTP next to the engine, in one run (benchmarks/served.py: `splitspec up` on
 #             the GPU measured by `splitspec bench --url`, then `splitspec bench` in process with the same model flags
 #             and load; one JSON per case with both reports and served/in-process per point). SERVED_CASES picks among
-#             demo-ngram, demo-eagle3 (the demo target, plain and speculative, batch 1 and 16) and 8b-plain (the
-#             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64); SERVED_LOAD adds bench flags
+#             demo-ngram, demo-eagle3 (the demo target, plain and speculative, batch 1 and 16), 8b-plain (the
+#             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64) and 8b-plain-serial (the same served
+#             with --disable-overlap-schedule: publishing between steps); SERVED_LOAD adds bench flags
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA
@@ -139,6 +140,7 @@ for stage in "${stages[@]}"; do
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         8b-plain) pre=(--dummy-preset llama-3.1-8b); model=(); bs=1,8,32,64 ;;
+                        8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
                         *) echo "unknown served case $case" >> "$OUT/served.log"; false; break ;;
                     esac
                     timeout "${SERVED_TIMEOUT:-540}" python3 -P benchmarks/served.py "${pre[@]}" --out "$OUT/served_$case.json" \

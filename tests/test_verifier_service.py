@@ -315,7 +315,7 @@ def test_metrics_count_what_the_responses_report(verifier, prometheus):
     # the engine loop's parts, one observation of each per step: the step's own time inside the loop's
     steps = prometheus.query(f'sum(splitspec:engine_loop_seconds_count{{{instance},part="step"}})')
     assert steps >= prometheus.query(f'sum(splitspec:step_phase_seconds_count{{{instance},phase="verify"}})') > 0
-    for part in ("intake", "metrics", "publish"):
+    for part in ("intake", "metrics", "publish", "hidden"):
         assert prometheus.query(f'sum(splitspec:engine_loop_seconds_count{{{instance},part="{part}"}})') == steps, part
     # every page in use is held by the evictable prefix cache alone; nothing runs or waits
     used = prometheus.query(f"splitspec:kv_pages_used{{{instance}}}")
@@ -411,6 +411,84 @@ def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():
     assert done.wait(60)
     assert all(e.finish_reason == "error" and "simulated device failure" in e.error for e in seen)
     assert runner.kv_cache.allocator.num_used == 0 and not worker.live
+
+
+def test_overlapped_publishing_keeps_every_stream_whole_and_in_order():
+    """The serving loop's overlap (a step's metrics and deltas published during the next step's forward), run
+    on CPU in process: speculating requests submitted while others decode and one aborted mid-stream get the
+    same tokens as plain greedy generation, in order, each ending once; the abort's deltas end with it; the
+    metrics count every token; and most publishes did happen inside a later step's forward."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+    from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+    from splitspec.verifier_svc.engine import Engine, SpecConfig
+    from splitspec.verifier_svc.metrics import EngineMetrics
+    from splitspec.verifier_svc.worker import EngineWorker, Submission
+
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=4096))
+    prompts = [list(range(13, 13 + n)) * 2 for n in (5, 9, 3, 7, 11, 4)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    reference = [g.output_ids for g in generate_ids(runner, prompts, [params] * len(prompts), set())]
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, "demo")
+    engine = Engine(runner, InProcessDrafterClient(NgramDrafter(NgramConfig())), SpecConfig(num_draft_tokens=6), set())
+    inside = {"steps": 0, "published": 0}
+    lock = threading.Lock()
+    streams: dict[str, list] = {f"s{i}": [] for i in range(len(prompts))}
+    ended = {name: threading.Event() for name in streams}
+
+    def publish(deliveries):
+        inside["published"] += 1
+        inside["steps"] += worker.in_step
+        with lock:
+            for submission, event in deliveries:
+                streams[submission.client_id].append(event)
+                if event.finish_reason is not None:
+                    ended[submission.client_id].set()
+
+    worker = EngineWorker(engine, metrics, publish=publish, overlap=True)
+    worker.in_step = False
+    step = engine.step
+
+    def marked_step():
+        worker.in_step = True
+        try:
+            return step()
+        finally:
+            worker.in_step = False
+
+    engine.step = marked_step
+    worker.start()
+    long = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)  # s4 is aborted long before its end
+    submissions = [Submission(name, prompt, long if name == "s4" else params, True) for name, prompt in zip(streams, prompts)]
+    for submission in submissions[:3]:
+        worker.submit(submission)
+    while sum(len(e.new_token_ids) for e in streams["s0"]) < 4:
+        time.sleep(0.001)
+    for submission in submissions[3:]:  # joining while the first three decode
+        worker.submit(submission)
+    while not streams["s4"]:
+        time.sleep(0.001)
+    assert worker.abort(submissions[4])
+    for name, event in ended.items():
+        assert event.wait(120), name
+    time.sleep(0.2)
+    for i, (name, events) in enumerate(streams.items()):
+        tokens = [t for e in events for t in e.new_token_ids]
+        assert [e.finish_reason for e in events if e.finish_reason] == [events[-1].finish_reason], name  # ends once, last
+        if name == "s4":
+            assert events[-1].finish_reason == "abort" and tokens[:24] == reference[i][: len(tokens)] and len(tokens) < 400
+        else:
+            assert tokens == reference[i] and events[-1].finish_reason == "length", (name, tokens, reference[i])
+    generated = sum(len(e.new_token_ids) for events in streams.values() for e in events)
+    assert registry.get_sample_value("splitspec:generation_tokens_total", {"model_name": "demo"}) == generated
+    assert registry.get_sample_value("splitspec:spec_decode_num_accepted_tokens_total", {"model_name": "demo"}) > 0
+    assert inside["steps"] > inside["published"] / 2, inside  # most went out under a later step's forward
+    assert runner.kv_cache.allocator.num_used == 0
 
 
 def test_a_request_bigger_than_the_kv_cache_is_refused_with_resource_exhausted(tiny_verifier):

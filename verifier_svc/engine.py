@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -239,6 +240,10 @@ class Engine:
         # the policy needs the forward's own time: on a GPU, wait for it (the accept phase that follows waits anyway)
         self._sync_verify = self.adaptive is not None and runner.device.type == "cuda"
         self._unobserved: tuple[StepShape, float, float] | None = None  # the last step: (shape, start, seconds)
+        # called once per step with a forward, right after the forward is queued and before its results are
+        # read: on a GPU the caller's host work for the last step (its metrics and streams) runs under the
+        # device's (the serving loop's overlap; EngineWorker)
+        self.while_forward: Callable[[], None] | None = None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
         number = next(self._ids)
@@ -512,11 +517,16 @@ class Engine:
         forward_start = self._clock()
         batch = self.runner.batch(sequences)
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
+        hidden_work = 0.0
+        if self.while_forward is not None:  # the forward is queued on the device: the caller's host work runs under it
+            began = time.perf_counter()
+            self.while_forward()
+            hidden_work = time.perf_counter() - began
         features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         logits = output.logits  # [rows, V]
         if self._sync_verify and not self.sync_timing:
             torch.cuda.synchronize(self.runner.device)
-        self.report.seconds["verify"] = self._clock() - forward_start
+        self.report.seconds["verify"] = self._clock() - forward_start - hidden_work
         self.report.forward_tokens = sum(batch.attention.q_lens)
         accept_start = self._clock()
         rows = [0]  # first row of each sequence among the batch's new tokens

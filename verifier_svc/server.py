@@ -243,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Do not keep finished requests' KV pages for reuse by prompts that share a prefix.")
     server.add_argument("--metrics-port", type=int, default=None,
                         help="Serve Prometheus metrics on this port at /metrics (default: no metrics server).")
+    server.add_argument("--disable-overlap-schedule", action="store_true",
+                        help="Publish each step's tokens and metrics between steps. By default, on a GPU, they are "
+                        "published while the next step's forward runs on the device (SGLang's flag name).")
     engine_args.add_scheduler_args(parser)
     engine_args.add_speculative_args(parser)
     pool = parser.add_argument_group("drafter pool (drafters in their own processes)")
@@ -351,7 +354,8 @@ async def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> No
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
     engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache)
-    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish)
+    overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule
+    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap)
     if metrics is not None:
         metrics.observe_state(engine)
     worker.start()

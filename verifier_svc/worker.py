@@ -3,6 +3,11 @@ there is work, and hands each step's deltas to the streams that asked for them: 
 one hand-off (`publish`), so the engine thread pays one call per step, not one per request (the server's
 publish crosses to the event loop once; the protobuf and the streams' writes happen there).
 
+With overlap (on a GPU), a step's metrics and deltas are published while the next step's forward runs on
+the device (the engine calls back right after queueing it), not between the two steps, so that host work is
+hidden under the GPU's; they are published at once when no step follows (idle, or a step without a forward),
+and before any abort or failure is delivered, so a stream's deltas keep their order.
+
 Submissions join the engine's waiting queue at once; the engine admits them as pages allow and
 preempts when the pool runs dry, so a request only has to fit alone (the server checks that).
 """
@@ -50,12 +55,18 @@ class _Abort:
 
 
 class EngineWorker(threading.Thread):
-    def __init__(self, engine: Engine, metrics=None, publish: Callable[[list[Delivery]], None] = deliver_each):
+    def __init__(self, engine: Engine, metrics=None, publish: Callable[[list[Delivery]], None] = deliver_each,
+                 overlap: bool = False):
         super().__init__(name="engine", daemon=True)
         self.engine, self.metrics, self.publish = engine, metrics, publish
         self.inbox: queue.Queue = queue.Queue()
         self.live: dict[str, Submission] = {}  # engine request id -> submission
         self.finished: dict[str, Submission] = {}  # ended this step, delta not yet delivered
+        self.overlap = overlap
+        self._pending: tuple[object, list[Delivery]] | None = None  # the last step's (report, deliveries), unpublished
+        self._flushed = {"metrics": 0.0, "publish": 0.0}  # seconds spent publishing since the loop last looked
+        if overlap:
+            engine.while_forward = self._flush
 
     def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """KV pages a request needs at its longest (prompt + output + one tree): it must fit alone."""
@@ -80,23 +91,43 @@ class EngineWorker(threading.Thread):
             if self.engine.has_work:
                 stepped = clock()
                 try:
-                    events = self.engine.step()
+                    events = self.engine.step()  # with overlap, the last step's deltas went out during its forward
                 except Exception as exc:  # never hang the streams: end every live request with the error
                     logger.exception("engine step failed; ending the %d running requests", len(self.live))
                     self._fail_all(f"INTERNAL: the engine step failed: {exc}")
                     continue
+                hidden = self._flushed["metrics"] + self._flushed["publish"]
+                self._flushed = {"metrics": 0.0, "publish": 0.0}
                 observed = clock()
+                self._flush()  # the last step's, if this step ran no forward to hide it under
                 for event in events:
                     self._settle(event)
-                if self.metrics is not None:  # before delivery, so a client never sees newer tokens than metrics
-                    self.metrics.observe(self.engine)
-                published = clock()
-                deliveries = [d for d in map(self._delivery, events) if d is not None]
-                if deliveries:
-                    self.publish(deliveries)
+                self._pending = (self.engine.report, [d for d in map(self._delivery, events) if d is not None])
+                if not (self.overlap and self.engine.has_work):
+                    self._flush()
                 if self.metrics is not None:
-                    self.metrics.observe_loop({"intake": stepped - start if busy else 0.0, "step": observed - stepped,
-                                               "metrics": published - observed, "publish": clock() - published})
+                    parts = {"intake": stepped - start if busy else 0.0, "step": observed - stepped - hidden,
+                             "metrics": self._flushed["metrics"], "publish": self._flushed["publish"], "hidden": hidden}
+                    self._flushed = {"metrics": 0.0, "publish": 0.0}
+                    self.metrics.observe_loop(parts)
+            else:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Publish the last step: its metrics first (a client never sees newer tokens than the metrics), then
+        its deltas in one hand-off."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        report, deliveries = pending
+        began = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.observe(self.engine, report)
+        observed = time.perf_counter()
+        if deliveries:
+            self.publish(deliveries)
+        self._flushed["metrics"] += observed - began
+        self._flushed["publish"] += time.perf_counter() - observed
 
     def _drain(self, block: bool) -> None:
         try:
@@ -112,6 +143,7 @@ class EngineWorker(threading.Thread):
             item.request = self.engine.add_request(item.prompt_ids, item.params, item.speculate)
             self.live[item.request.request_id] = item
             return
+        self._flush()  # the last step's deltas go out before this abort's
         submission = item.submission
         if submission.request is not None and self.engine.abort(submission.request):
             item.found = True
@@ -123,6 +155,7 @@ class EngineWorker(threading.Thread):
         item.done.set()
 
     def _fail_all(self, message: str) -> None:
+        self._flush()
         deliveries = []
         for submission in list(self.live.values()):
             self.engine.abort(submission.request)
