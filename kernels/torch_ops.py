@@ -179,5 +179,7 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """Activations [T, K] -> (float8_e4m3fn [T, K], scale [T, 1] float32): each row's own dynamic scale
     max|x| / 448, and x / scale rounded to the nearest float8 (saturating)."""
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True, dtype=torch.float32)  # max |x|
-    scale = (amax / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    # an IEEE division as the Triton kernel's: CUDA divides a tensor by a Python scalar as a product with its
+    # reciprocal, one ulp off for some rows
+    scale = (amax / torch.full_like(amax, FP8_E4M3_MAX)).clamp(min=FP8_MIN_SCALE)
     return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
