@@ -234,3 +234,21 @@ def test_a_service_refused_at_start_stops_the_launch_with_its_reason():
     assert "refused to start" in said and "--speculative-draft-model-path" in said, said[-3000:]
     assert "restarting" not in said, said[-3000:]
     assert not [pid for pid in up.service_pids() if alive(pid)]
+
+
+def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
+    """On a CPU verifier with OMP_NUM_THREADS unset, `up` gives the verifier every core but one and the gateway and
+    drafters one thread each; a GPU verifier, or a user's OMP_NUM_THREADS, leaves torch's defaults alone."""
+    from splitspec.launcher import _flag_value, _thread_env, cpu_thread_plan
+
+    assert cpu_thread_plan("cpu", 2, {}) == {"verifier": 1, "other": 1}
+    assert cpu_thread_plan("cpu", 16, {"PATH": "/bin"}) == {"verifier": 15, "other": 1}
+    assert cpu_thread_plan("cpu", 1, {}) == {"verifier": 1, "other": 1}
+    assert cpu_thread_plan("cpu", 16, {"OMP_NUM_THREADS": "4"}) == {}
+    assert cpu_thread_plan("cuda:1", 16, {}) == {}
+    assert _thread_env(cpu_thread_plan("cpu", 8, {}), "verifier") == {"OMP_NUM_THREADS": "7"}
+    assert _thread_env(cpu_thread_plan("cpu", 8, {}), "drafter-2") == {"OMP_NUM_THREADS": "1"}
+    assert _thread_env({}, "verifier") is None
+    assert _flag_value(["--dtype", "float32", "--device", "cpu"], "--device") == "cpu"
+    assert _flag_value(["--device=cuda:0", "--max-total-tokens", "64"], "--device") == "cuda:0"
+    assert _flag_value(["--devices", "x"], "--device") is None
