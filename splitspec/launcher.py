@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="splitspec up",
         description="Start the gateway, the verifier and --drafters drafters as local processes (the compose "
         "topology), wait until they serve, and keep them running. Unknown flags (SGLang's server flags) go to "
-        "the verifier; --speculative-* flags and the model go to the drafters too.",
+        "the verifier; --speculative-* flags and the model go to the drafters too. On a CPU verifier, with "
+        "OMP_NUM_THREADS unset, the verifier gets every core but one as torch threads and the gateway and drafters "
+        "one each.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="Address the gateway listens on (0.0.0.0: every interface).")
