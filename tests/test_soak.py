@@ -1,5 +1,5 @@
-"""The soak's 60-second version (benchmarks/soak.py): open-loop load on two real `splitspec up` deployments
-(NGRAM and EAGLE3, the demo target, each with its drafter processes), a drafter killed every 30 s, through
+"""The soak's 40-second version (benchmarks/soak.py): open-loop load on two real `splitspec up` deployments
+(NGRAM and EAGLE3, the demo target, each with its drafter processes), a drafter killed every 7 s, through
 real HTTP. Nothing accepted is lost, every repeated greedy or seeded request has the same text across faults and
 algorithms, the launchers bring every drafter back, the verifiers hold no KV pages once the load is gone, and
 the services' file descriptors and memory settle back near their warmed-up level."""
