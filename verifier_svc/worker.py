@@ -90,14 +90,14 @@ class EngineWorker(threading.Thread):
             self._drain(block=not busy)
             if self.engine.has_work:
                 stepped = clock()
+                self._take_flushed()  # an abort's flush during intake is intake's
                 try:
                     events = self.engine.step()  # with overlap, the last step's deltas went out during its forward
                 except Exception as exc:  # never hang the streams: end every live request with the error
                     logger.exception("engine step failed; ending the %d running requests", len(self.live))
                     self._fail_all(f"INTERNAL: the engine step failed: {exc}")
                     continue
-                hidden = self._flushed["metrics"] + self._flushed["publish"]
-                self._flushed = {"metrics": 0.0, "publish": 0.0}
+                hidden = sum(self._take_flushed().values())
                 observed = clock()
                 self._flush()  # the last step's, if this step ran no forward to hide it under
                 for event in events:
@@ -106,12 +106,13 @@ class EngineWorker(threading.Thread):
                 if not (self.overlap and self.engine.has_work):
                     self._flush()
                 if self.metrics is not None:
-                    parts = {"intake": stepped - start if busy else 0.0, "step": observed - stepped - hidden,
-                             "metrics": self._flushed["metrics"], "publish": self._flushed["publish"], "hidden": hidden}
-                    self._flushed = {"metrics": 0.0, "publish": 0.0}
-                    self.metrics.observe_loop(parts)
-            else:
-                self._flush()
+                    self.metrics.observe_loop({"intake": stepped - start if busy else 0.0, "step": observed - stepped - hidden,
+                                               **self._take_flushed(), "hidden": hidden})
+
+    def _take_flushed(self) -> dict[str, float]:
+        """Seconds spent publishing (metrics, publish) since the last call."""
+        flushed, self._flushed = self._flushed, {"metrics": 0.0, "publish": 0.0}
+        return flushed
 
     def _flush(self) -> None:
         """Publish the last step: its metrics first (a client never sees newer tokens than the metrics), then
