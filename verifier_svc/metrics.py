@@ -76,7 +76,7 @@ class EngineMetrics:
 
     def observe(self, engine: Engine, report=None) -> None:
         """One step: its report (default the engine's last), then the engine's state as it is now."""
-        report, labels = report or engine.report, self.labels
+        report, labels = engine.report if report is None else report, self.labels
         self.num_drafts.labels(**labels).inc(len(report.accept_lengths))
         self.draft_tokens.labels(**labels).inc(report.draft_tokens)
         self.accepted_tokens.labels(**labels).inc(report.accepted_tokens)
