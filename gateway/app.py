@@ -437,10 +437,11 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         except BodyError as exc:
             raise invalid(None, str(exc), "invalid_json") from None
 
-    async def watch_disconnect(request: Request, task: asyncio.Task) -> None:
+    async def watch_disconnect(request: Request, task: asyncio.Task, gone: asyncio.Event) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                gone.set()
                 task.cancel()
                 return
 
@@ -466,13 +467,17 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
             gateway.metrics.http.labels(endpoint, "200").inc()
             return StreamingResponse(stream(g, prompts, choices, rid, chat, arrival, admitted), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        task = asyncio.current_task()
-        watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, task))
+        task, gone = asyncio.current_task(), asyncio.Event()
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, task, gone))
         try:
             await collect(choices, arrival)
         except asyncio.CancelledError:
             gateway.abort_unfinished(choices, "disconnect")
-            raise
+            if not gone.is_set():  # the server is shutting down: the cancellation is not ours to swallow
+                raise
+            task.uncancel()  # the client went away: an ordinary end (no traceback), answered to no one
+            gateway.metrics.http.labels(endpoint, "499").inc()
+            return Response(status_code=499)
         finally:
             watcher.cancel()
             gateway.release(admitted)

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Larger request bodies get 413.")
     parser.add_argument("--tokenizer-threads", type=int, default=2,
                         help="Worker threads that render chat templates and tokenize (off the event loop).")
+    parser.add_argument("--timeout-keep-alive", type=int, default=75,
+                        help="Seconds an idle keep-alive connection stays open. Above the 5 s after which HTTP "
+                        "clients (httpx, hence openai; requests) drop their idle connections, so a client never "
+                        "reuses one the server is closing that instant (uvicorn's own 5 s races them).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="Log level of the gateway and uvicorn.")
     return parser
@@ -42,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    if args.max_queued_requests < 1 or args.max_request_body_bytes < 1024:
-        print("splitspec gateway: error: --max-queued-requests must be >= 1 and --max-request-body-bytes >= 1024",
-              file=sys.stderr)
+    if args.max_queued_requests < 1 or args.max_request_body_bytes < 1024 or args.timeout_keep_alive <= 0:
+        print("splitspec gateway: error: --max-queued-requests must be >= 1, --max-request-body-bytes >= 1024 and "
+              "--timeout-keep-alive > 0", file=sys.stderr)
         return 2
     config = GatewayConfig(verifier=args.verifier, tokenizer_path=args.tokenizer_path,
                            served_model_name=args.served_model_name, api_key=args.api_key,
@@ -53,5 +57,5 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("splitspec.gateway").info("gateway on http://%s:%d, verifier at %s", args.host, args.port,
                                                 args.verifier)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5)
     return 0

@@ -3,10 +3,16 @@ comparison (ARCHITECTURE.md §3.1)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
+
+from splitspec import lifeline
 
 # The runtime tests run on CPU in CI; SPLITSPEC_TEST_DEVICE=cuda runs the same suite on a GPU
 # (references stay on CPU in fp32; our outputs are compared on the test device).
@@ -180,3 +186,33 @@ def assert_greedy_match(ours: list[int], expected: list[int], reference, prompt:
         f"(top-2 margin {(top2[0] - top2[1]).item():.2e})"
     )
     NEAR_TIE_DIVERGENCES.append(f"{label} at output {i}: top-2 margin {(top2[0] - top2[1]).item():.1e}")
+
+
+_LOGS = tempfile.mkdtemp(prefix="splitspec-test-logs-")
+atexit.register(shutil.rmtree, _LOGS, ignore_errors=True)
+
+
+class ServiceLog:
+    """A service's stderr kept in a file, read whole on demand (`process.stderr.read()`). Not a pipe: a pipe
+    nobody drains fills at 64 KiB and then blocks the service at its next log line (a gateway logging the
+    tracebacks of cancelled requests once stopped answering that way)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def read(self) -> str:
+        return Path(self.path).read_text(errors="replace")
+
+    def close(self) -> None:  # Popen's __exit__ closes its stderr
+        pass
+
+
+def spawn_service(argv: list[str], **popen_kwargs) -> subprocess.Popen:
+    """A long-running service process (dies with the test run) whose stderr goes to a file."""
+    fd, path = tempfile.mkstemp(dir=_LOGS, suffix=".log")
+    try:
+        process = lifeline.spawn(argv, stdout=subprocess.DEVNULL, stderr=fd, **popen_kwargs)
+    finally:
+        os.close(fd)
+    process.stderr = ServiceLog(path)
+    return process

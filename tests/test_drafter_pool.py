@@ -13,10 +13,9 @@ import threading
 import time
 
 import pytest
-from helpers import assert_greedy_match, hf_model
+from helpers import assert_greedy_match, hf_model, spawn_service
 from test_verifier_service import collect, free_port, scrape, start_verifier, stop, submit
 
-from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.generate import generate_ids
 from splitspec.protos import step_pb2
@@ -28,10 +27,9 @@ PROMPTS = [[13, 290, 350 + i, 13, 290, 350 + i, 13, 600 + i] for i in range(8)]
 
 
 def start_drafter(address: str, name: str) -> subprocess.Popen:
-    return lifeline.spawn(
+    return spawn_service(
         [sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address, "--drafter-name", name,
-         "--speculative-algorithm", "NGRAM", "--heartbeat-interval", "0.1", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--speculative-algorithm", "NGRAM", "--heartbeat-interval", "0.1", "--log-level", "warning"])
 
 
 class Split:

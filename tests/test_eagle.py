@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
-from helpers import assert_greedy_match, hf_model
+from helpers import assert_greedy_match, hf_model, spawn_service
 from test_eagle_head import head_state
 from test_speculative import PROMPTS, run
 
-from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.base import Drafter
 from splitspec.drafter_svc.eagle import EagleDrafter
@@ -182,7 +181,6 @@ def test_eagle_drafters_over_tcp_get_hidden_states_keep_output_and_survive_a_rep
     no fallbacks; killing one mid-generation re-pins its requests with their state history, and the
     accept length stays that of the fault-free run of the same requests."""
     import socket
-    import subprocess
     import sys
     import threading
 
@@ -198,11 +196,10 @@ def test_eagle_drafters_over_tcp_get_hidden_states_keep_output_and_survive_a_rep
     shape = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6"]
 
     def drafter(name):
-        return lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+        return spawn_service([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                  "--drafter-name", name, "--speculative-algorithm", "EAGLE", "--dtype", "float32",
                                  "--heartbeat-interval", "0.1", "--model-path", str(target_dir),
-                                 "--speculative-draft-model-path", trained_head, *shape, "--log-level", "warning"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                 "--speculative-draft-model-path", trained_head, *shape, "--log-level", "warning"])
 
     drafters = {name: drafter(name) for name in ("e1", "e2")}
     # overlap on (auto leaves it off for CPU drafters beside a CPU verifier) for steps of one request per drafter

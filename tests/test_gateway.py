@@ -9,13 +9,13 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers import spawn_service
 from test_verifier_service import free_port, scrape, start_verifier, stop
 
 from splitspec import lifeline
@@ -66,9 +66,8 @@ def validate():
 
 def start_gateway(verifier_port: int, *extra: str):
     port = free_port()
-    process = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(port), "--verifier",
-                                f"127.0.0.1:{verifier_port}", "--log-level", "warning", *extra],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = spawn_service([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(port), "--verifier",
+                                f"127.0.0.1:{verifier_port}", "--log-level", "warning", *extra])
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -92,9 +91,8 @@ def stack():
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     flags = ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(dirs["eagle"]),
              "--speculative-num-steps", "5", "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8"]
-    drafter = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
-                                "--model-path", str(dirs["target"]), "--dtype", "float32", *flags, "--log-level", "warning"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    drafter = spawn_service([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+                                "--model-path", str(dirs["target"]), "--dtype", "float32", *flags, "--log-level", "warning"])
     verifier, stub = start_verifier("--model-path", str(dirs["target"]), "--max-total-tokens", "32768",
                                     "--served-model-name", MODEL, "--drafter-bind-addr", address, "--wait-for-drafters", "1",
                                     "--drafter-timeout-ms", "5000",
@@ -359,6 +357,8 @@ def test_disconnect_mid_stream_frees_the_kv_pages(stack):
     aborts = [line for line in httpx.get(stack["url"] + "/metrics", timeout=10).text.splitlines()
               if line.startswith('splitspec:gateway_aborts_total{cause="disconnect"}')]
     assert aborts and float(aborts[0].split()[-1]) >= 2
+    log = stack["gateway"].stderr.read()  # a client leaving is an ordinary end: no traceback for it
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
 
 def test_a_stalled_stream_reader_holds_no_one_else(stack):
@@ -380,17 +380,18 @@ def test_a_stalled_stream_reader_holds_no_one_else(stack):
     try:
         started = time.time()
         time.sleep(0.5)
+        bound = 60 + 5 * read_at_once  # from the speed just measured: a starved CPU is slow for both
         while _held_pages(stack["stub"].metrics_url) > 0:  # the verifier runs it to the end unread
-            assert time.time() - started < 60, "the verifier did not finish a request whose client stopped reading"
+            assert time.time() - started < bound, "the verifier did not finish a request whose client stopped reading"
             time.sleep(0.1)
         finished = time.time() - started
         others_started = time.time()
         for prompt in ("x = 1\n", "import re\n", "class A:\n"):
-            r = httpx.post(stack["url"] + "/v1/completions", timeout=30,
+            r = httpx.post(stack["url"] + "/v1/completions", timeout=120,
                            json={"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0})
             assert r.status_code == 200
         others = time.time() - others_started
-        slow.settimeout(30)
+        slow.settimeout(120)
         raw = b""
         while chunk := slow.recv(1 << 16):  # to the end: the gateway closes the connection (Connection: close)
             raw += chunk
@@ -497,9 +498,8 @@ def test_queue_limit_answers_429_with_retry_after(stack, validate):
 def test_verifier_down_is_503_and_a_dying_verifier_ends_requests_with_503(validate):
     process, url = None, None
     port = free_port()
-    gateway = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(gw := free_port()),
-                                "--verifier", f"127.0.0.1:{port}", "--log-level", "warning"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    gateway = spawn_service([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(gw := free_port()),
+                                "--verifier", f"127.0.0.1:{port}", "--log-level", "warning"])
     url = f"http://127.0.0.1:{gw}"
     try:
         deadline = time.time() + 60

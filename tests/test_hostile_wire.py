@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from helpers import spawn_service
 from test_verifier_service import collect, free_port, scrape, start_verifier, stop, submit
 
-from splitspec import lifeline
 from splitspec.protos import step_pb2
 from splitspec.protos import verifier_pb2 as pb
 
@@ -88,11 +88,10 @@ class FakeVerifier:
 def test_a_hostile_verifier_cannot_take_a_drafter_down():
     fake = FakeVerifier()
     metrics_port = free_port()
-    drafter = lifeline.spawn(  # the fake answers heartbeats only while the test reads: a busy machine must not look silent
+    drafter = spawn_service(  # the fake answers heartbeats only while the test reads: a busy machine must not look silent
         [sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", fake.address, "--drafter-name", "d",
          "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--heartbeat-interval", "0.1",
-         "--verifier-timeout", "600", "--metrics-port", str(metrics_port), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--verifier-timeout", "600", "--metrics-port", str(metrics_port), "--log-level", "warning"])
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     try:
         hello = fake.recv(timeout=120)
@@ -229,11 +228,10 @@ def test_frames_over_the_step_channel_limit_are_cut_off_before_they_are_allocate
 
 
 def _start_drafter(fake: FakeVerifier, metrics_port: int, verifier_timeout: float = 30) -> subprocess.Popen:
-    drafter = lifeline.spawn(
+    drafter = spawn_service(
         [sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", fake.address, "--drafter-name", "d",
          "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8", "--heartbeat-interval", "0.1",
-         "--verifier-timeout", str(verifier_timeout), "--metrics-port", str(metrics_port), "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--verifier-timeout", str(verifier_timeout), "--metrics-port", str(metrics_port), "--log-level", "warning"])
     hello = fake.recv(timeout=120)
     assert hello is not None and hello.WhichOneof("kind") == "register", drafter.poll()
     fake.session = 7

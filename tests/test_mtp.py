@@ -12,9 +12,8 @@ import json
 import pytest
 import torch
 from draft_training import train_mimo_target, write_mimo_target
-from helpers import assert_greedy_match, hf_model
+from helpers import assert_greedy_match, hf_model, spawn_service
 
-from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.config import ConfigError
@@ -200,7 +199,6 @@ def split_lossless(target_dir, flags: list[str], label: str, min_accept_length: 
     min_accept_length tokens per step (a floor under what the head trained here reaches, so that a
     misaligned feature, which accepts far less, fails). Returns accept lengths."""
     import socket
-    import subprocess
     import sys
 
     from test_speculative import PROMPTS
@@ -214,10 +212,9 @@ def split_lossless(target_dir, flags: list[str], label: str, min_accept_length: 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    drafter = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+    drafter = spawn_service([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                 "--drafter-name", label, "--dtype", "float32", "--heartbeat-interval", "0.1",
-                                "--model-path", str(target_dir), *flags, "--log-level", "warning"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                "--model-path", str(target_dir), *flags, "--log-level", "warning"])
     process, stub = start_verifier("--model-path", str(target_dir), "--max-total-tokens", "16384", "--drafter-bind-addr",
                                    address, "--wait-for-drafters", "1", "--drafter-timeout-ms", "5000", *flags)
     lengths = {}

@@ -6,12 +6,11 @@ sampling is unchanged, SGLang's tree flags behave, and it runs as a `splitspec d
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import assert_greedy_match, hf_model
+from helpers import assert_greedy_match, hf_model, spawn_service
 from test_speculative import PROMPTS, run
 from test_verifier_service import collect, scrape, start_verifier, stop, submit
 
@@ -138,10 +137,9 @@ def test_standalone_drafter_process_over_tcp_equals_plain():
         s.bind(("127.0.0.1", 0))
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     shape = ["--speculative-num-steps", "4", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"]
-    drafter = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
+    drafter = spawn_service([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                 "--drafter-name", "small-llm", "--speculative-algorithm", "STANDALONE", "--dtype", "float32",
-                                "--speculative-draft-model-path", str(dirs["draft"]), *shape, "--log-level", "warning"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                "--speculative-draft-model-path", str(dirs["draft"]), *shape, "--log-level", "warning"])
     process, stub = start_verifier("--max-total-tokens", "8192", "--drafter-bind-addr", address, "--wait-for-drafters", "1",
                                    "--drafter-timeout-ms", "10000", "--speculative-algorithm", "STANDALONE",
                                    "--speculative-draft-model-path", str(dirs["draft"]), *shape)

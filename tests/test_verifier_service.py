@@ -16,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import assert_greedy_match, hf_model
+from helpers import assert_greedy_match, hf_model, spawn_service
 
 from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
@@ -38,11 +38,10 @@ def free_port() -> int:
 def start_verifier(*extra: str, port: int | None = None):
     """A `splitspec verifier` process with metrics; returns (process, stub). stub.metrics_port is set."""
     port, metrics_port = port or free_port(), free_port()
-    process = lifeline.spawn(
+    process = spawn_service(
         [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--metrics-port", str(metrics_port),
          "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
-         "--log-level", "warning", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--log-level", "warning", *extra])
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)
     deadline = time.time() + 180
