@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -497,3 +499,54 @@ def test_a_request_bigger_than_the_kv_cache_is_refused_with_resource_exhausted(t
     assert results["big"]["finish"] == pb.FINISH_REASON_ERROR and "--max-total-tokens" in results["big"]["error"]
     assert results["big"]["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert results["ok"]["finish"] == pb.FINISH_REASON_LENGTH and len(results["ok"]["tokens"]) == 8
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _cmdline(pid: int) -> list[str]:
+    """A process's argv; empty once it is gone (or a zombie)."""
+    try:
+        return [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") if a]
+    except OSError:
+        return []
+
+
+def test_grpc_runs_in_a_front_process_that_lives_and_dies_with_the_engine(verifier):
+    """The gRPC server (streams, protobuf) is the verifier's child process, not a thread beside the engine;
+    the same requests give the same tokens with --disable-frontend-multiprocessing (gRPC on the engine's
+    process); a front that dies ends its verifier, and a verifier that dies takes its front with it."""
+    process, stub = start_verifier("--max-total-tokens", "2048", "--disable-frontend-multiprocessing")
+    try:
+        assert not [c for c in _children(process.pid) if "front_process" in " ".join(_cmdline(c))]
+        messages = [submit(f"q{i}", p, 24) for i, p in enumerate(PROMPTS[:4])]
+        here = collect(stub, messages, len(messages))
+    finally:
+        stop(process, stub)
+    apart = collect(verifier, messages, len(messages))
+    assert {k: r["tokens"] for k, r in here.items()} == {k: r["tokens"] for k, r in apart.items()}
+    assert all(r["finish"] == pb.FINISH_REASON_LENGTH for r in apart.values())
+    assert sum(r["spec"].accepted_tokens for r in apart.values()) > 0  # speculation ran on both
+    assert sum(r["spec"].accepted_tokens for r in here.values()) > 0
+
+    for victim in ("front", "engine"):
+        process, stub = start_verifier("--max-total-tokens", "2048")
+        fronts = [c for c in _children(process.pid) if "splitspec.verifier_svc.front_process" in _cmdline(c)]
+        assert len(fronts) == 1 and f"127.0.0.1:{stub.port}" in _cmdline(fronts[0])
+        front = fronts[0]
+        os.kill(front if victim == "front" else process.pid, signal.SIGKILL)
+        try:
+            process.wait(timeout=30)  # the engine ends with its front (exit 1), or was killed
+        finally:
+            stub.channel.close()
+        assert process.returncode == (1 if victim == "front" else -signal.SIGKILL)
+        deadline = time.time() + 5
+        while _cmdline(front) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _cmdline(front), f"the front outlived its verifier ({victim} killed)"
+        if victim == "front":
+            assert "the gRPC front process exited" in process.stderr.read()

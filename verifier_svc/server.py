@@ -1,11 +1,11 @@
 """`splitspec verifier`: the target model and the step loop behind the splitspec.v1.Verifier gRPC API.
 
-The engine runs on its own thread (worker.EngineWorker); each Generate stream is an asyncio task that
-validates submissions, hands them to the worker and yields the deltas the worker delivers: a step's
-deltas cross from the engine thread in one hand-off (StreamRouter), and each stream writes everything
-waiting for it as one message. A bad
-request gets an error delta naming the problem (INVALID_ARGUMENT: ...) and its stream keeps serving
-the others; a stream that closes aborts its unfinished requests.
+Two processes: this one (the engine: the model, the step loop on its own thread (worker.EngineWorker),
+the drafter pool, the metrics) and the front it starts (front_process.py: the gRPC server, the streams
+and their protobuf), so that gRPC's work never takes the engine's GIL; each step's deltas cross in one
+message (engine_link.py). --disable-frontend-multiprocessing serves gRPC on this process's event loop
+instead (LocalBackend below: a step's deltas cross from the engine thread in one hand-off). The service
+itself (grpc_front.py) is the same either way.
 """
 
 from __future__ import annotations
@@ -15,77 +15,23 @@ import asyncio
 import logging
 import os
 import sys
-from dataclasses import dataclass
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitspec import engine_args
-from splitspec.protos import channel
 from splitspec.protos import verifier_pb2 as pb
-from splitspec.protos import verifier_pb2_grpc as pb_grpc
 from splitspec.runtime import args as runtime_args
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.engine import Engine, verify_tree_sizes
+from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
 from splitspec.verifier_svc.worker import EngineWorker, Submission
 
 logger = logging.getLogger("splitspec.verifier")
-SERVICE_NAME = "splitspec.v1.Verifier"
-
-
-class Validator:
-    """Checks a submission against the model's limits; returns an error message or None."""
-
-    def __init__(self, vocab_size: int, max_context: int, worker: EngineWorker):
-        self.vocab_size, self.max_context, self.worker = vocab_size, max_context, worker
-
-    def check(self, submit: pb.SubmitRequest):
-        if not submit.request_id:
-            return None, "INVALID_ARGUMENT: request_id is empty"
-        if not submit.prompt_ids:
-            return None, "INVALID_ARGUMENT: the prompt is empty"
-        bad = [t for t in submit.prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return None, f"INVALID_ARGUMENT: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-        try:
-            params = convert.sampling_params(submit.sampling)
-        except ValueError as exc:
-            return None, f"INVALID_ARGUMENT: {exc}"
-        if params.max_new_tokens < 1:
-            return None, "INVALID_ARGUMENT: max_new_tokens must be at least 1"
-        total = len(submit.prompt_ids) + params.max_new_tokens
-        if total > self.max_context:
-            return None, (f"INVALID_ARGUMENT: prompt ({len(submit.prompt_ids)} tokens) + max_new_tokens "
-                          f"({params.max_new_tokens}) = {total} exceeds the context of {self.max_context} tokens")
-        if self.worker.pages_needed(len(submit.prompt_ids), params.max_new_tokens) > self.worker.engine.runner.kv_cache.num_pages:
-            return None, "RESOURCE_EXHAUSTED: the request alone needs more KV cache than the server has (--max-total-tokens)"
-        return params, None
-
-
-class Stream:
-    """One Generate call's deltas waiting to be written: the router appends whole steps, the call writes
-    everything waiting as one GenerateServerMessage."""
-
-    def __init__(self):
-        self.pending: list = []  # TokenDelta, or a Malformed / None from the reader
-        self.wake = asyncio.Event()
-
-    def put(self, item) -> None:
-        self.pending.append(item)
-        self.wake.set()
-
-    async def take(self) -> list:
-        await self.wake.wait()
-        self.wake.clear()
-        items, self.pending = self.pending, []
-        return items
 
 
 class StreamRouter:
-    """The worker's publish: on the engine thread, each delivery becomes its TokenDelta (a snapshot of the
-    request's counts as of this step) and the whole step crosses to the event loop in one call, which files
-    each delta with its stream."""
+    """The worker's publish with --disable-frontend-multiprocessing: on the engine thread, each delivery
+    becomes its TokenDelta (a snapshot of the request's counts as of this step) and the whole step crosses
+    to the event loop in one call, which files each delta with its stream."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -105,126 +51,38 @@ class StreamRouter:
             stream.put(message)
 
 
-class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, worker: EngineWorker, validator: Validator, info: pb.ModelInfo, metrics=None):
-        self.worker, self.validator, self.info, self.metrics = worker, validator, info, metrics
-        self.by_client_id: dict[str, Submission] = {}
+class LocalBackend:
+    """The engine on a thread of this process (--disable-frontend-multiprocessing)."""
 
-    async def Generate(self, request_iterator, context):
-        loop = asyncio.get_running_loop()
-        stream = Stream()
-        live: dict[str, Submission] = {}
-        reading = True
+    def __init__(self, worker: EngineWorker):
+        self.worker = worker
+        self.submissions: dict[str, Submission] = {}  # live request id -> its submission
 
-        async def read():
-            nonlocal reading
-            try:
-                async for message in request_iterator:
-                    if isinstance(message, Malformed):  # this stream ends with the status; nobody else's
-                        stream.put(message)
-                        break
-                    if message.WhichOneof("kind") == "submit":
-                        self._submit(message.submit, live, stream)
-                    elif message.WhichOneof("kind") == "abort" and message.abort.request_id in live:
-                        await loop.run_in_executor(None, self.worker.abort, live[message.abort.request_id])
-            finally:
-                reading = False
-                stream.put(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while reading or live:
-                deltas = []
-                for item in await stream.take():
-                    if item is None:
-                        continue
-                    if isinstance(item, Malformed):
-                        await refuse_malformed(item, context)
-                    if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED and live.pop(item.request_id, None) is not None:
-                        self.by_client_id.pop(item.request_id, None)
-                    deltas.append(item)
-                if deltas:  # every delta that waited, in one message (one write)
-                    yield pb.GenerateServerMessage(deltas=deltas)
-        finally:
-            reader.cancel()
-            for submission in list(live.values()):  # the stream went away: abort what it left running
-                await loop.run_in_executor(None, self.worker.abort, submission)
-                self.by_client_id.pop(submission.client_id, None)
-
-    def _submit(self, submit, live, stream: Stream) -> None:
-        params, problem = self.validator.check(submit)
-        if problem is None and (submit.request_id in live or submit.request_id in self.by_client_id):
-            problem = f"INVALID_ARGUMENT: request_id {submit.request_id!r} is already running"
-        if problem is not None:
-            logger.info("refused request %r: %s", submit.request_id, problem)
-            if self.metrics is not None:
-                self.metrics.grpc_refused.labels(**self.metrics.labels, code=problem.split(":", 1)[0]).inc()
-            stream.put(convert.error(submit.request_id, problem))
-            return
+    def submit(self, submit: pb.SubmitRequest, params, stream: Stream) -> None:
         submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate, stream=stream)
-        live[submit.request_id] = submission
-        self.by_client_id[submit.request_id] = submission
+        self.submissions[submit.request_id] = submission
         self.worker.submit(submission)
 
-    async def Abort(self, request, context):
-        await refuse_malformed(request, context)
-        submission = self.by_client_id.get(request.request_id)
-        if submission is None:
-            return pb.AbortResponse(found=False)
-        found = await asyncio.get_running_loop().run_in_executor(None, self.worker.abort, submission)
-        return pb.AbortResponse(found=found)
+    async def abort(self, request_id: str) -> None:
+        submission = self.submissions.pop(request_id, None)
+        if submission is not None:  # waits until the engine took it (its last delta is on the way)
+            await asyncio.get_running_loop().run_in_executor(None, self.worker.abort, submission)
 
-    async def GetModelInfo(self, request, context):
-        await refuse_malformed(request, context)
-        return self.info
+    def finished(self, request_id: str) -> None:
+        self.submissions.pop(request_id, None)
 
 
-@dataclass
-class Malformed:
-    """A request message that did not decode, in place of the message (so the call can end with
-    INVALID_ARGUMENT naming it; a parser that raises gets a bare UNKNOWN, or a stream that just ends)."""
+class MetricCounts:
+    """Refusals and malformed messages counted in the engine's metrics (this process)."""
 
-    message_type: str
-    error: str
+    def __init__(self, metrics):
+        self.metrics = metrics
 
+    def refused(self, code: str) -> None:
+        self.metrics.grpc_refused.labels(**self.metrics.labels, code=code).inc()
 
-async def refuse_malformed(request, context) -> None:
-    if isinstance(request, Malformed):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"a malformed {request.message_type}: {request.error}")
-
-
-def add_servicer(servicer: VerifierServicer, server) -> None:
-    """protos' generated registration, with request parsers that log and count a message that does not
-    decode (gRPC then ends that one call with a status)."""
-    metrics = servicer.metrics
-
-    def parser(message_type, method: str):
-        def parse(data: bytes):
-            try:
-                return message_type.FromString(data)
-            except Exception as exc:  # noqa: BLE001 (protobuf's DecodeError and others)
-                logger.warning("a malformed %s on %s (%d bytes) ends its call: %s", message_type.DESCRIPTOR.name,
-                               method, len(data), exc)
-                if metrics is not None:
-                    metrics.grpc_malformed.labels(**metrics.labels, method=method).inc()
-                return Malformed(message_type.DESCRIPTOR.name, str(exc) or type(exc).__name__)
-        return parse
-
-    handlers = {
-        "Generate": grpc.stream_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=parser(pb.GenerateClientMessage, "Generate"),
-            response_serializer=pb.GenerateServerMessage.SerializeToString),
-        "Abort": grpc.unary_unary_rpc_method_handler(
-            servicer.Abort, request_deserializer=parser(pb.AbortRequest, "Abort"),
-            response_serializer=pb.AbortResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, request_deserializer=parser(pb.ModelInfoRequest, "GetModelInfo"),
-            response_serializer=pb.ModelInfo.SerializeToString),
-    }
-    assert set(handlers) == set(pb.DESCRIPTOR.services_by_name["Verifier"].methods_by_name), "protos changed"
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    def malformed(self, method: str) -> None:
+        self.metrics.grpc_malformed.labels(**self.metrics.labels, method=method).inc()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Do not keep finished requests' KV pages for reuse by prompts that share a prefix.")
     server.add_argument("--metrics-port", type=int, default=None,
                         help="Serve Prometheus metrics on this port at /metrics (default: no metrics server).")
+    server.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                        help="Serve gRPC (the gateway's streams and their protobuf) on this process's event loop, beside "
+                        "the engine's thread. By default a front process does it, so that it never takes the engine's GIL "
+                        "(vLLM's flag name).")
     server.add_argument("--disable-overlap-schedule", action="store_true",
                         help="Publish each step's tokens and metrics between steps. By default, on a GPU, they are "
                         "published while the next step's forward runs on the device (SGLang's flag name).")
@@ -300,7 +162,7 @@ def curve_keys(args: argparse.Namespace) -> ServerKeys | None:
     return keys
 
 
-async def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> None:
+def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     from splitspec.generate import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
 
@@ -355,36 +217,58 @@ async def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> No
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
     engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache)
     overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule
-    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap)
-    if metrics is not None:
-        metrics.observe_state(engine)
-    worker.start()
     context = context_length(args, runner.config.max_position_embeddings)
     info = pb.ModelInfo(model_id=model_id, model_path=str(model_dir),
                         vocab_size=runner.config.vocab_size, max_context_tokens=context,
                         eos_token_ids=sorted(eos), speculative_algorithm=args.speculative_algorithm or "",
                         speculative_num_draft_tokens=spec.num_draft_tokens if drafter else 0)
-    server = grpc.aio.server(options=channel.server_options())  # keepalive both ways (protos/channel.py)
-    add_servicer(VerifierServicer(worker, Validator(runner.config.vocab_size, context, worker), info, metrics), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{args.host}:{args.port}"
-    server.add_insecure_port(address)
-    await server.start()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if args.wait_for_drafters and hasattr(drafter, "wait_for_drafters"):
-        logger.info("waiting for %d drafters to register at %s", args.wait_for_drafters, drafter.address)
-        loop = asyncio.get_running_loop()
-        while not await loop.run_in_executor(None, drafter.wait_for_drafters, args.wait_for_drafters, 5.0):
-            logger.info("%d of %d drafters registered", drafter.num_alive, args.wait_for_drafters)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     kv = runner.kv_cache
-    logger.info("verifier serving %s on %s: %s %s, KV cache %d pages x %d tokens, speculation %s, prefix cache %s",
-                info.model_id, address, runner.device, str(kv.dtype).removeprefix("torch."), kv.num_pages, kv.page_size,
-                (info.speculative_algorithm or "off") + (f" (drafters at {drafter.address})" if hasattr(drafter, "address") else ""),
-                "off" if cache is None else "on")
+    limits = Limits(runner.config.vocab_size, context, kv.num_pages, kv.page_size, engine.spec.num_draft_tokens)
+    address = f"{args.host}:{args.port}"
+
+    def ready() -> None:
+        if args.wait_for_drafters and hasattr(drafter, "wait_for_drafters"):
+            logger.info("waiting for %d drafters to register at %s", args.wait_for_drafters, drafter.address)
+            while not drafter.wait_for_drafters(args.wait_for_drafters, 5.0):
+                logger.info("%d of %d drafters registered", drafter.num_alive, args.wait_for_drafters)
+        logger.info("verifier serving %s on %s: %s %s, KV cache %d pages x %d tokens, speculation %s, prefix cache %s, "
+                    "gRPC %s", info.model_id, address, runner.device, str(kv.dtype).removeprefix("torch."), kv.num_pages,
+                    kv.page_size, (info.speculative_algorithm or "off")
+                    + (f" (drafters at {drafter.address})" if hasattr(drafter, "address") else ""),
+                    "off" if cache is None else "on",
+                    "on this process" if args.disable_frontend_multiprocessing else "in its front process")
+
+    if args.disable_frontend_multiprocessing:
+        return asyncio.run(serve_here(engine, metrics, overlap, info, limits, address, ready))
+    from splitspec.verifier_svc.engine_link import FrontLink
+
+    front = FrontLink(address, args.log_level)
+    try:
+        worker = EngineWorker(engine, metrics, publish=front.publish, overlap=overlap)
+        if metrics is not None:
+            metrics.observe_state(engine)
+        worker.start()
+        front.start(worker, metrics, info, limits)
+        ready()
+        front.serving()
+        return front.run()
+    finally:
+        front.close()
+
+
+async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo, limits: Limits, address: str,
+                     ready) -> int:
+    """gRPC on this process's event loop (--disable-frontend-multiprocessing)."""
+    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap)
+    if metrics is not None:
+        metrics.observe_state(engine)
+    worker.start()
+    counts = MetricCounts(metrics) if metrics is not None else NoCounts()
+    server, health = await start_server(VerifierServicer(LocalBackend(worker), limits, info, counts), address)
+    await asyncio.get_running_loop().run_in_executor(None, ready)
+    await set_serving(health)
     await server.wait_for_termination()
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -393,8 +277,7 @@ def run(args: argparse.Namespace) -> int:
         runtime_args.check_sglang_server_flags(args, "splitspec verifier")
         engine_args.spec_config(args)  # flag combinations, before anything loads
         curve = curve_keys(args)
-        asyncio.run(serve(args, curve))
+        return serve(args, curve)
     except (ValueError, OSError) as exc:  # FlagError, ConfigError, CheckpointError, CurveError, a path that is not there
         print(f"splitspec verifier: error: {exc}", file=sys.stderr)
         return 2
-    return 0

@@ -68,13 +68,12 @@ class EngineWorker(threading.Thread):
         if overlap:
             engine.while_forward = self._flush
 
-    def pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        """KV pages a request needs at its longest (prompt + output + one tree): it must fit alone."""
-        kv = self.engine.runner.kv_cache
-        return kv.pages_for(prompt_len + max_new_tokens + self.engine.spec.num_draft_tokens)
-
     def submit(self, submission: Submission) -> None:
         self.inbox.put(submission)
+
+    def abort_later(self, submission: Submission) -> None:
+        """Abort without waiting: the request's last delta (abort) is published when the engine takes it."""
+        self.inbox.put(_Abort(submission))
 
     def abort(self, submission: Submission, timeout: float = 30.0) -> bool:
         command = _Abort(submission)

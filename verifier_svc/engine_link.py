@@ -1,0 +1,148 @@
+"""The engine process's end of its front process (front_process.py): it binds two local ZeroMQ endpoints
+in a private directory, starts the front on them, and from then on
+
+- publishes: the worker's publish, on the engine thread: every delivery of a step becomes its TokenDelta
+  and the step goes out as one message (one serialisation, one non-blocking send; the engine never waits
+  for the front);
+- takes commands: a thread reads the front's submissions, aborts and counts and hands them to the worker
+  (submissions and aborts join its inbox; nothing blocks on the engine).
+
+The front dies with this process (splitspec.lifeline); `run()` returns when the front exits, and the
+verifier ends with it (a supervisor such as `splitspec up` restarts both).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import zmq
+
+from splitspec import lifeline
+from splitspec.protos import channel
+from splitspec.protos import engine_link_pb2 as link
+from splitspec.protos import verifier_pb2 as pb
+from splitspec.verifier_svc import convert
+from splitspec.verifier_svc.grpc_front import Limits
+from splitspec.verifier_svc.worker import Delivery, EngineWorker, Submission
+
+logger = logging.getLogger("splitspec.verifier")
+
+
+class FrontLink:
+    def __init__(self, address: str, log_level: str):
+        self.directory = tempfile.mkdtemp(prefix="splitspec-verifier-")  # 0700: only this user reaches the sockets
+        self.context = zmq.Context()
+        self.out = self.context.socket(zmq.PUSH)
+        self.out.setsockopt(zmq.SNDHWM, 0)  # never block the engine, never drop a step
+        self.out.setsockopt(zmq.LINGER, 0)
+        self.out.bind(f"ipc://{self.directory}/steps")
+        self.commands = self.context.socket(zmq.PULL)
+        self.commands.setsockopt(zmq.MAXMSGSIZE, channel.MAX_MESSAGE_BYTES + (1 << 16))  # gRPC's own bound, framed
+        self.commands.setsockopt(zmq.LINGER, 0)
+        self.commands.bind(f"ipc://{self.directory}/commands")
+        self.send_lock = threading.Lock()  # the engine thread's steps and the main thread's hello / serving
+        self.started = threading.Event()
+        self.start_error = ""
+        self.worker: EngineWorker | None = None
+        self.metrics = None
+        self.submissions: dict[str, Submission] = {}  # live request id -> its submission
+        self.front = lifeline.spawn(  # from the main thread: PR_SET_PDEATHSIG follows the thread that spawns
+            [sys.executable, "-m", "splitspec.verifier_svc.front_process", "--engine", f"ipc://{self.directory}/steps",
+             "--commands", f"ipc://{self.directory}/commands", "--address", address, "--log-level", log_level])
+
+    def _send(self, message: link.EngineMessage) -> None:
+        data = message.SerializeToString()
+        with self.send_lock:
+            self.out.send(data)
+
+    # the engine thread ----------------------------------------------------------------------------
+
+    def publish(self, deliveries: list[Delivery]) -> None:
+        step = pb.GenerateServerMessage()
+        for submission, event in deliveries:
+            step.deltas.append(convert.delta(submission.client_id, submission.request, event.new_token_ids,
+                                             event.finish_reason, submission.first, event.error, event.logprobs))
+            submission.first = False
+            if event.finish_reason is not None:
+                self.submissions.pop(submission.client_id, None)
+        self._send(link.EngineMessage(step=step))
+
+    # the main thread ------------------------------------------------------------------------------
+
+    def start(self, worker: EngineWorker, metrics, info: pb.ModelInfo, limits: Limits, timeout: float = 120.0) -> None:
+        """Hello to the front, then commands flow to the worker; raises OSError when the front cannot serve."""
+        self.worker, self.metrics = worker, metrics
+        threading.Thread(target=self._take_commands, name="front-commands", daemon=True).start()
+        self._send(link.EngineMessage(hello=link.EngineHello(info=info, kv_pages=limits.kv_pages, page_size=limits.page_size,
+                                                             tree_tokens=limits.tree_tokens)))
+        deadline = time.monotonic() + timeout
+        while not self.started.wait(0.1):
+            if self.front.poll() is not None:
+                raise OSError(f"the gRPC front process exited with code {self.front.returncode} before serving")
+            if time.monotonic() > deadline:
+                raise OSError(f"the gRPC front process did not start in {timeout:.0f} s")
+        if self.start_error:
+            raise OSError(self.start_error)
+
+    def serving(self) -> None:
+        self._send(link.EngineMessage(serving=True))
+
+    def run(self) -> int:
+        """Until the front exits (its exit code); the directory of sockets is removed."""
+        try:
+            code = self.front.wait()
+            logger.error("the gRPC front process exited with code %s; the verifier stops", code)
+            return 1
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.front.poll() is None:
+            self.front.kill()
+            try:
+                self.front.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    # the command thread ---------------------------------------------------------------------------
+
+    def _take_commands(self) -> None:
+        while True:
+            try:
+                data = self.commands.recv()
+            except zmq.ZMQError:  # the context closed: the process is ending
+                return
+            try:
+                command = link.FrontCommand.FromString(data)
+                self._handle(command)
+            except Exception:  # noqa: BLE001 (one bad command is logged and dropped; the rest keep flowing)
+                logger.exception("dropped a command from the gRPC front (%d bytes)", len(data))
+
+    def _handle(self, command: link.FrontCommand) -> None:
+        kind = command.WhichOneof("kind")
+        if kind == "submit":
+            submit = command.submit
+            params = convert.sampling_params(submit.sampling)  # the front checked it; this cannot fail
+            submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate)
+            self.submissions[submit.request_id] = submission
+            self.worker.submit(submission)
+        elif kind == "abort":
+            submission = self.submissions.get(command.abort.request_id)
+            if submission is not None:
+                self.worker.abort_later(submission)
+        elif kind == "refused":
+            if self.metrics is not None:
+                self.metrics.grpc_refused.labels(**self.metrics.labels, code=command.refused).inc()
+        elif kind == "malformed":
+            if self.metrics is not None:
+                self.metrics.grpc_malformed.labels(**self.metrics.labels, method=command.malformed).inc()
+        elif kind == "started":
+            self.start_error = command.started.error
+            self.started.set()
