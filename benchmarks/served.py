@@ -195,6 +195,10 @@ def main(argv: list[str]) -> int:
     try:
         wait_ready(url, up, args.timeout)
         metrics_url = f"http://127.0.0.1:{args.port + 2}/metrics"  # the verifier's (up: the gateway's port + 2)
+        # untimed: the same points with short outputs, so that one-time work (FlashInfer's JIT, the first
+        # shapes) is neither in the served figures nor in the engine-loop means below
+        bench(["--url", url, "--model-path", model_path, *load, "--output-len", "16"], work / "warmup.json", args.timeout,
+              log)
         before = loop_totals(metrics_url)
         served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
