@@ -538,6 +538,7 @@ def test_grpc_runs_in_a_front_process_that_lives_and_dies_with_the_engine(verifi
         fronts = [c for c in _children(process.pid) if "splitspec.verifier_svc.front_process" in _cmdline(c)]
         assert len(fronts) == 1 and f"127.0.0.1:{stub.port}" in _cmdline(fronts[0])
         front = fronts[0]
+        assert "libtorch" not in Path(f"/proc/{front}/maps").read_text()  # a light process: gRPC and protobuf only
         os.kill(front if victim == "front" else process.pid, signal.SIGKILL)
         try:
             process.wait(timeout=30)  # the engine ends with its front (exit 1), or was killed

@@ -3,10 +3,14 @@ gateway's API (verifier.proto) and the drafters' step channel (step.proto)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from splitspec.protos import step_pb2 as step_pb
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime.sampling_params import SamplingParams
-from splitspec.verifier_svc.engine import Request, SpecStats
+
+if TYPE_CHECKING:  # the verifier's front process converts without importing the engine (torch)
+    from splitspec.verifier_svc.engine import Request, SpecStats
 
 FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
