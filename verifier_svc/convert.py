@@ -1,5 +1,5 @@
-"""The only verifier module that touches generated protobuf classes: wire <-> internal types, for the
-gateway's API (verifier.proto) and the drafters' step channel (step.proto)."""
+"""Wire <-> internal types for the verifier: the gateway's API (verifier.proto) and the drafters' step
+channel (step.proto). Imports no torch (the verifier's front process uses it)."""
 
 from __future__ import annotations
 
