@@ -27,14 +27,16 @@ class FrontStarted(_message.Message):
     def __init__(self, error: _Optional[str] = ...) -> None: ...
 
 class EngineMessage(_message.Message):
-    __slots__ = ("hello", "step", "serving")
+    __slots__ = ("hello", "step", "serving", "alive")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
     hello: EngineHello
     step: _verifier_pb2.GenerateServerMessage
     serving: bool
-    def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., step: _Optional[_Union[_verifier_pb2.GenerateServerMessage, _Mapping]] = ..., serving: _Optional[bool] = ...) -> None: ...
+    alive: bool
+    def __init__(self, hello: _Optional[_Union[EngineHello, _Mapping]] = ..., step: _Optional[_Union[_verifier_pb2.GenerateServerMessage, _Mapping]] = ..., serving: _Optional[bool] = ..., alive: _Optional[bool] = ...) -> None: ...
 
 class EngineHello(_message.Message):
     __slots__ = ("info", "kv_pages", "page_size", "tree_tokens")

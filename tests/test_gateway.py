@@ -564,10 +564,12 @@ async def _read_stream(http, url: str, prompt: str) -> tuple[list[dict], float]:
 
 
 def test_a_hung_verifier_ends_streams_with_an_error_and_the_gateway_recovers(validate):
-    """The verifier stopped with SIGSTOP mid-stream (a hung host: its socket stays open, nothing answers): the
-    gateway's keepalive pings go unanswered, so every stream ends with a terminal SSE error event and [DONE] in
-    seconds, not never, and a request sent meanwhile gets 503; after SIGCONT the verifier finds the connection
-    gone, aborts the orphans (their KV pages come back), and the gateway serves again on a new connection."""
+    """The verifier's engine stopped with SIGSTOP mid-stream (a hung process: its sockets stay open, nothing
+    answers): its gRPC front hears no beat from it for as long as gRPC's keepalive allows and ends the streams
+    with UNAVAILABLE (a verifier in one process: the gateway's keepalive pings go unanswered), so every stream
+    ends with a terminal SSE error event and [DONE] in seconds, not never, and a request sent meanwhile gets
+    503; after SIGCONT the verifier aborts the orphans (their KV pages come back), and the gateway serves
+    again on a new connection."""
     from splitspec.protos.channel import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 
     process, stub = start_verifier("--max-total-tokens", "16384", "--served-model-name", MODEL)

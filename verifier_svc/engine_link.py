@@ -32,6 +32,7 @@ from splitspec.verifier_svc.grpc_front import Limits
 from splitspec.verifier_svc.worker import Delivery, EngineWorker, Submission
 
 logger = logging.getLogger("splitspec.verifier")
+BEAT_SECONDS = 1.0
 
 
 class FrontLink:
@@ -92,6 +93,13 @@ class FrontLink:
 
     def serving(self) -> None:
         self._send(link.EngineMessage(serving=True))
+        threading.Thread(target=self._beat, name="front-beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        """A stopped or wedged process sends nothing, so the front can tell it from an idle one."""
+        while True:
+            time.sleep(BEAT_SECONDS)
+            self._send(link.EngineMessage(alive=True))
 
     def run(self) -> int:
         """Until the front exits (its exit code); the directory of sockets is removed."""

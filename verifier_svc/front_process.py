@@ -16,15 +16,20 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 
 import zmq
 import zmq.asyncio
 
 from splitspec.protos import engine_link_pb2 as link
+from splitspec.protos.channel import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.verifier_svc.grpc_front import Limits, Stream, VerifierServicer, set_serving, start_server
 
 logger = logging.getLogger("splitspec.verifier.front")
+# an engine silent this long (it beats every second) is hung: as long as gRPC's keepalive gave a hung
+# single-process verifier before its callers gave up on it
+ENGINE_SILENCE_SECONDS = KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS
 
 
 class LinkBackend:
@@ -88,14 +93,27 @@ async def serve(engine_address: str, commands_address: str, address: str) -> int
         await asyncio.sleep(0.5)  # LINGER delivers it
         return 2
     backend.send(link.FrontCommand(started=link.FrontStarted()))
+    heard, serving = time.monotonic(), False
     while True:
+        if not await inbound.poll(1000):
+            if time.monotonic() - heard > ENGINE_SILENCE_SECONDS and servicer.unavailable is None:
+                logger.error("the engine has sent nothing for %.0f s (stopped or wedged): its streams end with "
+                             "UNAVAILABLE and new ones are refused until it answers", time.monotonic() - heard)
+                servicer.set_unavailable("UNAVAILABLE: the verifier's engine stopped answering")
+                await set_serving(health, False)
+            continue
         message = link.EngineMessage.FromString(await inbound.recv())
+        heard = time.monotonic()
+        if servicer.unavailable is not None:
+            logger.warning("the engine answers again; serving")
+            servicer.set_unavailable(None)
+            await set_serving(health, serving)
         kind = message.WhichOneof("kind")
         if kind == "step":
             backend.file(message.step)
         elif kind == "serving" and message.serving:
+            serving = True
             await set_serving(health)
-    await server.stop(None)  # unreachable: the process ends with the engine
 
 
 def main(argv: list[str]) -> int:

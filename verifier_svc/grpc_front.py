@@ -116,9 +116,22 @@ class VerifierServicer:
     def __init__(self, backend: Backend, limits: Limits, info: pb.ModelInfo, counts: Counts):
         self.backend, self.limits, self.info, self.counts = backend, limits, info, counts
         self.live_ids: set[str] = set()  # every stream's unfinished requests (ids must be unique among them)
+        self.streams: set[Stream] = set()
+        self.unavailable: str | None = None  # why the engine cannot serve now ("UNAVAILABLE: ..."), else None
+
+    def set_unavailable(self, reason: str | None) -> None:
+        """The engine stopped answering (reason): every open stream ends with UNAVAILABLE (the gateway's
+        requests fail fast, as with a hung server) and new ones are refused; None: it answers again."""
+        self.unavailable = reason
+        if reason is not None:
+            for stream in self.streams:
+                stream.put(Unavailable(reason))
 
     async def Generate(self, request_iterator, context):
+        if self.unavailable is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
         stream = Stream()
+        self.streams.add(stream)
         live: set[str] = set()
         reading = True
 
@@ -146,6 +159,8 @@ class VerifierServicer:
                         continue
                     if isinstance(item, Malformed):
                         await refuse_malformed(item, context)
+                    if isinstance(item, Unavailable):
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, item.reason)
                     if item.finish_reason != pb.FINISH_REASON_UNSPECIFIED and item.request_id in live:
                         live.discard(item.request_id)
                         self.live_ids.discard(item.request_id)
@@ -155,12 +170,15 @@ class VerifierServicer:
                     yield pb.GenerateServerMessage(deltas=deltas)
         finally:
             reader.cancel()
+            self.streams.discard(stream)
             for request_id in list(live):  # the stream went away: abort what it left running
                 await self.backend.abort(request_id)
                 self.live_ids.discard(request_id)
 
     def _submit(self, submit: pb.SubmitRequest, live: set[str], stream: Stream) -> None:
         params, problem = self.limits.check(submit)
+        if problem is None and self.unavailable is not None:
+            problem = self.unavailable
         if problem is None and submit.request_id in self.live_ids:
             problem = f"INVALID_ARGUMENT: request_id {submit.request_id!r} is already running"
         if problem is not None:
@@ -182,6 +200,13 @@ class VerifierServicer:
     async def GetModelInfo(self, request, context):
         await refuse_malformed(request, context)
         return self.info
+
+
+@dataclass
+class Unavailable:
+    """In a stream's queue: the engine stopped answering; the call ends with UNAVAILABLE."""
+
+    reason: str
 
 
 @dataclass
@@ -248,8 +273,9 @@ async def start_server(servicer: VerifierServicer, address: str):
     return server, health_servicer
 
 
-async def set_serving(health_servicer) -> None:
+async def set_serving(health_servicer, serving: bool = True) -> None:
     from grpc_health.v1 import health_pb2
 
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set(SERVICE_NAME, status)
+    await health_servicer.set("", status)
