@@ -407,6 +407,37 @@ def test_a_stalled_stream_reader_holds_no_one_else(stack):
     assert len(raw) > 64 << 10  # more than the socket buffers between them hold: the gateway held the rest
 
 
+def test_an_idle_keep_alive_connection_outlives_the_clients_own_expiry(stack):
+    """httpx (hence openai) drops an idle pooled connection after 5 s; the gateway keeps it longer (75 s), so a
+    client never reuses a connection the server is closing at that very moment (uvicorn's 5 s raced it)."""
+    host, port = stack["url"].removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "x = ", "max_tokens": 2, "temperature": 0}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    def receive(sock) -> bytes:
+        chunk = sock.recv(65536)
+        assert chunk, "the gateway closed the idle keep-alive connection"
+        return chunk
+
+    def answer(sock) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += receive(sock)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(rest) < length:
+            rest += receive(sock)
+        return head
+
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(request)
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(6.5)  # idle past both sides' old 5 s
+        sock.sendall(request)  # the same connection, still open
+        assert answer(sock).startswith(b"HTTP/1.1 200")
+
+
 def test_api_key(stack):
     port = stack["stub"].port
     process, url = start_gateway(port, "--api-key", "sekret")
