@@ -145,12 +145,10 @@ class FrontLink:
             submission = self.submissions.get(command.abort.request_id)
             if submission is not None:
                 self.worker.abort_later(submission)
-        elif kind == "refused":
-            if self.metrics is not None:
-                self.metrics.grpc_refused.labels(**self.metrics.labels, code=command.refused).inc()
-        elif kind == "malformed":
-            if self.metrics is not None:
-                self.metrics.grpc_malformed.labels(**self.metrics.labels, method=command.malformed).inc()
+        elif kind == "refused" and self.metrics is not None:
+            self.metrics.refused(command.refused)
+        elif kind == "malformed" and self.metrics is not None:
+            self.metrics.malformed(command.malformed)
         elif kind == "started":
             self.start_error = command.started.error
             self.started.set()

@@ -96,9 +96,10 @@ async def serve(engine_address: str, commands_address: str, address: str) -> int
     heard, serving = time.monotonic(), False
     while True:
         if not await inbound.poll(1000):
-            if time.monotonic() - heard > ENGINE_SILENCE_SECONDS and servicer.unavailable is None:
+            silent = time.monotonic() - heard
+            if silent > ENGINE_SILENCE_SECONDS and servicer.unavailable is None:
                 logger.error("the engine has sent nothing for %.0f s (stopped or wedged): its streams end with "
-                             "UNAVAILABLE and new ones are refused until it answers", time.monotonic() - heard)
+                             "UNAVAILABLE and new ones are refused until it answers", silent)
                 servicer.set_unavailable("UNAVAILABLE: the verifier's engine stopped answering")
                 await set_serving(health, False)
             continue

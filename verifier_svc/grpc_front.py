@@ -69,7 +69,7 @@ class Stream:
     everything waiting as one GenerateServerMessage."""
 
     def __init__(self):
-        self.pending: list = []  # TokenDelta, or a Malformed / None from the reader
+        self.pending: list = []  # TokenDelta, a Malformed / None from the reader, or Unavailable
         self.wake = asyncio.Event()
 
     def put(self, item) -> None:
@@ -97,7 +97,8 @@ class Backend(Protocol):
 
 
 class Counts(Protocol):
-    """Where refusals and malformed messages are counted (the engine's metrics)."""
+    """Where refusals and malformed messages are counted: the engine's metrics (EngineMetrics), directly or
+    across the link (LinkBackend)."""
 
     def refused(self, code: str) -> None: ...
 

@@ -74,6 +74,14 @@ class EngineMetrics:
                                     "problem), by gRPC code.", ("code",))
         self._switches = self._probes = self._tries = 0
 
+    def refused(self, code: str) -> None:
+        """A submission refused on arrival, by gRPC code name (the gRPC service's Counts)."""
+        self.grpc_refused.labels(**self.labels, code=code).inc()
+
+    def malformed(self, method: str) -> None:
+        """A gRPC message that did not decode on this method (the gRPC service's Counts)."""
+        self.grpc_malformed.labels(**self.labels, method=method).inc()
+
     def observe(self, engine: Engine, report=None) -> None:
         """One step: its report (default the engine's last), then the engine's state as it is now."""
         report, labels = engine.report if report is None else report, self.labels

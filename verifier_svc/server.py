@@ -72,19 +72,6 @@ class LocalBackend:
         self.submissions.pop(request_id, None)
 
 
-class MetricCounts:
-    """Refusals and malformed messages counted in the engine's metrics (this process)."""
-
-    def __init__(self, metrics):
-        self.metrics = metrics
-
-    def refused(self, code: str) -> None:
-        self.metrics.grpc_refused.labels(**self.metrics.labels, code=code).inc()
-
-    def malformed(self, method: str) -> None:
-        self.metrics.grpc_malformed.labels(**self.metrics.labels, method=method).inc()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec verifier", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,7 +250,7 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
     if metrics is not None:
         metrics.observe_state(engine)
     worker.start()
-    counts = MetricCounts(metrics) if metrics is not None else NoCounts()
+    counts = metrics if metrics is not None else NoCounts()  # EngineMetrics counts refusals and malformed messages
     server, health = await start_server(VerifierServicer(LocalBackend(worker), limits, info, counts), address)
     await asyncio.get_running_loop().run_in_executor(None, ready)
     await set_serving(health)
