@@ -65,6 +65,7 @@ spec=(python3 -P benchmarks/speculative_cpu.py --device cuda --dtype bfloat16 --
 failed=0
 for stage in "${stages[@]}"; do
     echo "== $stage"
+    stop=0  # a loop's failed step (its break alone would leave the loop's status 0)
     case "$stage" in
         decode) "${bench[@]}" --out "$OUT/decode_8b_graphs.json" > "$OUT/decode.log" 2>&1 ;;
         eager) "${bench[@]}" --disable-cuda-graph --repeats 1 --out "$OUT/decode_8b_eager.json" > "$OUT/eager.log" 2>&1 ;;
@@ -78,13 +79,13 @@ for stage in "${stages[@]}"; do
                    python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
                        --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:4 \
                        --steps 3,5 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 $eager \
-                       --out "$OUT/draftgraphs${eager:+_eager}.json" >> "$OUT/draftgraphs.log" 2>&1 || break
+                       --out "$OUT/draftgraphs${eager:+_eager}.json" >> "$OUT/draftgraphs.log" 2>&1 || { stop=1; break; }
                done ;;
         target) for loop in ${TARGET_LOOPS:-device host}; do
                    SPLITSPEC_DRAFT_LOOP=$loop python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
                        --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 \
                        --steps 5,7 --topk 1,4 --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 \
-                       --out "$OUT/target_${loop}.json" >> "$OUT/target.log" 2>&1 || break
+                       --out "$OUT/target_${loop}.json" >> "$OUT/target.log" 2>&1 || { stop=1; break; }
                done ;;
         modes) python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
                    --draft-preset eagle3-llama-3.1-8b --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 \
@@ -95,7 +96,7 @@ for stage in "${stages[@]}"; do
                        --device cuda --dtype bfloat16 --preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b \
                        --speculative-algorithm EAGLE3 --simulate-acceptance accept-length:6 --steps 5 --topk 1 \
                        --num-draft-tokens 8 --batch-size 1,8 --prompt-len 128 --output-len 128 $compiled \
-                       --out "$OUT/target_compile${compiled:+_on}.json" >> "$OUT/compile.log" 2>&1 || break
+                       --out "$OUT/target_compile${compiled:+_on}.json" >> "$OUT/compile.log" 2>&1 || { stop=1; break; }
                done ;;
         split) for mode in ${SPLIT_MODES:-inprocess colocated colocated_overlap split split_overlap}; do
                    case $mode in
@@ -110,7 +111,7 @@ for stage in "${stages[@]}"; do
                    python3 -P -m splitspec bench --device cuda:0 --dtype bfloat16 "${pair[@]}" --speculative-algorithm EAGLE3 \
                        --steps 5 --topk 1 --num-draft-tokens 8 --batch-size 1 --num-prompts 8 --prompt-len 128 \
                        --output-len 128 "${extra[@]}" ${SPLIT_EXTRA:-} --out "$OUT/split${SPLIT_TAG:-}_${mode}.json" \
-                       >> "$OUT/split.log" 2>&1 || break
+                       >> "$OUT/split.log" 2>&1 || { stop=1; break; }
                done
                python3 -P scripts/split_summary.py "$OUT" "${SPLIT_TAG:-}" > "$OUT/split${SPLIT_TAG:-}_summary.json" ;;
         bets) python3 -P benchmarks/profile_bets.py --device cuda ${BETS_EXTRA:-} --out "$OUT/bets${SPLIT_TAG:-}.json" \
@@ -143,17 +144,18 @@ for stage in "${stages[@]}"; do
                         demo-ngram-grpc-here) pre=(--serve=--disable-frontend-multiprocessing); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         8b-plain) pre=(--dummy-preset llama-3.1-8b); model=(); bs=1,8,32,64 ;;
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
-                        *) echo "unknown served case $case" >> "$OUT/served.log"; false; break ;;
+                        *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
                     timeout "${SERVED_TIMEOUT:-540}" python3 -P benchmarks/served.py "${pre[@]}" --out "$OUT/served_$case.json" \
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
-                        -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || break
+                        -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || { stop=1; break; }
                 done ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;
     esac
     rc=$?
+    [[ $stop -ne 0 ]] && rc=1
     echo "== $stage rc=$rc"
     [[ $rc -ne 0 ]] && failed=1
 done

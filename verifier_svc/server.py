@@ -23,6 +23,7 @@ from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.engine import Engine, verify_tree_sizes
 from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
+from splitspec.verifier_svc.warmup import warm_up
 from splitspec.verifier_svc.worker import EngineWorker, Submission
 
 logger = logging.getLogger("splitspec.verifier")
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--disable-overlap-schedule", action="store_true",
                         help="Publish each step's tokens and metrics between steps. By default, on a GPU, they are "
                         "published while the next step's forward runs on the device (SGLang's flag name).")
+    server.add_argument("--skip-server-warmup", action="store_true",
+                        help="Report serving without first running two short requests through the engine. By default, on "
+                        "a GPU, they compile the kernels that compile on first use (FlashInfer's prefill, the samplers) "
+                        "before the first user's request (SGLang's flag name).")
     engine_args.add_scheduler_args(parser)
     engine_args.add_speculative_args(parser)
     pool = parser.add_argument_group("drafter pool (drafters in their own processes)")
@@ -203,6 +208,8 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
     engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache)
+    if runner.device.type == "cuda" and not args.skip_server_warmup:
+        warm_up(engine)
     overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule
     context = context_length(args, runner.config.max_position_embeddings)
     info = pb.ModelInfo(model_id=model_id, model_path=str(model_dir),
