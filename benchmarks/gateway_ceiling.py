@@ -1,0 +1,145 @@
+"""How fast the serving path alone carries tokens: the gateway, gRPC and the HTTP client, with no model.
+
+    python -P benchmarks/gateway_ceiling.py --batch-size 1,16 --tokens-per-delta 1,4 --out ceiling.json
+
+A verifier stand-in serves the real splitspec.v1.Verifier service (grpc_front.VerifierServicer) on this
+process's event loop; its backend answers every request with deltas of --tokens-per-delta tokens (the
+demo tokenizer's ordinary ids), as fast as the stream takes them or one every --interval-ms. A real
+`splitspec gateway` process serves it over HTTP and `splitspec bench --url` (streaming completions, the same
+client as every served figure) measures it. The tok/s it reports is the ceiling the engine's own speed
+meets: at batch 1, a served deployment whose engine makes tokens faster than this is bound by the path,
+not the model. Nothing here is a model's output: use it to size the path, never as a served figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from splitspec import lifeline
+from splitspec.bench import git_commit
+from splitspec.demo import demo_model_dirs
+from splitspec.protos import verifier_pb2 as pb
+from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
+
+
+class PacedBackend:
+    """Every request: max_new_tokens tokens in deltas of `per_delta`, the first carrying the prompt's counts."""
+
+    def __init__(self, per_delta: int, interval: float):
+        self.per_delta, self.interval = per_delta, interval
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def submit(self, submit: pb.SubmitRequest, params, stream: Stream) -> None:
+        self.tasks[submit.request_id] = asyncio.get_running_loop().create_task(self._emit(submit, params, stream))
+
+    async def _emit(self, submit: pb.SubmitRequest, params, stream: Stream) -> None:
+        total, sent, first = params.max_new_tokens, 0, True
+        while sent < total:
+            n = min(self.per_delta, total - sent)
+            delta = pb.TokenDelta(request_id=submit.request_id, token_ids=[100 + (sent + i) % 500 for i in range(n)])
+            if first:
+                delta.prompt_tokens, first = len(submit.prompt_ids), False
+            sent += n
+            if sent >= total:
+                delta.finish_reason = pb.FINISH_REASON_LENGTH
+                delta.prompt_tokens = len(submit.prompt_ids)
+            stream.put(delta)
+            await asyncio.sleep(self.interval)  # 0: yield, so the stream writes what is waiting
+
+    async def abort(self, request_id: str) -> None:
+        task = self.tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+
+    def finished(self, request_id: str) -> None:
+        self.tasks.pop(request_id, None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_stand_in(address: str, backend: PacedBackend, model_dir: Path, ready: threading.Event,
+                   stop: threading.Event) -> None:
+    async def main():
+        info = pb.ModelInfo(model_id="ceiling", model_path=str(model_dir), vocab_size=4096, max_context_tokens=4096,
+                            eos_token_ids=[0])
+        server, health = await start_server(VerifierServicer(backend, Limits(4096, 4096, 1 << 20, 16, 1), info,
+                                                             NoCounts()), address)
+        await set_serving(health)
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.2)
+        await server.stop(1)
+
+    asyncio.run(main())
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", default="1,16", help="Concurrent streams (comma-separated).")
+    parser.add_argument("--tokens-per-delta", default="1,4", help="Tokens in each delta (comma-separated).")
+    parser.add_argument("--interval-ms", type=float, default=0.0, help="Pause between a stream's deltas (0: none).")
+    parser.add_argument("--output-len", type=int, default=256, help="Tokens per request.")
+    parser.add_argument("--out", required=True, help="The JSON report.")
+    args = parser.parse_args(argv)
+    model_dir = demo_model_dirs()["target"]
+    report = {"benchmark": "serving path ceiling (no model)", "command": shlex.join(["python", "-P", *sys.argv]),
+              "commit": git_commit(), "points": []}
+    for per_delta in (int(x) for x in args.tokens_per_delta.split(",")):
+        grpc_port, http_port = free_port(), free_port()
+        ready, stop = threading.Event(), threading.Event()
+        backend = PacedBackend(per_delta, args.interval_ms / 1000)
+        thread = threading.Thread(target=serve_stand_in, args=(f"127.0.0.1:{grpc_port}", backend, model_dir, ready, stop),
+                                  daemon=True)
+        thread.start()
+        ready.wait(30)
+        gateway = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(http_port),
+                                  "--verifier", f"127.0.0.1:{grpc_port}", "--log-level", "warning"])
+        try:
+            with tempfile.TemporaryDirectory() as work:
+                out = Path(work) / "bench.json"
+                command = [sys.executable, "-P", "-m", "splitspec", "bench", "--url", f"http://127.0.0.1:{http_port}",
+                           "--model-path", str(model_dir), "--batch-size", args.batch_size, "--prompt-len", "32",
+                           "--output-len", str(args.output_len), "--out", str(out), "--log-level", "warning"]
+                deadline = time.monotonic() + 60
+                while True:  # the gateway connects to the stand-in
+                    result = lifeline.run(command, capture_output=True, text=True, timeout=600)
+                    if result.returncode == 0 or time.monotonic() > deadline:
+                        break
+                    time.sleep(1)
+                if result.returncode != 0:
+                    print(result.stderr[-3000:], file=sys.stderr)
+                    return 1
+                rows = json.loads(out.read_text())["rows"]
+        finally:
+            gateway.terminate()
+            gateway.wait(10)
+            stop.set()
+            thread.join(10)
+        for row in rows:
+            if row["speculative"] not in (None, "off"):
+                continue
+            point = {"tokens_per_delta": per_delta, "batch_size": row["batch_size"], "output_tok_s": row["output_tok_s"],
+                     "itl_ms": row.get("itl_ms"), "ttft_ms": row.get("ttft_ms")}
+            report["points"].append(point)
+            print(json.dumps(point))
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
