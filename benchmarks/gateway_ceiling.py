@@ -18,7 +18,6 @@ import asyncio
 import json
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 import threading

@@ -23,7 +23,7 @@ import secrets
 import socket
 import time
 
-from splitspec import engine_args
+from splitspec import engine_args, heap
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
 from splitspec.protos.step_limits import drafter_receive_limit
@@ -581,6 +581,7 @@ def run(args: argparse.Namespace) -> int:
                            vocab_size=drafter.vocab_size if model_drafter else 0,
                            hidden_state_layers=drafter.hidden_state_layers, metrics=metrics,
                            metrics_port=metrics_port, metrics_host=metrics_host, curve=curve)
+    heap.freeze("drafter")
     try:
         server.serve()
     except RefusedError as exc:

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from splitspec import heap
 from splitspec.gateway.body import BodyError, parse_body
 from splitspec.gateway.client import StreamBroken, VerifierClient
 from splitspec.gateway.metrics import GatewayMetrics
@@ -202,6 +203,7 @@ class Gateway:
             self.metrics = GatewayMetrics(self.model_name)
         self.tokenizing = Tokenizing(self.codec, self.config.tokenizer_threads,
                                      self.metrics.tokenize_batch.labels(**self.metrics.model))
+        heap.freeze("gateway")
         self.ready = True
         logger.info("serving %s (context %d tokens, speculation %s) from the verifier at %s", self.model_name,
                      info.max_context_tokens, info.speculative_algorithm or "off", self.config.verifier)

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from splitspec import engine_args
+from splitspec import engine_args, heap
 from splitspec.lifeline import spawn
 from splitspec.runtime import args as runtime_args
 
@@ -469,6 +469,7 @@ def run_in_process(args) -> dict:
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
     if args.preset and args.simulate_acceptance:
         decisive_dummy(runner.model)
+    heap.freeze("bench")  # as the served verifier does: the same garbage collection on both sides
     prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
     scheduler = engine_args.scheduler_config(args)
     draft_tokens = max(batch_sizes) * (per_request + 64)

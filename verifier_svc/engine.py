@@ -86,7 +86,7 @@ class SpecStats:
         return 1 + self.accepted_tokens / self.verify_steps if self.verify_steps else 1.0
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: `in` and remove() on the queues compare identity, not every field
 class Request:
     request_id: str
     prompt_ids: list[int]

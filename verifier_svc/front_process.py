@@ -21,6 +21,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from splitspec import heap
 from splitspec.protos import engine_link_pb2 as link
 from splitspec.protos.channel import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from splitspec.protos import verifier_pb2 as pb
@@ -93,6 +94,7 @@ async def serve(engine_address: str, commands_address: str, address: str) -> int
         await asyncio.sleep(0.5)  # LINGER delivers it
         return 2
     backend.send(link.FrontCommand(started=link.FrontStarted()))
+    heap.freeze("verifier front")
     heard, serving = time.monotonic(), False
     while True:
         if not await inbound.poll(1000):

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from splitspec import engine_args
+from splitspec import engine_args, heap
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime import args as runtime_args
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
@@ -210,6 +210,7 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache)
     if runner.device.type == "cuda" and not args.skip_server_warmup:
         warm_up(engine)
+    heap.freeze("verifier")
     overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule
     context = context_length(args, runner.config.max_position_embeddings)
     info = pb.ModelInfo(model_id=model_id, model_path=str(model_dir),
