@@ -42,6 +42,7 @@ from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens
 from splitspec.verifier_svc.adaptive import AdaptiveConfig, AdaptiveSpeculation, StepShape, budget_ladder
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 
+_ARGMAX = SamplingParams(temperature=0.0)  # a row sample() argmaxes (its token unused, or a greedy request's)
 logger = logging.getLogger(__name__)
 
 
@@ -532,9 +533,10 @@ class Engine:
         rows = [0]  # first row of each sequence among the batch's new tokens
         for q_len in batch.attention.q_lens:
             rows.append(rows[-1] + q_len)
-        # every greedy request's target tokens from one argmax over the batch's logits and one transfer
-        # (not one per request); the others sample from their own rows below
-        greedy = self._argmax_rows(logits, [c.request for c in prefills if c.samples] + [v.request for v in verifies])
+        # the target's own token at every row of every request that accepts by it (greedy, or keyed sampling),
+        # from one sampling kernel over the batch and one transfer, not one per request; requests with
+        # penalties or coins use their own rows below
+        targets = self._target_rows(logits, batch.cu_logits, prefills, verifies)
         events = []
         for i, chunk in enumerate(prefills):
             request = chunk.request
@@ -548,8 +550,8 @@ class Engine:
                 row = batch.cu_logits[i]
                 self.report.prompt_tokens += len(request.prompt_ids)
                 row_logits = logits[row : row + 1]
-                if greedy is not None and request.params.is_greedy and not request.params.has_penalties:
-                    token = greedy[row]
+                if targets is not None and not request.params.has_penalties:
+                    token = targets[row]
                 else:
                     token = sample(apply_penalties(row_logits, request.params, request.prompt_ids, []), [request.params],
                                    [0]).item()
@@ -557,8 +559,8 @@ class Engine:
         commit_seconds, move_src, move_dst, lengths, accepted = 0.0, [], [], [], []
         for i, v in enumerate(verifies, start=len(prefills)):
             node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
-            targets = greedy[batch.cu_logits[i] : batch.cu_logits[i + 1]] if greedy is not None else None
-            acceptance = self._accept(v, node_logits, targets)
+            acceptance = self._accept(v, node_logits,
+                                      targets[batch.cu_logits[i] : batch.cu_logits[i + 1]] if targets is not None else None)
             commit_start = self._clock()
             self._kv_moves(v, acceptance, move_src, move_dst)
             lengths.append((v.request.table, v.seq_len + len(acceptance.path)))
@@ -592,22 +594,41 @@ class Engine:
         self.report.seconds["commit"] = commit_seconds
         return events
 
-    def _plain_greedy(self, params: SamplingParams) -> bool:
-        """Verified by the target's argmax of its unmodified logits."""
-        return (params.is_greedy or self.spec.force_greedy_verify) and not params.has_penalties
+    def _by_target(self, params: SamplingParams) -> bool:
+        """Verified by the target's own token at each node of its unmodified logits: its argmax, or its keyed
+        sample (lossless); not with penalties (each node's logits differ) or coins."""
+        return not params.has_penalties and (params.is_greedy or self.spec.force_greedy_verify or self.spec.lossless)
 
-    def _argmax_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[int] | None:
-        """The argmax of every row when some request decides by it (one kernel, one transfer), else None."""
-        if logits is None or not any(self._plain_greedy(r.params) for r in requests):
+    def _target_rows(self, logits: torch.Tensor | None, cu_logits: list[int], prefills: list[_Chunk],
+                     verifies: list[_Verify]) -> list[int] | None:
+        """The target's token at every logits row, on the host, when some request decides by it: each row
+        sampled with its request's parameters at its output position (a tree node: the request's output
+        length plus the node's depth), exactly as the request's own rows would be, in one `sample` over the
+        batch and one transfer. Rows of requests that do not decide by it are argmaxed and never read."""
+        if logits is None:
             return None
-        return logits.argmax(-1).tolist()
+        params, output_positions, used = [_ARGMAX] * logits.shape[0], [0] * logits.shape[0], False
+        for i, chunk in enumerate(prefills):
+            if chunk.samples and not chunk.request.params.has_penalties:
+                params[cu_logits[i]], used = chunk.request.params, True  # a fresh prompt's first token: position 0
+        for i, v in enumerate(verifies, start=len(prefills)):
+            request = v.request
+            if not self._by_target(request.params):
+                continue
+            used = True
+            if request.params.is_greedy or self.spec.force_greedy_verify:
+                continue  # argmax rows already
+            base = len(request.output_ids)
+            for row, depth in zip(range(cu_logits[i], cu_logits[i + 1]), depths(v.tree.parents)):
+                params[row], output_positions[row] = request.params, base + depth
+        return sample(logits, params, output_positions).tolist() if used else None
 
-    def _accept(self, v: _Verify, node_logits: torch.Tensor, greedy_targets: list[int] | None = None) -> Acceptance:
-        """greedy_targets: the argmax of node_logits' rows, already on the host."""
+    def _accept(self, v: _Verify, node_logits: torch.Tensor, targets: list[int] | None = None) -> Acceptance:
+        """targets: the target's token at each of node_logits' rows, already on the host (_target_rows)."""
         request, tree = v.request, v.tree
         next_token, next_sibling = child_links(tree.parents)
-        if greedy_targets is not None and self._plain_greedy(request.params):
-            return accept_target_tokens(list(tree.tokens), next_token, next_sibling, greedy_targets)
+        if targets is not None and self._by_target(request.params):
+            return accept_target_tokens(list(tree.tokens), next_token, next_sibling, targets)
         node_depths = depths(tree.parents)
         output_positions = [len(request.output_ids) + d for d in node_depths]
         params = request.params
