@@ -48,6 +48,9 @@ def validate(seq: SequenceInput) -> None:
             raise ValueError("a tree mask must let every new token attend to itself")
 
 
+SHORT_SLOTS = 128  # below this, slot ids are cheaper as Python ints than as index tensors (kv_cache.slot_ids)
+
+
 def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], device: torch.device) -> ForwardBatch:
     if not sequences:
         raise ValueError("a forward batch needs at least one sequence")
@@ -61,7 +64,15 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         row0 = len(input_ids)
         input_ids += seq.input_ids
         positions += seq.positions if seq.positions is not None else range(start, start + q_len)
-        out_slots.append(kv_cache.slot_ids(seq.table, start, start + q_len))
+        if q_len <= SHORT_SLOTS:  # a decode's or a tree's few slots: Python ints, one tensor for the whole batch
+            pages, size = seq.table.pages, kv_cache.page_size
+            flat = [pages[p // size] * size + p % size for p in range(start, start + q_len)]
+            if out_slots and isinstance(out_slots[-1], list):
+                out_slots[-1].extend(flat)
+            else:
+                out_slots.append(flat)
+        else:
+            out_slots.append(kv_cache.slot_ids(seq.table, start, start + q_len))
         rows = {"last": [row0 + q_len - 1], "all": list(range(row0, row0 + q_len)), "none": []}[seq.logits]
         logits_rows += rows
         cu_logits.append(cu_logits[-1] + len(rows))
@@ -74,7 +85,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         q_lens=q_lens,
         kv_lens=kv_lens,
         page_tables=page_tables,
-        out_slots=torch.cat(out_slots),
+        out_slots=torch.cat([torch.tensor(s, dtype=torch.long) if isinstance(s, list) else s for s in out_slots]),
         positions=positions_t,
         masks=masks,
     )
