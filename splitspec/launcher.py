@@ -375,14 +375,22 @@ scrape_configs:
 """
 
 
+def _drafter_flags() -> set[str]:
+    from splitspec.drafter_svc.server import build_parser
+
+    return {option for action in build_parser()._actions for option in action.option_strings}
+
+
 def _speculative_and_model_flags(extra: list[str]) -> list[str]:
-    """The pass-through flags the drafters need as well: --speculative-* and the model's dtype/device."""
+    """The pass-through flags the drafters need as well: the --speculative-* flags a drafter takes (the
+    verifier's own, such as --speculative-overlap, stay with it) and the model's dtype/device."""
     out, i = [], 0
+    drafter = _drafter_flags() if extra else set()
     while i < len(extra):
         flag = extra[i]
         name = flag.split("=", 1)[0]
         takes_value = "=" not in flag and i + 1 < len(extra) and not extra[i + 1].startswith("--")
-        if name.startswith("--speculative-") or name in MODEL_FLAGS or name == "--enable-multi-layer-eagle":
+        if (name.startswith("--speculative-") or name in MODEL_FLAGS or name == "--enable-multi-layer-eagle") and name in drafter:
             out.append(flag)
             if takes_value:
                 out.append(extra[i + 1])

@@ -207,12 +207,15 @@ def test_up_killed_with_sigkill_under_load_leaves_no_process_and_starts_again():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
-    again = Up("--drafters", "1", "--log-level", "warning", port=up.port)  # the same four ports
+    # the same four ports; the verifier's own --speculative-* flags stay with it (a drafter refused them once)
+    again = Up("--drafters", "1", "--log-level", "warning", "--speculative-overlap", "on", "--speculative-num-bets", "2",
+               port=up.port)
     try:
         again.wait_for_line(r"serving splitspec-demo at ")
         answer = httpx.post(again.url + "/v1/completions", timeout=120, json={
             "model": "splitspec-demo", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}).json()
         assert answer["choices"][0]["text"] and answer["speculative"]["algorithm"] == "NGRAM", answer
+        assert answer["speculative"]["verify_steps"] > 0, answer
     finally:
         code = again.stop()
     assert code == 0 and again.lines[-1].endswith("all services stopped")

@@ -115,11 +115,11 @@ def test_a_batch_mixing_greedy_sampled_and_penalized_requests_keeps_each_ones_ou
     one speculative batch, each request's output equals its own plain decoding alone."""
     runner, _, prompts, _ = demo
     chosen = [prompts[i] for i in REPETITIVE[:5]]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True),
-              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_new_tokens=NEW_TOKENS, ignore_eos=True),
-              SamplingParams(temperature=0.6, top_k=20, seed=8, max_new_tokens=NEW_TOKENS, ignore_eos=True),
-              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_new_tokens=NEW_TOKENS, ignore_eos=True),
-              SamplingParams(temperature=1.1, seed=9, frequency_penalty=0.5, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS // 2, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_new_tokens=NEW_TOKENS // 2, ignore_eos=True),
+              SamplingParams(temperature=0.6, top_k=20, seed=8, max_new_tokens=NEW_TOKENS // 2, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_new_tokens=NEW_TOKENS // 2, ignore_eos=True),
+              SamplingParams(temperature=1.1, seed=9, frequency_penalty=0.5, max_new_tokens=NEW_TOKENS // 2, ignore_eos=True)]
     alone = [run(runner, [prompt], [p], batch=1)[0].output_ids for prompt, p in zip(chosen, params)]
     mixed = run(runner, chosen, params, ngram(), SpecConfig(num_draft_tokens=8), batch=len(chosen))
     assert [m.output_ids for m in mixed] == alone
