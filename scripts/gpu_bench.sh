@@ -45,7 +45,8 @@
 #             demo-ngram, demo-eagle3 (the demo target, plain and speculative, batch 1 and 16), 8b-plain (the
 #             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64) and 8b-plain-serial (the same served
 #             with --disable-overlap-schedule: publishing between steps), demo-ngram-grpc-here (demo-ngram with
-#             --disable-frontend-multiprocessing: gRPC on the engine's process); SERVED_LOAD adds bench flags
+#             --disable-frontend-multiprocessing: gRPC on the engine's process), demo-ngram-fixed (demo-ngram with
+#             --speculative-adaptive off: every step drafts its full tree); SERVED_LOAD adds bench flags
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA
@@ -141,6 +142,7 @@ for stage in "${stages[@]}"; do
                     case $case in
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
+                        demo-ngram-fixed) pre=(); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
                         demo-ngram-grpc-here) pre=(--serve=--disable-frontend-multiprocessing); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         8b-plain) pre=(--dummy-preset llama-3.1-8b); model=(); bs=1,8,32,64 ;;
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
