@@ -68,6 +68,23 @@ def test_readme_main_command_runs():
     assert code == 0 and up.lines[-1].endswith("all services stopped")
 
 
+def test_readme_is_one_screen_and_every_relative_link_in_the_docs_resolves():
+    """The README stays a page (what it is, the two commands, the API, links); the details live in docs/, and
+    every relative link there and in the README points at a file that exists."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    for name in ("lifecycle.md", "algorithms.md", "deploy.md", "performance.md", "flags.md"):
+        assert f"](docs/{name}" in readme, name
+    broken = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
+                broken.append(f"{page.name}: {target}")
+    assert not broken, broken
+
+
 def test_decode_benchmark_reports_json(tmp_path):
     out = tmp_path / "bench.json"
     result = lifeline.run([sys.executable, str(REPO / "benchmarks" / "decode.py"), "--quick", "--batch-sizes", "1,3",
