@@ -86,7 +86,7 @@ def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets:
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax_v(logits[b, v] + G(keys[b], v)) for logits [B, V] fp32 and position keys [B]: a position-keyed
     Gumbel-max sample of each row (splitspec.runtime.sampling)."""
-    from splitspec.runtime.sampling import gumbel_from_keys
+    from splitspec.kernels.keyed_noise import gumbel_from_keys
 
     return (logits + gumbel_from_keys(keys, logits.shape[-1])).argmax(dim=-1)
 

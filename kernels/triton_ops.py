@@ -291,7 +291,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, out_ptr, V: tl.constexpr
 
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """One program per row streams the vocabulary once: no [B, V] noise tensor is made."""
-    from splitspec.runtime.sampling import UNIFORM_BITS
+    from splitspec.kernels.keyed_noise import UNIFORM_BITS
 
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)

@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"splitspec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from splitspec.default_model import set_provider
+
+    set_provider(_demo_target)
     module = load_command(name)
     parser = module.build_parser()
     flags = argv[1:] + _sglang_env_flags(parser)
@@ -59,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         args.passthrough = rest
         return module.run(args)
     return module.run(parser.parse_args(flags))
+
+
+def _demo_target():
+    """The default --model-path (splitspec.default_model): the demo target, built first if it must be."""
+    from splitspec.demo import demo_model_dirs
+
+    return demo_model_dirs()["target"]
 
 
 def _sglang_env_flags(parser) -> list[str]:

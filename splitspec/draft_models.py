@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from splitspec.engine_args import FlagError, tree_shape
+from splitspec.spec_flags import MODEL_ALGORITHMS, FlagError, ngram_config, tree_shape
 from splitspec.runtime.args import torch_compile_max_bs
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,14 @@ def draft_tree_shape(args: argparse.Namespace) -> tuple[int, int, int]:
     return shape
 
 
+def num_draft_tokens(args: argparse.Namespace) -> int:
+    """The tree budget: a model drafter's (its automatic shape resolved against the target), or the NGRAM
+    window's."""
+    if args.speculative_algorithm in MODEL_ALGORITHMS:
+        return draft_tree_shape(args)[2]
+    return args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size
+
+
 def hidden_state_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
     """What the verifier captures for the drafter each step: () nothing; (-1,) the final normed state
     (EAGLE; MTP as SGLang's EAGLE worker hands it); else the inputs of these target layers, concatenated
@@ -177,7 +185,6 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
     drafter = _build_drafter(args, max_total_tokens, target)
     if getattr(args, "speculative_replay", None):
         from splitspec.drafter_svc import replay
-        from splitspec.engine_args import num_draft_tokens
 
         tokens = num_draft_tokens(args)  # NGRAM: a chain as deep as its budget
         shape = getattr(drafter, "num_steps", tokens - 1), getattr(drafter, "topk", 1), tokens
@@ -191,8 +198,6 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
 
     kind = draft_kind(args)
     if kind == "ngram":
-        from splitspec.engine_args import ngram_config
-
         drafter = drafter_class("NGRAM")(ngram_config(args))
         drafter.hidden_state_layers = ()
         return drafter

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
-
 from typing import TYPE_CHECKING
+
+from splitspec.spec_flags import MODEL_ALGORITHMS, FlagError, ngram_config, tree_shape  # noqa: F401 (used here and by callers)
 
 if TYPE_CHECKING:  # the drafter service uses these flags too and must not import the verifier
     from splitspec.verifier_svc.engine import SchedulerConfig, SpecStats
@@ -184,7 +185,6 @@ def num_bets(args) -> int:
 
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")  # NEXTN is read as EAGLE (SGLang's alias)
-MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 HIDDEN_STATE_ALGORITHMS = ("EAGLE", "EAGLE3")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 # SGLang's choices (python/sglang/srt/server_args.py); the drafts served here are dense, so these are parsed,
@@ -199,38 +199,11 @@ def _algorithm(value: str) -> str:
     return "EAGLE" if value == "NEXTN" else value
 
 
-class FlagError(ValueError):
-    """Flags that do not go together; the message says how to fix them."""
-
-
-def tree_shape(args: argparse.Namespace, auto: tuple[int, int, int]) -> tuple[int, int, int]:
-    """(num_steps, topk, num_draft_tokens) of a model drafter's tree, SGLang's rules: all three flags
-    or none (`auto`, which splitspec.draft_models chooses for the target); topk 1 makes the tree a chain
-    of num_steps + 1 nodes."""
-    given = {"--speculative-num-steps": args.speculative_num_steps, "--speculative-eagle-topk": args.speculative_eagle_topk,
-             "--speculative-num-draft-tokens": args.speculative_num_draft_tokens}
-    unset = [flag for flag, value in given.items() if value is None]
-    if len(unset) == 3:
-        steps, topk, tokens = auto
-    elif unset:
-        raise FlagError(f"set all of --speculative-num-steps, --speculative-eagle-topk and --speculative-num-draft-tokens, "
-                        f"or none of them for the automatic choice ({', '.join(unset)} missing)")
-    else:
-        steps, topk, tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
-    if steps < 1 or topk < 1 or tokens < 2:
-        raise FlagError(f"--speculative-num-steps {steps}, --speculative-eagle-topk {topk}, --speculative-num-draft-tokens "
-                        f"{tokens}: need at least 1, 1 and 2")
-    if topk == 1:
-        tokens = steps + 1
-    return steps, topk, tokens
-
-
 def num_draft_tokens(args: argparse.Namespace) -> int:
-    if args.speculative_algorithm in MODEL_ALGORITHMS:
-        from splitspec.draft_models import draft_tree_shape
+    """The tree budget the flags give (splitspec.draft_models.num_draft_tokens)."""
+    from splitspec.draft_models import num_draft_tokens as of_flags
 
-        return draft_tree_shape(args)[2]
-    return args.speculative_num_draft_tokens or args.speculative_ngram_max_match_window_size
+    return of_flags(args)
 
 
 def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
@@ -238,20 +211,6 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
     from splitspec.draft_models import build_drafter as build
 
     return build(args, max_total_tokens, target)
-
-
-def ngram_config(args: argparse.Namespace):
-    from splitspec.drafter_svc.ngram import NgramConfig
-
-    return NgramConfig(
-        min_match_window_size=args.speculative_ngram_min_match_window_size,
-        max_match_window_size=args.speculative_ngram_max_match_window_size,
-        min_bfs_breadth=args.speculative_ngram_min_bfs_breadth,
-        max_bfs_breadth=args.speculative_ngram_max_bfs_breadth,
-        match_type=args.speculative_ngram_match_type,
-        branch_length=args.speculative_ngram_branch_length,
-        capacity=args.speculative_ngram_capacity,
-    )
 
 
 def spec_config(args: argparse.Namespace):

@@ -140,11 +140,12 @@ def setup_logging(level: str) -> None:
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
-    """--model-path as a directory; with none given, the demo target (built first if it must be)."""
+    """--model-path as a directory; with none given, the default model (splitspec.default_model: the demo
+    target, built first if it must be, under the splitspec command)."""
     if args.model_path is None:
-        from splitspec.demo import demo_model_dirs
+        from splitspec.default_model import default_model
 
-        return demo_model_dirs()["target"]
+        return default_model()
     return resolve_model_dir(args.model_path, args.revision)
 
 

@@ -91,22 +91,13 @@ def checkpoint_spec(model: nn.Module) -> dict[str, TensorTarget]:
     for name, param in params.items():
         if name not in fused:
             spec[name] = _target(name, 0, tuple(param.shape), param)
-    for name, buffer in _persistent_buffers(model).items():
+    for name, buffer in quantization.persistent_buffers(model).items():
         spec[name] = TensorTarget(name, 0, tuple(buffer.shape), buffer.is_floating_point())
     return spec
 
 
 def _target(param_name: str, row: int, shape: tuple[int, ...], param: torch.Tensor) -> TensorTarget:
     return TensorTarget(param_name, row, shape, fp8=param.dtype == FP8_DTYPE, scale=param_name.endswith(".weight_scale"))
-
-
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                out[f"{module_name}.{name}" if module_name else name] = buffer
-    return out
 
 
 def rename_for_model(model: nn.Module, tensors: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
@@ -306,7 +297,7 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def _load_tensors(model: nn.Module, spec, tensors, model_dir: Path, device: torch.device) -> None:
-    params = {**dict(model.named_parameters()), **_persistent_buffers(model)}
+    params = {**dict(model.named_parameters()), **quantization.persistent_buffers(model)}
     by_file: dict[str, list[str]] = {}
     for key in spec:
         by_file.setdefault(tensors[key].file, []).append(key)
@@ -351,7 +342,7 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             param.zero_()
         else:
             param.copy_(torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32) * 0.02)
-    for buffer in _persistent_buffers(model).values():
+    for buffer in quantization.persistent_buffers(model).values():
         buffer.zero_()  # EAGLE-3's d2t: draft id i is target id i
 
 

@@ -202,13 +202,21 @@ def describe(model: nn.Module, qplan: QuantPlan, dtype: torch.dtype) -> str:
             f"embeddings, norms and lm_head in {str(dtype).replace('torch.', '')}")
 
 
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's buffers that a checkpoint holds (not the non-persistent ones, such as RoPE caches), by name."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{name}" if module_name else name] = buffer
+    return out
+
+
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's own weights (parameters and persistent buffers; shared tensors not counted):
     total, and how much of it is FP8 layers (their weights and scales)."""
-    from splitspec.runtime.loader import _persistent_buffers
-
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    total += sum(b.numel() * b.element_size() for b in _persistent_buffers(model).values())
+    total += sum(b.numel() * b.element_size() for b in persistent_buffers(model).values())
     fp8 = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, Fp8Linear)
               for p in (m.weight, m.weight_scale))
     return {"total": total, "fp8_layers": fp8}
