@@ -1,0 +1,367 @@
+"""`splitspec bench` in process: the target loaded once, plain decoding and then every point of the grid at
+every batch size, driven through the engine (splitspec.bench says what a row holds)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from splitspec import engine_args, heap
+from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts
+from splitspec.lifeline import spawn
+from splitspec.runtime import args as runtime_args
+
+logger = logging.getLogger("splitspec.bench")
+
+
+def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, params: list, scheduler,
+          policy=None) -> tuple[dict, list]:
+    """Serve the prompts with at most batch_size running; (row fields, requests). policy: an adaptive policy to
+    go on learning with (a server keeps one for its life), else the engine's own."""
+    from splitspec.verifier_svc.engine import Engine, SpecConfig
+
+    engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=True)
+    if policy is not None:
+        engine.adaptive = policy
+    budgets: dict[int, int] = {}
+    waiting = list(range(len(prompts)))
+    timelines = [Timeline() for _ in prompts]
+    requests, index = [None] * len(prompts), {}
+    phases: dict[str, float] = {}
+    decode_steps, decode_seconds = 0, 0.0
+    start = time.perf_counter()
+    while waiting or engine.has_work:
+        while waiting and len(index) < batch_size:
+            i = waiting.pop(0)
+            requests[i] = engine.add_request(prompts[i], params[i])
+            index[requests[i].request_id] = i
+            timelines[i].sent = time.perf_counter()
+        step_start = time.perf_counter()
+        events = engine.step()
+        now = time.perf_counter()
+        report = engine.report
+        if report.prefill_tokens == 0 and report.generated_tokens:
+            decode_steps += 1
+            decode_seconds += now - step_start
+            for phase, seconds in report.seconds.items():
+                phases[phase] = phases.get(phase, 0.0) + seconds
+            if drafter is not None:
+                budgets[report.budget] = budgets.get(report.budget, 0) + 1
+        for event in events:
+            i = index[event.request_id]
+            if event.new_token_ids:
+                timelines[i].deliveries.append((now, len(event.new_token_ids)))
+            if event.finish_reason is not None:
+                del index[event.request_id]
+                if event.finish_reason == "error":
+                    logger.error("request %d failed: %s", i, event.error)
+    row = latency_fields(timelines, time.perf_counter() - start)
+    if decode_steps:
+        step = {k: round(v / decode_steps * 1e3, 3) for k, v in phases.items()}
+        step["total"] = round(decode_seconds / decode_steps * 1e3, 3)
+        step["other"] = round(step["total"] - sum(v for k, v in step.items() if k != "total"), 3)
+        row.update(decode_steps=decode_steps, step_ms=step)
+    if budgets:
+        row["budgets"] = {str(k): v for k, v in sorted(budgets.items())}  # decode steps per tree budget
+    return row, requests
+
+
+class RemoteDrafter:
+    """A drafter pool on loopback and one `splitspec drafter` process registered to it, drafting what the
+    grid point's flags name (the replay included) on --drafter-device: the engine's DrafterClient."""
+
+    def __init__(self, ns, runner, max_total_tokens: int, max_batch: int):
+        import socket
+
+        from splitspec import draft_models
+        from splitspec.runtime.tensor_plane import device_identity
+        from splitspec.verifier_svc.drafter_pool import DrafterPool
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+        layers = draft_models.hidden_state_layers(ns, runner.config) if ns.speculative_algorithm != "NGRAM" else ()
+        draft_models.capture_for(runner, layers)
+        self.overlap, self.num_bets = engine_args.overlap_mode(ns), engine_args.num_bets(ns)
+        self.device = ns.drafter_device or str(runner.device)
+        self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
+                                draft_model=(ns.speculative_draft_model_path or "") if ns.speculative_algorithm != "NGRAM" else "",
+                                timeout=5.0, heartbeat_timeout=30.0, hidden_state_layers=layers, overlap=self.overlap,
+                                num_bets=self.num_bets, device=device_identity(runner.device),
+                                overlap_max_bs=ns.speculative_overlap_max_bs, tensor_device=runner.device,
+                                ipc_buffer_bytes=0 if ns.drafter_plane == "frames" else 64 << 20)
+        flags = ["--verifier-drafter-addr", address, "--drafter-name", "bench", "--log-level", "warning",
+                 "--speculative-algorithm", ns.speculative_algorithm, "--device", self.device, "--dtype", ns.dtype,
+                 "--page-size", str(ns.page_size),  # and a page per bet's fork
+                 "--max-total-tokens", str(max_total_tokens + max_batch * (self.num_bets + 2) * ns.page_size),
+                 "--cuda-graph-max-bs", str(max(8, max_batch * (1 + self.num_bets)))]  # bets draft in one batch
+        if ns.speculative_algorithm != "NGRAM":
+            flags += ["--model-path", str(runner.model_dir), "--load-format", ns.load_format or "auto"]
+        for flag in ("speculative_draft_model_path", "speculative_draft_load_format", "speculative_num_steps",
+                     "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_replay",
+                     "speculative_replay_profile", "speculative_replay_seed", "speculative_replay_guess_rate",
+                     "speculative_attention_mode"):
+            value = getattr(ns, flag, None)
+            if value is not None:
+                flags += ["--" + flag.replace("_", "-"), str(value)]
+        if getattr(ns, "speculative_draft_disable_cuda_graph", False) or ns.disable_cuda_graph:
+            flags.append("--disable-cuda-graph")
+        self.process = spawn([sys.executable, "-P", "-m", "splitspec", "drafter", *flags])
+        self.stats = self.pool.stats
+        self.needs_hidden_states = self.pool.needs_hidden_states
+        deadline = time.monotonic() + 600
+        while not self.pool.wait_for_drafters(1, 1.0):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the drafter process did not register (exit code {self.process.returncode})")
+        logger.info("drafter process on %s registered (overlap %s, %d bets)", self.device, self.overlap, self.num_bets)
+
+    def __getattr__(self, name):  # open, request, collect, release, accepted: the pool's
+        if name == "pool":
+            raise AttributeError(name)
+        return getattr(self.pool, name)
+
+    def fields(self) -> dict:
+        counts = {k: self.pool.stats.extra.get(k, 0) for k in ("bet_hits", "bet_misses", "bets_late")}
+        asks = sum(counts.values())
+        drafter = next(iter(self.pool._drafters.values()), None)
+        plane = "cuda-ipc" if drafter is not None and drafter.ipc_ready else "zmq-frames"
+        return {"drafter_device": self.device, "tensor_plane": plane, "overlap": self.overlap, "num_bets": self.num_bets,
+                "bets": {"hits": counts["bet_hits"], "misses": counts["bet_misses"], "late": counts["bets_late"],
+                         "hit_rate": round(counts["bet_hits"] / asks, 4) if asks else None},
+                # the drafter's own clock per DraftReply (trees) and per DraftBets (bets), in ms
+                "drafter_reply_ms": self._mean_ms("reply"), "drafter_bets_ms": self._mean_ms("bet"),
+                # from sending a DraftRequest to filing its DraftReply, on the verifier's clock
+                "round_trip_ms": self._mean_ms("round_trip", "round_trips"),
+                # where the round trip went, by wall clocks (one host): queued -> on the wire (the pool's I/O
+                # thread) -> at the drafter -> its answer left -> filed by the pool; wake: filed -> the engine
+                # thread running again
+                "transport_ms": {
+                    "reply": {leg: self._mean_ms(f"transport_reply_{leg}", "transport_reply_count")
+                              for leg in ("queue", "out", "drafter", "in")},
+                    "bets_in": self._mean_ms("transport_bets_in", "transport_bets_count"),
+                    "wake": self._mean_ms("transport_wake", "transport_wakes")}}
+
+    def _mean_ms(self, kind: str, count: str | None = None) -> float | None:
+        extra = self.pool.stats.extra
+        steps = extra.get(count or f"{kind}_steps", 0)
+        return round(extra.get(f"{kind}_seconds", 0.0) / steps * 1e3, 3) if steps else None
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.pool.close()
+
+
+def spec_fields(requests, drafter) -> dict:
+    steps = sum(r.stats.verify_steps for r in requests)
+    accepted = sum(r.stats.accepted_tokens for r in requests)
+    depth = max((len(r.stats.accepted_per_position) for r in requests), default=0)
+    per_position = [sum(r.stats.accepted_per_position[d] for r in requests if d < len(r.stats.accepted_per_position))
+                    for d in range(depth)]
+    out = {"verify_steps": steps, "draft_tokens": sum(r.stats.draft_tokens for r in requests), "accepted_tokens": accepted,
+           "accept_length": round(1 + accepted / steps, 4) if steps else None,
+           "accepted_per_position": [round(c / steps, 4) for c in per_position] if steps else [],
+           "fallbacks": sum(r.stats.fallbacks for r in requests),
+           "drafter": {"trees": drafter.stats.trees, "empty": drafter.stats.empty, "faults": drafter.stats.faults}}
+    inner = getattr(drafter, "drafter", None)
+    if getattr(inner, "simulated", False):
+        out["off_reference"] = inner.off_reference
+    return out
+
+
+def grid_points(args) -> list[argparse.Namespace]:
+    """One namespace per distinct tree shape of the grid (invalid ones logged and skipped)."""
+    from splitspec.engine_args import FlagError, num_draft_tokens
+
+    points, seen = [], set()
+    for steps, topk, tokens in itertools.product(ints(args.steps), ints(args.topk), ints(args.num_draft_tokens)):
+        ns = copy.copy(args)
+        if steps is not None or topk is not None or tokens is not None:
+            ns.speculative_num_steps = steps if steps is not None else args.speculative_num_steps
+            ns.speculative_eagle_topk = topk if topk is not None else args.speculative_eagle_topk
+            ns.speculative_num_draft_tokens = tokens if tokens is not None else args.speculative_num_draft_tokens
+        try:
+            shape = tree_of(ns)
+            if shape[2] > 1 + shape[0] * shape[1] + (shape[0] - 1) * shape[1] * (shape[1] - 1):
+                raise FlagError(f"{shape[2]} tree nodes do not fit {shape[0]} steps of top-{shape[1]}")
+            num_draft_tokens(ns)
+        except (FlagError, ValueError) as exc:
+            logger.warning("grid point steps=%s topk=%s tokens=%s skipped: %s", steps, topk, tokens, exc)
+            continue
+        if shape not in seen:
+            seen.add(shape)
+            points.append(ns)
+    return points
+
+
+def tree_of(ns) -> tuple[int, int, int]:
+    """(num_steps, topk, num_draft_tokens); NGRAM: (tokens - 1, 1, tokens) (its budget)."""
+    if ns.speculative_algorithm == "NGRAM":
+        tokens = engine_args.num_draft_tokens(ns)
+        return (tokens - 1, 1, tokens)
+    from splitspec.draft_models import draft_tree_shape
+
+    return draft_tree_shape(ns)
+
+
+DECISIVE = ("dummy weights made decisive for simulated acceptance: embedding x50, lm_head = the embedding, sublayer "
+            "input norms x0.1 (the same shapes and kernels, so the same cost)")
+
+
+def decisive_dummy(model) -> None:
+    """Random weights leave a model's top two logits a few hundredths apart at almost every position, so greedy
+    decoding hinges on bf16 rounding, which differs between a decode step and a tree verification: a replayed
+    continuation would stop being the target's own within a few tokens. Make the residual stream carry the
+    token's embedding, large, past small sublayer outputs, and read logits with the embedding itself: the
+    current token then wins by a wide margin whatever the rounding, and every shape and kernel stays as it was."""
+    import torch
+
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.mul_(50.0)
+        if model.lm_head_weight is not embed:
+            model.lm_head_weight.copy_(embed)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.mul_(0.1)
+            layer.post_attention_layernorm.weight.mul_(0.1)
+
+
+def run_in_process(args) -> dict:
+    import torch
+
+    from splitspec.model_shapes import dummy_model_dir
+    from splitspec.runtime.runner import ModelRunner
+    from splitspec.runtime.sampling_params import SamplingParams
+
+    if args.preset:
+        args.model_path, args.load_format = str(dummy_model_dir(args.preset)), "dummy"
+    if args.draft_preset:
+        args.speculative_draft_model_path = str(dummy_model_dir(args.draft_preset))
+        args.speculative_draft_load_format = "dummy"
+    if args.simulate_acceptance and not args.speculative_algorithm:
+        raise ValueError("--simulate-acceptance needs a --speculative-algorithm whose drafter pays the draft cost")
+    if args.simulate_acceptance and args.temperature > 0:
+        raise ValueError("--simulate-acceptance replays greedy outputs: use --temperature 0")
+    if args.model_path is None and args.speculative_algorithm in ("STANDALONE", "EAGLE", "EAGLE3") \
+            and not args.speculative_draft_model_path:  # the demo target: its demo draft, as `splitspec up` does
+        from splitspec.demo import demo_model_dirs
+
+        kind = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}[args.speculative_algorithm]
+        args.speculative_draft_model_path = str(demo_model_dirs(heads=kind != "draft")[kind])
+    model_dir = runtime_args.resolve_model(args)
+    batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    if args.cuda_graph_max_bs is None and not args.disable_cuda_graph:  # target and draft head: no larger graphs
+        args.cuda_graph_max_bs = max(batch_sizes)
+    points = grid_points(args) if args.speculative_algorithm else []
+    if args.speculative_algorithm and not points:
+        raise ValueError("no valid point in the grid")
+    max_tree = max((tree_of(p)[2] for p in points), default=1)
+    counts = {b: args.num_prompts or max(4, 2 * b) for b in batch_sizes}
+    per_request = args.prompt_len + args.output_len + max_tree + 2 * args.page_size
+    runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir,
+                                                          default_max_total_tokens=max(batch_sizes) * per_request))
+    if args.preset and args.simulate_acceptance:
+        decisive_dummy(runner.model)
+    heap.freeze("bench")  # as the served verifier does: the same garbage collection on both sides
+    prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
+    scheduler = engine_args.scheduler_config(args)
+    draft_tokens = max(batch_sizes) * (per_request + 64)
+    loads = {}  # batch size -> (prompts, params, warm-up params)
+    for batch_size in batch_sizes:
+        prompts = prompts_all[: counts[batch_size]]
+        loads[batch_size] = (prompts, [SamplingParams(temperature=args.temperature, seed=i, max_new_tokens=args.output_len,
+                                                      ignore_eos=True) for i in range(len(prompts))],
+                             [SamplingParams(temperature=args.temperature, seed=0, max_new_tokens=8, ignore_eos=True)]
+                             * args.warmup_requests)
+    # plain decoding at every batch size first, then each grid point at every batch size: the target's graphs
+    # are captured once per point (a drafter may change what the target's forward returns)
+    plain_rows, plain_outputs = {}, {}
+    for batch_size, (prompts, params, warm) in loads.items():
+        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler)
+        plain_rows[batch_size], requests = drive(runner, None, None, prompts, batch_size, params, scheduler)
+        plain_outputs[batch_size] = [r.output_ids for r in requests]
+        logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain_rows[batch_size]["output_tok_s"],
+                    plain_rows[batch_size]["per_request_tok_s"])
+    rows = [{"batch_size": b, "speculative": None, **row} for b, row in plain_rows.items()]
+    reference = None
+    if args.simulate_acceptance:  # plain decoding's outputs (at every batch size: bf16 may differ between them)
+        reference = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="splitspec-replay-", delete=False)
+        for batch_size, (prompts, _, _) in loads.items():
+            for prompt, output in zip(prompts, plain_outputs[batch_size]):
+                reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
+        reference.close()
+    from splitspec.verifier_svc.engine import adaptive_policy, verify_tree_sizes
+
+    profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]
+    series = {"off": [False], "on": [True], "both": [False, True]}[args.speculative_adaptive or "off"]
+    try:
+        for point, profile in itertools.product(points, profiles):
+            ns = copy.copy(point)
+            if reference is not None:
+                ns.speculative_replay, ns.speculative_replay_profile = reference.name, profile
+            if args.drafter_transport == "zmq":
+                drafter = RemoteDrafter(ns, runner, draft_tokens, max(batch_sizes))
+            else:
+                drafter, _ = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
+            steps, topk, tokens = tree_of(ns)
+            try:
+                for adaptive in series:
+                    ns.speculative_adaptive = "on" if adaptive else "off"
+                    spec = engine_args.spec_config(ns)
+                    policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
+                    runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec))
+                    for batch_size, (prompts, params, warm) in loads.items():
+                        drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy)
+                        drafter.stats.__init__()
+                        row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy)
+                        plain = plain_rows[batch_size]
+                        row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps,
+                               "topk": topk, "num_draft_tokens": tokens, "adaptive": adaptive, "simulated": bool(reference),
+                               "drafter_transport": args.drafter_transport, **row, **spec_fields(requests, drafter)}
+                        if isinstance(drafter, RemoteDrafter):
+                            row.update(drafter.fields())
+                        if reference is not None:
+                            row["profile"] = profile
+                        row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
+                        row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs[batch_size]))
+                        rows.append(row)
+                        logger.info("batch %d %s steps %d topk %d tokens %d%s: accept length %s, %s tok/s (x%s)%s%s",
+                                    batch_size, ns.speculative_algorithm, steps, topk, tokens, " adaptive" if adaptive else "",
+                                    row["accept_length"], row["output_tok_s"], row["speedup"],
+                                    f" budgets {row.get('budgets')}" if adaptive else "",
+                                    f" SIMULATED ({profile})" if reference else "")
+            finally:
+                runner.set_capture_layers(())
+                drafter.close()
+            del drafter
+    finally:
+        if reference is not None:
+            Path(reference.name).unlink()
+    cuda = runner.device.type == "cuda"
+    return {"device": torch.cuda.get_device_name(runner.device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+            "torch": torch.__version__, "dtype": str(runner.dtype).replace("torch.", ""),
+            "attention_backend": runner.backend.name,
+            "cuda_graphs": {"batch_sizes": runner.graphs.sizes, "tree_sizes": runner.graphs.tree_sizes}
+            if runner.graphs else None,
+            "model": (f"dummy {args.preset} (random weights)" + (f"; {DECISIVE}" if args.simulate_acceptance else "")
+                      if args.preset else str(model_dir)),
+            "draft": (f"dummy {args.draft_preset} (random weights)" if args.draft_preset
+                      else args.speculative_draft_model_path),
+            "simulated": bool(args.simulate_acceptance),
+            "torch_compile": None if runner.compiled is None else {
+                "mode": runner.compiled.mode, "max_bs": runner.compiled.max_bs,
+                "target_compile_seconds": round(runner.compiled.total_compile_seconds, 1),
+                "target_shapes": {str(k[0]): round(v, 1) for k, v in runner.compiled.compile_seconds.items()}},
+            "rows": rows}
+
+
+# against a deployment --------------------------------------------------------------------------------

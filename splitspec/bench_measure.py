@@ -1,0 +1,112 @@
+"""What `splitspec bench` measures on both sides (in process and over HTTP): the prompts of a load, each
+request's token timeline and the latency fields of a row, and the commit a report names."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger("splitspec.bench")
+
+
+def ints(text: str | None) -> list[int | None]:
+    return [None] if text is None else [int(x) for x in text.split(",") if x.strip()]
+
+
+def percentiles(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"mean": round(statistics.fmean(values) * 1e3, 3), "p50": round(at(0.5) * 1e3, 3),
+            "p90": round(at(0.9) * 1e3, 3), "p99": round(at(0.99) * 1e3, 3)}
+
+
+@dataclass
+class Timeline:
+    """One request: when it was sent, and each delivery (time, tokens)."""
+
+    sent: float = 0.0
+    deliveries: list[tuple[float, int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.deliveries)
+
+
+def latency_fields(timelines: list[Timeline], wall: float) -> dict:
+    done = [t for t in timelines if t.deliveries]
+    tokens = sum(t.tokens for t in done)
+    itl = [b[0] - a[0] for t in done for a, b in zip(t.deliveries, t.deliveries[1:])]
+    speeds = [(t.tokens - 1) / (t.deliveries[-1][0] - t.deliveries[0][0])
+              for t in done if t.tokens > 1 and t.deliveries[-1][0] > t.deliveries[0][0]]
+    tpot = [(t.deliveries[-1][0] - t.deliveries[0][0]) / (t.tokens - 1) for t in done if t.tokens > 1]
+    return {"requests": len(timelines), "completed": len(done), "output_tokens": tokens, "wall_s": round(wall, 3),
+            "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
+            "per_request_tok_s": round(statistics.fmean(speeds), 2) if speeds else None,
+            "ttft_ms": percentiles([t.deliveries[0][0] - t.sent for t in done]), "itl_ms": percentiles(itl),
+            "tpot_ms": round(statistics.fmean(tpot) * 1e3, 3) if tpot else None}
+
+
+# prompts -------------------------------------------------------------------------------------------
+def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: int) -> list:
+    """Token-id lists (texts for --url with held-out prompts, which the server tokenizes)."""
+    dataset = args.dataset
+    tokenizer = None
+    if dataset in ("auto", "held-out") and model_dir is not None:
+        from splitspec.generate import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir, required=dataset == "held-out")
+    if dataset == "auto":
+        dataset = "held-out" if tokenizer is not None or (args.url and model_dir is None) else "random"
+    if dataset == "random":
+        if vocab_size is None:
+            raise ValueError("--dataset random needs the model's vocabulary: not available with --url")
+        rng = random.Random(args.seed)
+        return [[rng.randrange(vocab_size) for _ in range(args.prompt_len)] for _ in range(count)]
+    if dataset == "held-out":
+        from splitspec.train import corpus
+
+        texts = corpus.read_texts([f for f in corpus.select_files() if f.held_out], held_out=True)
+        if tokenizer is None:  # the server tokenizes: cut by characters (about 4 per token)
+            prompts = [t[: 4 * args.prompt_len] for t in texts if len(t) >= 4 * args.prompt_len]
+        else:
+            cut = (t[: 16 * args.prompt_len] for t in texts)  # enough characters for prompt_len tokens
+            prompts = [ids[: args.prompt_len] for ids in map(tokenizer.encode, cut) if len(ids) >= args.prompt_len]
+    else:
+        rows = [json.loads(line) for line in Path(dataset).read_text().splitlines() if line.strip()]
+        prompts = [r["prompt_ids"] if "prompt_ids" in r else r.get("text") or r["prompt"] for r in rows]
+        if tokenizer is None and model_dir is not None and any(isinstance(p, str) for p in prompts):
+            from splitspec.generate import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir, required=True)
+        prompts = [tokenizer.encode(p)[: args.prompt_len] if isinstance(p, str) and tokenizer is not None else p
+                   for p in prompts]
+    if not prompts:
+        raise ValueError(f"--dataset {args.dataset}: no prompts of {args.prompt_len} tokens")
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+# in process ----------------------------------------------------------------------------------------
+
+
+def git_commit(directory: Path | None = None) -> str | None:
+    """$SPLITSPEC_COMMIT (set it where the copy's .git is not the checkout's: the GPU machine), else the HEAD
+    of the checkout holding `directory` (default: this package)."""
+    import os
+
+    if os.environ.get("SPLITSPEC_COMMIT"):
+        return os.environ["SPLITSPEC_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=directory or Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
