@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitspec.runtime.attention.base import AttentionBatch
-from splitspec.runtime.kv_cache import BlockTable, KVCache
+from splitspec.runtime.kv_cache import BlockTable, KVCache, slot_list
 
 
 @dataclass
@@ -65,8 +65,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         input_ids += seq.input_ids
         positions += seq.positions if seq.positions is not None else range(start, start + q_len)
         if q_len <= SHORT_SLOTS:  # a decode's or a tree's few slots: Python ints, one tensor for the whole batch
-            pages, size = seq.table.pages, kv_cache.page_size
-            flat = [pages[p // size] * size + p % size for p in range(start, start + q_len)]
+            flat = slot_list(seq.table.pages, kv_cache.page_size, start, start + q_len)
             if out_slots and isinstance(out_slots[-1], list):
                 out_slots[-1].extend(flat)
             else:

@@ -22,6 +22,11 @@ import torch
 from splitspec.runtime.config import ModelConfig
 
 
+def slot_list(pages: list[int], page_size: int, start: int, end: int) -> list[int]:
+    """slot_ids as Python ints (a batch of decodes and trees joins them into one tensor)."""
+    return [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+
+
 def slot_ids(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
     """Flat slot ids [end - start] of logical slots start..end-1 of a request with these pages.
 
@@ -29,7 +34,7 @@ def slot_ids(pages: list[int], page_size: int, start: int, end: int) -> torch.Te
     [30, 31, 8, 9]
     """
     if end - start <= 128:  # a step's few slots: Python is ~8x faster than building index tensors
-        return torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(start, end)], dtype=torch.long)
+        return torch.tensor(slot_list(pages, page_size, start, end), dtype=torch.long)
     logical = torch.arange(start, end)
     return torch.tensor(pages, dtype=torch.long)[logical // page_size] * page_size + logical % page_size
 
