@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -109,10 +110,19 @@ def free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def bench(argv: list[str], out: Path, timeout: float, log) -> dict:
+def traced(side: str) -> dict[str, str] | None:
+    """The environment of one side's processes: with SPLITSPEC_ADAPTIVE_TRACE=PREFIX, each side's adaptive
+    policy writes PREFIX.<side>.jsonl (verifier_svc.adaptive), not both into one file; else None (inherited)."""
+    from splitspec.verifier_svc.adaptive import TRACE_ENV
+
+    prefix = os.environ.get(TRACE_ENV)
+    return {**os.environ, TRACE_ENV: f"{prefix}.{side}.jsonl"} if prefix else None
+
+
+def bench(argv: list[str], out: Path, timeout: float, log, env: dict[str, str] | None = None) -> dict:
     command = [sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", *argv, "--out", str(out)]
     print("$ " + shlex.join(command[2:]), file=log, flush=True)
-    result = lifeline.run(command, stdout=subprocess.DEVNULL, stderr=log, timeout=timeout)
+    result = lifeline.run(command, stdout=subprocess.DEVNULL, stderr=log, timeout=timeout, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"splitspec bench exited with {result.returncode} (see the log)")
     return json.loads(out.read_text())
@@ -190,7 +200,7 @@ def main(argv: list[str]) -> int:
     up_command = [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(args.port), "--log-level", "warning",
                   *shlex.split(args.serve), *model_flags]
     print("$ " + shlex.join(up_command[2:]), file=log, flush=True)
-    up = lifeline.spawn(up_command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = lifeline.spawn(up_command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=traced("served"))
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_ready(url, up, args.timeout)
@@ -208,7 +218,8 @@ def main(argv: list[str]) -> int:
             up.wait(timeout=120)
         except subprocess.TimeoutExpired:
             up.kill()
-    in_process = bench([*bench_flags(model_flags), *load], work / "in_process.json", args.timeout, log)
+    in_process = bench([*bench_flags(model_flags), *load], work / "in_process.json", args.timeout, log,
+                       traced("in_process"))
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
               "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
               "points": ratios(served, in_process), "served_engine_loop": served.get("engine_loop"),

@@ -127,6 +127,35 @@ def test_a_batch_mixing_greedy_sampled_and_penalized_requests_keeps_each_ones_ou
     assert sum(m.stats.accepted_tokens for m in mixed[:3]) > 0  # the batched rows did accept drafts
 
 
+def test_trees_padded_to_one_shape_keep_outputs(demo, plain_greedy):
+    """NGRAM's trees differ in size (and a request without a match verifies its root alone); on a GPU the
+    batch is padded with filler nodes to the smallest captured tree size so that it replays one graph. The
+    padding forced here on the CPU (eagerly) leaves every output as plain decoding's, and the fillers are
+    counted."""
+    from splitspec.verifier_svc.engine import Engine
+
+    runner, _, prompts, reference = demo
+    chosen = [prompts[i] for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(chosen)
+    runner.tree_pad_sizes = (8,)
+    try:
+        engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=8), set())
+        requests = [engine.add_request(p, sp) for p, sp in zip(chosen, params)]
+        padding = 0
+        while engine.has_work:
+            engine.step()
+            padding += engine.report.padding_tokens
+            if engine.report.padding_tokens:  # every tree of the step has 8 nodes in the forward
+                assert engine.report.forward_tokens % 8 == 0 and engine.report.prefill_tokens == 0
+    finally:
+        runner.tree_pad_sizes = ()
+    assert runner.kv_cache.allocator.num_used == 0
+    for i, r in enumerate(requests):
+        assert_greedy_match(r.output_ids, plain_greedy[i].output_ids, reference, chosen[i], f"padded prompt {i}")
+        assert r.stats.fallbacks == 0
+    assert padding > 0 and sum(r.stats.accepted_tokens for r in requests) > 0
+
+
 class FixedTreeDrafter(Drafter):
     """Proposes the same branching tree after every root: 3 children of the root, 2 under each."""
 

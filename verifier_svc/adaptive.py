@@ -39,8 +39,12 @@ Greedy outputs do not depend on the budget (any tree verifies losslessly), nor d
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import asdict, dataclass, field
+
+TRACE_ENV = "SPLITSPEC_ADAPTIVE_TRACE"  # a file path: every observation and choice as JSON lines, to replay offline
 
 
 def budget_ladder(max_budget: int) -> list[int]:
@@ -140,6 +144,11 @@ class AdaptiveSpeculation:
         self.probes = 0
         self.tries = 0  # single steps at a budget not used lately, to measure it before switching to it
         self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
+        path = os.environ.get(TRACE_ENV)
+        self._trace = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (line-buffered: a killed server keeps its lines)
+
+    def _record(self, kind: str, **fields) -> None:
+        self._trace.write(json.dumps({"kind": kind, "step": self._steps, **fields}) + "\n")
 
     def _depth(self, budget: int) -> int:
         return min(self.config.num_steps, budget - 1)
@@ -149,6 +158,8 @@ class AdaptiveSpeculation:
         cfg = self.config
         if step.speculating + step.plain == 0 and step.forward_tokens == 0:
             return
+        if self._trace is not None:
+            self._record("observe", **asdict(step))
         self._steps += 1
         now, stale = self._steps, cfg.stale_steps
         if step.forward_tokens:
@@ -271,6 +282,14 @@ class AdaptiveSpeculation:
     # choosing ------------------------------------------------------------------------------------
     def choose(self, speculating: int, plain: int = 0, prefill_tokens: int = 0) -> int:
         """The budget of the next trees of `speculating` requests (1: no drafts this step)."""
+        choice = self._choose(speculating, plain, prefill_tokens)
+        if self._trace is not None and speculating:
+            self._record("choose", speculating=speculating, plain=plain, prefill=prefill_tokens, choice=choice,
+                         budget=self.budget, predicted={n: round(v or 0.0, 1) for n, v in self.predicted.items()},
+                         acceptance=[round(a, 3) for a in self.acceptance()])
+        return choice
+
+    def _choose(self, speculating: int, plain: int, prefill_tokens: int) -> int:
         if speculating == 0:
             return self.budget
         predicted = {n: self.throughput(n, speculating, plain, prefill_tokens) for n in self.ladder}

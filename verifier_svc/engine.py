@@ -152,6 +152,7 @@ class StepReport:
     finished: list[str] = field(default_factory=list)  # finish reasons of requests that ended
     cached_tokens: int = 0  # tokens served from the prefix cache to requests admitted this step
     preemptions: int = 0  # running requests sent back to wait for pages
+    padding_tokens: int = 0  # filler tree nodes that made the verify batch one captured graph's shape
 
 
 @dataclass
@@ -509,10 +510,15 @@ class Engine:
     def _forward_and_accept(self, prefills: list[_Chunk], verifies: list[_Verify]) -> list[StepEvent]:
         sequences = [SequenceInput(c.request.table, c.request.fill_ids[c.start : c.end], logits="last" if c.samples else "none")
                      for c in prefills]
+        pad = 0 if prefills else self._pad_size(verifies)
         for v in verifies:
-            parents = list(v.tree.parents)
-            sequences.append(SequenceInput(v.request.table, list(v.tree.tokens), positions(parents, v.seq_len),
-                                           tree_mask(parents) if v.tree.num_nodes > 1 else None, "all"))
+            tokens, parents = list(v.tree.tokens), list(v.tree.parents)
+            if pad > len(tokens):  # filler children of the root, never walked: their rows are not read
+                self.report.padding_tokens += pad - len(tokens)
+                tokens += [tokens[0]] * (pad - len(tokens))
+                parents += [0] * (pad - len(parents))
+            sequences.append(SequenceInput(v.request.table, tokens, positions(parents, v.seq_len),
+                                           tree_mask(parents) if len(tokens) > 1 else None, "all"))
         if not sequences:
             return []
         forward_start = self._clock()
@@ -558,9 +564,9 @@ class Engine:
                 events.append(self._emit(request, [token], hidden, token_logprobs(row_logits, [token], request.params)))
         commit_seconds, move_src, move_dst, lengths, accepted = 0.0, [], [], [], []
         for i, v in enumerate(verifies, start=len(prefills)):
-            node_logits = logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
-            acceptance = self._accept(v, node_logits,
-                                      targets[batch.cu_logits[i] : batch.cu_logits[i + 1]] if targets is not None else None)
+            first, end = batch.cu_logits[i], batch.cu_logits[i] + v.tree.num_nodes  # a padded tree's own rows
+            node_logits = logits[first:end]
+            acceptance = self._accept(v, node_logits, targets[first:end] if targets is not None else None)
             commit_start = time.perf_counter()  # host work only: no device sync per request, even when timing
             self._kv_moves(v, acceptance, move_src, move_dst)
             lengths.append((v.request.table, v.seq_len + len(acceptance.path)))
@@ -593,6 +599,25 @@ class Engine:
         self.report.seconds["accept"] = self._clock() - accept_start - commit_seconds
         self.report.seconds["commit"] = commit_seconds
         return events
+
+    def _pad_size(self, verifies: list[_Verify]) -> int:
+        """The node count every tree of a decode-only batch is padded to, 0 for none: trees of different sizes
+        (NGRAM's fill what its trie knows; a request without a tree this step verifies its root alone) run as
+        one replay of the captured verification graph of the smallest size that holds them, not eagerly.
+        Filler nodes are children of the root in slots the request's pages already hold (its reservation
+        covers its tree budget); only where every request's pages hold the padded tree."""
+        if not verifies:
+            return 0
+        sizes = [v.tree.num_nodes for v in verifies]
+        largest = max(sizes)
+        if largest == 1 or (min(sizes) == largest and largest in self.runner.tree_pad_sizes + (
+                tuple(self.runner.graphs.tree_sizes) if self.runner.graphs is not None else ())):
+            return 0  # plain decode, or already graph-shaped
+        q = self.runner.padded_tree_size(len(verifies), largest)
+        page = self.runner.kv_cache.page_size
+        if q is None or any(len(v.request.table.pages) * page < v.seq_len + q for v in verifies):
+            return 0
+        return q
 
     def _by_target(self, params: SamplingParams) -> bool:
         """Verified by the target's own token at each node of its unmodified logits: its argmax, or its keyed

@@ -29,6 +29,8 @@ class EngineMetrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each depth.", ("position",))
         self.fallbacks = counter("spec_decode_fallbacks", "Delivered drafts that were unusable (plain decode instead).")
+        self.padding_tokens = counter("spec_verify_padding_tokens", "Filler tree nodes verified so that a batch of trees "
+                                      "of different sizes replays one captured CUDA graph (their rows are not read).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token (cached included).")
         self.prefill_tokens = counter("prefill_computed_tokens", "Tokens prefilled by the target (recomputation after preemption included).")
         self.preemptions = counter("num_preemptions", "Running requests sent back to wait because the KV cache ran out of pages.")
@@ -91,6 +93,7 @@ class EngineMetrics:
         for position, count in enumerate(report.accepted_per_position):
             self.accepted_per_pos.labels(**labels, position=str(position)).inc(count)
         self.fallbacks.labels(**labels).inc(report.fallbacks)
+        self.padding_tokens.labels(**labels).inc(report.padding_tokens)
         self.prompt_tokens.labels(**labels).inc(report.prompt_tokens)
         self.prefill_tokens.labels(**labels).inc(report.prefill_tokens)
         self.preemptions.labels(**labels).inc(report.preemptions)

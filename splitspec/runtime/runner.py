@@ -155,6 +155,9 @@ class ModelRunner:
         self.weight_bytes = weight_bytes_of(model)  # {"total", "fp8_layers"}: the model's own weights (shared ones not counted)
         self.cuda_graph_max_bs = cuda_graph_max_bs if _graphs_supported(backend) and self.device.type == "cuda" else 0
         self.graphs = None
+        # tree sizes a verification batch is padded up to without CUDA graphs (the graphs' own sizes pad with
+        # them): tests exercise the padding on a CPU with it
+        self.tree_pad_sizes: tuple[int, ...] = ()
         self.compiled = None
         if torch_compile_max_bs > 0:
             from splitspec.runtime.compile import CompiledForward
@@ -188,6 +191,15 @@ class ModelRunner:
         for q in (1, *tree_nodes):
             if q >= 1:
                 self.graphs.capture(q)
+
+    def padded_tree_size(self, num_requests: int, largest: int) -> int | None:
+        """The node count a verification batch of num_requests trees, the largest of `largest` nodes, is
+        padded to so that it replays a captured graph (the smallest captured tree size that holds it), or
+        None where none does (no graphs, too many requests, a tree larger than every captured size)."""
+        sizes = self.tree_pad_sizes
+        if self.graphs is not None and num_requests <= self.graphs.max_bs:
+            sizes = (*sizes, *self.graphs.tree_sizes)
+        return min((q for q in sizes if q >= largest), default=None)
 
     def capture_feature_graphs(self, token_counts, widths) -> None:
         """A draft head's forwards fed features (catch-ups, overlap's bets): CUDA graphs for batches whose
