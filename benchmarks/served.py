@@ -51,6 +51,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="A random-weight target of this shape (splitspec.model_shapes) with the demo tokenizer.")
     parser.add_argument("--port", type=int, default=31000, help="The gateway's port (up takes the next four too).")
     parser.add_argument("--timeout", type=float, default=900, help="Seconds for each of the three steps.")
+    parser.add_argument("--log-level", default="warning", help="The services' log level (their logs go to OUT.log).")
     parser.add_argument("--out", required=True, help="The JSON report.")
     if "--" in argv:
         at = argv.index("--")
@@ -87,6 +88,22 @@ def bench_flags(model_flags: list[str]) -> list[str]:
             name = BENCH_GRID.get(flag, flag)
             out += [f"{name}={model_flags[i].split('=', 1)[1]}"] if inline else [name, *([value] if value else [])]
         i += 1 if inline or value is None else 2
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc; `up` starts each service in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
     return out
 
 
@@ -197,7 +214,7 @@ def main(argv: list[str]) -> int:
     log = open(out.with_suffix(".log"), "w")
     if not free(args.port):
         raise SystemExit(f"port {args.port} is taken")
-    up_command = [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(args.port), "--log-level", "warning",
+    up_command = [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(args.port), "--log-level", args.log_level,
                   *shlex.split(args.serve), *model_flags]
     print("$ " + shlex.join(up_command[2:]), file=log, flush=True)
     up = lifeline.spawn(up_command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=traced("served"))
@@ -212,6 +229,15 @@ def main(argv: list[str]) -> int:
         before = loop_totals(metrics_url)
         served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
+    except subprocess.TimeoutExpired:  # stuck: every service prints its threads' stacks (cli's SIGUSR1) to the log
+        print(f"served bench timed out after {args.timeout} s: the services' stacks follow", file=log, flush=True)
+        for pid in descendants(up.pid):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)
+        raise
     finally:
         up.send_signal(signal.SIGINT)
         try:

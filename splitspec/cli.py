@@ -7,7 +7,9 @@ command does not need (the gateway never imports torch).
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import signal
 import sys
 
 # command name -> (module, one-line summary)
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from splitspec.default_model import set_provider
 
     set_provider(_demo_target)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck service waits
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     module = load_command(name)
     parser = module.build_parser()
     flags = argv[1:] + _sglang_env_flags(parser)

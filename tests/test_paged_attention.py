@@ -191,3 +191,29 @@ def test_block_table_reserve_and_truncate(tiny_checkpoints):
         kv.reserve(table, 4 * 6)
     kv.release(table)
     assert kv.allocator.num_free == 5 and table.pages == []
+
+
+def test_flashinfer_tree_masks_are_packed_on_the_host_per_request():
+    """FlashInfer's tree plan gets its masks packed on the host (no device round trip): each request's
+    [q_len, kv_len] mask, prefix visible, packed in little bit order from a byte of its own; the offsets
+    are bytes. Checked against numpy.packbits on a batch whose segments do not end on a byte."""
+    np = pytest.importorskip("numpy")
+    from splitspec.runtime.attention.base import AttentionBatch
+    from splitspec.runtime.attention.flashinfer_backend import FlashInferAttentionBackend
+    from splitspec.runtime.tree import tree_mask
+
+    parents = [(-1, 0, 0, 1), (-1, 0, 1)]
+    kv_lens = [13, 6]  # prefixes of 9 and 3 keys
+    masks = [tree_mask(p) for p in parents]
+    q_lens = [len(p) for p in parents]
+    batch = AttentionBatch(q_lens=q_lens, kv_lens=kv_lens, page_tables=[[0], [1]], out_slots=torch.zeros(7, dtype=torch.long),
+                           positions=torch.tensor([9, 10, 10, 11, 3, 4, 5]), masks=masks)
+    packed, offsets = FlashInferAttentionBackend._tree_mask(batch, [0, 1], [0, 4, 7], None)
+    expected, expected_offsets = [], [0]
+    for mask, q_len, kv_len in zip(masks, q_lens, kv_lens):
+        full = np.ones((q_len, kv_len), dtype=bool)
+        full[:, kv_len - q_len:] = mask.numpy()
+        expected.append(np.packbits(full.flatten(), bitorder="little"))
+        expected_offsets.append(expected_offsets[-1] + expected[-1].size)
+    assert offsets.tolist() == expected_offsets == [0, 7, 10]  # 52 bits -> 7 bytes, 18 bits -> 3 bytes
+    assert packed.dtype == torch.uint8 and packed.tolist() == np.concatenate(expected).tolist()

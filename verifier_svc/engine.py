@@ -268,6 +268,12 @@ class Engine:
             self._retire()
         return True
 
+    def restart_adaptive(self) -> None:
+        """The load-adaptive policy forgets what it learned (e.g. the warm-up's forwards, which compiled)."""
+        if self.adaptive is not None:
+            self.adaptive = adaptive_policy(self.spec)
+            self._unobserved = None
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

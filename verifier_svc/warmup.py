@@ -7,7 +7,8 @@ kernels; a prompt's prefill, a prompt over a cached prefix and the samplers comp
 that needs them, so without this the first users wait a minute and a deployment's readiness says nothing.
 Two requests run through the engine before the step loop starts, with no drafting and no metrics: a
 greedy prompt (prefill, then decode) and the same prompt sampled (a cached prefix, the sampling kernels).
-Their pages are freed again (the prefix cache evicts them), so no user prompt meets them.
+Their pages are freed again (the prefix cache evicts them), so no user prompt meets them, and the load-adaptive
+policy starts fresh after them (a forward that compiled for a minute is not what a step costs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def warm_up(engine: Engine) -> float:
         engine.add_request(prompt, params, speculate=False)
         while engine.has_work:
             engine.step()
+    engine.restart_adaptive()  # its first forwards' compile times are not what a step costs
     cache = engine.prefix_cache
     if cache is not None:  # not a user's eviction: the count stays as it was
         evicted = cache.evicted_pages

@@ -38,6 +38,16 @@ _OVERFLOW = re.compile(r"Buffer overflow when allocating memory for (\w+) with s
 logger = logging.getLogger(__name__)
 
 
+_BIT_WEIGHTS = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """bool [n] -> uint8 [ceil(n / 8)], little bit order (numpy.packbits(bitorder="little"), FlashInfer's)."""
+    padded = torch.zeros(-(-bits.numel() // 8) * 8, dtype=torch.uint8)
+    padded[: bits.numel()] = bits
+    return (padded.view(-1, 8) * _BIT_WEIGHTS).sum(1).to(torch.uint8)
+
+
 @dataclass
 class _Group:
     wrapper: object
@@ -180,16 +190,25 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
                          causal=True, window_left=window_left, **common)
         else:
-            mask = self._tree_mask(batch, requests, starts, window)
-            wrapper.plan(*(t.to(self.device, non_blocking=True) for t in (qo_indptr, indptr, indices, last)),
-                         head_dim_qk=head_dim, custom_mask=mask.to(self.device, non_blocking=True), **common)
+            # the masks packed here and every index array on the host: FlashInfer's plan reads its index arrays on
+            # the host and packs a mask with a device kernel whose size it reads back, so arrays given on the device
+            # cost a device sync each (the host then waits for the step before instead of running ahead of it)
+            packed, mask_indptr = self._tree_mask(batch, requests, starts, window)
+            wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
+                         packed_custom_mask=packed.to(self.device, non_blocking=True), **common)
+            # given a packed mask, FlashInfer 0.6 keeps the unpacked mask's offsets (bits); its kernels read bytes
+            if wrapper.is_cuda_graph_enabled:
+                wrapper._mask_indptr_buf.copy_(mask_indptr, non_blocking=True)
+            else:
+                wrapper._mask_indptr_buf = mask_indptr.to(self.device, non_blocking=True)
 
     @staticmethod
-    def _tree_mask(batch: AttentionBatch, requests: list[int], starts: list[int], window) -> torch.Tensor:
-        """Each request's [q_len, kv_len] bool (prefix visible, new tokens by their mask), flattened and
-        concatenated; a sliding window is applied by positions."""
+    def _tree_mask(batch: AttentionBatch, requests: list[int], starts: list[int], window) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed uint8, byte offsets int32 [R+1]) on the host: each request's [q_len, kv_len] bool (prefix
+        visible, new tokens by their mask), flattened and packed to bits in FlashInfer's order (little: element
+        8k+j is bit j of byte k), each request starting on a byte; a sliding window is applied by positions."""
         positions = batch.positions.cpu()
-        parts = []
+        parts, offsets = [], [0]
         for i in requests:
             q_len, kv_len = batch.q_lens[i], batch.kv_lens[i]
             prefix = kv_len - q_len
@@ -199,8 +218,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                 q_pos = positions[starts[i]:starts[i + 1]]
                 k_pos = torch.cat([torch.arange(prefix), q_pos])
                 full &= (q_pos[:, None] - k_pos[None, :]) < window
-            parts.append(full.flatten())
-        return torch.cat(parts)
+            parts.append(pack_bits(full.flatten()))
+            offsets.append(offsets[-1] + parts[-1].numel())
+        return torch.cat(parts), torch.tensor(offsets, dtype=torch.int32)
 
     # CUDA graphs -------------------------------------------------------------------------------------
     def graph_state(self, batch_size: int, max_pages: int, q_len: int = 1, max_kv_len: int = 0,
