@@ -46,7 +46,8 @@
 #             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64) and 8b-plain-serial (the same served
 #             with --disable-overlap-schedule: publishing between steps), demo-ngram-grpc-here (demo-ngram with
 #             --disable-frontend-multiprocessing: gRPC on the engine's process), demo-ngram-fixed (demo-ngram with
-#             --speculative-adaptive off: every step drafts its full tree); SERVED_LOAD adds bench flags; each
+#             --speculative-adaptive off: every step drafts its full tree), demo-ngram-local (demo-ngram drafted in the verifier's
+#             process: up --drafters 0); SERVED_LOAD adds bench flags; each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
@@ -144,6 +145,7 @@ for stage in "${stages[@]}"; do
                     case $case in
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
+                        demo-ngram-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-ngram-fixed) pre=(); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
                         demo-ngram-grpc-here) pre=(--serve=--disable-frontend-multiprocessing); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         8b-plain) pre=(--dummy-preset llama-3.1-8b); model=(); bs=1,8,32,64 ;;

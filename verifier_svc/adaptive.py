@@ -71,13 +71,14 @@ class _Recent:
     one comes are dropped: a budget not used for a while is judged by what it costs now, not by its first
     (warming-up) steps."""
 
-    __slots__ = ("values", "count", "last")
+    __slots__ = ("values", "count", "last", "_median")
     WINDOW = 9
 
     def __init__(self):
         self.values: list[float] = []
         self.count = 0
         self.last = 0  # the policy's step of the newest observation
+        self._median: float | None = None
 
     def add(self, x: float, step: int = 0, stale: int = 0) -> None:
         if stale and step - self.last > stale:
@@ -86,12 +87,15 @@ class _Recent:
         self.last = step
         self.values.append(x)
         del self.values[: -self.WINDOW]
+        self._median = None
 
     @property
     def value(self) -> float:
-        ordered = sorted(self.values)
-        n = len(ordered)
-        return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        if self._median is None:
+            ordered = sorted(self.values)
+            n = len(ordered)
+            self._median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+        return self._median
 
 
 @dataclass
@@ -144,6 +148,12 @@ class AdaptiveSpeculation:
         self.probes = 0
         self.tries = 0  # single steps at a budget not used lately, to measure it before switching to it
         self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
+        self._acceptance_cache: list[float] = []
+        self._acceptance_at = -1  # the step it was computed at
+        self._curve: list[tuple[float, float]] = []
+        self._curve_at: tuple[int, int] | None = None
+        self._nearest_memo: dict[tuple, float] = {}
+        self._nearest_at = -1
         path = os.environ.get(TRACE_ENV)
         self._trace = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (line-buffered: a killed server keeps its lines)
 
@@ -192,6 +202,12 @@ class AdaptiveSpeculation:
 
     # prediction ----------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
+        """See _acceptance; computed once per observed step (a choice asks for it once per budget)."""
+        if self._acceptance_at != self._steps:
+            self._acceptance_cache, self._acceptance_at = self._acceptance(), self._steps
+        return self._acceptance_cache
+
+    def _acceptance(self) -> list[float]:
         """a_1..a_S: the estimated fraction of verifies that accept at least d drafts, from each depth's
         conditional rate: its decayed hits over trials, pulled towards the depth above's rate while it has few
         trials, plus an optimism bonus that shrinks as trials grow (a depth not drafted lately, whose trials
@@ -222,18 +238,9 @@ class AdaptiveSpeculation:
         far-apart points, never timed itself, costs the smaller's: it may be flat up to there); below the first,
         proportional (optimistic: a smaller forward not timed yet gets tried), above the last, the last
         segment's slope (optimistic too: a larger one gets tried, and its time then corrects the curve)."""
-        timed = list(self._verify.values())
-        if not timed:
+        points = self._verify_curve()
+        if not points:
             return None
-        fresh = [(t, s) for t, s in timed if s.last >= self._horizon()]
-        timed = fresh or timed
-        trusted = [(t.value, s.value) for t, s in timed if s.count >= self.config.min_timings]
-        # sizes timed fewer times are left out once others are trusted: predicted from those, optimistically,
-        # they get tried again instead of being judged by one sample
-        points = sorted(trusted or [(t.value, s.value) for t, s in timed])
-        for i in range(len(points) - 2, -1, -1):  # more tokens never cost less: a noisy high point does not stick
-            if points[i][1] > points[i + 1][1]:
-                points[i] = (points[i][0], points[i + 1][1])
         if tokens <= points[0][0]:  # not seen: optimistic (proportional), so that it is tried and measured
             return points[0][1] * tokens / points[0][0]
         for (t0, s0), (t1, s1) in zip(points, points[1:]):
@@ -248,6 +255,24 @@ class AdaptiveSpeculation:
             slope = max((s_last - s_prev) / (t_last - t_prev), 0.0) if t_last > t_prev else 0.0
         return s_last + slope * (tokens - t_last)
 
+    def _verify_curve(self) -> list[tuple[float, float]]:
+        """The (tokens, seconds) points verify_seconds interpolates, built once per observed step and horizon."""
+        key = (self._steps, self._horizon())
+        if self._curve_at == key:
+            return self._curve
+        timed = list(self._verify.values())
+        fresh = [(t, s) for t, s in timed if s.last >= key[1]]
+        timed = fresh or timed
+        trusted = [(t.value, s.value) for t, s in timed if s.count >= self.config.min_timings]
+        # sizes timed fewer times are left out once others are trusted: predicted from those, optimistically,
+        # they get tried again instead of being judged by one sample
+        points = sorted(trusted or [(t.value, s.value) for t, s in timed])
+        for i in range(len(points) - 2, -1, -1):  # more tokens never cost less: a noisy high point does not stick
+            if points[i][1] > points[i + 1][1]:
+                points[i] = (points[i][0], points[i + 1][1])
+        self._curve, self._curve_at = points, key
+        return points
+
     def _horizon(self) -> int:
         """The oldest step whose timings are trusted: all of them while speculation is off (probes are how it
         comes back), the last stale_steps while it is on."""
@@ -257,10 +282,16 @@ class AdaptiveSpeculation:
         """The entry of table (keyed (first, batch bucket)) nearest this batch bucket among those of `first`
         (and with fresh, timed lately); 0 where there is none: optimistic, so that it gets tried."""
         horizon = self._horizon() if fresh else -1
-        keys = [k for k in table if k[0] == first and table[k].last >= horizon]
-        if not keys:
-            return 0.0
-        return table[min(keys, key=lambda k: abs(k[1] - batch_bucket))].value
+        memo_key = (id(table), batch_bucket, first, horizon)
+        if self._nearest_at != self._steps:  # the tables change only when a step is observed
+            self._nearest_memo.clear()
+            self._nearest_at = self._steps
+        value = self._nearest_memo.get(memo_key)
+        if value is None:
+            keys = [k for k in table if k[0] == first and table[k].last >= horizon]
+            value = table[min(keys, key=lambda k: abs(k[1] - batch_bucket))].value if keys else 0.0
+            self._nearest_memo[memo_key] = value
+        return value
 
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
                    optimistic: bool = False) -> float | None:
