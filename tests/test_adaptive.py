@@ -67,6 +67,30 @@ def run_policy(policy: AdaptiveSpeculation, gpu: ModelGpu, batch: int, steps: in
     return chosen
 
 
+def test_a_recorded_trace_replays_to_the_same_choices(tmp_path, monkeypatch):
+    """SPLITSPEC_ADAPTIVE_TRACE records every observation and choice as JSON lines; benchmarks/replay_adaptive.py
+    feeds them through a fresh policy and makes every choice again: the same ones, under a growing load."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from splitspec.verifier_svc.adaptive import TRACE_ENV
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+    policy, gpu = chain_policy(), ModelGpu(0.7)
+    chosen = [b for batch in (1, 8, 64, 256) for b in run_policy(policy, gpu, batch, 40)]
+    policy._trace.close()
+    lines = trace.read_text().splitlines()
+    assert len(lines) == 2 * len(chosen) and {line.split('"kind": "')[1][:6] for line in lines} == {"choose", "observ"}
+    assert len(set(chosen)) > 1  # the load moved the choice
+    replay = subprocess.run([sys.executable, "-P", "benchmarks/replay_adaptive.py", str(trace), "--max-budget", "6",
+                             "--num-steps", "5", "--chain"], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert replay.returncode == 0, replay.stderr
+    assert f"{len(chosen)} choices, 0 differ" in replay.stdout, replay.stdout
+
+
 def test_budget_ladder():
     assert budget_ladder(6) == [1, 2, 3, 4, 5, 6]
     assert budget_ladder(2) == [1, 2]
