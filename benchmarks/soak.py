@@ -316,6 +316,13 @@ async def soak(args: argparse.Namespace) -> dict:
     finally:
         for d in deployments:
             d.stop()
+    return _report(args, results, kills, start, load_end, drained_at, held, restarted, alive,
+                   {"warm": warm, "end_of_load": loaded, "drained": drained, "series": samples})
+
+def _report(args: argparse.Namespace, results: list[dict], kills: list[dict], start: float, load_end: float,
+            drained_at: float, held: dict, restarted: dict, alive: dict, resources_seen: dict) -> dict:
+    """The soak's JSON: outcomes and their reasons, texts that changed between repeats, latency in and out of
+    the fault windows, the faults, the services' resources and the KV pages held after the drain."""
     texts: dict[str, set] = {}
     for r in results:
         if r["outcome"] == "completed":
@@ -346,7 +353,7 @@ async def soak(args: argparse.Namespace) -> dict:
                       "in_fault_windows": percentiles([r["latency"] for r in completed if in_fault_window(r)]),
                       "outside_fault_windows": percentiles([r["latency"] for r in completed if not in_fault_window(r)])},
         "output_tokens_per_s_note": "not measured: the soak counts outcomes, not throughput",
-        "resources": {"warm": warm, "end_of_load": loaded, "drained": drained, "series": samples},
+        "resources": resources_seen,
         "kv_pages_held_after_drain": held,
         "seconds": {"load": round(load_end - start, 1), "drain": round(drained_at - load_end, 1)},
     }

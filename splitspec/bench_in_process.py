@@ -235,12 +235,10 @@ def decisive_dummy(model) -> None:
             layer.post_attention_layernorm.weight.mul_(0.1)
 
 
-def run_in_process(args) -> dict:
-    import torch
-
+def _resolve_models(args) -> None:
+    """Presets become dummy model directories; the demo target gets its demo draft, as `splitspec up` does; the
+    simulated acceptance's conditions are checked."""
     from splitspec.model_shapes import dummy_model_dir
-    from splitspec.runtime.runner import ModelRunner
-    from splitspec.runtime.sampling_params import SamplingParams
 
     if args.preset:
         args.model_path, args.load_format = str(dummy_model_dir(args.preset)), "dummy"
@@ -257,6 +255,58 @@ def run_in_process(args) -> dict:
 
         kind = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}[args.speculative_algorithm]
         args.speculative_draft_model_path = str(demo_model_dirs(heads=kind != "draft")[kind])
+
+
+def _spec_row(args, ns, row: dict, requests, drafter, plain: dict, plain_outputs: list, batch_size: int, adaptive: bool,
+              reference, profile) -> dict:
+    """A speculative point's row: its grid point, its measurements, its speedup over plain decoding at that batch
+    size and how many outputs equal plain decoding's; logged."""
+    steps, topk, tokens = tree_of(ns)
+    row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps,
+           "topk": topk, "num_draft_tokens": tokens, "adaptive": adaptive, "simulated": bool(reference),
+           "drafter_transport": args.drafter_transport, **row, **spec_fields(requests, drafter)}
+    if isinstance(drafter, RemoteDrafter):
+        row.update(drafter.fields())
+    if reference is not None:
+        row["profile"] = profile
+    row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
+    row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs))
+    logger.info("batch %d %s steps %d topk %d tokens %d%s: accept length %s, %s tok/s (x%s)%s%s",
+                batch_size, ns.speculative_algorithm, steps, topk, tokens, " adaptive" if adaptive else "",
+                row["accept_length"], row["output_tok_s"], row["speedup"],
+                f" budgets {row.get('budgets')}" if adaptive else "",
+                f" SIMULATED ({profile})" if reference else "")
+    return row
+
+
+def _report(args, runner, model_dir, rows: list[dict]) -> dict:
+    """The JSON report: the machine, the models, the CUDA graphs and torch.compile, and every row."""
+    import torch
+
+    cuda = runner.device.type == "cuda"
+    return {"device": torch.cuda.get_device_name(runner.device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+            "torch": torch.__version__, "dtype": str(runner.dtype).replace("torch.", ""),
+            "attention_backend": runner.backend.name,
+            "cuda_graphs": {"batch_sizes": runner.graphs.sizes, "tree_sizes": runner.graphs.tree_sizes}
+            if runner.graphs else None,
+            "model": (f"dummy {args.preset} (random weights)" + (f"; {DECISIVE}" if args.simulate_acceptance else "")
+                      if args.preset else str(model_dir)),
+            "draft": (f"dummy {args.draft_preset} (random weights)" if args.draft_preset
+                      else args.speculative_draft_model_path),
+            "simulated": bool(args.simulate_acceptance),
+            "torch_compile": None if runner.compiled is None else {
+                "mode": runner.compiled.mode, "max_bs": runner.compiled.max_bs,
+                "target_compile_seconds": round(runner.compiled.total_compile_seconds, 1),
+                "target_shapes": {str(k[0]): round(v, 1) for k, v in runner.compiled.compile_seconds.items()}},
+            "rows": rows}
+
+
+def run_in_process(args) -> dict:
+
+    from splitspec.runtime.runner import ModelRunner
+    from splitspec.runtime.sampling_params import SamplingParams
+
+    _resolve_models(args)
     model_dir = runtime_args.resolve_model(args)
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
     if args.cuda_graph_max_bs is None and not args.disable_cuda_graph:  # target and draft head: no larger graphs
@@ -299,7 +349,7 @@ def run_in_process(args) -> dict:
             for prompt, output in zip(prompts, plain_outputs[batch_size]):
                 reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
         reference.close()
-    from splitspec.verifier_svc.engine import adaptive_policy, verify_tree_sizes
+    from splitspec.verifier_svc.adaptive import adaptive_policy, verify_tree_sizes
 
     profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]
     series = {"off": [False], "on": [True], "both": [False, True]}[args.speculative_adaptive or "off"]
@@ -308,11 +358,8 @@ def run_in_process(args) -> dict:
             ns = copy.copy(point)
             if reference is not None:
                 ns.speculative_replay, ns.speculative_replay_profile = reference.name, profile
-            if args.drafter_transport == "zmq":
-                drafter = RemoteDrafter(ns, runner, draft_tokens, max(batch_sizes))
-            else:
-                drafter, _ = engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)
-            steps, topk, tokens = tree_of(ns)
+            drafter = (RemoteDrafter(ns, runner, draft_tokens, max(batch_sizes)) if args.drafter_transport == "zmq"
+                       else engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)[0])
             try:
                 for adaptive in series:
                     ns.speculative_adaptive = "on" if adaptive else "off"
@@ -323,22 +370,8 @@ def run_in_process(args) -> dict:
                         drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy)
                         drafter.stats.__init__()
                         row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy)
-                        plain = plain_rows[batch_size]
-                        row = {"batch_size": batch_size, "speculative": ns.speculative_algorithm, "steps": steps,
-                               "topk": topk, "num_draft_tokens": tokens, "adaptive": adaptive, "simulated": bool(reference),
-                               "drafter_transport": args.drafter_transport, **row, **spec_fields(requests, drafter)}
-                        if isinstance(drafter, RemoteDrafter):
-                            row.update(drafter.fields())
-                        if reference is not None:
-                            row["profile"] = profile
-                        row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
-                        row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs[batch_size]))
-                        rows.append(row)
-                        logger.info("batch %d %s steps %d topk %d tokens %d%s: accept length %s, %s tok/s (x%s)%s%s",
-                                    batch_size, ns.speculative_algorithm, steps, topk, tokens, " adaptive" if adaptive else "",
-                                    row["accept_length"], row["output_tok_s"], row["speedup"],
-                                    f" budgets {row.get('budgets')}" if adaptive else "",
-                                    f" SIMULATED ({profile})" if reference else "")
+                        rows.append(_spec_row(args, ns, row, requests, drafter, plain_rows[batch_size],
+                                              plain_outputs[batch_size], batch_size, adaptive, reference, profile))
             finally:
                 runner.set_capture_layers(())
                 drafter.close()
@@ -346,22 +379,7 @@ def run_in_process(args) -> dict:
     finally:
         if reference is not None:
             Path(reference.name).unlink()
-    cuda = runner.device.type == "cuda"
-    return {"device": torch.cuda.get_device_name(runner.device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
-            "torch": torch.__version__, "dtype": str(runner.dtype).replace("torch.", ""),
-            "attention_backend": runner.backend.name,
-            "cuda_graphs": {"batch_sizes": runner.graphs.sizes, "tree_sizes": runner.graphs.tree_sizes}
-            if runner.graphs else None,
-            "model": (f"dummy {args.preset} (random weights)" + (f"; {DECISIVE}" if args.simulate_acceptance else "")
-                      if args.preset else str(model_dir)),
-            "draft": (f"dummy {args.draft_preset} (random weights)" if args.draft_preset
-                      else args.speculative_draft_model_path),
-            "simulated": bool(args.simulate_acceptance),
-            "torch_compile": None if runner.compiled is None else {
-                "mode": runner.compiled.mode, "max_bs": runner.compiled.max_bs,
-                "target_compile_seconds": round(runner.compiled.total_compile_seconds, 1),
-                "target_shapes": {str(k[0]): round(v, 1) for k, v in runner.compiled.compile_seconds.items()}},
-            "rows": rows}
+    return _report(args, runner, model_dir, rows)
 
 
 # against a deployment --------------------------------------------------------------------------------

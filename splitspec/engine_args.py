@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from splitspec.spec_flags import MODEL_ALGORITHMS, FlagError, ngram_config, tree_shape  # noqa: F401 (used here and by callers)
 
 if TYPE_CHECKING:  # the drafter service uses these flags too and must not import the verifier
-    from splitspec.verifier_svc.engine import SchedulerConfig, SpecStats
+    from splitspec.verifier_svc.step_types import SchedulerConfig, SpecStats
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    from splitspec.verifier_svc.engine import SchedulerConfig
+    from splitspec.verifier_svc.step_types import SchedulerConfig
 
     return SchedulerConfig(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size)
 
@@ -215,7 +215,7 @@ def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None,
 
 def spec_config(args: argparse.Namespace):
     """SpecConfig for the flags (verifier side); speculation off gives the defaults."""
-    from splitspec.verifier_svc.engine import SpecConfig
+    from splitspec.verifier_svc.step_types import SpecConfig
 
     if args.speculative_algorithm is None:
         return SpecConfig()

@@ -21,7 +21,8 @@ from splitspec.runtime.loader import CheckpointError
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.drafter_client import DrafterClient
-from splitspec.verifier_svc.engine import Engine, Request, SchedulerConfig, SpecConfig
+from splitspec.verifier_svc.engine import Engine
+from splitspec.verifier_svc.step_types import Request, SchedulerConfig, SpecConfig
 from splitspec import engine_args
 
 

@@ -44,6 +44,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from splitspec.verifier_svc.step_types import SpecConfig
+
 TRACE_ENV = "SPLITSPEC_ADAPTIVE_TRACE"  # a file path: every observation and choice as JSON lines, to replay offline
 
 
@@ -352,3 +354,19 @@ class AdaptiveSpeculation:
             self.budget = choice
         self._used[choice] = self._steps
         return choice
+
+
+def adaptive_policy(spec: SpecConfig) -> AdaptiveSpeculation | None:
+    """The load-adaptive policy the config asks for, or None (fixed trees)."""
+    if not spec.adaptive:
+        return None
+    return AdaptiveSpeculation(AdaptiveConfig(spec.num_draft_tokens, spec.num_steps or spec.num_draft_tokens - 1,
+                                              spec.topk == 1, spec.adaptive_hysteresis, spec.adaptive_probe_interval))
+
+
+def verify_tree_sizes(spec: SpecConfig | None) -> tuple[int, ...]:
+    """The tree sizes a target verifies (each gets CUDA graphs): the full budget, or with the adaptive policy
+    every budget of its ladder (a budget that ran eagerly would cost more than its graph and mislead the policy)."""
+    if spec is None:
+        return ()
+    return tuple(n for n in budget_ladder(spec.num_draft_tokens) if n > 1) if spec.adaptive else (spec.num_draft_tokens,)

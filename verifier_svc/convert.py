@@ -10,7 +10,7 @@ from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the verifier's front process converts without importing the engine (torch)
-    from splitspec.verifier_svc.engine import Request, SpecStats
+    from splitspec.verifier_svc.step_types import Request, SpecStats
 
 FINISH_REASONS = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}

@@ -21,7 +21,8 @@ from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime import args as runtime_args
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
-from splitspec.verifier_svc.engine import Engine, verify_tree_sizes
+from splitspec.verifier_svc.adaptive import verify_tree_sizes
+from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
 from splitspec.verifier_svc.warmup import warm_up
 from splitspec.verifier_svc.worker import EngineWorker, Submission
@@ -154,6 +155,35 @@ def curve_keys(args: argparse.Namespace) -> ServerKeys | None:
     return keys
 
 
+def make_drafter(args: argparse.Namespace, runner, registry, model_id: str, curve: ServerKeys | None):
+    """(drafter client, speculation config): the pool of drafter processes at --drafter-bind-addr, or the
+    algorithm drafting in this process (none without --speculative-algorithm)."""
+    if not (args.drafter_bind_addr and args.speculative_algorithm):
+        return engine_args.in_process_drafter(args, target=runner)
+    from splitspec.verifier_svc.drafter_pool import DrafterPool
+    from splitspec.verifier_svc.metrics import PoolMetrics
+
+    from splitspec.draft_models import capture_for, hidden_state_layers
+    from splitspec.protos.step_limits import verifier_receive_limit
+    from splitspec.runtime.tensor_plane import device_identity
+
+    spec = engine_args.spec_config(args)
+    layers = hidden_state_layers(args, runner.config)
+    capture_for(runner, layers)
+    # trees for every request that can run at once (each holds a KV page at least)
+    max_requests = args.max_running_requests or runner.kv_cache.num_pages
+    max_message = verifier_receive_limit(max_requests, spec.num_draft_tokens, engine_args.num_bets(args))
+    return DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
+                       draft_model=(args.speculative_draft_model_path or "") if args.speculative_algorithm != "NGRAM" else "",
+                       timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
+                       hidden_state_layers=layers,
+                       metrics=PoolMetrics(registry, model_id) if registry is not None else None,
+                       overlap=engine_args.overlap_mode(args), num_bets=engine_args.num_bets(args),
+                       device=device_identity(runner.device), overlap_max_bs=args.speculative_overlap_max_bs,
+                       tensor_device=runner.device, ipc_buffer_bytes=args.drafter_ipc_buffer_mb << 20,
+                       curve=curve, max_message_bytes=max_message), spec
+
+
 def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     from splitspec.generate import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
@@ -172,31 +202,7 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, ... (drift)
         metrics = EngineMetrics(registry, model_id)
-    if args.drafter_bind_addr and args.speculative_algorithm:
-        from splitspec.verifier_svc.drafter_pool import DrafterPool
-        from splitspec.verifier_svc.metrics import PoolMetrics
-
-        from splitspec.draft_models import capture_for, hidden_state_layers
-        from splitspec.protos.step_limits import verifier_receive_limit
-        from splitspec.runtime.tensor_plane import device_identity
-
-        spec = engine_args.spec_config(args)
-        layers = hidden_state_layers(args, runner.config)
-        capture_for(runner, layers)
-        # trees for every request that can run at once (each holds a KV page at least)
-        max_requests = args.max_running_requests or runner.kv_cache.num_pages
-        max_message = verifier_receive_limit(max_requests, spec.num_draft_tokens, engine_args.num_bets(args))
-        drafter = DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
-                              draft_model=(args.speculative_draft_model_path or "") if args.speculative_algorithm != "NGRAM" else "",
-                              timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
-                              hidden_state_layers=layers,
-                              metrics=PoolMetrics(registry, model_id) if registry is not None else None,
-                              overlap=engine_args.overlap_mode(args), num_bets=engine_args.num_bets(args),
-                              device=device_identity(runner.device), overlap_max_bs=args.speculative_overlap_max_bs,
-                              tensor_device=runner.device, ipc_buffer_bytes=args.drafter_ipc_buffer_mb << 20,
-                              curve=curve, max_message_bytes=max_message)
-    else:
-        drafter, spec = engine_args.in_process_drafter(args, target=runner)
+    drafter, spec = make_drafter(args, runner, registry, model_id, curve)
     if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters
         pool = drafter if args.drafter_bind_addr and args.speculative_algorithm else None
         start_metrics_server(registry, args.host, args.metrics_port,

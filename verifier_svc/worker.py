@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from splitspec.verifier_svc.engine import Engine, Request, StepEvent
+from splitspec.verifier_svc.engine import Engine
+from splitspec.verifier_svc.step_types import Request, StepEvent
 
 logger = logging.getLogger(__name__)
 

@@ -368,7 +368,7 @@ class HeadTrainer:
         from splitspec.runtime.runner import ModelRunner, RuntimeConfig
         from splitspec.runtime.sampling_params import SamplingParams
         from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
-        from splitspec.verifier_svc.engine import SpecConfig
+        from splitspec.verifier_svc.step_types import SpecConfig
 
         device, dtype = str(self.device), "bfloat16" if self.device.type == "cuda" else "float32"
         target = ModelRunner.load(RuntimeConfig(model_path=str(self.target_dir), dtype=dtype, device=device, max_total_tokens=65536))

@@ -1,0 +1,270 @@
+"""The gateway's requests against the verifier: admission (--max-queued-requests), submission of a request's
+n choices on the shared gRPC stream, and each delta absorbed into its choice (incremental detokenization, stop
+strings matched across token boundaries, logprobs, finish reasons), with the latency metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from splitspec import heap
+from splitspec.gateway.client import StreamBroken, VerifierClient
+from splitspec.gateway.metrics import GatewayMetrics
+from splitspec.gateway.protocol import APIError, Generation, invalid
+from splitspec.gateway.text import IncrementalDecoder, StopMatcher, TextCodec
+from splitspec.gateway.tokenizing import Tokenizing
+from splitspec.protos import verifier_pb2 as pb
+
+logger = logging.getLogger("splitspec.gateway")
+
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+GRPC_INVALID_ARGUMENT, GRPC_RESOURCE_EXHAUSTED = 3, 8
+
+
+@dataclass
+class GatewayConfig:
+    verifier: str = "127.0.0.1:30001"
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queued_requests: int = 1024
+    max_request_body_bytes: int = 8 << 20
+    tokenizer_threads: int = 2
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    decoder: IncrementalDecoder
+    stop: StopMatcher
+    queue: asyncio.Queue | None = None
+    tokens: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list = field(default_factory=list)  # (token_id, logprob, top [(id, lp)], text_offset)
+    speculation: pb.SpeculationCounts | None = None
+    cached_tokens: int = 0
+    error: APIError | None = None
+
+
+class LatencyClock:
+    """A request's latency metrics: time to first token, the gaps between token deliveries, end to end."""
+
+    def __init__(self, metrics: GatewayMetrics, arrival: float):
+        self.metrics, self.arrival = metrics, arrival
+        self.last: float | None = None
+
+    def delivered(self, delta) -> None:
+        if isinstance(delta, StreamBroken) or not delta.token_ids:
+            return
+        now = time.perf_counter()
+        model = self.metrics.model
+        if self.last is None:
+            self.metrics.ttft.labels(**model).observe(now - self.arrival)
+        else:
+            self.metrics.itl.labels(**model).observe(now - self.last)
+        self.last = now
+
+    def done(self) -> None:
+        self.metrics.e2e.labels(**self.metrics.model).observe(time.perf_counter() - self.arrival)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, codec: TextCodec | None = None):
+        self.config = config
+        self.codec = codec
+        self.client: VerifierClient | None = None
+        self.metrics: GatewayMetrics | None = None
+        self.tokenizing: Tokenizing | None = None
+        self.created = int(time.time())
+        self.model_name = config.served_model_name
+        self.ready = False
+        self.admitted = 0  # choices admitted and not yet finished (the --max-queued-requests budget)
+        self._connector: asyncio.Task | None = None
+
+    # lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.client = VerifierClient(self.config.verifier, on_grpc_error=self._grpc_error)
+        self._connector = asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        """Wait for the verifier's model info (it may start after the gateway), then serve."""
+        delay = 0.2
+        while True:
+            try:
+                info = await self.client.model_info()
+                break
+            except Exception as exc:  # noqa: BLE001 (grpc.aio raises several kinds while the verifier is down)
+                logger.info("waiting for the verifier at %s (%s)", self.config.verifier, type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        self.model_name = self.model_name or info.model_id
+        if self.codec is None:
+            self.codec = TextCodec(self.config.tokenizer_path or info.model_path)
+        if self.metrics is None:
+            self.metrics = GatewayMetrics(self.model_name)
+        self.tokenizing = Tokenizing(self.codec, self.config.tokenizer_threads,
+                                     self.metrics.tokenize_batch.labels(**self.metrics.model))
+        heap.freeze("gateway")
+        self.ready = True
+        logger.info("serving %s (context %d tokens, speculation %s) from the verifier at %s", self.model_name,
+                     info.max_context_tokens, info.speculative_algorithm or "off", self.config.verifier)
+
+    async def stop(self) -> None:
+        if self._connector is not None:
+            self._connector.cancel()
+        if self.client is not None:
+            await self.client.close()
+
+    def _grpc_error(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.grpc_errors.labels(code).inc()
+
+    # requests ----------------------------------------------------------------------------------------
+    def check_ready(self) -> None:
+        if not self.ready:
+            raise APIError(503, "the verifier is not ready yet", "service_unavailable", code="verifier_unavailable",
+                           headers={"Retry-After": "1"})
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist (this server serves '{self.model_name}')",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def admit(self, g: Generation) -> int:
+        """Reserve the request's choices in the queue budget (released by release())."""
+        self.check_ready()
+        self.check_model(g.model)
+        n = g.n * max(1, len(g.prompts))
+        if self.admitted + n > self.config.max_queued_requests:
+            raise APIError(429, f"the server is at its limit of {self.config.max_queued_requests} queued requests; "
+                           "retry shortly", "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
+        self.admitted += n
+        return n
+
+    def release(self, n: int) -> None:
+        self.admitted -= n
+
+    async def prepare(self, g: Generation) -> list[list[int]]:
+        """The request's prompts as token ids, each checked against the context."""
+        jobs = [g.messages] if g.messages is not None else g.prompts
+        prompts = await asyncio.gather(*(self.tokenizing.prompt_ids(job) for job in jobs))
+        context = self.client.info.max_context_tokens
+        for i, prompt in enumerate(prompts):
+            where = "messages" if g.messages is not None else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if not prompt:
+                raise invalid(where, "the prompt is empty after tokenization")
+            if len(prompt) >= context:
+                raise invalid(where, f"This model's maximum context length is {context} tokens; the prompt has "
+                              f"{len(prompt)} tokens", "context_length_exceeded")
+            if g.max_tokens is not None and len(prompt) + g.max_tokens > context:
+                raise invalid("max_tokens", f"This model's maximum context length is {context} tokens; the prompt has "
+                              f"{len(prompt)} tokens and max_tokens asks for {g.max_tokens} more", "context_length_exceeded")
+        return list(prompts)
+
+    def submit(self, g: Generation, prompts: list[list[int]]) -> list[Choice]:
+        """n choices per prompt, indexed prompt by prompt (OpenAI's order for a batch)."""
+        base = self.client.new_id(uuid.uuid4().hex[:12])
+        choices = []
+        context = self.client.info.max_context_tokens
+        for index in range(len(prompts) * g.n):
+            prompt, i = prompts[index // g.n], index % g.n
+            sampling = pb.SamplingParams(
+                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                max_new_tokens=g.max_tokens if g.max_tokens is not None else context - len(prompt),
+                ignore_eos=g.ignore_eos, frequency_penalty=g.frequency_penalty, presence_penalty=g.presence_penalty)
+            if g.seed is not None:
+                sampling.seed = (g.seed + i) % (2**63 - 1)  # each choice its own sample, reproducibly
+            if g.repetition_penalty != 1.0:
+                sampling.repetition_penalty = g.repetition_penalty
+            if g.logprobs:
+                sampling.top_logprobs = g.top_logprobs
+            choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec), StopMatcher(g.stop))
+            choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
+            choices.append(choice)
+        self.metrics.prompt_tokens.labels(**self.metrics.model).inc(sum(len(p) for p in prompts))
+        return choices
+
+    def absorb(self, choice: Choice, delta: pb.TokenDelta | StreamBroken) -> str:
+        """Apply one delta to a choice; returns the text that may be sent now."""
+        if isinstance(delta, StreamBroken):
+            choice.finish_reason = "error"
+            choice.error = APIError(503, f"the verifier became unavailable ({delta.code}: {delta.details})",
+                                    "service_unavailable", code="verifier_unavailable")
+            return ""
+        out = []
+        for j, token in enumerate(delta.token_ids):
+            if choice.stop.hit is not None:
+                break
+            offset = len(choice.text) + sum(len(p) for p in out)
+            choice.tokens += 1
+            if j < len(delta.logprobs):
+                lp = delta.logprobs[j]
+                choice.logprobs.append((token, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs)), offset))
+            out.append(choice.stop.feed(choice.decoder.step(token)))
+        if delta.HasField("speculation"):
+            choice.speculation = delta.speculation
+        choice.cached_tokens = max(choice.cached_tokens, delta.cached_prompt_tokens)
+        if choice.stop.hit is not None and choice.finish_reason is None:
+            choice.finish_reason = "stop"
+            self.client.abort(choice.request_id)
+            self.metrics.aborts.labels("stop_string").inc()
+        elif delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED and choice.finish_reason is None:
+            if delta.finish_reason == pb.FINISH_REASON_ERROR:
+                choice.finish_reason = "error"
+                status = 400 if delta.error_code in (GRPC_INVALID_ARGUMENT, GRPC_RESOURCE_EXHAUSTED) else 503
+                choice.error = APIError(status, f"the verifier refused the request: {delta.error}",
+                                        "invalid_request_error" if status == 400 else "service_unavailable")
+            else:
+                choice.finish_reason = FINISH.get(delta.finish_reason, "stop")
+                out.append(choice.stop.feed(choice.decoder.flush()))
+                out.append(choice.stop.finish())
+            self.client.done(choice.request_id)
+        piece = "".join(out)
+        choice.text += piece
+        return piece
+
+    def finished(self, choice: Choice) -> None:
+        self.metrics.completion_tokens.labels(**self.metrics.model).inc(choice.tokens)
+        self.metrics.finished.labels(finish_reason=choice.finish_reason or "abort", **self.metrics.model).inc()
+
+    def abort_unfinished(self, choices: list[Choice], cause: str) -> None:
+        for choice in choices:
+            if choice.finish_reason is None:
+                choice.finish_reason = "abort"
+                self.client.abort(choice.request_id)
+                self.metrics.aborts.labels(cause).inc()
+
+    # response pieces -----------------------------------------------------------------------------------
+    def speculative(self, choices: list[Choice], g: Generation) -> dict:
+        counts = [c.speculation for c in choices if c.speculation is not None]
+        steps = sum(c.verify_steps for c in counts)
+        accepted = sum(c.accepted_tokens for c in counts)
+        algorithm = self.client.info.speculative_algorithm or None
+        return {"algorithm": algorithm if g.speculative else None, "verify_steps": steps,
+                "draft_tokens": sum(c.draft_tokens for c in counts), "accepted_tokens": accepted,
+                "mean_accept_length": round(1 + accepted / steps, 4) if steps else None}
+
+    def usage(self, choices: list[Choice], prompts: list[list[int]]) -> dict:
+        completion = sum(c.tokens for c in choices)
+        prompt = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": max((c.cached_tokens for c in choices), default=0)}}
+
+    def chat_logprobs(self, entries: list) -> dict:
+        def item(token, lp):
+            raw = self.codec.token_bytes(token)
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": max(lp, -9999.0), "bytes": list(raw)}
+
+        return {"content": [{**item(t, lp), "top_logprobs": [item(i, v) for i, v in top]} for t, lp, top, _ in entries],
+                "refusal": None}
+
+    def completion_logprobs(self, entries: list, base_offset: int = 0) -> dict:
+        return {"tokens": [self.codec.token_text(t) for t, _, _, _ in entries],
+                "token_logprobs": [max(lp, -9999.0) for _, lp, _, _ in entries],
+                "top_logprobs": [{self.codec.token_text(i): max(v, -9999.0) for i, v in top} for _, _, top, _ in entries],
+                "text_offset": [base_offset + off for _, _, _, off in entries]}

@@ -1,0 +1,115 @@
+"""The answers of a completion request: assembled whole (chat.completion / text_completion) or streamed as
+server-sent events (chat.completion.chunk / text_completion chunks), from the choices' deltas (generations.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from splitspec.gateway.client import StreamBroken
+from splitspec.gateway.generations import Choice, Gateway, LatencyClock
+from splitspec.gateway.protocol import Generation
+from splitspec.protos import verifier_pb2 as pb
+
+
+async def collect(gateway: Gateway, choices: list[Choice], arrival: float) -> None:
+    """A whole (not streamed) request: every choice's deltas absorbed until each has finished."""
+    clock = LatencyClock(gateway.metrics, arrival)
+    for choice in choices:
+        while choice.finish_reason is None:
+            delta = await choice.queue.get()
+            clock.delivered(delta)
+            gateway.absorb(choice, delta)
+    clock.done()
+
+
+def whole_response(gateway: Gateway, g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool) -> dict:
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": gateway.model_name, "choices": [], "usage": gateway.usage(choices, prompts),
+            "speculative": gateway.speculative(choices, g)}
+    for c in choices:
+        finish = c.finish_reason if c.finish_reason in ("stop", "length") else "stop"
+        if chat:
+            body["choices"].append({"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                                    "finish_reason": finish,
+                                    "logprobs": gateway.chat_logprobs(c.logprobs) if g.logprobs else None})
+        else:
+            body["choices"].append({"index": c.index, "text": c.text, "finish_reason": finish,
+                                    "logprobs": gateway.completion_logprobs(c.logprobs) if g.logprobs else None})
+    return body
+
+
+async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool, arrival: float,
+                 admitted: int):
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice_body: dict | None, **extra) -> str:
+        body = {"id": rid, "object": kind, "created": created, "model": gateway.model_name,
+                "choices": [choice_body] if choice_body is not None else []}
+        if g.include_usage and chat:  # chat chunks carry usage null until the last (completions: absent)
+            body["usage"] = None
+        body.update(extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def piece_body(c: Choice, text: str, entries: list, finish: str | None) -> dict:
+        if chat:
+            return {"index": c.index, "delta": {"content": text} if text or finish is None else {},
+                    "finish_reason": finish, "logprobs": gateway.chat_logprobs(entries) if g.logprobs and entries else None}
+        return {"index": c.index, "text": text, "finish_reason": finish,
+                "logprobs": gateway.completion_logprobs(entries) if g.logprobs and entries else None}
+
+    queue: asyncio.Queue = asyncio.Queue()  # (choice, delta) from every choice, in arrival order
+
+    async def pump(c: Choice):
+        while True:
+            delta = await c.queue.get()
+            await queue.put((c, delta))
+            if isinstance(delta, StreamBroken) or delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                return
+
+    pumps = [asyncio.get_running_loop().create_task(pump(c)) for c in choices]
+    clock, sent_done = LatencyClock(gateway.metrics, arrival), False
+    try:
+        if chat:
+            for c in choices:
+                yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                             "logprobs": None})
+        open_choices = len(choices)
+        while open_choices:
+            c, delta = await queue.get()
+            if c.finish_reason is not None:  # stopped by a stop string; later deltas are dropped
+                continue
+            before = len(c.logprobs)
+            text = gateway.absorb(c, delta)
+            clock.delivered(delta)
+            if c.error is not None:
+                open_choices -= 1
+                gateway.finished(c)
+                gateway.abort_unfinished(choices, "error")
+                yield f"data: {json.dumps(c.error.body())}\n\n"
+                break
+            entries = c.logprobs[before:]
+            finish = c.finish_reason if c.finish_reason in ("stop", "length") else None
+            if text or entries:
+                yield chunk(piece_body(c, text, entries, None))
+            if c.finish_reason is not None:
+                open_choices -= 1
+                gateway.finished(c)
+                yield chunk(piece_body(c, "", [], finish or "stop"), speculative=gateway.speculative([c], g))
+        else:
+            clock.done()
+            if g.include_usage:
+                body = {"id": rid, "object": kind, "created": created, "model": gateway.model_name, "choices": [],
+                        "usage": gateway.usage(choices, prompts)}
+                yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+        sent_done = True
+    finally:
+        for task in pumps:
+            task.cancel()
+        if not sent_done:
+            gateway.abort_unfinished(choices, "disconnect")
+        gateway.release(admitted)
+        gateway.metrics.in_flight.labels(**gateway.metrics.model).dec()

@@ -1,0 +1,136 @@
+"""Verification: a step's trees against the target's logits. Trees of different sizes padded to one captured
+graph's shape, every row's target token from one sampling kernel over the batch, the walk that accepts
+(by the target's own tokens, or SGLang's coin rule for sampled requests), the KV moves that compact an
+accepted path, and the logprobs of emitted tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitspec import kernels
+from splitspec.runtime.penalties import apply_penalties, path_tokens
+from splitspec.runtime.runner import ModelRunner
+from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_logits, sample
+from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.runtime.tree import DraftTree, child_links, depths
+from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens
+from splitspec.verifier_svc.step_types import Chunk, Request, SpecConfig, TokenLogprob
+
+_ARGMAX = SamplingParams(temperature=0.0)  # a row sample() argmaxes (its token unused, or a greedy request's)
+
+
+@dataclass
+class Verify:
+    request: Request
+    tree: DraftTree
+    seq_len: int  # committed KV length before the step
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams) -> list[TokenLogprob] | None:
+    """logits [k, V]: row j predicts tokens[j]. None when the request did not ask for logprobs."""
+    if params.logprobs is None:
+        return None
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)].tolist()
+    if not params.logprobs:
+        return [TokenLogprob(lp) for lp in chosen]
+    values, ids = logprobs.topk(min(params.logprobs, logprobs.shape[-1]), dim=-1)
+    return [TokenLogprob(lp, tuple(zip(row_ids, row_values)))
+            for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]
+
+
+def pad_size(runner: ModelRunner, verifies: list[Verify]) -> int:
+    """The node count every tree of a decode-only batch is padded to, 0 for none: trees of different sizes
+    (NGRAM's fill what its trie knows; a request without a tree this step verifies its root alone) run as
+    one replay of the captured verification graph of the smallest size that holds them, not eagerly.
+    Filler nodes are children of the root in slots the request's pages already hold (its reservation
+    covers its tree budget); only where every request's pages hold the padded tree."""
+    if not verifies:
+        return 0
+    sizes = [v.tree.num_nodes for v in verifies]
+    largest = max(sizes)
+    if largest == 1 or (min(sizes) == largest and largest in runner.tree_pad_sizes + (
+            tuple(runner.graphs.tree_sizes) if runner.graphs is not None else ())):
+        return 0  # plain decode, or already graph-shaped
+    q = runner.padded_tree_size(len(verifies), largest)
+    page = runner.kv_cache.page_size
+    if q is None or any(len(v.request.table.pages) * page < v.seq_len + q for v in verifies):
+        return 0
+    return q
+
+
+def by_target(spec: SpecConfig, params: SamplingParams) -> bool:
+    """Verified by the target's own token at each node of its unmodified logits: its argmax, or its keyed
+    sample (lossless); not with penalties (each node's logits differ) or coins."""
+    return not params.has_penalties and (params.is_greedy or spec.force_greedy_verify or spec.lossless)
+
+
+def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[int], prefills: list[Chunk],
+                verifies: list[Verify]) -> list[int] | None:
+    """The target's token at every logits row, on the host, when some request decides by it: each row
+    sampled with its request's parameters at its output position (a tree node: the request's output
+    length plus the node's depth), exactly as the request's own rows would be, in one `sample` over the
+    batch and one transfer. Rows of requests that do not decide by it are argmaxed and never read."""
+    if logits is None:
+        return None
+    params, output_positions, used = [_ARGMAX] * logits.shape[0], [0] * logits.shape[0], False
+    for i, chunk in enumerate(prefills):
+        if chunk.samples and not chunk.request.params.has_penalties:
+            params[cu_logits[i]], used = chunk.request.params, True  # a fresh prompt's first token: position 0
+    for i, v in enumerate(verifies, start=len(prefills)):
+        request = v.request
+        if not by_target(spec, request.params):
+            continue
+        used = True
+        if request.params.is_greedy or spec.force_greedy_verify:
+            continue  # argmax rows already
+        base = len(request.output_ids)
+        for row, depth in zip(range(cu_logits[i], cu_logits[i + 1]), depths(v.tree.parents)):
+            params[row], output_positions[row] = request.params, base + depth
+    return sample(logits, params, output_positions).tolist() if used else None
+
+
+def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor, targets: list[int] | None = None) -> Acceptance:
+    """targets: the target's token at each of node_logits' rows, already on the host (target_rows)."""
+    request, tree = v.request, v.tree
+    next_token, next_sibling = child_links(tree.parents)
+    if targets is not None and by_target(spec, request.params):
+        return accept_target_tokens(list(tree.tokens), next_token, next_sibling, targets)
+    node_depths = depths(tree.parents)
+    output_positions = [len(request.output_ids) + d for d in node_depths]
+    params = request.params
+    if params.has_penalties:  # each node with the drafts on its own path counted (lossless, see penalties)
+        node_logits = apply_penalties(node_logits, params, request.prompt_ids, request.output_ids,
+                                      path_tokens(list(tree.parents), list(tree.tokens)))
+    if params.is_greedy or spec.force_greedy_verify or spec.lossless:
+        greedy = params.is_greedy or spec.force_greedy_verify
+        target = node_logits.argmax(-1) if greedy else sample(node_logits, [params] * tree.num_nodes, output_positions)
+        return accept_target_tokens(list(tree.tokens), next_token, next_sibling, target.tolist())
+    probs = process_logits(node_logits, torch.full((tree.num_nodes,), params.temperature, device=node_logits.device),
+                           torch.full((tree.num_nodes,), params.top_k, device=node_logits.device),
+                           torch.full((tree.num_nodes,), params.top_p, device=node_logits.device)).softmax(-1)
+    coins = keyed_uniform(params.seed, output_positions)  # one walk uses one node, so one coin, per depth
+    final_coins = keyed_uniform(params.seed, output_positions, salt=FINAL_COIN_SALT)
+    # the walk and the bonus draw in one kernel on a GPU (the host reference: acceptance.accept_with_coins)
+    device = node_logits.device
+    links = torch.tensor([list(tree.tokens), next_token, next_sibling], dtype=torch.long, device=device)
+    coin_rows = torch.tensor([coins, final_coins], dtype=torch.float32, device=device)
+    index, length, bonus = kernels.accept_tree_coins(
+        links[0:1], links[1:2], links[2:3], probs[None], coin_rows[0:1], coin_rows[1:2],
+        spec.accept_threshold_single, spec.accept_threshold_acc, max(node_depths))
+    walk = torch.cat([index[0], length, bonus]).tolist()  # one transfer
+    path = walk[: walk[-2] + 1]
+    return Acceptance(path, [tree.tokens[i] for i in path[1:]] + [walk[-1]])
+
+
+def kv_moves(page_size: int, v: Verify, acceptance: Acceptance, src: list[int], dst: list[int]) -> None:
+    """The flat slot moves that compact the accepted path's KV to the front of the tree's slots (path
+    nodes increase, so moving them down in order never overwrites a later source)."""
+    pages, size = v.request.table.pages, page_size
+    for j, node in enumerate(acceptance.path):
+        if node != j:
+            a, b = v.seq_len + node, v.seq_len + j
+            src.append(pages[a // size] * size + a % size)
+            dst.append(pages[b // size] * size + b % size)
