@@ -26,7 +26,8 @@ tokens, the one with the largest expected throughput
 
 Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as
 load crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the
-budget does not flap. A budget never tried is predicted optimistically (its acceptance from the larger
+budget does not flap, except away from a tree predicted no faster than plain decoding (drafting that gains
+nothing is not kept by the hysteresis: it costs the drafter's work, which the forward's time does not show). A budget never tried is predicted optimistically (its acceptance from the larger
 budgets, its drafting cost from the nearest batch seen), tried, measured and kept or left. While speculation is
 off the acceptance cannot be measured, so every --speculative-adaptive-probe-interval steps one step
 speculates with the best budget, when full acceptance could make speculation win at that load at all. While it
@@ -330,8 +331,11 @@ class AdaptiveSpeculation:
             return self.budget
         self.predicted = predicted
         best = max(self.ladder, key=lambda n: (predicted[n], -n))  # ties: the smaller tree
-        choice = self.budget if self.budget in predicted and predicted[self.budget] >= (
-            1 - self.config.hysteresis) * predicted[best] else best
+        # the hysteresis keeps the current budget against a slightly better one, but a tree predicted no faster
+        # than plain decoding is not kept by it (drafting that gains nothing still costs the drafter's work)
+        keep = self.budget in predicted and predicted[self.budget] >= (1 - self.config.hysteresis) * predicted[best] \
+            and (self.budget == 1 or predicted[self.budget] > predicted[1])
+        choice = self.budget if keep else best
         if choice == 1:
             self._off_steps += 1
             if self._off_steps >= self.config.probe_interval:  # refresh the acceptance if it could matter
