@@ -84,7 +84,7 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
     try:
         body = await read_body(gateway.config, request)
         gateway.check_ready()
-        g = parse_chat(body) if chat else parse_completion(body, gateway.client.info.vocab_size)
+        g = parse_chat(body, gateway.client.info.vocab_size) if chat else parse_completion(body, gateway.client.info.vocab_size)
         admitted = gateway.admit(g)
         prompts = await gateway.prepare(g)
     except APIError as exc:

@@ -183,6 +183,7 @@ class Gateway:
                 sampling.repetition_penalty = g.repetition_penalty
             if g.logprobs:
                 sampling.top_logprobs = g.top_logprobs
+            sampling.logit_bias.update(g.logit_bias)
             choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec), StopMatcher(g.stop))
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)

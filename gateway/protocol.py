@@ -28,6 +28,7 @@ MAX_BATCH_CHOICES = 128  # completions: prompts x n in one request
 MAX_MESSAGES = 8192
 MAX_TOKENS = 2**31 - 1
 MAX_NAME_CHARS = 256  # model, message names, user
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's limit is lower)
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -72,6 +73,7 @@ class Generation:
     ignore_eos: bool = False
     speculative: bool = True
     user: str | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
 # --- the models ------------------------------------------------------------------------------------
@@ -126,6 +128,11 @@ Stop = Annotated[Union[StopText, Annotated[list[StopText], Field(max_length=MAX_
                  _one_of(f"a string or a list of at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_CHARS} "
                          "characters")]
 TokenIds = Annotated[list[_int(0, MAX_TOKENS)], Field(min_length=1)]
+TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$", max_length=10)]  # a token id as a JSON key
+LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
+                      Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={  # every key a token id, not only those that look
+                          "propertyNames": {"pattern": r"^(0|[1-9][0-9]{0,9})$", "maxLength": 10},  # like one
+                          "additionalProperties": False})]
 
 
 class _Strict(BaseModel):
@@ -191,13 +198,17 @@ class _Request(_Strict):
     ignore_eos: bool | None = None
     speculative: bool | None = Field(default=None, description="false: no drafts for this request")
     user: Name | None = None
-    # OpenAI parameters not served: only their neutral values
-    logit_bias: Annotated[dict[str, int], Field(max_length=0)] | None = None
+    logit_bias: LogitBias | None = Field(default=None, description="token id -> bias in [-100, 100], added to its logit")
 
     @model_validator(mode="after")
-    def _stream_options(self):
+    def _stream_options(self, info: ValidationInfo):
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        vocab = (info.context or {}).get("vocab_size")
+        bad = next((k for k in self.logit_bias or {} if vocab is not None and int(k) >= vocab), None)
+        if bad is not None:
+            raise PydanticCustomError("logit_bias", "'logit_bias' token id {bad} is outside the vocabulary [0, {vocab})",
+                                      {"bad": bad, "vocab": vocab})
         return self
 
     def generation(self) -> Generation:
@@ -217,6 +228,7 @@ class _Request(_Strict):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         g.stop = [s for s in stops if s]
         g.user = self.user
+        g.logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items() if v}
         return g
 
 
@@ -311,7 +323,7 @@ class CompletionRequest(_Request):
         return g
 
 
-NOT_SERVED = {"logit_bias", "tools", "functions", "function_call", "tool_choice", "parallel_tool_calls",
+NOT_SERVED = {"tools", "functions", "function_call", "tool_choice", "parallel_tool_calls",
               "response_format", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "store",
               "metadata", "service_tier", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix"}
 
@@ -332,7 +344,7 @@ def _api_error(exc: ValidationError) -> APIError:
     e = exc.errors(include_url=False)[0]
     kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
     param = _param(loc)
-    if kind in ("stream_options", "top_logprobs", "prompt"):  # a check across fields, already phrased
+    if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias"):  # a check across fields, already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")
@@ -355,9 +367,9 @@ def _api_error(exc: ValidationError) -> APIError:
     return invalid(param, f"'{param}': {msg}", "invalid_type" if typed else "invalid_value")
 
 
-def parse_chat(body) -> Generation:
+def parse_chat(body, vocab_size: int | None = None) -> Generation:
     try:
-        return ChatCompletionRequest.model_validate(body).generation()
+        return ChatCompletionRequest.model_validate(body, context={"vocab_size": vocab_size}).generation()
     except ValidationError as exc:
         raise _api_error(exc) from None
 

@@ -294,6 +294,32 @@ def test_hostile_bodies_get_openai_errors_never_5xx(stack, validate):
     assert ok.status_code == 200  # OpenAI parameters at their neutral values are accepted
 
 
+def test_logit_bias_through_the_openai_client(stack):
+    """OpenAI's logit_bias reaches the verifier's target logits: +100 on a token id makes a greedy completion that
+    token repeated (the text the tokenizer makes of it), streamed or whole, chat or completions, while the request
+    speculates; a token id outside the vocabulary is a 400 naming logit_bias."""
+    import openai
+    from transformers import AutoTokenizer
+
+    c = client(stack)
+    tokenizer = AutoTokenizer.from_pretrained(stack["dirs"]["target"])
+    token = tokenizer.encode(" x", add_special_tokens=False)[-1]
+    expected = tokenizer.decode([token] * 12)
+    whole = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=12, temperature=0,
+                                 logit_bias={str(token): 100})
+    assert whole.choices[0].text == expected
+    assert whole.model_extra["speculative"]["draft_tokens"] > 0  # the stack's EAGLE head drafted; the bias verified them
+    streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+        model=MODEL, prompt="def f(x):\n", max_tokens=12, temperature=0, logit_bias={str(token): 100}, stream=True))
+    assert streamed == expected
+    chat = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=12, temperature=0,
+                                     logit_bias={str(token): 100})
+    assert chat.choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=4, logit_bias={"99999999": 5})
+    assert refused.value.body["param"] == "logit_bias"
+
+
 def test_sixty_four_concurrent_streams_equal_their_twins(stack):
     url = stack["url"] + "/v1/completions"
     prompts = [f"def task_{i}(x):\n    return x" for i in range(64)]

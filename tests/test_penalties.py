@@ -116,6 +116,37 @@ def test_greedy_penalties_equal_reference_and_speculation_is_lossless(demo, pena
         assert sum(s.stats.accepted_tokens for s in spec) > 0 and all(s.stats.fallbacks == 0 for s in spec)
 
 
+def test_logit_bias_forces_and_forbids_tokens_and_speculation_is_lossless(demo):
+    """OpenAI's logit_bias on the target's logits: +100 on a token makes greedy decoding emit it at every
+    position; -100 on every token greedy decoding chose makes it choose others; with NGRAM drafts (which know
+    nothing of the bias) the outputs equal plain decoding's with the same bias, greedy and seeded."""
+    runner, prompts, _ = demo
+    greedy = dict(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    forced = run(runner, prompts[:2], [SamplingParams(**greedy, logit_bias=((42, 100.0),))] * 2)
+    assert all(r.output_ids == [42] * NEW_TOKENS for r in forced)
+    unbiased = run(runner, prompts, [SamplingParams(**greedy)] * len(prompts))
+    banned = tuple(sorted({(t, -100.0) for r in unbiased[:2] for t in r.output_ids}))
+    accepted = 0
+    for bias in (banned, ((13, 4.0), (198, -2.5), (11, 3.0))):
+        for params in ([SamplingParams(**greedy, logit_bias=bias)] * len(prompts),
+                       [SamplingParams(temperature=0.8, top_p=0.95, seed=3 + i, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                       logit_bias=bias) for i in range(len(prompts))]):
+            plain = run(runner, prompts, params)
+            if bias is banned and params[0].is_greedy:
+                forbidden = {t for t, _ in banned}
+                assert all(not forbidden & set(r.output_ids) for r in plain[:2])
+            for drafter in (ngram("BFS"), ngram("PROB")):
+                spec = run(runner, prompts, params, drafter, SpecConfig(num_draft_tokens=8))
+                assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+                assert all(s.stats.fallbacks == 0 for s in spec) and sum(s.stats.draft_tokens for s in spec) > 0
+                accepted += sum(s.stats.accepted_tokens for s in spec)
+    assert accepted > 0  # drafts were accepted under the bias, not only proposed
+    assert any(p.output_ids != u.output_ids for p, u in zip(run(runner, prompts, [SamplingParams(
+        **greedy, logit_bias=((13, 4.0), (198, -2.5), (11, 3.0)))] * len(prompts)), unbiased))  # the bias mattered
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((5, 101.0),))
+
+
 def test_seeded_sampling_with_penalties_is_identical_under_speculation(demo):
     runner, prompts, _ = demo
     params = [SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_new_tokens=NEW_TOKENS, ignore_eos=True,

@@ -53,6 +53,9 @@ class Limits:
             params = convert.sampling_params(submit.sampling)
         except ValueError as exc:
             return None, f"INVALID_ARGUMENT: {exc}"
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            return None, f"INVALID_ARGUMENT: logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
         if params.max_new_tokens < 1:
             return None, "INVALID_ARGUMENT: max_new_tokens must be at least 1"
         total = len(submit.prompt_ids) + params.max_new_tokens

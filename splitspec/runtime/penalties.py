@@ -10,7 +10,7 @@ tokens accepted earlier in a row count).
 
 Order (vLLM `apply_penalties`): the repetition penalty first, on tokens seen in the prompt or the output
 (positive logits divided by it, others multiplied), then `logits -= frequency * count + presence * (count > 0)`
-with counts over the output only.
+with counts over the output only; then OpenAI's logit_bias is added (a bias is the same at every node).
 """
 
 from __future__ import annotations
@@ -54,4 +54,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         logits -= params.frequency_penalty * counts
     if params.presence_penalty:
         logits -= params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:  # OpenAI's logit_bias, after the penalties (ids past this vocabulary are the verifier's to refuse)
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
+        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
     return logits

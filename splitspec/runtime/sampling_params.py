@@ -30,6 +30,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs; k >= 0: the chosen token's logprob and the k most likely tokens' (at most 20).
     logprobs: int | None = None
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logits after the penalties
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -47,12 +49,18 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= 10:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+        """The target's logits are changed before sampling (penalties, logit_bias): each node's own."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
