@@ -184,6 +184,7 @@ class Gateway:
             if g.logprobs:
                 sampling.top_logprobs = g.top_logprobs
             sampling.logit_bias.update(g.logit_bias)
+            sampling.stop_token_ids.extend(g.stop_token_ids)
             choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec), StopMatcher(g.stop))
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)

@@ -29,6 +29,7 @@ MAX_MESSAGES = 8192
 MAX_TOKENS = 2**31 - 1
 MAX_NAME_CHARS = 256  # model, message names, user
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's limit is lower)
+MAX_STOP_TOKEN_IDS = 64  # vLLM's and SGLang's stop_token_ids
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -74,6 +75,7 @@ class Generation:
     speculative: bool = True
     user: str | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 # --- the models ------------------------------------------------------------------------------------
@@ -199,6 +201,8 @@ class _Request(_Strict):
     speculative: bool | None = Field(default=None, description="false: no drafts for this request")
     user: Name | None = None
     logit_bias: LogitBias | None = Field(default=None, description="token id -> bias in [-100, 100], added to its logit")
+    stop_token_ids: Annotated[list[_int(0, MAX_TOKENS)], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        default=None, description="vLLM's and SGLang's: token ids that end the request (in the output unless special)")
 
     @model_validator(mode="after")
     def _stream_options(self, info: ValidationInfo):
@@ -209,6 +213,10 @@ class _Request(_Strict):
         if bad is not None:
             raise PydanticCustomError("logit_bias", "'logit_bias' token id {bad} is outside the vocabulary [0, {vocab})",
                                       {"bad": bad, "vocab": vocab})
+        bad = next((t for t in self.stop_token_ids or [] if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise PydanticCustomError("stop_token_ids", "'stop_token_ids' token id {bad} is outside the vocabulary "
+                                      "[0, {vocab})", {"bad": bad, "vocab": vocab})
         return self
 
     def generation(self) -> Generation:
@@ -229,6 +237,7 @@ class _Request(_Strict):
         g.stop = [s for s in stops if s]
         g.user = self.user
         g.logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items() if v}
+        g.stop_token_ids = list(self.stop_token_ids or [])
         return g
 
 
@@ -344,7 +353,7 @@ def _api_error(exc: ValidationError) -> APIError:
     e = exc.errors(include_url=False)[0]
     kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
     param = _param(loc)
-    if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias"):  # a check across fields, already phrased
+    if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids"):  # a check across fields, already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")
@@ -408,6 +417,8 @@ def request_schemas(model_name: str | None = None, vocab_size: int | None = None
             schemas[name]["properties"]["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
     if vocab_size is not None:
         _bound_token_ids(schemas["CompletionRequest"]["properties"]["prompt"], vocab_size - 1)
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            _bound_token_ids(schemas[name]["properties"]["stop_token_ids"], vocab_size - 1)
     return schemas
 
 

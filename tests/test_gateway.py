@@ -294,7 +294,7 @@ def test_hostile_bodies_get_openai_errors_never_5xx(stack, validate):
     assert ok.status_code == 200  # OpenAI parameters at their neutral values are accepted
 
 
-def test_logit_bias_through_the_openai_client(stack):
+def test_logit_bias_and_stop_token_ids_through_the_openai_client(stack):
     """OpenAI's logit_bias reaches the verifier's target logits: +100 on a token id makes a greedy completion that
     token repeated (the text the tokenizer makes of it), streamed or whole, chat or completions, while the request
     speculates; a token id outside the vocabulary is a 400 naming logit_bias."""
@@ -318,6 +318,19 @@ def test_logit_bias_through_the_openai_client(stack):
     with pytest.raises(openai.BadRequestError) as refused:
         c.completions.create(model=MODEL, prompt="x", max_tokens=4, logit_bias={"99999999": 5})
     assert refused.value.body["param"] == "logit_bias"
+    # vLLM's and SGLang's stop_token_ids (extra_body, as their clients send it): the forced token ends the request
+    # at once, in the output (not a special token) with finish reason stop; an id never produced lets it run out
+    stopped = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=12, temperature=0,
+                                   logit_bias={str(token): 100}, extra_body={"stop_token_ids": [token]})
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == (
+        tokenizer.decode([token]), "stop", 1)
+    other = (token + 1) % 4096
+    ran = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=6, temperature=0,
+                                    logit_bias={str(token): 100}, extra_body={"stop_token_ids": [other]})
+    assert ran.choices[0].finish_reason == "length" and ran.usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"stop_token_ids": [10**9]})
+    assert refused.value.body["param"] == "stop_token_ids"
 
 
 def test_sixty_four_concurrent_streams_equal_their_twins(stack):
