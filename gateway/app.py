@@ -27,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitspec.gateway.body import BodyError, parse_body
-from splitspec.gateway.protocol import APIError, invalid, parse_chat, parse_completion, request_schemas
+from splitspec.gateway.protocol import (APIError, invalid, parse_chat, parse_completion, parse_detokenize,
+                                        parse_tokenize, request_schemas, template_messages)
 from splitspec.gateway.generations import Gateway, GatewayConfig
 from splitspec.gateway.responses import collect, stream, whole_response
 from splitspec.gateway.text import TextCodec
@@ -215,6 +216,35 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
             return error_response(gateway, exc, "/v1/models/{model}")
         gateway.metrics.http.labels("/v1/models/{model}", "200").inc()
         return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await read_body(config, request)
+            gateway.check_ready()
+            asked = parse_tokenize(body)
+            if asked.model is not None:
+                gateway.check_model(asked.model)
+            job = template_messages(asked.messages) if asked.messages else asked.prompt
+            ids = await gateway.tokenizing.encode(job, asked.add_special_tokens)
+        except APIError as exc:
+            return error_response(gateway, exc, "/tokenize")
+        gateway.metrics.http.labels("/tokenize", "200").inc()
+        return {"count": len(ids), "max_model_len": gateway.client.info.max_context_tokens, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        try:
+            body = await read_body(config, request)
+            gateway.check_ready()
+            asked = parse_detokenize(body, gateway.client.info.vocab_size)
+            if asked.model is not None:
+                gateway.check_model(asked.model)
+            text = await gateway.tokenizing.decode(asked.tokens)
+        except APIError as exc:
+            return error_response(gateway, exc, "/detokenize")
+        gateway.metrics.http.labels("/detokenize", "200").inc()
+        return {"prompt": text}
 
     @app.get("/health")
     async def health():

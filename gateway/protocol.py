@@ -30,6 +30,8 @@ MAX_TOKENS = 2**31 - 1
 MAX_NAME_CHARS = 256  # model, message names, user
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's limit is lower)
 MAX_STOP_TOKEN_IDS = 64  # vLLM's and SGLang's stop_token_ids
+MAX_TOKENIZE_CHARS = 4 << 20  # /tokenize's prompt (the body limit bounds it too)
+MAX_DETOKENIZE_IDS = 1 << 20
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -276,13 +278,7 @@ class ChatCompletionRequest(_Request):
 
     def generation(self) -> Generation:
         g = super().generation()
-        g.messages = []
-        for m in self.messages:
-            content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-            message = {"role": m.role, "content": content}
-            if m.name is not None:
-                message["name"] = m.name
-            g.messages.append(message)
+        g.messages = template_messages(self.messages)
         g.max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         g.logprobs = bool(self.logprobs)
         g.top_logprobs = self.top_logprobs or 0
@@ -337,6 +333,63 @@ NOT_SERVED = {"tools", "functions", "function_call", "tool_choice", "parallel_to
               "metadata", "service_tier", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix"}
 
 
+def template_messages(messages) -> list[dict]:
+    """Chat messages as the chat template gets them: role, the text (parts joined), the name when given."""
+    out = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        message = {"role": m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's and SGLang's): a prompt's or a chat's token ids, as a completion would see them."""
+
+    model: Name | None = None
+    prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
+    messages: Annotated[list[AnyMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool | None = Field(default=None, description="default: true for a prompt, false for messages")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("tokenize", "give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: token ids back to text."""
+
+    model: Name | None = None
+    tokens: Annotated[list[_int(0, MAX_TOKENS)], Field(max_length=MAX_DETOKENIZE_IDS)]
+
+    @model_validator(mode="after")
+    def _in_vocabulary(self, info: ValidationInfo):
+        vocab = (info.context or {}).get("vocab_size")
+        bad = next((t for t in self.tokens if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise PydanticCustomError("tokens", "token id {bad} is outside the vocabulary [0, {vocab})",
+                                      {"bad": bad, "vocab": vocab})
+        return self
+
+
+def parse_tokenize(body) -> TokenizeRequest:
+    try:
+        return TokenizeRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+
+
+def parse_detokenize(body, vocab_size: int) -> DetokenizeRequest:
+    try:
+        return DetokenizeRequest.model_validate(body, context={"vocab_size": vocab_size})
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 def _param(loc: tuple) -> str | None:
@@ -353,7 +406,7 @@ def _api_error(exc: ValidationError) -> APIError:
     e = exc.errors(include_url=False)[0]
     kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
     param = _param(loc)
-    if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids"):  # a check across fields, already phrased
+    if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens"):  # a check across fields, already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")

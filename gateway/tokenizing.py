@@ -23,6 +23,30 @@ class Tokenizing:
         self.busy = False
         self.scheduled = False
 
+    async def encode(self, job: list[dict] | str, add_special_tokens: bool | None = None) -> list[int]:
+        """/tokenize: one prompt (special tokens added by default) or chat (rendered; none added by default),
+        alone in the worker thread."""
+        def work() -> list[int]:
+            try:
+                text = job if isinstance(job, str) else self.codec.render_chat(job)
+            except TemplateError as exc:
+                return invalid("messages", str(exc))
+            special = isinstance(job, str) if add_special_tokens is None else add_special_tokens
+            try:
+                return self.codec.encode_batch([text], add_special_tokens=special)[0]
+            except Exception as exc:  # noqa: BLE001
+                return invalid("prompt" if isinstance(job, str) else "messages", f"the text cannot be tokenized: {exc}")
+
+        result = await asyncio.get_running_loop().run_in_executor(self.executor, work)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def decode(self, ids: list[int]) -> str:
+        """/detokenize, in the worker thread (special tokens kept, as transformers' decode does)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, lambda: self.codec.decode(ids, skip_special_tokens=False))
+
     async def prompt_ids(self, job: list[dict] | str | list[int]) -> list[int]:
         """job: chat messages, a completion text, or token ids (returned as they are)."""
         if isinstance(job, list) and (not job or isinstance(job[0], int)):

@@ -333,6 +333,35 @@ def test_logit_bias_and_stop_token_ids_through_the_openai_client(stack):
     assert refused.value.body["param"] == "stop_token_ids"
 
 
+def test_tokenize_and_detokenize_as_vllm_and_sglang_serve_them(stack, validate):
+    """POST /tokenize: a prompt's ids as the tokenizer makes them (special tokens added unless asked not to), a
+    chat's as its completion counts them (the template rendered); POST /detokenize gives the text back; bad
+    bodies get OpenAI's error object."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(stack["dirs"]["target"])
+    base = stack["url"]
+    text = "def fibonacci(n):\n    return n"
+    r = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["tokens"] == tokenizer.encode(text) and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] > 0
+    bare = httpx.post(base + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    chat = httpx.post(base + "/tokenize", json={"messages": CHATS[0]}, timeout=60).json()
+    completion = client(stack).chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2, temperature=0)
+    assert chat["count"] == completion.usage.prompt_tokens
+    back = httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": bare["tokens"]}, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    for path, body in (("/tokenize", {"prompt": "x", "messages": CHATS[0]}), ("/tokenize", {}),
+                       ("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [1, 10**9]}),
+                       ("/detokenize", {"tokens": "x"}), ("/tokenize", {"model": "nope", "prompt": "x"})):
+        r = httpx.post(base + path, json=body, timeout=60)
+        assert r.status_code in (400, 404), (path, body, r.status_code, r.text)
+        validate(r.json(), "ErrorResponse")
+
+
 def test_sixty_four_concurrent_streams_equal_their_twins(stack):
     url = stack["url"] + "/v1/completions"
     prompts = [f"def task_{i}(x):\n    return x" for i in range(64)]
