@@ -154,6 +154,37 @@ def openapi_document(app: FastAPI, gateway: Gateway) -> dict:
     return document
 
 
+async def tokenize(gateway: Gateway, request: Request):
+    """POST /tokenize: a prompt's or a chat's token ids, as vLLM and SGLang answer it."""
+    try:
+        body = await read_body(gateway.config, request)
+        gateway.check_ready()
+        asked = parse_tokenize(body)
+        if asked.model is not None:
+            gateway.check_model(asked.model)
+        job = template_messages(asked.messages) if asked.messages else asked.prompt
+        ids = await gateway.tokenizing.encode(job, asked.add_special_tokens)
+    except APIError as exc:
+        return error_response(gateway, exc, "/tokenize")
+    gateway.metrics.http.labels("/tokenize", "200").inc()
+    return {"count": len(ids), "max_model_len": gateway.client.info.max_context_tokens, "tokens": ids}
+
+
+async def detokenize(gateway: Gateway, request: Request):
+    """POST /detokenize: token ids back to text."""
+    try:
+        body = await read_body(gateway.config, request)
+        gateway.check_ready()
+        asked = parse_detokenize(body, gateway.client.info.vocab_size)
+        if asked.model is not None:
+            gateway.check_model(asked.model)
+        text = await gateway.tokenizing.decode(asked.tokens)
+    except APIError as exc:
+        return error_response(gateway, exc, "/detokenize")
+    gateway.metrics.http.labels("/detokenize", "200").inc()
+    return {"prompt": text}
+
+
 def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI:
     gateway = Gateway(config, codec)
 
@@ -218,33 +249,12 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         return model_card()
 
     @app.post("/tokenize")
-    async def tokenize(request: Request):
-        try:
-            body = await read_body(config, request)
-            gateway.check_ready()
-            asked = parse_tokenize(body)
-            if asked.model is not None:
-                gateway.check_model(asked.model)
-            job = template_messages(asked.messages) if asked.messages else asked.prompt
-            ids = await gateway.tokenizing.encode(job, asked.add_special_tokens)
-        except APIError as exc:
-            return error_response(gateway, exc, "/tokenize")
-        gateway.metrics.http.labels("/tokenize", "200").inc()
-        return {"count": len(ids), "max_model_len": gateway.client.info.max_context_tokens, "tokens": ids}
+    async def tokenize_route(request: Request):
+        return await tokenize(gateway, request)
 
     @app.post("/detokenize")
-    async def detokenize(request: Request):
-        try:
-            body = await read_body(config, request)
-            gateway.check_ready()
-            asked = parse_detokenize(body, gateway.client.info.vocab_size)
-            if asked.model is not None:
-                gateway.check_model(asked.model)
-            text = await gateway.tokenizing.decode(asked.tokens)
-        except APIError as exc:
-            return error_response(gateway, exc, "/detokenize")
-        gateway.metrics.http.labels("/detokenize", "200").inc()
-        return {"prompt": text}
+    async def detokenize_route(request: Request):
+        return await detokenize(gateway, request)
 
     @app.get("/health")
     async def health():

@@ -25,15 +25,7 @@ class OverlapBets:
             return 0
         step = self._pending.get(step_id)
         deadline = (step.sent_at if step is not None else time.monotonic()) + (0 if drafter.unresponsive else self.timeout)
-        waited = False
-        while request_id in self._bet_waits.get(step_id, (None, {}, ()))[1]:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._cond.wait(remaining)
-            waited = True
-        if waited:
-            self._time_wake()
+        self._wait_while(lambda: request_id in self._bet_waits.get(step_id, (None, {}, ()))[1], deadline)
         self._bet_step.pop(request_id, None)
         bets = self._bets.pop(request_id, None)
         if bets is None:  # late (or its drafter died): draft afresh; bets that come later are dropped

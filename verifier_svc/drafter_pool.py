@@ -277,15 +277,7 @@ class DrafterPool(DrafterMembership, OverlapBets, DraftReplies, DrafterClient):
 
             sent = [step.sent_at for step in map(awaited, request_ids) if step is not None]
             deadline = max(sent, default=time.monotonic()) + self.timeout
-            waited = False
-            while any(awaited(r) is not None for r in request_ids):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-                waited = True
-            if waited:
-                self._time_wake()
+            self._wait_while(lambda: any(awaited(r) is not None for r in request_ids), deadline)
             trees = {}
             for request_id in request_ids:
                 if request_id in self._results:

@@ -93,6 +93,19 @@ class DraftReplies:
             extra[key] = extra.get(key, 0.0) + (end - begin) / 1e9
         self._filed_ns = now
 
+    def _wait_while(self, pending, deadline: float) -> None:
+        """Under the lock: wait for filings while pending() holds, until the monotonic deadline; a wait's wake-up
+        is timed (_time_wake)."""
+        waited = False
+        while pending():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            self._cond.wait(remaining)
+            waited = True
+        if waited:
+            self._time_wake()
+
     def _time_wake(self) -> None:
         """After waiting for a filing: how long the engine thread took to wake after the I/O thread filed."""
         if self._filed_ns:
