@@ -64,6 +64,10 @@ class Drafter(ABC):
         """The verifier verifies bet `index` of the request's last draft_bets() as its next tree (its
         outcome came true and is about to arrive through extend()); the next draft_bets() bets on it."""
 
+    def idle(self) -> None:
+        """Deferred bookkeeping, called when nobody waits for this drafter (in the verifier's process: while
+        the target's forward runs on the device; in a drafter process: after a reply is sent). Default: none."""
+
 
 class HiddenStateDrafter(Drafter):
     """A drafter fed the target's states (EAGLE heads, MTP layers): a request opens with its first token;

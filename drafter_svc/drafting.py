@@ -105,6 +105,10 @@ class Drafting:
         betting = [a for a in current if a.num_bets and a.request_id in self.requests]
         if any(a.num_bets for a in message.draft.asks if a.request_id not in superseded):
             self._bets(step_id, betting)
+        try:
+            self.drafter.idle()  # replied (and bet): what it deferred runs while the verifier verifies
+        except Exception:  # noqa: BLE001 (its cache may lag; drafts are verified, outputs cannot change)
+            logger.exception("the drafter's idle work failed after step %d", step_id)
 
     def _draft_trees(self, asks, budgets: list[int], unknown: list[str]) -> list:
         try:

@@ -174,6 +174,41 @@ def test_policy_measures_again_what_it_judged_while_warming_up():
         assert (chosen[-200:].count(6) >= 190) == settles, (stale_steps, chosen[-200:])
 
 
+def test_a_tree_measured_slower_than_plain_is_left_though_its_phases_look_cheap(monkeypatch):
+    """One drafted step in three pays a long stall (a drafter's collection, a cache's eviction): each phase's median
+    is the cheap steps', so the sum of the parts predicts speculation at 3x plain decoding, while what it truly
+    makes is below plain. What the whole cycles measured (tokens over seconds at that load) wins over the parts:
+    the policy settles on plain decoding. Without that, it would have kept drafting."""
+
+    class StallingGpu(ModelGpu):
+        def __init__(self):
+            super().__init__(q=0.8)
+            self.drafted = 0
+
+        def step(self, budget, batch):
+            shape = super().step(budget, batch)
+            if budget > 1:
+                self.drafted += 1
+                if self.drafted % 3 == 0:
+                    shape.base_seconds += 0.1
+            return shape
+
+        def true_throughput(self, budget, batch):
+            return self.throughput(budget, batch) if budget == 1 else batch * self.expected(budget) / (
+                self.verify(batch * budget) + self.draft(budget, batch) + 0.001 + 0.1 / 3)
+
+    gpu = StallingGpu()
+    assert all(gpu.true_throughput(n, 1) < gpu.true_throughput(1, 1) for n in range(2, 7))
+    chosen = run_policy(chain_policy(), gpu, 1, 600)
+    tail = chosen[-200:]
+    assert tail.count(1) >= 170, tail  # a probe now and then, and the steps that measure what it found
+    assert sum(gpu.true_throughput(b, 1) for b in tail) / len(tail) >= 0.95 * gpu.true_throughput(1, 1)
+
+    monkeypatch.setattr(AdaptiveSpeculation, "_correct", lambda self, predicted, speculating, plain: None)
+    chosen = run_policy(chain_policy(), StallingGpu(), 1, 600)
+    assert chosen[-200:].count(1) < 100, chosen[-200:]  # the sum of the parts alone keeps drafting
+
+
 # the engine ----------------------------------------------------------------------------------------------
 PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "import os\nimport sys\n\n",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n", "class Config:\n    def __init__(self, path):\n",

@@ -101,6 +101,30 @@ class _Recent:
         return self._median
 
 
+class _Cycle:
+    """The mean whole-cycle seconds of the last few decode steps at one budget and load. A mean, not a median:
+    a stall that hits two steps in five (a collection, an eviction, a drafter's hiccup) is part of what the
+    budget costs, and a median of each phase would hide it. Dropped when stale, as _Recent."""
+
+    __slots__ = ("seconds", "last")
+    WINDOW = 32
+
+    def __init__(self):
+        self.seconds: list[float] = []
+        self.last = 0
+
+    def add(self, seconds: float, step: int, stale: int) -> None:
+        if stale and step - self.last > stale:
+            self.seconds.clear()
+        self.last = step
+        self.seconds.append(seconds)
+        del self.seconds[: -self.WINDOW]
+
+    @property
+    def value(self) -> float:
+        return sum(self.seconds) / len(self.seconds)
+
+
 @dataclass
 class StepShape:
     """What a finished step did, for the policy."""
@@ -144,6 +168,7 @@ class AdaptiveSpeculation:
         self._verify: dict[int, tuple[_Recent, _Recent]] = {}  # token bucket -> (mean tokens, mean seconds)
         self._spec: dict[tuple[int, int], _Recent] = {}  # (budget, batch bucket) -> seconds outside the forward
         self._base: dict[tuple[bool, int], _Recent] = {}  # (drafted?, batch bucket) -> seconds
+        self._cycles: dict[tuple[int, int], _Cycle] = {}  # (budget, batch quarter-octave) -> whole decode cycles
         self._off_steps = 0  # consecutive steps at budget 1
         self._steps = 0  # steps observed
         self._used: dict[int, int] = {}  # budget -> the step it was last chosen at
@@ -181,12 +206,14 @@ class AdaptiveSpeculation:
             tokens.add(step.forward_tokens, now, stale)
             seconds.add(step.verify_seconds, now, stale)
         batch = step.speculating + step.plain
-        if batch:
+        decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
+        if batch and decode_only:  # a step with prompt chunks has their host work too (first tokens, drafter opens)
             drafted = step.budget > 1 and step.speculating > 0
             self._base.setdefault((drafted, _batch_bucket(batch)), _Recent()).add(step.base_seconds, now, stale)
             if step.speculating:
                 self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Recent()).add(
                     step.spec_seconds, now, stale)
+            self._cycle(step, batch, now)
         if step.accepts:
             for d in range(1, len(self._trials)):
                 self._trials[d] *= cfg.decay
@@ -200,8 +227,18 @@ class AdaptiveSpeculation:
                         break
                     self._trials[d] += 1
                     self._hits[d] += accepted >= d
-            self._tier_count[step.budget] = self._tier_count.get(step.budget, 0.0) + len(step.accepts)
-            self._tier_tokens[step.budget] = self._tier_tokens.get(step.budget, 0.0) + sum(1 + a for _, a in step.accepts)
+            # per speculating request: one that got no tree this step (NGRAM found no match) made one token
+            self._tier_count[step.budget] = self._tier_count.get(step.budget, 0.0) + max(step.speculating,
+                                                                                          len(step.accepts))
+            self._tier_tokens[step.budget] = self._tier_tokens.get(step.budget, 0.0) + sum(
+                1 + a for _, a in step.accepts) + max(step.speculating - len(step.accepts), 0)
+
+    def _cycle(self, step: StepShape, batch: int, now: int) -> None:
+        """A decode step's whole cycle at its budget and load. Plain decoding's never goes stale (it does not
+        depend on the traffic); a budget's does, as its timings do."""
+        drafted = step.budget > 1 and step.speculating > 0
+        self._cycles.setdefault((step.budget if drafted else 1, _bucket(batch)), _Cycle()).add(
+            step.verify_seconds + step.spec_seconds + step.base_seconds, now, self.config.stale_steps if drafted else 0)
 
     # prediction ----------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -292,6 +329,7 @@ class AdaptiveSpeculation:
         value = self._nearest_memo.get(memo_key)
         if value is None:
             keys = [k for k in table if k[0] == first and table[k].last >= horizon]
+            keys = [k for k in keys if table[k].count >= self.config.min_timings] or keys  # one odd step is not a load's
             value = table[min(keys, key=lambda k: abs(k[1] - batch_bucket))].value if keys else 0.0
             self._nearest_memo[memo_key] = value
         return value
@@ -313,6 +351,34 @@ class AdaptiveSpeculation:
         tokens = speculating * self.expected_tokens(budget, optimistic) + plain
         return tokens / seconds if seconds > 0 else None
 
+    def _correct(self, predicted: dict[int, float], speculating: int, plain: int) -> None:
+        """Where a budget's whole decode cycle was timed at this load (min_timings steps, fresh), its mean
+        checks the model's sum of the phases' medians (a stall in some steps, a base cost shared by every tree
+        size, host work under the forward: the parts can be off either way), conservatively: a tree is
+        predicted at the lower of the two, plain decoding at the higher; trees not timed at this load are
+        scaled down by how far the sum overrated those that were. The tokens per step stay the acceptance's
+        estimate (it follows the traffic and probes). So drafting is kept only where the phases and the
+        cycles as they ran both say it pays: the policy's promise is never to be slower than plain decoding."""
+        batch = speculating + plain
+        bucket, horizon, ratios = _bucket(batch), self._horizon(), []
+        for n in self.ladder:
+            cycle = self._cycles.get((n, bucket))
+            if cycle is None or len(cycle.seconds) < self.config.min_timings or (n > 1 and cycle.last < horizon):
+                continue
+            if n == 1:
+                predicted[1] = max(predicted[1], batch / cycle.value)
+                continue
+            measured = (speculating * self.expected_tokens(n) + plain) / cycle.value
+            if predicted[n]:
+                ratios.append(measured / predicted[n])
+            predicted[n] = min(predicted[n], measured)
+        scale = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
+        if scale < 1.0:
+            for n in self.ladder[1:]:
+                cycle = self._cycles.get((n, bucket))
+                if cycle is None or len(cycle.seconds) < self.config.min_timings or cycle.last < horizon:
+                    predicted[n] *= scale
+
     # choosing ------------------------------------------------------------------------------------
     def choose(self, speculating: int, plain: int = 0, prefill_tokens: int = 0) -> int:
         """The budget of the next trees of `speculating` requests (1: no drafts this step)."""
@@ -329,6 +395,8 @@ class AdaptiveSpeculation:
         predicted = {n: self.throughput(n, speculating, plain, prefill_tokens) for n in self.ladder}
         if any(v is None for v in predicted.values()):  # nothing timed yet: speculate fully and measure
             return self.budget
+        if not prefill_tokens:
+            self._correct(predicted, speculating, plain)
         self.predicted = predicted
         best = max(self.ladder, key=lambda n: (predicted[n], -n))  # ties: the smaller tree
         # the hysteresis keeps the current budget against a slightly better one, but a tree predicted no faster

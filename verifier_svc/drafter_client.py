@@ -74,6 +74,10 @@ class DrafterClient(ABC):
     def close(self) -> None:
         """Stop background work (the pool's I/O thread)."""
 
+    def idle(self) -> None:
+        """Nobody waits for the drafter now (the target's forward runs): its deferred bookkeeping, where it
+        runs in this process (Drafter.idle). Default: nothing here."""
+
 
 class InProcessDrafterClient(DrafterClient):
     """Calls a drafter object in this process: request() hands it the new tokens, collect() drafts."""
@@ -133,6 +137,12 @@ class InProcessDrafterClient(DrafterClient):
         except Exception:
             logger.exception("drafter %s failed on %s; it decodes a plain token this step", self.drafter.name, request_id)
             return DRAFT_FAULT
+
+    def idle(self) -> None:
+        try:
+            self.drafter.idle()
+        except Exception:  # its trie or cache may lag; drafts stay verified, so outputs cannot change
+            logger.exception("drafter %s failed in its idle work", self.drafter.name)
 
     def release(self, request_id: str) -> None:
         self._asked.pop(request_id, None)

@@ -395,11 +395,14 @@ class Engine:
         forward_start = self._clock()
         batch = self.runner.batch(sequences)
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
-        hidden_work = 0.0
-        if self.while_forward is not None:  # the forward is queued on the device: the caller's host work runs under it
-            began = time.perf_counter()
+        # the forward is queued on the device: the drafter's deferred bookkeeping and the caller's host work run
+        # under it (on a CPU device the forward has run already: they cost what they cost, after it)
+        began = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.idle()
+        if self.while_forward is not None:
             self.while_forward()
-            hidden_work = time.perf_counter() - began
+        hidden_work = time.perf_counter() - began
         features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         if self._sync_verify and not self.sync_timing:
             torch.cuda.synchronize(self.runner.device)
