@@ -151,6 +151,7 @@ class AdaptiveConfig:
     min_samples: float = 8.0  # decayed verifies at a budget before its own accept length is trusted
     optimism: float = 0.25  # the acceptance bonus of a depth with no trials (over trials + 1 with them)
     stale_steps: int = 256  # while speculating, timings older than this are not trusted (see the module's doc)
+    repredict_every: int = 8  # steps a settled choice's predictions serve the same batch (a choice costs ~0.1 ms)
 
 
 class AdaptiveSpeculation:
@@ -182,6 +183,8 @@ class AdaptiveSpeculation:
         self._curve_at: tuple[int, int] | None = None
         self._nearest_memo: dict[tuple, float] = {}
         self._nearest_at = -1
+        self._predicted_for: tuple | None = None  # the (speculating, plain, prefill, step) self.predicted is for
+        self._last_choice = 0
         path = os.environ.get(TRACE_ENV)
         self._trace = open(path, "a", buffering=1) if path else None  # noqa: SIM115 (line-buffered: a killed server keeps its lines)
 
@@ -392,12 +395,22 @@ class AdaptiveSpeculation:
     def _choose(self, speculating: int, plain: int, prefill_tokens: int) -> int:
         if speculating == 0:
             return self.budget
-        predicted = {n: self.throughput(n, speculating, plain, prefill_tokens) for n in self.ladder}
-        if any(v is None for v in predicted.values()):  # nothing timed yet: speculate fully and measure
-            return self.budget
-        if not prefill_tokens:
-            self._correct(predicted, speculating, plain)
-        self.predicted = predicted
+        key = (speculating, plain, prefill_tokens)
+        cached = self._predicted_for
+        if cached is not None and cached[:3] == key and self._steps - cached[3] < self.config.repredict_every \
+                and self._last_choice == self.budget:  # settled, same batch, lately predicted: as then
+            predicted = self.predicted
+        else:
+            predicted = {n: self.throughput(n, speculating, plain, prefill_tokens) for n in self.ladder}
+            if any(v is None for v in predicted.values()):  # nothing timed yet: speculate fully and measure
+                return self.budget
+            if not prefill_tokens:
+                self._correct(predicted, speculating, plain)
+            self.predicted, self._predicted_for = predicted, (*key, self._steps)
+        self._last_choice = self._decide(predicted, speculating, plain, prefill_tokens)
+        return self._last_choice
+
+    def _decide(self, predicted: dict[int, float], speculating: int, plain: int, prefill_tokens: int) -> int:
         best = max(self.ladder, key=lambda n: (predicted[n], -n))  # ties: the smaller tree
         # the hysteresis keeps the current budget against a slightly better one, but a tree predicted no faster
         # than plain decoding is not kept by it (drafting that gains nothing still costs the drafter's work)
