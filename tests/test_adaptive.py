@@ -150,8 +150,9 @@ def test_policy_does_not_flap():
 
 
 def test_policy_measures_again_what_it_judged_while_warming_up():
-    """The best budget's first steps ran slow (warm-up: allocations, first kernels): with timings that grow
-    stale while speculating, it is measured again and chosen; judged by those first steps forever, it would not."""
+    """The best budget's first steps ran slow (warm-up: allocations, first kernels): it is measured again and
+    chosen (its phase timings grow stale while speculating, and the neighbouring budgets' cycles, timed at this
+    load, bound what the slow first steps suggested), with or without the staleness."""
 
     class WarmingGpu(ModelGpu):
         def __init__(self, q):
@@ -166,12 +167,12 @@ def test_policy_measures_again_what_it_judged_while_warming_up():
                 shape.spec_seconds *= 2.5
             return shape
 
-    for stale_steps, settles in ((256, True), (10**9, False)):
+    for stale_steps in (256, 10**9):
         gpu = WarmingGpu(0.8)
         assert max(range(1, 7), key=lambda b: gpu.throughput(b, 1)) == 6
         policy = chain_policy(stale_steps=stale_steps)
         chosen = run_policy(policy, gpu, 1, 600)
-        assert (chosen[-200:].count(6) >= 190) == settles, (stale_steps, chosen[-200:])
+        assert chosen[-200:].count(6) >= 190, (stale_steps, chosen[-200:])
 
 
 def test_a_tree_measured_slower_than_plain_is_left_though_its_phases_look_cheap(monkeypatch):

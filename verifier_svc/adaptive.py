@@ -337,6 +337,17 @@ class AdaptiveSpeculation:
             self._nearest_memo[memo_key] = value
         return value
 
+    def _spec_seconds(self, budget: int, batch_bucket: int) -> float:
+        """What speculation adds outside the forward at this budget and load: as timed at the nearest load, or,
+        for a budget not timed lately at any load, the nearest budget's at this load (a drafter's time is
+        mostly per step, not per node: free drafting would be too optimistic a guess)."""
+        seconds = self._nearest(self._spec, batch_bucket, budget, fresh=True)
+        if seconds or budget <= 1:
+            return seconds
+        horizon = self._horizon()
+        others = [k for k in self._spec if k[0] > 1 and k[1] == batch_bucket and self._spec[k].last >= horizon]
+        return self._spec[min(others, key=lambda k: abs(k[0] - budget))].value if others else 0.0
+
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
                    optimistic: bool = False) -> float | None:
         """Predicted tokens per second of a step at this budget; None before any forward was timed."""
@@ -350,9 +361,15 @@ class AdaptiveSpeculation:
             base = self._nearest(self._base, bucket, False)
         seconds = verify + base
         if speculating:
-            seconds += self._nearest(self._spec, _batch_bucket(speculating), budget, fresh=True)
+            seconds += self._spec_seconds(budget, _batch_bucket(speculating))
         tokens = speculating * self.expected_tokens(budget, optimistic) + plain
         return tokens / seconds if seconds > 0 else None
+
+    def _timed(self, budget: int, batch: int) -> bool:
+        """Whether min_timings whole decode cycles were timed at this budget and load, lately."""
+        cycle = self._cycles.get((budget, _bucket(batch)))
+        return cycle is not None and len(cycle.seconds) >= self.config.min_timings and (
+            budget == 1 or cycle.last >= self._horizon())
 
     def _correct(self, predicted: dict[int, float], speculating: int, plain: int) -> None:
         """Where a budget's whole decode cycle was timed at this load (min_timings steps, fresh), its mean
@@ -363,11 +380,11 @@ class AdaptiveSpeculation:
         estimate (it follows the traffic and probes). So drafting is kept only where the phases and the
         cycles as they ran both say it pays: the policy's promise is never to be slower than plain decoding."""
         batch = speculating + plain
-        bucket, horizon, ratios = _bucket(batch), self._horizon(), []
+        bucket, ratios = _bucket(batch), []
         for n in self.ladder:
-            cycle = self._cycles.get((n, bucket))
-            if cycle is None or len(cycle.seconds) < self.config.min_timings or (n > 1 and cycle.last < horizon):
+            if not self._timed(n, batch):
                 continue
+            cycle = self._cycles[(n, bucket)]
             if n == 1:
                 predicted[1] = max(predicted[1], batch / cycle.value)
                 continue
@@ -378,8 +395,7 @@ class AdaptiveSpeculation:
         scale = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
         if scale < 1.0:
             for n in self.ladder[1:]:
-                cycle = self._cycles.get((n, bucket))
-                if cycle is None or len(cycle.seconds) < self.config.min_timings or cycle.last < horizon:
+                if not self._timed(n, batch):
                     predicted[n] *= scale
 
     # choosing ------------------------------------------------------------------------------------
@@ -398,7 +414,8 @@ class AdaptiveSpeculation:
         key = (speculating, plain, prefill_tokens)
         cached = self._predicted_for
         if cached is not None and cached[:3] == key and self._steps - cached[3] < self.config.repredict_every \
-                and self._last_choice == self.budget:  # settled, same batch, lately predicted: as then
+                and self._last_choice == self.budget and self._timed(self.budget, speculating + plain):
+            # settled on a budget whose cycles were timed at this batch, lately predicted: as then
             predicted = self.predicted
         else:
             predicted = {n: self.throughput(n, speculating, plain, prefill_tokens) for n in self.ladder}
