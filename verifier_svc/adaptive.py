@@ -171,6 +171,7 @@ class AdaptiveSpeculation:
         self._base: dict[tuple[bool, int], _Recent] = {}  # (drafted?, batch bucket) -> seconds
         self._cycles: dict[tuple[int, int], _Cycle] = {}  # (budget, batch quarter-octave) -> whole decode cycles
         self._off_steps = 0  # consecutive steps at budget 1
+        self._previous_budget = 0  # the last observed step's budget (0: none yet)
         self._steps = 0  # steps observed
         self._used: dict[int, int] = {}  # budget -> the step it was last chosen at
         self.switches = 0
@@ -210,7 +211,11 @@ class AdaptiveSpeculation:
             seconds.add(step.verify_seconds, now, stale)
         batch = step.speculating + step.plain
         decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
-        if batch and decode_only:  # a step with prompt chunks has their host work too (first tokens, drafter opens)
+        # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's
+        # catch-up, first use of a shape); kept out of the costs, or a one-step probe now and then would price
+        # every tree; nor a step with prompt chunks: their host work (first tokens, drafter opens) is theirs
+        steady, self._previous_budget = step.budget == self._previous_budget or self._previous_budget == 0, step.budget
+        if batch and decode_only and steady:
             drafted = step.budget > 1 and step.speculating > 0
             self._base.setdefault((drafted, _batch_bucket(batch)), _Recent()).add(step.base_seconds, now, stale)
             if step.speculating:
@@ -332,8 +337,12 @@ class AdaptiveSpeculation:
         value = self._nearest_memo.get(memo_key)
         if value is None:
             keys = [k for k in table if k[0] == first and table[k].last >= horizon]
-            keys = [k for k in keys if table[k].count >= self.config.min_timings] or keys  # one odd step is not a load's
-            value = table[min(keys, key=lambda k: abs(k[1] - batch_bucket))].value if keys else 0.0
+            enough = [k for k in keys if len(table[k].values) >= self.config.min_timings]
+            if enough:
+                value = table[min(enough, key=lambda k: abs(k[1] - batch_bucket))].value
+            else:  # no load timed enough lately: the median of what there is (one odd step is not a load's)
+                pooled = sorted(x for k in keys for x in table[k].values)
+                value = pooled[len(pooled) // 2] if pooled else 0.0
             self._nearest_memo[memo_key] = value
         return value
 
