@@ -24,6 +24,12 @@ tokens, the one with the largest expected throughput
                engine's bookkeeping and its caller's handling of the new tokens), measured apart for steps that
                speculate (s) and steps that do not: it grows with the tokens a step emits
 
+The sum of those parts is checked against whole decode cycles as they ran (their mean per budget and load, timed
+at min_timings steps or more): a tree is predicted at the lower of the two, plain decoding at the higher, so a
+stall in some steps or a cost the phases misattribute cannot keep a tree that is measured slower than plain
+decoding (see _correct). Steps with prompt chunks, and a step at another budget than the one before (a probe, a
+try, a switch), stay out of the costs.
+
 Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as
 load crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the
 budget does not flap, except away from a tree predicted no faster than plain decoding (drafting that gains
