@@ -27,8 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from splitspec.gateway.body import BodyError, parse_body
-from splitspec.gateway.protocol import (APIError, invalid, parse_chat, parse_completion, parse_detokenize,
-                                        parse_tokenize, request_schemas, template_messages)
+from splitspec.gateway.protocol import (APIError, invalid, parse_chat, parse_completion, request_schemas,
+                                        template_messages)
+from splitspec.gateway.tokenize_models import parse_detokenize, parse_tokenize
 from splitspec.gateway.generations import Gateway, GatewayConfig
 from splitspec.gateway.responses import collect, stream, whole_response
 from splitspec.gateway.text import TextCodec

@@ -164,6 +164,10 @@ class Gateway:
             if g.max_tokens is not None and len(prompt) + g.max_tokens > context:
                 raise invalid("max_tokens", f"This model's maximum context length is {context} tokens; the prompt has "
                               f"{len(prompt)} tokens and max_tokens asks for {g.max_tokens} more", "context_length_exceeded")
+            most = g.max_tokens if g.max_tokens is not None else context - len(prompt)
+            if g.min_tokens > most:
+                raise invalid("min_tokens", f"'min_tokens' ({g.min_tokens}) must not exceed the {most} tokens this "
+                              "request may generate")
         return list(prompts)
 
     def submit(self, g: Generation, prompts: list[list[int]]) -> list[Choice]:
@@ -173,9 +177,9 @@ class Gateway:
         context = self.client.info.max_context_tokens
         for index in range(len(prompts) * g.n):
             prompt, i = prompts[index // g.n], index % g.n
+            most = g.max_tokens if g.max_tokens is not None else context - len(prompt)
             sampling = pb.SamplingParams(
-                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                max_new_tokens=g.max_tokens if g.max_tokens is not None else context - len(prompt),
+                temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=most,
                 ignore_eos=g.ignore_eos, frequency_penalty=g.frequency_penalty, presence_penalty=g.presence_penalty)
             if g.seed is not None:
                 sampling.seed = (g.seed + i) % (2**63 - 1)  # each choice its own sample, reproducibly
@@ -185,7 +189,9 @@ class Gateway:
                 sampling.top_logprobs = g.top_logprobs
             sampling.logit_bias.update(g.logit_bias)
             sampling.stop_token_ids.extend(g.stop_token_ids)
-            choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec), StopMatcher(g.stop))
+            sampling.min_p, sampling.min_tokens = g.min_p, g.min_tokens
+            choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec, g.skip_special_tokens),
+                            StopMatcher(g.stop))
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)
         self.metrics.prompt_tokens.labels(**self.metrics.model).inc(sum(len(p) for p in prompts))

@@ -13,7 +13,7 @@ Extensions, as in vLLM and SGLang: `top_k`, `repetition_penalty`, `ignore_eos`, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, model_validator
 from pydantic.json_schema import models_json_schema
@@ -30,8 +30,6 @@ MAX_TOKENS = 2**31 - 1
 MAX_NAME_CHARS = 256  # model, message names, user
 MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI's limit is lower)
 MAX_STOP_TOKEN_IDS = 64  # vLLM's and SGLang's stop_token_ids
-MAX_TOKENIZE_CHARS = 4 << 20  # /tokenize's prompt (the body limit bounds it too)
-MAX_DETOKENIZE_IDS = 1 << 20
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -78,6 +76,9 @@ class Generation:
     user: str | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     stop_token_ids: list[int] = field(default_factory=list)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
 
 
 # --- the models ------------------------------------------------------------------------------------
@@ -187,6 +188,8 @@ AnyMessage = Annotated[Union[Message, AssistantMessage], Field(discriminator="ro
 class _Request(_Strict):
     """What chat and text completions share."""
 
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None  # None: what the context leaves
+
     model: Annotated[NonEmpty, Field(max_length=MAX_NAME_CHARS)]
     temperature: _number(0.0, 2.0) | None = None
     top_p: _number(0.0, 1.0, positive=True) | None = None
@@ -205,6 +208,15 @@ class _Request(_Strict):
     logit_bias: LogitBias | None = Field(default=None, description="token id -> bias in [-100, 100], added to its logit")
     stop_token_ids: Annotated[list[_int(0, MAX_TOKENS)], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         default=None, description="vLLM's and SGLang's: token ids that end the request (in the output unless special)")
+    min_p: _number(0.0, 1.0) | None = Field(
+        default=None, description="vLLM's and SGLang's: tokens less likely than min_p x the most likely are removed")
+    min_tokens: _int(0, MAX_TOKENS) | None = Field(
+        default=None, description="vLLM's and SGLang's: tokens before EOS or stop_token_ids may end the request")
+    skip_special_tokens: bool | None = Field(default=None, description="vLLM's and SGLang's: special tokens left out "
+                                             "of the text (default true)")
+    spaces_between_special_tokens: bool | None = Field(
+        default=None, description="vLLM's: accepted; this server's fast tokenizers decode special tokens adjacent either "
+        "way, as vLLM's fast detokenizer does")
 
     @model_validator(mode="after")
     def _stream_options(self, info: ValidationInfo):
@@ -215,6 +227,11 @@ class _Request(_Strict):
         if bad is not None:
             raise PydanticCustomError("logit_bias", "'logit_bias' token id {bad} is outside the vocabulary [0, {vocab})",
                                       {"bad": bad, "vocab": vocab})
+        max_tokens = getattr(self, "max_completion_tokens", None) or getattr(self, "max_tokens", None) \
+            or self.DEFAULT_MAX_TOKENS
+        if self.min_tokens and max_tokens is not None and self.min_tokens > max_tokens:
+            raise PydanticCustomError("min_tokens", "'min_tokens' ({min}) must not exceed the maximum tokens ({max})",
+                                      {"min": self.min_tokens, "max": max_tokens})
         bad = next((t for t in self.stop_token_ids or [] if vocab is not None and t >= vocab), None)
         if bad is not None:
             raise PydanticCustomError("stop_token_ids", "'stop_token_ids' token id {bad} is outside the vocabulary "
@@ -240,6 +257,9 @@ class _Request(_Strict):
         g.user = self.user
         g.logit_bias = {int(k): v for k, v in (self.logit_bias or {}).items() if v}
         g.stop_token_ids = list(self.stop_token_ids or [])
+        g.min_p = self.min_p or 0.0
+        g.min_tokens = self.min_tokens or 0
+        g.skip_special_tokens = self.skip_special_tokens is not False
         return g
 
 
@@ -294,6 +314,7 @@ Prompt = Annotated[
 class CompletionRequest(_Request):
     """POST /v1/completions."""
 
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's default for completions
     prompt: Prompt
     max_tokens: _int(1, MAX_TOKENS) | None = Field(default=None, description="default 16, as OpenAI's")
     logprobs: _int(0, 5) | None = None
@@ -323,7 +344,7 @@ class CompletionRequest(_Request):
     def generation(self) -> Generation:
         g = super().generation()
         g.prompts = [p if isinstance(p, str) else list(p) for p in self.batch()]
-        g.max_tokens = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+        g.max_tokens = self.DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         g.logprobs, g.top_logprobs = self.logprobs is not None, self.logprobs or 0
         return g
 
@@ -345,51 +366,6 @@ def template_messages(messages) -> list[dict]:
     return out
 
 
-class TokenizeRequest(_Strict):
-    """POST /tokenize (vLLM's and SGLang's): a prompt's or a chat's token ids, as a completion would see them."""
-
-    model: Name | None = None
-    prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
-    messages: Annotated[list[AnyMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    add_special_tokens: bool | None = Field(default=None, description="default: true for a prompt, false for messages")
-
-    @model_validator(mode="after")
-    def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise PydanticCustomError("tokenize", "give exactly one of 'prompt' and 'messages'")
-        return self
-
-
-class DetokenizeRequest(_Strict):
-    """POST /detokenize: token ids back to text."""
-
-    model: Name | None = None
-    tokens: Annotated[list[_int(0, MAX_TOKENS)], Field(max_length=MAX_DETOKENIZE_IDS)]
-
-    @model_validator(mode="after")
-    def _in_vocabulary(self, info: ValidationInfo):
-        vocab = (info.context or {}).get("vocab_size")
-        bad = next((t for t in self.tokens if vocab is not None and t >= vocab), None)
-        if bad is not None:
-            raise PydanticCustomError("tokens", "token id {bad} is outside the vocabulary [0, {vocab})",
-                                      {"bad": bad, "vocab": vocab})
-        return self
-
-
-def parse_tokenize(body) -> TokenizeRequest:
-    try:
-        return TokenizeRequest.model_validate(body)
-    except ValidationError as exc:
-        raise _api_error(exc) from None
-
-
-def parse_detokenize(body, vocab_size: int) -> DetokenizeRequest:
-    try:
-        return DetokenizeRequest.model_validate(body, context={"vocab_size": vocab_size})
-    except ValidationError as exc:
-        raise _api_error(exc) from None
-
-
 # --- errors ----------------------------------------------------------------------------------------
 
 def _param(loc: tuple) -> str | None:
@@ -406,7 +382,8 @@ def _api_error(exc: ValidationError) -> APIError:
     e = exc.errors(include_url=False)[0]
     kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
     param = _param(loc)
-    if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens"):  # a check across fields, already phrased
+    if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens",
+                "min_tokens"):  # a check across fields, already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")

@@ -103,9 +103,10 @@ class TextCodec:
 
 
 class IncrementalDecoder:
-    def __init__(self, codec: TextCodec):
+    def __init__(self, codec: TextCodec, skip_special_tokens: bool = True):
         self.codec = codec
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.skip_special_tokens = skip_special_tokens
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.pending: list[int] = []
 
     def step(self, token_id: int) -> str:
@@ -118,7 +119,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """Text of tokens that never completed a character (U+FFFD stands for the broken bytes)."""
-        text = self.codec.decode(self.pending) if self.pending else ""
+        text = self.codec.decode(self.pending, self.skip_special_tokens) if self.pending else ""
         self.pending = []
         return text
 

@@ -37,6 +37,7 @@ ALLOWED_REFUSALS = {
     ("prompt", "context_length_exceeded"), ("stream_options", "invalid_value"), ("top_logprobs", "invalid_value"),
     ("prompt", "invalid_value"),  # prompts x n over the batch limit
     ("logit_bias", "invalid_value"),  # a logit_bias token id past the vocabulary (the schema bounds the keys as ids only)
+    ("min_tokens", "invalid_value"),  # min_tokens above the tokens the request may generate (a check across fields)
 }
 ALLOWED_REFUSAL_PREFIXES = ("prompt[",)  # prompt[i] context_length_exceeded in a batch
 

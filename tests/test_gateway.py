@@ -333,6 +333,42 @@ def test_logit_bias_and_stop_token_ids_through_the_openai_client(stack):
     assert refused.value.body["param"] == "stop_token_ids"
 
 
+def test_min_p_min_tokens_and_special_tokens_through_the_openai_client(stack):
+    """vLLM's and SGLang's extensions as their clients send them (extra_body): min_p 1 at temperature 1 is greedy
+    decoding (only the most likely token survives), while the request speculates; min_tokens holds back a stop
+    token that logit_bias forces everywhere until that many tokens are out; skip_special_tokens false shows the
+    special tokens' text; min_tokens above max_tokens is a 400 naming it."""
+    import openai
+    from transformers import AutoTokenizer
+
+    c = client(stack)
+    tokenizer = AutoTokenizer.from_pretrained(stack["dirs"]["target"])
+    greedy = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=16, temperature=0)
+    top_only = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=16, temperature=1.0, seed=3,
+                                    extra_body={"min_p": 1.0})
+    assert top_only.choices[0].text == greedy.choices[0].text
+    assert top_only.model_extra["speculative"]["draft_tokens"] > 0
+    token = tokenizer.encode(" x", add_special_tokens=False)[-1]
+    held = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=12, temperature=0,
+                                logit_bias={str(token): 100}, extra_body={"stop_token_ids": [token], "min_tokens": 5})
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 6)
+    assert held.choices[0].text.endswith(tokenizer.decode([token])) and held.choices[0].text.count(" x") == 1
+    special = tokenizer.eos_token_id
+    assert special in tokenizer.all_special_ids
+    forced = dict(model=MODEL, prompt="def f(x):\n", max_tokens=3, temperature=0, logit_bias={str(special): 100},
+                  extra_body={"ignore_eos": True})
+    assert c.completions.create(**forced).choices[0].text == ""
+    shown = c.completions.create(**{**forced, "extra_body": {"ignore_eos": True, "skip_special_tokens": False,
+                                                             "spaces_between_special_tokens": True}})
+    assert shown.choices[0].text == tokenizer.decode([special] * 3, skip_special_tokens=False) != ""
+    streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+        **{**forced, "extra_body": {"ignore_eos": True, "skip_special_tokens": False}}, stream=True))
+    assert streamed == shown.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"min_tokens": 5})
+    assert refused.value.body["param"] == "min_tokens"
+
+
 def test_tokenize_and_detokenize_as_vllm_and_sglang_serve_them(stack, validate):
     """POST /tokenize: a prompt's ids as the tokenizer makes them (special tokens added unless asked not to), a
     chat's as its completion counts them (the template rendered); POST /detokenize gives the text back; bad

@@ -25,7 +25,7 @@ def sampling_params(wire: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=wire.frequency_penalty, presence_penalty=wire.presence_penalty,
         repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0,
         logprobs=wire.top_logprobs if wire.HasField("top_logprobs") else None,
-        logit_bias=tuple(sorted(wire.logit_bias.items())),
+        logit_bias=tuple(sorted(wire.logit_bias.items())), min_p=wire.min_p, min_tokens=wire.min_tokens,
     )
 
 

@@ -83,8 +83,8 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, speculate: bool = True) -> Request:
         number = next(self._ids)
-        request = Request(f"r{number}", list(prompt_ids), params.with_seed(), speculate and self.drafter is not None,
-                          arrival=number)
+        request = Request(f"r{number}", list(prompt_ids), params.with_seed().with_min_tokens_ban(self.eos_ids),
+                          speculate and self.drafter is not None, arrival=number)
         self.waiting.append(request)
         return request
 

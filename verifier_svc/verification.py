@@ -110,7 +110,9 @@ def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor, targets:
         return accept_target_tokens(list(tree.tokens), next_token, next_sibling, target.tolist())
     probs = process_logits(node_logits, torch.full((tree.num_nodes,), params.temperature, device=node_logits.device),
                            torch.full((tree.num_nodes,), params.top_k, device=node_logits.device),
-                           torch.full((tree.num_nodes,), params.top_p, device=node_logits.device)).softmax(-1)
+                           torch.full((tree.num_nodes,), params.top_p, device=node_logits.device),
+                           torch.full((tree.num_nodes,), params.min_p, device=node_logits.device)
+                           if params.min_p else None).softmax(-1)
     coins = keyed_uniform(params.seed, output_positions)  # one walk uses one node, so one coin, per depth
     final_coins = keyed_uniform(params.seed, output_positions, salt=FINAL_COIN_SALT)
     # the walk and the bonus draw in one kernel on a GPU (the host reference: acceptance.accept_with_coins)

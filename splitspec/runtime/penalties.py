@@ -57,4 +57,10 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     if params.logit_bias:  # OpenAI's logit_bias, after the penalties (ids past this vocabulary are the verifier's to refuse)
         ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
         logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
+    if params.min_tokens and params.min_tokens_ban:  # rows at output positions before min_tokens: no stop token
+        positions = [len(output_ids) + (len(paths[r]) if paths else 0) for r in range(rows)]
+        early = [r for r, position in enumerate(positions) if position < params.min_tokens]
+        if early:
+            ban = torch.tensor([t for t in params.min_tokens_ban if t < vocab], device=device, dtype=torch.long)
+            logits[torch.tensor(early, device=device)[:, None], ban[None, :]] = float("-inf")
     return logits

@@ -43,15 +43,23 @@ def keyed_uniform(seed: int, positions: list[int], salt: int = COIN_SALT) -> lis
     return (((bits >> (32 - UNIFORM_BITS)).double() + 0.5) / 2**UNIFORM_BITS).tolist()
 
 
-def process_logits(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k and top-p as SGLang applies them; removed tokens get -inf.
+def process_logits(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                   min_ps: torch.Tensor | None = None) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as SGLang applies them; removed tokens get -inf.
 
-    logits [B, V] fp32; temperatures [B] (> 0); top_ks [B] (-1 = off); top_ps [B] (1.0 = off). A Triton
-    kernel on a GPU (no sort), its torch twin elsewhere: kernels.torch_ops.top_k_top_p says the rule.
+    logits [B, V] fp32; temperatures [B] (> 0); top_ks [B] (-1 = off); top_ps [B] (1.0 = off); min_ps [B]
+    (0 = off). Top-k and top-p: a Triton kernel on a GPU (no sort), its torch twin elsewhere
+    (kernels.torch_ops.top_k_top_p says the rule). Min-p keeps a token whose probability is at least min_p
+    times the most likely one's; the most likely token survives top-k and top-p, so the test is on the
+    tempered logits: logit >= max logit + log(min_p).
     """
     from splitspec.kernels import ops
 
-    return ops.top_k_top_p(logits.float(), temperatures.float(), top_ks, top_ps.float())
+    processed = ops.top_k_top_p(logits.float(), temperatures.float(), top_ks, top_ps.float())
+    if min_ps is not None and bool((min_ps > 0).any()):
+        floor = processed.max(dim=-1, keepdim=True).values + torch.log(min_ps.float().clamp_min(1e-38))[:, None]
+        processed = processed.masked_fill(processed < floor, float("-inf"))
+    return processed
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions: list[int]) -> torch.Tensor:
@@ -69,6 +77,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions:
         torch.tensor([p.temperature for p in chosen], device=device),
         torch.tensor([p.top_k for p in chosen], device=device),
         torch.tensor([p.top_p for p in chosen], device=device),
+        torch.tensor([p.min_p for p in chosen], device=device) if any(p.min_p for p in chosen) else None,
     )
     keys = position_keys(torch.tensor([p.seed for p in chosen], device=device, dtype=torch.long),
                          torch.tensor([output_positions[i] for i in rows], device=device, dtype=torch.long))

@@ -32,6 +32,13 @@ class SamplingParams:
     logprobs: int | None = None
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logits after the penalties
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # SGLang's and vLLM's min_p: after top-k and top-p, tokens less likely than min_p x the most likely one are
+    # removed (0 = off)
+    min_p: float = 0.0
+    # vLLM's and SGLang's min_tokens: until this many tokens are out, the stop tokens cannot be sampled;
+    # min_tokens_ban holds them (stop_token_ids, and the model's EOS unless ignore_eos), filled by the engine
+    min_tokens: int = 0
+    min_tokens_ban: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -54,17 +61,30 @@ class SamplingParams:
                 raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
             if not -100.0 <= bias <= 100.0:  # NaN fails too
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        if not 0.0 <= self.min_p <= 1.0:  # NaN fails too
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def has_penalties(self) -> bool:
-        """The target's logits are changed before sampling (penalties, logit_bias): each node's own."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
+        """The target's logits are changed before sampling (penalties, logit_bias, min_tokens' ban): each node's own."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+                    or (self.min_tokens and self.min_tokens_ban))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    def with_min_tokens_ban(self, eos_ids) -> "SamplingParams":
+        """With min_tokens, the tokens it may not stop on before they are out: stop_token_ids, and the model's
+        EOS tokens unless ignore_eos."""
+        if not self.min_tokens:
+            return self
+        ban = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+        return replace(self, min_tokens_ban=tuple(sorted(ban)))
 
     def with_seed(self) -> "SamplingParams":
         """This request with its seed fixed (a random one when unset), so its sampling is reproducible."""
