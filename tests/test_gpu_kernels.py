@@ -243,7 +243,7 @@ def test_head_catch_up_graphs_equal_eager():
     eager, graphed = head(False), head(True)
     assert eager.graphs is None
     hidden, wide = graphed.config.hidden_size, graphed.model.fc_input_size
-    assert sorted(graphed.graphs.feature_seconds) == [(q, w) for w in sorted((hidden, wide)) for q in (1, 2, 3, 4)]
+    assert sorted(graphed.graphs.feature_seconds) == sorted((q, w) for w in (hidden, wide) for q in (1, 2, 3, 4))
     g = torch.Generator().manual_seed(4)
     tables = {id(r): [BlockTable() for _ in range(5)] for r in (eager, graphed)}
 
