@@ -52,7 +52,9 @@
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
-#             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA
+#             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA; a device call for it
+#             carries .fi and a .whl holding only pytest, pluggy, iniconfig, packaging, pyzmq and grpcio-health-checking
+#             (with the gateway's wheels too, the working tree and its carry pass the device's 64 MiB)
 set -uo pipefail
 OUT="${OUT:-/tmp/splitspec-gpu}"
 mkdir -p "$OUT"
