@@ -49,6 +49,9 @@ class Choice:
     speculation: pb.SpeculationCounts | None = None
     cached_tokens: int = 0
     error: APIError | None = None
+    echo: str | None = None  # completions with echo: the prompt's text, sent before the completion's
+    prompt: list[int] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # with echo and logprobs: entries as logprobs', the first None
 
 
 class LatencyClock:
@@ -190,8 +193,13 @@ class Gateway:
             sampling.logit_bias.update(g.logit_bias)
             sampling.stop_token_ids.extend(g.stop_token_ids)
             sampling.min_p, sampling.min_tokens = g.min_p, g.min_tokens
+            if g.echo and (g.logprobs or most == 0):  # the verifier computes the prompt's logprobs (0: nothing else)
+                sampling.prompt_logprobs = g.top_logprobs
             choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec, g.skip_special_tokens),
-                            StopMatcher(g.stop))
+                            StopMatcher(g.stop), prompt=prompt)
+            if g.echo:
+                source = g.prompts[index // g.n] if g.prompts else None
+                choice.echo = source if isinstance(source, str) else self.codec.decode(prompt, skip_special_tokens=False)
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)
         self.metrics.prompt_tokens.labels(**self.metrics.model).inc(sum(len(p) for p in prompts))
@@ -205,6 +213,13 @@ class Gateway:
                                     "service_unavailable", code="verifier_unavailable")
             return ""
         out = []
+        if delta.prompt_logprobs and not choice.prompt_logprobs:  # the first delta: the prompt tokens' logprobs
+            offsets = [0]
+            for token in choice.prompt[:-1]:
+                offsets.append(offsets[-1] + len(self.codec.token_text(token)))
+            choice.prompt_logprobs = [(choice.prompt[0], None, None, 0)] + [
+                (token, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs)), offset)
+                for token, lp, offset in zip(choice.prompt[1:], delta.prompt_logprobs, offsets[1:])]
         for j, token in enumerate(delta.token_ids):
             if choice.stop.hit is not None:
                 break
@@ -272,7 +287,17 @@ class Gateway:
                 "refusal": None}
 
     def completion_logprobs(self, entries: list, base_offset: int = 0) -> dict:
+        """Entries (token, logprob, top, text offset); an echoed prompt's first token has logprob and top None."""
         return {"tokens": [self.codec.token_text(t) for t, _, _, _ in entries],
-                "token_logprobs": [max(lp, -9999.0) for _, lp, _, _ in entries],
-                "top_logprobs": [{self.codec.token_text(i): max(v, -9999.0) for i, v in top} for _, _, top, _ in entries],
+                "token_logprobs": [None if lp is None else max(lp, -9999.0) for _, lp, _, _ in entries],
+                "top_logprobs": [None if top is None else {self.codec.token_text(i): max(v, -9999.0) for i, v in top}
+                                 for _, _, top, _ in entries],
                 "text_offset": [base_offset + off for _, _, _, off in entries]}
+
+    def echoed(self, choice: Choice) -> tuple[str, list]:
+        """A completion's text and logprob entries with its echoed prompt before them (offsets shifted past it)."""
+        if choice.echo is None:
+            return choice.text, choice.logprobs
+        shift = len(choice.echo)
+        return choice.echo + choice.text, choice.prompt_logprobs + [(t, lp, top, off + shift)
+                                                                      for t, lp, top, off in choice.logprobs]

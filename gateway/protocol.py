@@ -79,6 +79,7 @@ class Generation:
     min_p: float = 0.0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
 
 
 # --- the models ------------------------------------------------------------------------------------
@@ -316,10 +317,11 @@ class CompletionRequest(_Request):
 
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's default for completions
     prompt: Prompt
-    max_tokens: _int(1, MAX_TOKENS) | None = Field(default=None, description="default 16, as OpenAI's")
+    max_tokens: _int(0, MAX_TOKENS) | None = Field(default=None, description="default 16, as OpenAI's; 0 only with echo")
     logprobs: _int(0, 5) | None = None
+    echo: bool | None = Field(default=None, description="the prompt before the completion (with logprobs: the "
+                              "prompt tokens' too, the first null)")
     # not served: neutral values only
-    echo: NeutralFalse | None = None
     best_of: _int(1, 1) | None = None
     suffix: Literal[""] | None = None
 
@@ -332,6 +334,8 @@ class CompletionRequest(_Request):
                 where = "prompt" if batch is not self.prompt else f"prompt[{i}]"
                 raise PydanticCustomError("prompt", "token id {bad} in '{where}' is outside the vocabulary [0, {vocab})",
                                           {"bad": bad, "where": where, "vocab": vocab})
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("max_tokens", "'max_tokens' 0 needs 'echo' (the prompt, and its logprobs, alone)")
         if len(batch) * (self.n or 1) > MAX_BATCH_CHOICES:
             raise PydanticCustomError("prompt", "{prompts} prompts x n={n} choices is more than {limit}",
                                       {"prompts": len(batch), "n": self.n or 1, "limit": MAX_BATCH_CHOICES})
@@ -346,12 +350,13 @@ class CompletionRequest(_Request):
         g.prompts = [p if isinstance(p, str) else list(p) for p in self.batch()]
         g.max_tokens = self.DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
         g.logprobs, g.top_logprobs = self.logprobs is not None, self.logprobs or 0
+        g.echo = bool(self.echo)
         return g
 
 
 NOT_SERVED = {"tools", "functions", "function_call", "tool_choice", "parallel_tool_calls",
               "response_format", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "store",
-              "metadata", "service_tier", "verbosity", "prompt_cache_key", "safety_identifier", "echo", "best_of", "suffix"}
+              "metadata", "service_tier", "verbosity", "prompt_cache_key", "safety_identifier", "best_of", "suffix"}
 
 
 def template_messages(messages) -> list[dict]:
@@ -383,7 +388,7 @@ def _api_error(exc: ValidationError) -> APIError:
     kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
     param = _param(loc)
     if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens",
-                "min_tokens"):  # a check across fields, already phrased
+                "min_tokens", "max_tokens"):  # a check across fields, already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")

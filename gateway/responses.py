@@ -35,8 +35,9 @@ def whole_response(gateway: Gateway, g: Generation, prompts: list[list[int]], ch
                                     "finish_reason": finish,
                                     "logprobs": gateway.chat_logprobs(c.logprobs) if g.logprobs else None})
         else:
-            body["choices"].append({"index": c.index, "text": c.text, "finish_reason": finish,
-                                    "logprobs": gateway.completion_logprobs(c.logprobs) if g.logprobs else None})
+            text, entries = gateway.echoed(c)
+            body["choices"].append({"index": c.index, "text": text, "finish_reason": finish,
+                                    "logprobs": gateway.completion_logprobs(entries) if g.logprobs else None})
     return body
 
 
@@ -81,8 +82,12 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
             c, delta = await queue.get()
             if c.finish_reason is not None:  # stopped by a stop string; later deltas are dropped
                 continue
-            before = len(c.logprobs)
+            before, echo = len(c.logprobs), c.echo if c.echo is not None and not c.tokens and not c.prompt_logprobs else None
             text = gateway.absorb(c, delta)
+            if echo is not None:  # the first delta: the prompt (and its logprobs) goes first
+                c.echo = ""  # sent
+                if echo or c.prompt_logprobs:
+                    yield chunk(piece_body(c, echo, c.prompt_logprobs, None))
             clock.delivered(delta)
             if c.error is not None:
                 open_choices -= 1

@@ -38,6 +38,7 @@ ALLOWED_REFUSALS = {
     ("prompt", "invalid_value"),  # prompts x n over the batch limit
     ("logit_bias", "invalid_value"),  # a logit_bias token id past the vocabulary (the schema bounds the keys as ids only)
     ("min_tokens", "invalid_value"),  # min_tokens above the tokens the request may generate (a check across fields)
+    ("max_tokens", "invalid_value"),  # completions' max_tokens 0 without echo (a check across fields)
 }
 ALLOWED_REFUSAL_PREFIXES = ("prompt[",)  # prompt[i] context_length_exceeded in a batch
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from helpers import spawn_service
 from test_verifier_service import free_port, scrape, start_verifier, stop
 
@@ -283,7 +284,7 @@ def test_hostile_bodies_get_openai_errors_never_5xx(stack, validate):
     completions = stack["url"] + "/v1/completions"
     for body in ({"model": MODEL, "prompt": [1, 99999]}, {"model": MODEL, "prompt": ""}, {"model": MODEL, "prompt": 5},
                  {"model": MODEL, "prompt": ["ok", ""]}, {"model": MODEL, "prompt": [[1, 2], [3, "x"]]},
-                 {"model": MODEL, "prompt": "x", "echo": True}, {"model": MODEL, "prompt": "x", "logprobs": 9}):
+                 {"model": MODEL, "prompt": "x", "echo": 1}, {"model": MODEL, "prompt": "x", "logprobs": 9}):
         r = httpx.post(completions, json=body, timeout=60)
         assert r.status_code == 400, (body, r.text)
         validate(r.json(), "ErrorResponse")
@@ -367,6 +368,59 @@ def test_min_p_min_tokens_and_special_tokens_through_the_openai_client(stack):
     with pytest.raises(openai.BadRequestError) as refused:
         c.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"min_tokens": 5})
     assert refused.value.body["param"] == "min_tokens"
+
+
+def test_echo_with_prompt_logprobs_as_lm_eval_harness_asks(stack, validate):
+    """Completions with echo (lm-eval-harness's loglikelihood requests: echo, logprobs, max_tokens 0 or 1): the
+    prompt's text comes back before the completion's, and with logprobs the prompt tokens' too, the first null,
+    each equal to a transformers forward's log-softmax on the demo target within 1e-4 (fp32), with the top
+    alternatives; streamed the same; max_tokens 0 without echo is a 400 naming max_tokens. (OpenAI's document
+    types every entry as a number; the first token's is null, as OpenAI's legacy API and vLLM return it: the
+    answer validates once that entry is set aside.)"""
+    import openai
+    from helpers import hf_model
+    from transformers import AutoTokenizer
+
+    c = client(stack)
+    target = stack["dirs"]["target"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        reference = hf_model(target)(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    expected = [reference[j, ids[j + 1]].item() for j in range(len(ids) - 1)]
+    only = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    body = only.model_dump(exclude_unset=True)
+    for key in ("token_logprobs", "top_logprobs", "tokens", "text_offset"):
+        body["choices"][0]["logprobs"][key] = body["choices"][0]["logprobs"][key][1:]
+    validate(body, "CreateCompletionResponse")
+    choice = only.choices[0]
+    assert (choice.text, choice.finish_reason, only.usage.completion_tokens) == (prompt, "length", 0)
+    lps = choice.logprobs
+    assert lps.tokens == [tokenizer.decode([t]) for t in ids] and lps.token_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(lps.token_logprobs[1:], expected)) < 1e-4
+    assert lps.top_logprobs[0] is None and all(len(top) == 2 for top in lps.top_logprobs[1:])
+    best = reference[:-1].argmax(-1).tolist()
+    assert all(tokenizer.decode([b]) in top for b, top in zip(best, lps.top_logprobs[1:]))
+    # max_tokens 1 (lm-eval's loglikelihood): the prompt's entries, then the completion's token after them
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0)
+    echoed = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.choices[0].logprobs.token_logprobs[: len(ids)] == lps.token_logprobs
+    assert echoed.choices[0].logprobs.token_logprobs[len(ids):] == pytest.approx(  # recomputed, not from the cache:
+        plain.choices[0].logprobs.token_logprobs, abs=1e-4)  # fp32 sums in another order
+    assert echoed.choices[0].logprobs.text_offset[len(ids)] == len(prompt)
+    assert echoed.usage.completion_tokens == 4 and echoed.model_extra["speculative"]["draft_tokens"] > 0
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=0, echo=True,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == echoed.choices[0].text
+    streamed = [lp for ch in chunks if ch.choices and ch.choices[0].logprobs for lp in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == echoed.choices[0].logprobs.token_logprobs
+    bare = c.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)  # token ids echo as their text
+    assert bare.choices[0].text == tokenizer.decode(ids) and bare.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert refused.value.body["param"] == "max_tokens"
 
 
 def test_tokenize_and_detokenize_as_vllm_and_sglang_serve_them(stack, validate):

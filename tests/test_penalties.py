@@ -178,3 +178,46 @@ def test_logprobs_match_transformers_with_and_without_speculation(demo):
             assert len(b.top) == k and b.top[0][0] == token  # greedy: the chosen token is the likeliest
     unasked = run(runner, prompts[:1], [SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)])
     assert unasked[0].logprobs == []
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_the_prefix_cache(demo):
+    """vLLM's prompt_logprobs: every prompt token after the first, from the target's raw logits, equal to a
+    transformers forward's log-softmax within 1e-4 (fp32), with its top alternatives, when the prompt is prefilled
+    in several chunks (--chunked-prefill-size 8) and when the prefix cache holds it (such a prompt is computed
+    afresh); with NGRAM drafting the outputs are plain's; max_new_tokens 0 gives the prompt's logprobs alone."""
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+    from splitspec.verifier_svc.engine import Engine, SchedulerConfig
+
+    runner, prompts, reference = demo
+    cache = PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
+    k = 3
+    for drafter, budget in ((None, 0), (ngram(), 8)):
+        engine = Engine(runner, drafter, SpecConfig(num_draft_tokens=budget) if budget else SpecConfig(), set(),
+                        SchedulerConfig(chunked_prefill_size=8 + budget), prefix_cache=cache)
+        warm = engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))
+        while engine.has_work:
+            engine.step()
+        asked = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True,
+                                                      prompt_logprobs=k)) for p, n in zip(prompts[:3], (6, 0, 6))]
+        plain = [engine.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+                 for p in prompts[:3]]
+        events = []
+        while engine.has_work:
+            events += engine.step()
+        assert warm.output_ids and asked[0].cached_tokens == 0 and plain[0].cached_tokens > 0
+        for prompt, request in zip(prompts, asked):
+            with torch.no_grad():
+                full = reference(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+            assert len(request.prompt_logprobs) == len(prompt) - 1
+            for j, entry in enumerate(request.prompt_logprobs):
+                assert abs(entry.logprob - full[j, prompt[j + 1]].item()) < 1e-4, j
+                assert len(entry.top) == k and abs(entry.top[0][1] - full[j].max().item()) < 1e-4
+            sent = [e.prompt_logprobs for e in events if e.request_id == request.request_id and e.prompt_logprobs]
+            assert sent == [request.prompt_logprobs]  # on the request's first event only
+        assert asked[1].output_ids == [] and asked[1].finish_reason == "length"
+        assert asked[0].output_ids == plain[0].output_ids and asked[2].output_ids == plain[2].output_ids
+        if drafter is not None:
+            assert sum(r.stats.accepted_tokens for r in asked + plain) > 0 and all(
+                r.stats.fallbacks == 0 for r in asked + plain)
+    cache.evict(cache.num_evictable)
+    assert runner.kv_cache.allocator.num_used == 0  # every page back in the pool for the module's other tests

@@ -26,6 +26,7 @@ def sampling_params(wire: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0,
         logprobs=wire.top_logprobs if wire.HasField("top_logprobs") else None,
         logit_bias=tuple(sorted(wire.logit_bias.items())), min_p=wire.min_p, min_tokens=wire.min_tokens,
+        prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None,
     )
 
 
@@ -44,13 +45,19 @@ def status_code(message: str) -> int:
     return code.value[0]
 
 
+def _logprobs(entries) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+            for lp in entries]
+
+
 def delta(client_id: str, request: Request | None, token_ids: list[int], finish_reason: str | None,
-          first: bool, error: str = "", logprobs=None) -> pb.TokenDelta:
+          first: bool, error: str = "", logprobs=None, prompt_logprobs=None) -> pb.TokenDelta:
     message = pb.TokenDelta(request_id=client_id, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason],
                             error=error, error_code=status_code(error) if error else 0)
     if logprobs:
-        message.logprobs.extend(pb.TokenLogprob(logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
-                                                top_logprobs=[v for _, v in lp.top]) for lp in logprobs)
+        message.logprobs.extend(_logprobs(logprobs))
+    if prompt_logprobs:
+        message.prompt_logprobs.extend(_logprobs(prompt_logprobs))
     if request is not None:
         message.speculation.CopyFrom(speculation(request.stats))
         message.num_preemptions = request.num_preemptions

@@ -42,8 +42,8 @@ from splitspec.verifier_svc.draft_features import pair_prompt_states, path_state
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
                                                StepReport)
-from splitspec.verifier_svc.verification import (Verify, accept_tree, kv_moves, pad_size, target_rows,
-                                                 token_logprobs)
+from splitspec.verifier_svc.verification import (Verify, accept_tree, kv_moves, pad_size, prompt_logprobs,
+                                                 target_rows, token_logprobs, usable)
 
 logger = logging.getLogger(__name__)
 
@@ -257,11 +257,7 @@ class Engine:
         available -= sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
                          for r in self.running if r.decoding)
         while self.waiting and (limit <= 0 or len(self.running) < limit):
-            request = self.waiting[0]
-            if request.params.max_new_tokens == 0:
-                self.waiting.pop(0)
-                request.finish_reason = "length"
-                continue
+            request = self.waiting[0]  # max_new_tokens 0 comes with prompt_logprobs (SamplingParams): it prefills
             cached = self._match_prefix(request)
             needed = kv.pages_for(request.fill_len + self._tree_tokens(request)) - len(cached)
             if self.running and needed > available:
@@ -284,8 +280,8 @@ class Engine:
         last token is always computed: its logits give the first output token."""
         if self.prefix_cache is None:
             return []
-        if self.needs_hidden and request.speculate and not request.output_ids:
-            return []  # the drafter needs the prompt's hidden states, which cached pages do not keep: recompute
+        if (self.needs_hidden and request.speculate and not request.output_ids) or request.wants_prompt_logprobs:
+            return []  # the drafter needs the prompt's hidden states, or the caller its logprobs: recompute
         fill = request.fill_ids
         return self.prefix_cache.match(fill if request.output_ids else fill[:-1])
 
@@ -343,17 +339,11 @@ class Engine:
             tree = trees.get(request_id)
             if isinstance(tree, DraftTree) and tree.num_nodes > budget:  # a bet drafted under a larger budget
                 tree = trees[request_id] = tree.first(budget)
-            if tree is DRAFT_FAULT or (tree is not None and not self._usable(request, tree, budget)):
+            if tree is DRAFT_FAULT or (tree is not None and not usable(tree, request, budget, self.runner.config.vocab_size)):
                 trees[request_id] = None
                 request.stats.fallbacks += 1
                 self.report.fallbacks += 1
         return trees
-
-    def _usable(self, request: Request, tree: DraftTree, budget: int) -> bool:
-        vocab = self.runner.config.vocab_size
-        # tokens past a request's limit are dropped at emit
-        return (tree.tokens[0] == request.output_ids[-1] and tree.num_nodes <= budget
-                and all(0 <= t < vocab for t in tree.tokens))
 
     # verify + accept -----------------------------------------------------------------------------
     def _forward_and_accept(self, prefills: list[Chunk], verifies: list[Verify]) -> list[StepEvent]:
@@ -377,8 +367,8 @@ class Engine:
     def _sequences(self, prefills: list[Chunk], verifies: list[Verify]) -> list[SequenceInput]:
         """The forward's sequences: prompt chunks, then every decoding request's tree (padded to one captured
         graph's shape where that helps: verification.pad_size)."""
-        sequences = [SequenceInput(c.request.table, c.request.fill_ids[c.start : c.end], logits="last" if c.samples else "none")
-                     for c in prefills]
+        sequences = [SequenceInput(c.request.table, c.request.fill_ids[c.start : c.end], logits="all" if
+                                   c.request.wants_prompt_logprobs else "last" if c.samples else "none") for c in prefills]
         pad = 0 if prefills else pad_size(self.runner, verifies)
         for v in verifies:
             tokens, parents = list(v.tree.tokens), list(v.tree.parents)
@@ -421,8 +411,12 @@ class Engine:
             hidden = None
             if self.needs_hidden and request.speculate and not request.output_ids:
                 hidden = pair_prompt_states(request, chunk, features[rows[i] : rows[i + 1]])
-            if chunk.samples:
-                row = cu_logits[i]
+            if request.wants_prompt_logprobs:
+                request.prompt_logprobs += prompt_logprobs(request, chunk, logits[cu_logits[i] : cu_logits[i + 1]])
+            if chunk.samples and not request.params.max_new_tokens:  # the prompt's logprobs were all it asked for
+                events.append(request.prompt_only())
+            elif chunk.samples:
+                row = cu_logits[i + 1] - 1  # its last row (the only one, unless the prompt's logprobs were asked)
                 self.report.prompt_tokens += len(request.prompt_ids)
                 row_logits = logits[row : row + 1]
                 if targets is not None and not request.params.has_penalties:

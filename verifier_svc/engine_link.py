@@ -68,7 +68,8 @@ class FrontLink:
         step = pb.GenerateServerMessage()
         for submission, event in deliveries:
             step.deltas.append(convert.delta(submission.client_id, submission.request, event.new_token_ids,
-                                             event.finish_reason, submission.first, event.error, event.logprobs))
+                                             event.finish_reason, submission.first, event.error, event.logprobs,
+                                             event.prompt_logprobs))
             submission.first = False
             if event.finish_reason is not None:
                 self.submissions.pop(submission.client_id, None)

@@ -56,8 +56,8 @@ class Limits:
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad:
             return None, f"INVALID_ARGUMENT: logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-        if params.max_new_tokens < 1:
-            return None, "INVALID_ARGUMENT: max_new_tokens must be at least 1"
+        if params.max_new_tokens < 1 and params.prompt_logprobs is None:
+            return None, "INVALID_ARGUMENT: max_new_tokens must be at least 1 (0 only with prompt_logprobs)"
         total = len(submit.prompt_ids) + params.max_new_tokens
         if total > self.max_context:
             return None, (f"INVALID_ARGUMENT: prompt ({len(submit.prompt_ids)} tokens) + max_new_tokens "

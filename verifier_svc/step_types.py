@@ -75,6 +75,7 @@ class Request:
     num_preemptions: int = 0
     draft_budget: int = 0  # the next verify's tree budget, once decided (asked for when >= 2); 0: not yet
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token after the first, when asked
 
     def __post_init__(self):
         self.fill_len = self.fill_len or len(self.prompt_ids)
@@ -100,11 +101,23 @@ class Request:
         if logprobs is not None:
             logprobs = logprobs[: len(emitted)]
             self.logprobs.extend(logprobs)
-        return StepEvent(self.request_id, emitted, self.finish_reason, logprobs=logprobs)
+        first = self.params.prompt_logprobs is not None and len(self.output_ids) == len(emitted)
+        return StepEvent(self.request_id, emitted, self.finish_reason, logprobs=logprobs,
+                         prompt_logprobs=self.prompt_logprobs if first else None)
+
+    def prompt_only(self) -> StepEvent:
+        """max_new_tokens 0: the prompt's logprobs were all it asked for; it ends without a token."""
+        self.finish_reason = "length"
+        return StepEvent(self.request_id, [], "length", prompt_logprobs=self.prompt_logprobs)
 
     @property
     def fill_ids(self) -> list[int]:
         return (self.prompt_ids + self.output_ids)[: self.fill_len]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """A fresh prompt whose logprobs were asked for: every prefill row's logits are kept."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def decoding(self) -> bool:
@@ -157,6 +170,7 @@ class StepEvent:
     finish_reason: str | None
     error: str = ""  # with finish_reason "error": what went wrong
     logprobs: list[TokenLogprob] | None = None  # one per new token when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first tokens: one per prompt token after the first
 
 
 @dataclass(frozen=True)

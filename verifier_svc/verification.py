@@ -5,7 +5,7 @@ accepted path, and the logprobs of emitted tokens."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,22 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     values, ids = logprobs.topk(min(params.logprobs, logprobs.shape[-1]), dim=-1)
     return [TokenLogprob(lp, tuple(zip(row_ids, row_values)))
             for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]
+
+
+def prompt_logprobs(request: Request, chunk: Chunk, logits: torch.Tensor) -> list[TokenLogprob]:
+    """A fresh prompt chunk's logits [chunk length, V] (row j: position chunk.start + j) -> the logprobs of the
+    prompt tokens they predict (positions chunk.start + 1 .. ; the last prompt row predicts an output token)."""
+    tokens = request.prompt_ids[chunk.start + 1 : chunk.end + 1]
+    if not tokens:
+        return []
+    return token_logprobs(logits[: len(tokens)], tokens, replace(request.params, logprobs=request.params.prompt_logprobs))
+
+
+def usable(tree: DraftTree, request: Request, budget: int, vocab: int) -> bool:
+    """A drafter's tree may be verified: rooted at the request's last token, within the budget, every token in the
+    vocabulary (tokens past the request's limit are dropped at emit)."""
+    return (tree.tokens[0] == request.output_ids[-1] and tree.num_nodes <= budget
+            and all(0 <= t < vocab for t in tree.tokens))
 
 
 def pad_size(runner: ModelRunner, verifies: list[Verify]) -> int:
@@ -77,8 +93,8 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
         return None
     params, output_positions, used = [_ARGMAX] * logits.shape[0], [0] * logits.shape[0], False
     for i, chunk in enumerate(prefills):
-        if chunk.samples and not chunk.request.params.has_penalties:
-            params[cu_logits[i]], used = chunk.request.params, True  # a fresh prompt's first token: position 0
+        if chunk.samples and not chunk.request.params.has_penalties:  # a fresh prompt's first token: position 0,
+            params[cu_logits[i + 1] - 1], used = chunk.request.params, True  # the chunk's last row
     for i, v in enumerate(verifies, start=len(prefills)):
         request = v.request
         if not by_target(spec, request.params):

@@ -39,6 +39,8 @@ class SamplingParams:
     # min_tokens_ban holds them (stop_token_ids, and the model's EOS unless ignore_eos), filled by the engine
     min_tokens: int = 0
     min_tokens_ban: tuple[int, ...] = field(default_factory=tuple)
+    # None: none; k >= 0: the prompt's logprobs (each prompt token after the first) with the k most likely tokens'
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -65,6 +67,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        if self.max_new_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_new_tokens must be at least 1 (0 only with prompt_logprobs: the prompt's logprobs alone)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
