@@ -50,6 +50,7 @@ class Choice:
     cached_tokens: int = 0
     error: APIError | None = None
     echo: str | None = None  # completions with echo: the prompt's text, sent before the completion's
+    echo_sent: bool = False  # streamed: the echo went out (with the first delta)
     prompt: list[int] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)  # with echo and logprobs: entries as logprobs', the first None
 
@@ -167,7 +168,7 @@ class Gateway:
             if g.max_tokens is not None and len(prompt) + g.max_tokens > context:
                 raise invalid("max_tokens", f"This model's maximum context length is {context} tokens; the prompt has "
                               f"{len(prompt)} tokens and max_tokens asks for {g.max_tokens} more", "context_length_exceeded")
-            most = g.max_tokens if g.max_tokens is not None else context - len(prompt)
+            most = g.most_tokens(len(prompt), context)
             if g.min_tokens > most:
                 raise invalid("min_tokens", f"'min_tokens' ({g.min_tokens}) must not exceed the {most} tokens this "
                               "request may generate")
@@ -180,7 +181,7 @@ class Gateway:
         context = self.client.info.max_context_tokens
         for index in range(len(prompts) * g.n):
             prompt, i = prompts[index // g.n], index % g.n
-            most = g.max_tokens if g.max_tokens is not None else context - len(prompt)
+            most = g.most_tokens(len(prompt), context)
             sampling = pb.SamplingParams(
                 temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_new_tokens=most,
                 ignore_eos=g.ignore_eos, frequency_penalty=g.frequency_penalty, presence_penalty=g.presence_penalty)

@@ -81,6 +81,10 @@ class Generation:
     skip_special_tokens: bool = True
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
 
+    def most_tokens(self, prompt_len: int, context: int) -> int:
+        """The tokens a choice may generate: max_tokens, or what the context leaves after its prompt."""
+        return self.max_tokens if self.max_tokens is not None else context - prompt_len
+
 
 # --- the models ------------------------------------------------------------------------------------
 

@@ -82,12 +82,11 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
             c, delta = await queue.get()
             if c.finish_reason is not None:  # stopped by a stop string; later deltas are dropped
                 continue
-            before, echo = len(c.logprobs), c.echo if c.echo is not None and not c.tokens and not c.prompt_logprobs else None
+            before = len(c.logprobs)
             text = gateway.absorb(c, delta)
-            if echo is not None:  # the first delta: the prompt (and its logprobs) goes first
-                c.echo = ""  # sent
-                if echo or c.prompt_logprobs:
-                    yield chunk(piece_body(c, echo, c.prompt_logprobs, None))
+            if c.echo is not None and not c.echo_sent:  # the first delta: the prompt (and its logprobs) goes first
+                c.echo_sent = True
+                yield chunk(piece_body(c, c.echo, c.prompt_logprobs, None))
             clock.delivered(delta)
             if c.error is not None:
                 open_choices -= 1

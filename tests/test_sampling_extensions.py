@@ -7,26 +7,15 @@ import math
 
 import pytest
 import torch
-from test_speculative import PROMPTS, ngram, run
+import test_penalties
+from test_speculative import ngram, run
 
-from splitspec.demo import demo_model_dirs
-from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling import process_logits
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.engine import SpecConfig
 
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def demo():
-    from transformers import AutoTokenizer
-
-    target = demo_model_dirs()["target"]
-    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu",
-                                            max_total_tokens=8 * 160, page_size=16))
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    return runner, [tokenizer.encode(PROMPTS[i]) for i in (3, 7, 11, 20, 0, 13)]
+demo = test_penalties.demo  # the fixture: the demo target, its prompts, a transformers twin
 
 
 def assert_lossless(runner, prompts, params) -> list:
@@ -58,7 +47,7 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely():
 
 
 def test_min_p_sampling_is_lossless_and_min_p_one_is_greedy(demo):
-    runner, prompts = demo
+    runner, prompts, _ = demo
     sampled = [SamplingParams(temperature=1.0, seed=11 + i, max_new_tokens=NEW_TOKENS, ignore_eos=True, min_p=0.1)
                for i in range(len(prompts))]
     with_min_p = assert_lossless(runner, prompts, sampled)
@@ -79,7 +68,7 @@ def test_min_tokens_holds_back_the_stop_tokens_and_speculation_is_lossless(demo,
     """Each request's third free-running token is made its stop token: without min_tokens the request ends there;
     with min_tokens 12 that token never appears among the first 12, and the request ends at its first later
     occurrence (or at max_new_tokens); with NGRAM drafts (which know nothing of it) the outputs are plain's."""
-    runner, prompts = demo
+    runner, prompts, _ = demo
 
     def params(i, **extra):
         seed = {"seed": 21 + i} if sampling["temperature"] else {}

@@ -107,28 +107,17 @@ class _Recent:
         return self._median
 
 
-class _Cycle:
+class _Cycle(_Recent):
     """The mean whole-cycle seconds of the last few decode steps at one budget and load. A mean, not a median:
     a stall that hits two steps in five (a collection, an eviction, a drafter's hiccup) is part of what the
     budget costs, and a median of each phase would hide it. Dropped when stale, as _Recent."""
 
-    __slots__ = ("seconds", "last")
+    __slots__ = ()
     WINDOW = 32
-
-    def __init__(self):
-        self.seconds: list[float] = []
-        self.last = 0
-
-    def add(self, seconds: float, step: int, stale: int) -> None:
-        if stale and step - self.last > stale:
-            self.seconds.clear()
-        self.last = step
-        self.seconds.append(seconds)
-        del self.seconds[: -self.WINDOW]
 
     @property
     def value(self) -> float:
-        return sum(self.seconds) / len(self.seconds)
+        return sum(self.values) / len(self.values)
 
 
 @dataclass
@@ -175,7 +164,9 @@ class AdaptiveSpeculation:
         self._verify: dict[int, tuple[_Recent, _Recent]] = {}  # token bucket -> (mean tokens, mean seconds)
         self._spec: dict[tuple[int, int], _Recent] = {}  # (budget, batch bucket) -> seconds outside the forward
         self._base: dict[tuple[bool, int], _Recent] = {}  # (drafted?, batch bucket) -> seconds
-        self._cycles: dict[tuple[int, int], _Cycle] = {}  # (budget, batch quarter-octave) -> whole decode cycles
+        # (budget, batch quarter-octave) -> whole decode cycles; plain decoding's never go stale (they do not depend
+        # on the traffic), a budget's do, as its timings do
+        self._cycles: dict[tuple[int, int], _Cycle] = {}
         self._off_steps = 0  # consecutive steps at budget 1
         self._previous_budget = 0  # the last observed step's budget (0: none yet)
         self._steps = 0  # steps observed
@@ -227,7 +218,8 @@ class AdaptiveSpeculation:
             if step.speculating:
                 self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Recent()).add(
                     step.spec_seconds, now, stale)
-            self._cycle(step, batch, now)
+            self._cycles.setdefault((step.budget if drafted else 1, _bucket(batch)), _Cycle()).add(
+                step.verify_seconds + step.spec_seconds + step.base_seconds, now, stale if drafted else 0)
         if step.accepts:
             for d in range(1, len(self._trials)):
                 self._trials[d] *= cfg.decay
@@ -246,13 +238,6 @@ class AdaptiveSpeculation:
                                                                                           len(step.accepts))
             self._tier_tokens[step.budget] = self._tier_tokens.get(step.budget, 0.0) + sum(
                 1 + a for _, a in step.accepts) + max(step.speculating - len(step.accepts), 0)
-
-    def _cycle(self, step: StepShape, batch: int, now: int) -> None:
-        """A decode step's whole cycle at its budget and load. Plain decoding's never goes stale (it does not
-        depend on the traffic); a budget's does, as its timings do."""
-        drafted = step.budget > 1 and step.speculating > 0
-        self._cycles.setdefault((step.budget if drafted else 1, _bucket(batch)), _Cycle()).add(
-            step.verify_seconds + step.spec_seconds + step.base_seconds, now, self.config.stale_steps if drafted else 0)
 
     # prediction ----------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -383,7 +368,7 @@ class AdaptiveSpeculation:
     def _timed(self, budget: int, batch: int) -> bool:
         """Whether min_timings whole decode cycles were timed at this budget and load, lately."""
         cycle = self._cycles.get((budget, _bucket(batch)))
-        return cycle is not None and len(cycle.seconds) >= self.config.min_timings and (
+        return cycle is not None and len(cycle.values) >= self.config.min_timings and (
             budget == 1 or cycle.last >= self._horizon())
 
     def _correct(self, predicted: dict[int, float], speculating: int, plain: int) -> None:
