@@ -1,8 +1,9 @@
 """NGRAM drafting with SGLang's semantics (REFERENCES §5.3): one trie of recent token paths shared by
 all requests; the longest suffixes of a request's context that the trie knows anchor a tree.
 
-    insert   every start i of a window (i + min_window < len) adds the path window[i : i+branch_length];
-             each node on it gets freq += 1 and becomes the most recent child of its parent
+    insert   after each verify, the request's last branch_length tokens (prompt + output) are a window; every
+             start i (i + min_window < len) adds the path window[i : i+branch_length]; each node on it gets
+             freq += 1 and becomes the most recent child of its parent. The rest of a prompt is not inserted
     match    for w = min(len, max_window) .. min_window, walk the last w context tokens: anchors, longest first
     BFS      per anchor, breadth (max_window - w) * scale + min_bfs with scale = (max_bfs - min_bfs) /
              (max_window - min_window + 1): a longer match gives a narrower tree; take the first
@@ -208,7 +209,9 @@ class NgramDrafter(Drafter):
         self._held: list[list[int]] = []
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
-        self._held.append(list(prompt_ids))  # the prompt: inserted before its first draft
+        # the prompt is context, not trie: SGLang inserts only each verify's last branch_length tokens (the
+        # prompt's tail among them), and a whole prompt's insert (~18 node updates per token) would cost a
+        # long prompt milliseconds of host time at its admission
         self.contexts[request_id] = list(prompt_ids)
 
     def extend(self, request_id: str, tokens: list[int]) -> None:

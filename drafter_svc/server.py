@@ -30,6 +30,7 @@ from splitspec import engine_args, heap
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
 from splitspec.drafter_svc.drafting import Drafting
+from splitspec.host_profile import HostProfile
 from splitspec.protos.step_limits import drafter_receive_limit
 from splitspec.runtime.args import LOG_LEVELS, setup_logging
 from splitspec.runtime.curve import ClientKeys, CurveError, HandshakeMonitor, Throttle, client_keys, make_client
@@ -185,12 +186,15 @@ class DrafterServer(Drafting):
     def serve(self) -> None:
         """Until stop(); raises RefusedError if the verifier refuses this drafter."""
         self._connect()
+        profile = HostProfile(f"drafter-{self.name}")  # SPLITSPEC_PROFILE_HOST
+        profile.start()
         try:
-            self._serve()
+            self._serve(profile)
         finally:
+            profile.stop()
             self._close()
 
-    def _serve(self) -> None:
+    def _serve(self, profile: HostProfile) -> None:
         last_register = last_heartbeat = -1e9
         last_heard = time.monotonic()
         logger.info("drafter %s (%s) connecting to %s%s", self.name, self.drafter.name, self.address,
@@ -207,6 +211,7 @@ class DrafterServer(Drafting):
                 self._reset(f"no word from the verifier for {self.verifier_timeout:.1f} s", "verifier_silent")
                 self._connect()
                 last_heard = now
+            profile.tick()
             events = dict(self.poller.poll(timeout=int(self.heartbeat_interval * 1000) or 1))
             if self.handshakes.socket in events and self._check_handshakes() and self.session == 0:
                 self._register()  # connected: register now rather than at the next retry

@@ -49,7 +49,9 @@
 #             --speculative-adaptive off: every step drafts its full tree), demo-ngram-local (demo-ngram drafted in the verifier's
 #             process: up --drafters 0); SERVED_LOAD adds bench flags; each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
-#             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks)
+#             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
+#             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;
+#             a profiled run's speeds are not figures)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA; a device call for it
@@ -154,7 +156,7 @@ for stage in "${stages[@]}"; do
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
                         *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
-                    SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$case" timeout "${SERVED_TIMEOUT:-540}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$case.json" \
+                    SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$case" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$case} timeout "${SERVED_TIMEOUT:-540}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$case.json" \
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
                         -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || { stop=1; break; }
                 done ;;

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitspec.host_profile import HostProfile
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.step_types import Request, StepEvent
 
@@ -84,8 +85,11 @@ class EngineWorker(threading.Thread):
 
     def run(self) -> None:
         clock = time.perf_counter
+        profile = HostProfile("verifier")  # SPLITSPEC_PROFILE_HOST
+        profile.start()
         while True:
             busy = self.engine.has_work
+            profile.tick(idle=not busy)
             start = clock()
             self._drain(block=not busy)
             if self.engine.has_work:
