@@ -35,8 +35,8 @@ load crosses it (no cliff); a switch needs a predicted gain of --speculative-ada
 budget does not flap, except away from a tree predicted no faster than plain decoding (drafting that gains
 nothing is not kept by the hysteresis: it costs the drafter's work, which the forward's time does not show). A budget never tried is predicted optimistically (its acceptance from the larger
 budgets, its drafting cost from the nearest batch seen), tried, measured and kept or left. While speculation is
-off the acceptance cannot be measured, so every --speculative-adaptive-probe-interval steps one step
-speculates with the best budget, when full acceptance could make speculation win at that load at all. While it
+off the acceptance cannot be measured, so every --speculative-adaptive-probe-interval steps two steps
+speculate with the best budget (the second one's costs are timed: steady), when full acceptance could make speculation win at that load at all. While it
 speculates, timings older than 256 steps are not trusted (a forward size or budget timed only that long ago is
 predicted optimistically again) and are dropped when a new one comes: a budget judged by its first, warming-up
 steps, or by a load that has passed, is measured again rather than left out for good.
@@ -173,6 +173,7 @@ class AdaptiveSpeculation:
         self._used: dict[int, int] = {}  # budget -> the step it was last chosen at
         self.switches = 0
         self.probes = 0
+        self._probing = 0  # a probe's budget, for its second step
         self.tries = 0  # single steps at a budget not used lately, to measure it before switching to it
         self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
         self._acceptance_cache: list[float] = []
@@ -357,8 +358,12 @@ class AdaptiveSpeculation:
         bucket = _batch_bucket(speculating + plain)
         drafted = budget > 1 and speculating > 0
         base = self._nearest(self._base, bucket, drafted)
-        if drafted and not any(k[0] for k in self._base):  # nothing drafted timed yet: as the steps without drafts
-            base = self._nearest(self._base, bucket, False)
+        own = self._base.get((True, bucket))
+        if drafted and (own is None or len(own.values) < self.config.min_timings):
+            # drafted steps timed too few times at this load: no dearer than the steps without drafts (optimistic,
+            # so tried and measured; another load's base, or one odd step, must not keep drafting off here)
+            undrafted = self._nearest(self._base, bucket, False)
+            base = min(base, undrafted) if base else undrafted
         seconds = verify + base
         if speculating:
             seconds += self._spec_seconds(budget, _batch_bucket(speculating))
@@ -428,6 +433,9 @@ class AdaptiveSpeculation:
         return self._last_choice
 
     def _decide(self, predicted: dict[int, float], speculating: int, plain: int, prefill_tokens: int) -> int:
+        if self._probing:
+            probe, self._probing = self._probing, 0
+            return probe
         best = max(self.ladder, key=lambda n: (predicted[n], -n))  # ties: the smaller tree
         # the hysteresis keeps the current budget against a slightly better one, but a tree predicted no faster
         # than plain decoding is not kept by it (drafting that gains nothing still costs the drafter's work)
@@ -443,7 +451,8 @@ class AdaptiveSpeculation:
                 probe = max(hopeful, key=lambda n: hopeful[n]) if hopeful else 1
                 if hopeful and hopeful[probe] > predicted[1]:
                     self.probes += 1
-                    return probe  # one step; self.budget stays 1
+                    self._probing = probe
+                    return probe  # two steps (the second one's costs are steady: timed); self.budget stays 1
         else:
             self._off_steps = 0
         if choice != self.budget:

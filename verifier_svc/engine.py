@@ -252,18 +252,25 @@ class Engine:
         pages only the prefix cache holds) has room for their prefill and first tree beyond what the
         running requests' next trees take."""
         limit = self.scheduler.max_running_requests
+        if not self.waiting or 0 < limit <= len(self.running):
+            return
         kv = self.runner.kv_cache
-        available = kv.allocator.num_free + (self.prefix_cache.num_evictable if self.prefix_cache is not None else 0)
-        available -= sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
-                         for r in self.running if r.decoding)
+        available = kv.allocator.num_free - sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
+                                                for r in self.running if r.decoding)
+        evictable = False  # the prefix cache's evictable pages: counted once, when free pages do not do (a walk)
         while self.waiting and (limit <= 0 or len(self.running) < limit):
             request = self.waiting[0]  # max_new_tokens 0 comes with prompt_logprobs (SamplingParams): it prefills
             cached = self._match_prefix(request)
             needed = kv.pages_for(request.fill_len + self._tree_tokens(request)) - len(cached)
+            if self.running and needed > available and not evictable and self.prefix_cache is not None:
+                available += self.prefix_cache.num_evictable
+                evictable = True
             if self.running and needed > available:
                 break
             self.waiting.pop(0)
-            available -= needed + sum(1 for page in cached if kv.allocator.refcount(page) == 1)
+            available -= needed
+            if evictable:  # counted in: the cached pages it now holds are no longer evictable
+                available -= sum(1 for page in cached if kv.allocator.refcount(page) == 1)
             if request.speculate and not request.num_preemptions:  # a hidden-state drafter gets the rest paired, later
                 self.drafter.open(request.request_id, request.prompt_ids[:1] if self.needs_hidden else request.prompt_ids)
             if cached:
