@@ -53,6 +53,7 @@ class Choice:
     echo_sent: bool = False  # streamed: the echo went out (with the first delta)
     prompt: list[int] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)  # with echo and logprobs: entries as logprobs', the first None
+    grammar_field: str | None = None  # structured outputs: the field of the request's grammar
 
 
 class LatencyClock:
@@ -194,6 +195,8 @@ class Gateway:
             sampling.logit_bias.update(g.logit_bias)
             sampling.stop_token_ids.extend(g.stop_token_ids)
             sampling.min_p, sampling.min_tokens = g.min_p, g.min_tokens
+            if g.grammar is not None:
+                sampling.grammar_kind, sampling.grammar = g.grammar
             if g.echo and (g.logprobs or most == 0):  # the verifier computes the prompt's logprobs (0: nothing else)
                 sampling.prompt_logprobs = g.top_logprobs
             choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec, g.skip_special_tokens),
@@ -201,6 +204,7 @@ class Gateway:
             if g.echo:
                 source = g.prompts[index // g.n] if g.prompts else None
                 choice.echo = source if isinstance(source, str) else self.codec.decode(prompt, skip_special_tokens=False)
+            choice.grammar_field = g.grammar_field
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)
         self.metrics.prompt_tokens.labels(**self.metrics.model).inc(sum(len(p) for p in prompts))
@@ -241,8 +245,11 @@ class Gateway:
             if delta.finish_reason == pb.FINISH_REASON_ERROR:
                 choice.finish_reason = "error"
                 status = 400 if delta.error_code in (GRPC_INVALID_ARGUMENT, GRPC_RESOURCE_EXHAUSTED) else 503
-                choice.error = APIError(status, f"the verifier refused the request: {delta.error}",
-                                        "invalid_request_error" if status == 400 else "service_unavailable")
+                grammar = delta.error.startswith("INVALID_ARGUMENT: grammar: ") and choice.grammar_field is not None
+                choice.error = APIError(status, f"'{choice.grammar_field}': {delta.error.split('grammar: ', 1)[1]}"
+                                        if grammar else f"the verifier refused the request: {delta.error}",
+                                        "invalid_request_error" if status == 400 else "service_unavailable",
+                                        choice.grammar_field if grammar else None, "invalid_value" if grammar else None)
             else:
                 choice.finish_reason = FINISH.get(delta.finish_reason, "stop")
                 out.append(choice.stop.feed(choice.decoder.flush()))

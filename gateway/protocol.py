@@ -15,10 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, WrapValidator,
+                      model_validator)
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
+from splitspec.gateway.structured import StructuredFields
 from splitspec.runtime.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
@@ -80,6 +82,8 @@ class Generation:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
+    grammar: tuple[str, str] | None = None  # structured outputs: (kind, text), gateway/structured.py
+    grammar_field: str | None = None  # the request field that carried it (a grammar the verifier refuses names it)
 
     def most_tokens(self, prompt_len: int, context: int) -> int:
         """The tokens a choice may generate: max_tokens, or what the context leaves after its prompt."""
@@ -154,10 +158,6 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
-class TextFormat(_Strict):
-    type: Literal["text"]
-
-
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -190,7 +190,7 @@ class AssistantMessage(_Message):
 AnyMessage = Annotated[Union[Message, AssistantMessage], Field(discriminator="role")]
 
 
-class _Request(_Strict):
+class _Request(_Strict, StructuredFields):
     """What chat and text completions share."""
 
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = None  # None: what the context leaves
@@ -223,8 +223,11 @@ class _Request(_Strict):
         default=None, description="vLLM's: accepted; this server's fast tokenizers decode special tokens adjacent either "
         "way, as vLLM's fast detokenizer does")
 
+    _grammar: tuple[str, tuple[str, str]] | None = PrivateAttr(default=None)  # (field, (kind, text))
+
     @model_validator(mode="after")
     def _stream_options(self, info: ValidationInfo):
+        self._grammar = self.grammar()  # structured outputs: one constraint, parsed (gateway/structured.py)
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError("stream_options", "'stream_options' is only allowed when 'stream' is true")
         vocab = (info.context or {}).get("vocab_size")
@@ -265,6 +268,7 @@ class _Request(_Strict):
         g.min_p = self.min_p or 0.0
         g.min_tokens = self.min_tokens or 0
         g.skip_special_tokens = self.skip_special_tokens is not False
+        g.grammar_field, g.grammar = self._grammar or (None, None)
         return g
 
 
@@ -282,7 +286,6 @@ class ChatCompletionRequest(_Request):
     function_call: Literal["none", "auto"] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: TextFormat | None = None
     audio: None = None
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
     prediction: None = None
@@ -359,7 +362,7 @@ class CompletionRequest(_Request):
 
 
 NOT_SERVED = {"tools", "functions", "function_call", "tool_choice", "parallel_tool_calls",
-              "response_format", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "store",
+              "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "store",
               "metadata", "service_tier", "verbosity", "prompt_cache_key", "safety_identifier", "best_of", "suffix"}
 
 
@@ -392,10 +395,13 @@ def _api_error(exc: ValidationError) -> APIError:
     kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
     param = _param(loc)
     if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens",
-                "min_tokens", "max_tokens"):  # a check across fields, already phrased
+                "min_tokens", "max_tokens", "response_format", "regex", "ebnf", "json_schema"):  # already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")
+    if kind in ("union_tag_invalid", "union_tag_not_found") and loc[:1] == ("response_format",):
+        return invalid("response_format.type", "'response_format.type' must be one of text, json_object, json_schema",
+                       "missing_required_parameter" if kind == "union_tag_not_found" else "invalid_value")
     if kind in ("union_tag_invalid", "union_tag_not_found"):  # a message's role
         role = e.get("input", {}).get("role") if isinstance(e.get("input"), dict) else None
         return invalid(f"{param}.role", f"'{param}.role' must be one of {', '.join(ROLES)}, got {role!r}",

@@ -39,6 +39,10 @@ ALLOWED_REFUSALS = {
     ("logit_bias", "invalid_value"),  # a logit_bias token id past the vocabulary (the schema bounds the keys as ids only)
     ("min_tokens", "invalid_value"),  # min_tokens above the tokens the request may generate (a check across fields)
     ("max_tokens", "invalid_value"),  # completions' max_tokens 0 without echo (a check across fields)
+    # structured outputs: a schema, regex or grammar that does not parse (no JSON schema states their syntax), or
+    # more than one of them
+    ("response_format", "invalid_value"), ("regex", "invalid_value"), ("ebnf", "invalid_value"),
+    ("json_schema", "invalid_value"),
 }
 ALLOWED_REFUSAL_PREFIXES = ("prompt[",)  # prompt[i] context_length_exceeded in a batch
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -368,6 +369,38 @@ def test_min_p_min_tokens_and_special_tokens_through_the_openai_client(stack):
     with pytest.raises(openai.BadRequestError) as refused:
         c.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"min_tokens": 5})
     assert refused.value.body["param"] == "min_tokens"
+
+
+def test_structured_outputs_through_the_openai_client(stack, validate):
+    """response_format json_schema (strict) and json_object on chat, SGLang's regex on completions (extra_body),
+    streamed and whole, while the requests speculate: every complete answer parses and matches; a bad schema or
+    regex is a 400 naming its field, and the server keeps serving."""
+    import openai
+    from test_structured_outputs import SCHEMA, valid
+
+    c = client(stack)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a shape as JSON."}], max_tokens=64,
+               temperature=0)
+    raw = c.chat.completions.with_raw_response.create(**ask, response_format={
+        "type": "json_schema", "json_schema": {"name": "shape", "schema": SCHEMA, "strict": True}})
+    validate(json.loads(raw.text), "CreateChatCompletionResponse")
+    shaped = raw.parse()
+    assert shaped.choices[0].finish_reason == "stop" and valid(shaped.choices[0].message.content), shaped
+    assert shaped.model_extra["speculative"]["draft_tokens"] > 0
+    mode = c.chat.completions.create(**ask, response_format={"type": "json_object"}, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in mode if chunk.choices)
+    whole = c.chat.completions.create(**ask, response_format={"type": "json_object"}).choices[0]
+    assert text == whole.message.content and (whole.finish_reason == "length" or isinstance(json.loads(text), dict))
+    pattern = r"(yes|no), [a-z]{2,8}\."
+    matched = c.completions.create(model=MODEL, prompt="Answer: ", max_tokens=24, temperature=0,
+                                   extra_body={"regex": pattern}).choices[0]
+    assert matched.finish_reason == "stop" and re.fullmatch(pattern, matched.text), matched
+    for extra, field in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "objectx"}}}}, "response_format"), ({"extra_body": {"regex": "a(b"}}, "regex")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(**ask, **extra)
+        assert refused.value.body["param"] == field and "invalid" in refused.value.body["message"]
+    assert c.chat.completions.create(**ask).choices[0].message.content  # still serving
 
 
 def test_echo_with_prompt_logprobs_as_lm_eval_harness_asks(stack, validate):

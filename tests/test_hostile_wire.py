@@ -85,6 +85,19 @@ class FakeVerifier:
         self.socket.close(linger=0)
 
 
+def learned(fake, request_id: str, history: list[int], step: int = 1):
+    """Open a request with history[:-1] and ask with its last token: NGRAM inserts no prompt (SGLang's semantics),
+    the window of that ask reaches its trie before the next draft, so the second ask (step + 1, returned) drafts
+    from the history."""
+    fake.send(fake.message(open=step_pb2.OpenRequest(request_id=request_id, token_ids=history[:-1])))
+    fake.send(fake.draft(step, request_id, new_tokens=history[-1:]))
+    first = fake.recv()
+    if first is None or first.WhichOneof("kind") != "draft_reply":
+        return first
+    fake.send(fake.draft(step + 1, request_id))
+    return fake.recv()
+
+
 def test_a_hostile_verifier_cannot_take_a_drafter_down():
     fake = FakeVerifier()
     metrics_port = free_port()
@@ -100,13 +113,11 @@ def test_a_hostile_verifier_cannot_take_a_drafter_down():
         fake.send(fake.message(register_reply=step_pb2.RegisterReply(accepted=True, session=7, heartbeat_timeout_seconds=30)))
         # a proper request first: the drafter works
         history = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
-        fake.send(fake.message(open=step_pb2.OpenRequest(request_id="r1", token_ids=history)))
-        fake.send(fake.draft(1, "r1"))
-        reply = fake.recv()
-        assert reply.WhichOneof("kind") == "draft_reply" and reply.draft_reply.step_id == 1
+        reply = learned(fake, "r1", history)
+        assert reply.WhichOneof("kind") == "draft_reply" and reply.draft_reply.step_id == 2
         assert reply.draft_reply.trees and reply.draft_reply.trees[0].tokens[:2] == [7, 8]  # root 7, NGRAM: 5 6 7 -> 8
         dropped_before = _metric(metrics_url, "splitspec:drafter_dropped_messages_total")
-        proper = fake.draft(2, "r1").SerializeToString()
+        proper = fake.draft(3, "r1").SerializeToString()
         hostile = {
             "undecodable": [b"\xff\x00garbage\x13\x37"],
             "empty": [b""],
@@ -119,10 +130,10 @@ def test_a_hostile_verifier_cannot_take_a_drafter_down():
             fake.raw(*frames)
         quiet = {  # answered as a verifier would want, or ignored: never a crash
             "wrong session": fake.message(open=step_pb2.OpenRequest(request_id="r9", token_ids=[1, 2]), session=999),
-            "never opened": fake.draft(3, "r-unknown"),
+            "never opened": fake.draft(4, "r-unknown"),
             "out of range tokens": fake.message(open=step_pb2.OpenRequest(request_id="r2", token_ids=[-5, 2**31 - 1, 0])),
-            "absurd budget": fake.draft(4, "r1", new_tokens=[8], max_nodes=2**32 - 1, num_bets=2**32 - 1),
-            "replay": fake.draft(4, "r1"),
+            "absurd budget": fake.draft(5, "r1", new_tokens=[8], max_nodes=2**32 - 1, num_bets=2**32 - 1),
+            "replay": fake.draft(5, "r1"),
             "release unknown": fake.message(release=step_pb2.ReleaseRequest(request_ids=["nobody", ""])),
         }
         for message in quiet.values():
@@ -131,17 +142,17 @@ def test_a_hostile_verifier_cannot_take_a_drafter_down():
         while (message := fake.recv(timeout=5)) is not None:
             if message.WhichOneof("kind") == "draft_reply":
                 answers[message.draft_reply.step_id] = message.draft_reply
-        assert "r-unknown" in answers[3].unknown_request_ids  # asked about what it never heard of: says so
-        assert len(answers[4].trees) <= 1 and all(len(t.tokens) <= 8 for t in answers[4].trees)  # its own cap
+        assert "r-unknown" in answers[4].unknown_request_ids  # asked about what it never heard of: says so
+        assert len(answers[5].trees) <= 1 and all(len(t.tokens) <= 8 for t in answers[5].trees)  # its own cap
         assert drafter.poll() is None
         dropped = _metric(metrics_url, "splitspec:drafter_dropped_messages_total") - dropped_before
         assert dropped >= len(hostile) - 1, dropped  # every unusable frame counted (an empty one may read as no kind)
         # still registered, still heartbeating, still drafting
         beats = fake.heartbeats
-        fake.send(fake.message(open=step_pb2.OpenRequest(request_id="r3", token_ids=history)))
-        fake.send(fake.draft(5, "r3"))
+        fake.send(fake.message(open=step_pb2.OpenRequest(request_id="r3", token_ids=history)))  # what r1 taught
+        fake.send(fake.draft(6, "r3"))
         reply = fake.recv()
-        assert reply.WhichOneof("kind") == "draft_reply" and reply.draft_reply.step_id == 5
+        assert reply.WhichOneof("kind") == "draft_reply" and reply.draft_reply.step_id == 6
         assert reply.draft_reply.trees[0].tokens[:2] == [7, 8]
         deadline = time.time() + 60
         while fake.heartbeats <= beats:  # and heartbeating (however busy the machine, within a minute)
@@ -178,9 +189,7 @@ def test_frames_over_the_step_channel_limit_are_cut_off_before_they_are_allocate
         test process starved of CPU for 2 s looks silent and the drafter registers again: it is taken back
         (a new session) and asked again, however often a busy machine makes that happen."""
         for _ in range(20):
-            fake.send(fake.message(open=step_pb2.OpenRequest(request_id=request_id, token_ids=history)))
-            fake.send(fake.draft(step, request_id))
-            reply = fake.recv(timeout=120)
+            reply = learned(fake, request_id, history, step)
             if reply is None or reply.WhichOneof("kind") != "register":
                 return reply
             fake.session += 1
@@ -252,10 +261,8 @@ def test_a_drafter_that_fell_behind_drafts_only_the_newest_ask_and_a_lost_sessio
     pattern = [5, 6, 7, 8]
     try:
         history = pattern * 3  # ends in 8: NGRAM proposes 5 6 7 8 ... after it
-        for rid in ("r1", "r2"):
-            fake.send(fake.message(open=step_pb2.OpenRequest(request_id=rid, token_ids=history)))
-        fake.send(fake.draft(1, "r1"))
-        assert fake.recv().draft_reply.trees  # working
+        assert learned(fake, "r1", history).draft_reply.trees  # working
+        fake.send(fake.message(open=step_pb2.OpenRequest(request_id="r2", token_ids=history)))
         os.kill(drafter.pid, signal.SIGSTOP)
         steps = range(10, 30)
         tokens = list(history)

@@ -27,6 +27,7 @@ def sampling_params(wire: pb.SamplingParams) -> SamplingParams:
         logprobs=wire.top_logprobs if wire.HasField("top_logprobs") else None,
         logit_bias=tuple(sorted(wire.logit_bias.items())), min_p=wire.min_p, min_tokens=wire.min_tokens,
         prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None,
+        grammar=(wire.grammar_kind, wire.grammar) if wire.grammar_kind else None,
     )
 
 

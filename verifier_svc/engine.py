@@ -11,13 +11,6 @@ logical slots L .. L+N-1 in node order):
     after commit    [ committed 0..L-1 | n0 n2 n4 ]             slots of n2, n4 copied down, rest freed
 
 The bonus token is the next root and is not in the cache.
-
-Scheduling is optimistic (SGLang's and vLLM's): a waiting request joins when the pool has room for its
-prompt and one tree, not for its whole output. Each step reserves, oldest request first, the pages of
-every decoding request's tree and of every prefill chunk; when the pool runs dry, the newest running
-request is preempted: its KV goes to the prefix cache (or back to the pool), it returns to the front of
-the waiting queue with the tokens it has, and on readmission prompt + output so far is prefilled again
-(from the prefix cache where its pages survived). Outputs do not change: sampling is keyed by position.
 """
 
 from __future__ import annotations
@@ -30,7 +23,6 @@ from collections.abc import Callable
 import torch
 
 from splitspec.runtime.batch import SequenceInput
-from splitspec.runtime.kv_cache import OutOfPagesError
 from splitspec.runtime.penalties import apply_penalties
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import sample
@@ -40,6 +32,8 @@ from splitspec.verifier_svc.acceptance import Acceptance
 from splitspec.verifier_svc.adaptive import StepShape, adaptive_policy
 from splitspec.verifier_svc.draft_features import pair_prompt_states, path_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
+from splitspec.verifier_svc.grammar_masks import GrammarMasks, no_grammars
+from splitspec.verifier_svc.scheduling import Scheduling
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
                                                StepReport)
 from splitspec.verifier_svc.verification import (Verify, accept_tree, kv_moves, pad_size, prompt_logprobs,
@@ -51,11 +45,14 @@ logger = logging.getLogger(__name__)
 FEED_EVERY = 16  # adaptive, speculation off: a request's new tokens go to the drafter in batches of this many
 
 
-class Engine:
+class Engine(Scheduling):
     def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int],
-                 scheduler: SchedulerConfig | None = None, prefix_cache=None, sync_timing: bool = False):
+                 scheduler: SchedulerConfig | None = None, prefix_cache=None, sync_timing: bool = False,
+                 grammars=None):
         """sync_timing: on a GPU, wait for the device at each phase boundary, so that the step's phase
-        times (report.seconds) are the device's too, not only the host's launches (`splitspec bench`)."""
+        times (report.seconds) are the device's too, not only the host's launches (`splitspec bench`).
+        grammars: a runtime.grammar.Compiler for structured outputs (None: requests with a grammar fail)."""
+        self.grammars = grammars
         self.sync_timing = sync_timing and runner.device.type == "cuda"
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
         self.scheduler = scheduler or SchedulerConfig()
@@ -85,6 +82,8 @@ class Engine:
         number = next(self._ids)
         request = Request(f"r{number}", list(prompt_ids), params.with_seed().with_min_tokens_ban(self.eos_ids),
                           speculate and self.drafter is not None, arrival=number)
+        if params.grammar is not None:  # compiled off this thread; admitted once it is (scheduling._ready)
+            request.grammar = self.grammars.compile(params.grammar) if self.grammars is not None else no_grammars()
         self.waiting.append(request)
         return request
 
@@ -127,7 +126,8 @@ class Engine:
         trees = self._timed("draft", self._draft)
         verifies = [Verify(r, trees.get(r.request_id) or DraftTree((r.output_ids[-1],), (-1,)), r.table.num_tokens)
                     for r in self.running if r.decoding]
-        events, self._events = self._events + self._forward_and_accept(prefills, verifies), []
+        masks = GrammarMasks.build(prefills, verifies, self.runner.config.vocab_size) if self.grammars else None
+        events, self._events = self._events + self._forward_and_accept(prefills, verifies, masks), []
         self._retire()
         self._timed("ask", self._request_drafts)
         self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
@@ -176,121 +176,6 @@ class Engine:
         decoding = [r for r in self.running if r.decoding or limit <= 0 or r.fill_len - r.num_prefilled <= limit]
         speculating = sum(1 for r in decoding if r.speculate)
         return self.adaptive.choose(speculating, len(decoding) - speculating, self.report.prefill_tokens)
-
-    # schedule ------------------------------------------------------------------------------------
-    def _tree_tokens(self, request: Request) -> int:
-        """KV slots a decoding request's next verify may write: its tree budget, or the root alone."""
-        if not request.speculate:
-            return 1
-        return request.draft_budget or self.budget
-
-    def _schedule(self) -> list[Chunk]:
-        """Admit, then reserve this step's pages oldest request first, preempting the newest when the
-        pool runs dry. The step's token budget (--chunked-prefill-size) counts every decoding request's
-        tree first; prompt chunks share what is left."""
-        self._admit()
-        limit = self.scheduler.chunked_prefill_size
-        budget = None if limit <= 0 else limit - sum(self._tree_tokens(r) for r in self.running if r.decoding)
-        chunks = []
-        for request in sorted(self.running, key=lambda r: r.arrival):
-            if request not in self.running:  # preempted by an older request this step
-                continue
-            if request.decoding:
-                self._reserve(request, request.table.num_tokens + self._tree_tokens(request))
-                continue
-            size = request.fill_len - request.num_prefilled
-            if budget is not None:
-                size = min(size, budget)
-            if size <= 0:
-                continue
-            if self._reserve(request, request.num_prefilled + size):
-                chunks.append(Chunk(request, request.num_prefilled, request.num_prefilled + size))
-                if budget is not None:
-                    budget -= size
-        return chunks
-
-    def _reserve(self, request: Request, num_tokens: int) -> bool:
-        """Pages for num_tokens slots of request, preempting newer requests as needed. False when the
-        request itself was preempted (or ended: it cannot fit even alone)."""
-        kv = self.runner.kv_cache
-        while True:
-            try:
-                kv.reserve(request.table, num_tokens)
-                return True
-            except OutOfPagesError:
-                victim = max(self.running, key=lambda r: r.arrival)
-                if victim is request and len(self.running) == 1:
-                    self._fail(request, f"RESOURCE_EXHAUSTED: the request needs {kv.pages_for(num_tokens)} KV pages "
-                                        f"and the cache has {kv.num_pages} (--max-total-tokens)")
-                    return False
-                self._preempt(victim)
-                if victim is request:
-                    return False
-
-    def _preempt(self, request: Request) -> None:
-        """Back to the waiting queue's front; the KV it computed is offered to the prefix cache."""
-        logger.info("preempting %s (%d tokens in KV, %d generated): out of KV pages", request.request_id,
-                    request.table.num_tokens, len(request.output_ids))
-        self._cache_and_release(request)
-        request.fill_len = len(request.prompt_ids) + max(len(request.output_ids) - 1, 0)
-        request.num_prefilled = 0
-        request.num_preemptions += 1
-        self.report.preemptions += 1
-        request.draft_budget = 0  # asked again once it decodes
-        self.running.remove(request)
-        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
-        self.waiting.insert(position, request)
-
-    def _fail(self, request: Request, message: str) -> None:
-        logger.warning("ending %s: %s", request.request_id, message)
-        request.finish_reason = "error"
-        self._events.append(StepEvent(request.request_id, [], "error", message))
-        self._retire()
-
-    def _admit(self) -> None:
-        """Waiting requests join in order, up to --max-running-requests, while the pool (free pages and
-        pages only the prefix cache holds) has room for their prefill and first tree beyond what the
-        running requests' next trees take."""
-        limit = self.scheduler.max_running_requests
-        if not self.waiting or 0 < limit <= len(self.running):
-            return
-        kv = self.runner.kv_cache
-        available = kv.allocator.num_free - sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
-                                                for r in self.running if r.decoding)
-        evictable = False  # the prefix cache's evictable pages: counted once, when free pages do not do (a walk)
-        while self.waiting and (limit <= 0 or len(self.running) < limit):
-            request = self.waiting[0]  # max_new_tokens 0 comes with prompt_logprobs (SamplingParams): it prefills
-            cached = self._match_prefix(request)
-            needed = kv.pages_for(request.fill_len + self._tree_tokens(request)) - len(cached)
-            if self.running and needed > available and not evictable and self.prefix_cache is not None:
-                available += self.prefix_cache.num_evictable
-                evictable = True
-            if self.running and needed > available:
-                break
-            self.waiting.pop(0)
-            available -= needed
-            if evictable:  # counted in: the cached pages it now holds are no longer evictable
-                available -= sum(1 for page in cached if kv.allocator.refcount(page) == 1)
-            if request.speculate and not request.num_preemptions:  # a hidden-state drafter gets the rest paired, later
-                self.drafter.open(request.request_id, request.prompt_ids[:1] if self.needs_hidden else request.prompt_ids)
-            if cached:
-                kv.allocator.incref(cached)
-                request.table.pages = list(cached)
-                request.table.num_tokens = request.num_prefilled = len(cached) * kv.page_size
-                self.report.cached_tokens += request.num_prefilled
-                if not request.num_preemptions:
-                    request.cached_tokens = request.num_prefilled
-            self.running.append(request)
-
-    def _match_prefix(self, request: Request) -> list[int]:
-        """Cached pages of the longest cached prefix of what the request must prefill. A fresh prompt's
-        last token is always computed: its logits give the first output token."""
-        if self.prefix_cache is None:
-            return []
-        if (self.needs_hidden and request.speculate and not request.output_ids) or request.wants_prompt_logprobs:
-            return []  # the drafter needs the prompt's hidden states, or the caller its logprobs: recompute
-        fill = request.fill_ids
-        return self.prefix_cache.match(fill if request.output_ids else fill[:-1])
 
     # draft ---------------------------------------------------------------------------------------
     def _request_drafts(self, only_missing: bool = False) -> None:
@@ -353,12 +238,14 @@ class Engine:
         return trees
 
     # verify + accept -----------------------------------------------------------------------------
-    def _forward_and_accept(self, prefills: list[Chunk], verifies: list[Verify]) -> list[StepEvent]:
+    def _forward_and_accept(self, prefills: list[Chunk], verifies: list[Verify], masks=None) -> list[StepEvent]:
         sequences = self._sequences(prefills, verifies)
         if not sequences:
             return []
         batch, logits, features = self._forward(sequences)
         accept_start = self._clock()
+        if masks is not None:  # structured outputs: what each constrained row's grammar forbids is -inf
+            masks.apply(logits, batch.cu_logits)
         rows = [0]  # first row of each sequence among the batch's new tokens
         for q_len in batch.attention.q_lens:
             rows.append(rows[-1] + q_len)

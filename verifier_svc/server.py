@@ -184,6 +184,18 @@ def make_drafter(args: argparse.Namespace, runner, registry, model_id: str, curv
                        curve=curve, max_message_bytes=max_message), spec
 
 
+
+def grammar_compiler(model_dir, vocab_size: int, eos: set[int]):
+    """Structured outputs' compiler over the target's tokenizer (runtime/grammar.py); None, logged, where there
+    is no tokenizer or no xgrammar: requests with a grammar then end with an error."""
+    from splitspec.runtime.grammar import Compiler
+
+    try:
+        return Compiler.for_model(str(model_dir), vocab_size, eos)
+    except Exception as exc:  # noqa: BLE001 - any failure only disables structured outputs
+        logger.warning("structured outputs are off: no grammar compiler for %s (%s)", model_dir, exc)
+        return None
+
 def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     from splitspec.generate import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
@@ -213,7 +225,8 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
-    engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache)
+    engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache,
+                    grammars=grammar_compiler(model_dir, runner.config.vocab_size, eos))
     if runner.device.type == "cuda" and not args.skip_server_warmup:
         warm_up(engine)
     heap.freeze("verifier")

@@ -76,6 +76,8 @@ class Request:
     draft_budget: int = 0  # the next verify's tree budget, once decided (asked for when >= 2); 0: not yet
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token after the first, when asked
+    grammar: object = None  # structured outputs: the Future of its compiled grammar, until admitted
+    matcher: object = None  # then its grammar matcher (xgrammar), advanced by every emitted token
 
     def __post_init__(self):
         self.fill_len = self.fill_len or len(self.prompt_ids)
@@ -88,7 +90,9 @@ class Request:
         for token in tokens:
             self.output_ids.append(token)
             emitted.append(token)
-            if token in self.params.stop_token_ids or (not self.params.ignore_eos and token in eos_ids):
+            if self.matcher is not None and (not self.matcher.accept_token(token) or self.matcher.is_terminated()):
+                self.finish_reason = "stop"  # the grammar is complete (its stop token taken; never a refusal: masked)
+            elif token in self.params.stop_token_ids or (not self.params.ignore_eos and token in eos_ids):
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_new_tokens:
                 self.finish_reason = "length"

@@ -9,6 +9,8 @@ MAX_SEED = 2**63 - 1
 # As SGLang: a temperature this small means greedy (dividing logits by it would overflow).
 GREEDY_TEMPERATURE_EPS = 1e-6
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+# structured outputs (runtime/grammar.py): the grammar a request's output must match, by kind
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class SamplingParams:
     min_tokens_ban: tuple[int, ...] = field(default_factory=tuple)
     # None: none; k >= 0: the prompt's logprobs (each prompt token after the first) with the k most likely tokens'
     prompt_logprobs: int | None = None
+    # structured outputs: (kind, text), kind one of GRAMMAR_KINDS (json_object's text is empty); the target's
+    # logits are masked to what the grammar allows at every verified position (lossless)
+    grammar: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -71,6 +76,8 @@ class SamplingParams:
             raise ValueError(f"prompt logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.max_new_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("max_new_tokens must be at least 1 (0 only with prompt_logprobs: the prompt's logprobs alone)")
+        if self.grammar is not None and self.grammar[0] not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.grammar[0]!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

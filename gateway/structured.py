@@ -1,0 +1,87 @@
+"""Structured outputs on the API: OpenAI's response_format (text, json_object, json_schema) on chat and text
+completions, and SGLang's extra request fields regex, ebnf and json_schema (a JSON string). At most one
+constraint per request, sent to the verifier as SamplingParams' (grammar_kind, grammar). What can be checked
+without the grammar engine is checked here (a schema that is not JSON, an empty grammar); the verifier's engine
+compiles the rest and refuses what does not compile (INVALID_ARGUMENT, "grammar: ..."), which the gateway returns
+as a 400 naming the field that carried it. (xgrammar imports torch: the gateway, a light process, does not load it.)
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar of at most 1 MiB
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: Union[dict[str, Any], bool] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
+GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+
+
+class StructuredFields(BaseModel):
+    """The fields a request mixes in (chat and completions alike)."""
+
+    response_format: ResponseFormat | None = None
+    regex: GrammarText | None = Field(default=None, description="SGLang's: the output matches this regular expression")
+    ebnf: GrammarText | None = Field(default=None, description="SGLang's: the output matches this EBNF grammar "
+                                     "(xgrammar's GBNF, start rule root)")
+    json_schema: GrammarText | None = Field(default=None, description="SGLang's: the output matches this JSON schema "
+                                            "(a JSON string)")
+
+    def grammar(self) -> tuple[str, tuple[str, str]] | None:
+        """(the field that carried it, (kind, text)) of the request's constraint; None when it has none. Raises
+        PydanticCustomError."""
+        asked = []
+        fmt = self.response_format
+        if isinstance(fmt, JsonObjectFormat):
+            asked.append(("response_format", ("json_object", "")))
+        elif isinstance(fmt, JsonSchemaFormat):
+            schema = fmt.json_schema.schema_
+            text = json.dumps({} if schema is None else schema)  # OpenAI: a missing schema allows any JSON value
+            asked.append(("response_format", ("json_schema", text)))
+        asked += [(name, (name, getattr(self, name))) for name in ("regex", "ebnf", "json_schema")
+                  if getattr(self, name) is not None]
+        if len(asked) > 1:
+            raise PydanticCustomError("response_format", "only one of {fields} may be given",
+                                      {"fields": ", ".join(f"'{name}'" for name, _ in asked)})
+        if not asked:
+            return None
+        name, (kind, text) = asked[0]
+        if kind == "json_schema":
+            try:
+                schema = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise PydanticCustomError(name, "'{field}': the JSON schema is not JSON: {problem}",
+                                          {"field": name, "problem": str(exc)}) from None
+            if not isinstance(schema, (dict, bool)):
+                raise PydanticCustomError(name, "'{field}': a JSON schema must be an object or a boolean", {"field": name})
+        return name, (kind, text)

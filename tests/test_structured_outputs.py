@@ -1,0 +1,164 @@
+"""Structured outputs (xgrammar) in the verifier, on the demo target: a JSON schema, JSON mode, a regex and an EBNF
+grammar constrain the output; with every drafter (NGRAM, STANDALONE, EAGLE, EAGLE3) the constrained output equals
+constrained plain decoding's token for token, greedy and seeded, drafts are proposed and accepted, and every output
+parses and validates against its schema. The grammars' checks give messages that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import test_penalties
+from test_fp8 import draft_flags
+from test_speculative import ngram
+
+from splitspec.demo import demo_model_dirs
+from splitspec.runtime import grammar
+from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.verifier_svc.engine import Engine, SpecConfig
+
+demo = test_penalties.demo  # the fixture: the demo target, its prompts, a transformers twin
+NEW_TOKENS = 48
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "color": {"enum": ["red", "green", "blue"]},
+                                           "size": {"type": "integer", "minimum": 0, "maximum": 999},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "color", "size", "ok"], "additionalProperties": False}
+
+
+def valid(text: str, schema: dict = SCHEMA) -> bool:
+    """The text is JSON that validates against the schema (jsonschema, the tests' validator)."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def setup(demo):
+    from transformers import AutoTokenizer
+
+    runner, prompts, _ = demo
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dirs()["target"])
+    eos = {tokenizer.eos_token_id}
+    return runner, prompts[:4], tokenizer, eos, grammar.Compiler(tokenizer, runner.config.vocab_size, eos)
+
+
+def decode(setup, drafter, spec, params) -> list:
+    runner, prompts, _, eos, compiler = setup
+    engine = Engine(runner, drafter, spec or SpecConfig(), eos, grammars=compiler)
+    requests = engine.run(prompts, [params] * len(prompts) if isinstance(params, SamplingParams) else params)
+    assert runner.kv_cache.allocator.num_used == 0
+    return requests
+
+
+def drafter_for(algorithm: str, runner):
+    """An in-process drafter of the demo pair and its tree shape."""
+    if algorithm == "NGRAM":
+        return ngram(), SpecConfig(num_draft_tokens=8)
+    from splitspec.draft_models import build_drafter, capture_for
+    from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+
+    heads = demo_model_dirs(heads=True)
+    path = {"STANDALONE": demo_model_dirs()["draft"], "EAGLE": heads["eagle"], "EAGLE3": heads["eagle3"]}[algorithm]
+    flags = draft_flags(algorithm, path, "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                        "--speculative-num-draft-tokens", "6")
+    drafter = build_drafter(flags, target=runner)
+    capture_for(runner, drafter.hidden_state_layers)
+    return InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=6, num_steps=3, topk=2)
+
+
+def test_grammar_checks_name_the_problem():
+    grammar.check("json_object", "")
+    grammar.check("json_schema", json.dumps(SCHEMA))
+    grammar.check("regex", r"[a-z]+\d{2}")
+    grammar.check("ebnf", 'root ::= "yes" | "no"')
+    for kind, text, message in [("json_schema", "{not json", "not JSON"), ("json_schema", '{"type": "objectx"}', "objectx"),
+                                ("json_schema", "[1]", "an object or a boolean"), ("regex", "a(b", "parenthesis"),
+                                ("ebnf", "root ::= missing", 'Rule "missing" is not defined'), ("regex", "", "empty")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            grammar.check(kind, text)
+    with pytest.raises(ValueError, match="grammar kind"):
+        SamplingParams(grammar=("xml", "<a/>"))
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"])
+def test_constrained_json_is_lossless_under_speculation_and_validates(setup, algorithm):
+    runner, _, tokenizer, _, _ = setup
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, grammar=("json_schema", json.dumps(SCHEMA)))
+    plain = decode(setup, None, None, params)
+    drafter, spec = drafter_for(algorithm, runner)
+    speculated = decode(setup, drafter, spec, params)
+    assert [r.output_ids for r in speculated] == [r.output_ids for r in plain]
+    for request in plain:
+        text = tokenizer.decode(request.output_ids, skip_special_tokens=True)
+        assert request.finish_reason == "stop" and valid(text), text
+    assert sum(r.stats.draft_tokens for r in speculated) > 0 and sum(r.stats.accepted_tokens for r in speculated) > 0
+    assert all(r.stats.fallbacks == 0 for r in speculated)
+    unconstrained = decode(setup, None, None, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS))
+    assert [r.output_ids for r in unconstrained] != [r.output_ids for r in plain]  # the grammar changed the text
+
+
+SCHEMAS = [  # bounded (strings, arrays, numbers), so that a complete answer fits the token budget
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1,
+                                                "maxItems": 3},
+                                      "inner": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9,
+                                                                                       "maximum": 9}},
+                                                "required": ["x"]}},
+     "required": ["tags", "inner"]},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+                                      "note": {"type": ["string", "null"], "maxLength": 6}},
+     "required": ["id", "note"]},
+    {"anyOf": [{"type": "integer", "minimum": 100, "maximum": 200}, {"const": "none"}]},
+]
+
+
+def test_varied_schemas_all_validate_under_speculation(setup):
+    _, prompts, tokenizer, _, _ = setup
+    for schema in SCHEMAS:
+        params = SamplingParams(temperature=0.0, max_new_tokens=64, grammar=("json_schema", json.dumps(schema)))
+        plain = decode(setup, None, None, params)
+        speculated = decode(setup, ngram(), SpecConfig(num_draft_tokens=8), params)
+        assert [r.output_ids for r in speculated] == [r.output_ids for r in plain], schema
+        for request in plain:
+            text = tokenizer.decode(request.output_ids, skip_special_tokens=True)
+            assert request.finish_reason == "stop" and valid(text, schema), (schema, text)
+
+
+def test_seeded_regex_ebnf_and_json_mode_are_lossless_and_match(setup):
+    runner, prompts, tokenizer, _, _ = setup
+    cases = [("regex", r"(yes|no), [a-z]{2,8}\."), ("ebnf", 'root ::= "[" item ("," item)* "]"\nitem ::= [0-9]+'),
+             ("json_object", "")]
+    for kind, text in cases:
+        params = [SamplingParams(temperature=0.9, seed=21 + i, max_new_tokens=NEW_TOKENS, grammar=(kind, text))
+                  for i in range(len(prompts))]
+        plain = decode(setup, None, None, params)
+        speculated = decode(setup, ngram(), SpecConfig(num_draft_tokens=8), params)
+        assert [r.output_ids for r in speculated] == [r.output_ids for r in plain], kind
+        for request in plain:
+            out = tokenizer.decode(request.output_ids, skip_special_tokens=True)
+            if request.finish_reason == "stop":  # complete: the whole text matches
+                if kind == "regex":
+                    assert re.fullmatch(text, out), out
+                elif kind == "json_object":
+                    assert isinstance(json.loads(out), dict), out
+                else:
+                    assert re.fullmatch(r"\[[0-9]+(,[0-9]+)*\]", out), out
+        assert any(r.finish_reason == "stop" for r in plain), kind
+
+
+def test_a_grammar_the_engine_cannot_compile_ends_only_its_request(setup):
+    runner, prompts, _, eos, _ = setup
+    engine = Engine(runner, None, SpecConfig(), eos)  # no compiler: structured outputs are off
+    constrained = engine.add_request(prompts[0], SamplingParams(max_new_tokens=4, grammar=("json_object", "")))
+    free = engine.add_request(prompts[1], SamplingParams(temperature=0.0, max_new_tokens=4))
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    assert constrained.finish_reason == "error" and free.finish_reason == "length" and len(free.output_ids) == 4
+    assert any(e.request_id == constrained.request_id and "grammar engine" in e.error for e in events)

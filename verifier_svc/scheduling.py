@@ -1,0 +1,161 @@
+"""The engine's scheduler (verifier_svc/engine.py's schedule phase): admission, page reservations, chunked
+prefill and preemption, as a part of Engine (it reads and changes the engine's queues and KV cache).
+
+Scheduling is optimistic (SGLang's and vLLM's): a waiting request joins when the pool has room for its
+prompt and one tree, not for its whole output. Each step reserves, oldest request first, the pages of
+every decoding request's tree and of every prefill chunk; when the pool runs dry, the newest running
+request is preempted: its KV goes to the prefix cache (or back to the pool), it returns to the front of
+the waiting queue with the tokens it has, and on readmission prompt + output so far is prefilled again
+(from the prefix cache where its pages survived). Outputs do not change: sampling is keyed by position.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import FIRST_COMPLETED, wait
+
+from splitspec.runtime.kv_cache import OutOfPagesError
+from splitspec.verifier_svc.step_types import Chunk, Request, StepEvent
+
+logger = logging.getLogger("splitspec.verifier_svc.engine")
+
+
+class Scheduling:
+    """Engine's schedule phase; the attributes it uses are Engine's (runner, scheduler, prefix_cache, waiting,
+    running, report, drafter, needs_hidden, budget, _events)."""
+
+    def _tree_tokens(self, request: Request) -> int:
+        """KV slots a decoding request's next verify may write: its tree budget, or the root alone."""
+        if not request.speculate:
+            return 1
+        return request.draft_budget or self.budget
+
+    def _schedule(self) -> list[Chunk]:
+        """Admit, then reserve this step's pages oldest request first, preempting the newest when the
+        pool runs dry. The step's token budget (--chunked-prefill-size) counts every decoding request's
+        tree first; prompt chunks share what is left."""
+        self._admit()
+        limit = self.scheduler.chunked_prefill_size
+        budget = None if limit <= 0 else limit - sum(self._tree_tokens(r) for r in self.running if r.decoding)
+        chunks = []
+        for request in sorted(self.running, key=lambda r: r.arrival):
+            if request not in self.running:  # preempted by an older request this step
+                continue
+            if request.decoding:
+                self._reserve(request, request.table.num_tokens + self._tree_tokens(request))
+                continue
+            size = request.fill_len - request.num_prefilled
+            if budget is not None:
+                size = min(size, budget)
+            if size <= 0:
+                continue
+            if self._reserve(request, request.num_prefilled + size):
+                chunks.append(Chunk(request, request.num_prefilled, request.num_prefilled + size))
+                if budget is not None:
+                    budget -= size
+        return chunks
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        """Pages for num_tokens slots of request, preempting newer requests as needed. False when the
+        request itself was preempted (or ended: it cannot fit even alone)."""
+        kv = self.runner.kv_cache
+        while True:
+            try:
+                kv.reserve(request.table, num_tokens)
+                return True
+            except OutOfPagesError:
+                victim = max(self.running, key=lambda r: r.arrival)
+                if victim is request and len(self.running) == 1:
+                    self._fail(request, f"RESOURCE_EXHAUSTED: the request needs {kv.pages_for(num_tokens)} KV pages "
+                                        f"and the cache has {kv.num_pages} (--max-total-tokens)")
+                    return False
+                self._preempt(victim)
+                if victim is request:
+                    return False
+
+    def _preempt(self, request: Request) -> None:
+        """Back to the waiting queue's front; the KV it computed is offered to the prefix cache."""
+        logger.info("preempting %s (%d tokens in KV, %d generated): out of KV pages", request.request_id,
+                    request.table.num_tokens, len(request.output_ids))
+        self._cache_and_release(request)
+        request.fill_len = len(request.prompt_ids) + max(len(request.output_ids) - 1, 0)
+        request.num_prefilled = 0
+        request.num_preemptions += 1
+        self.report.preemptions += 1
+        request.draft_budget = 0  # asked again once it decodes
+        self.running.remove(request)
+        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
+        self.waiting.insert(position, request)
+
+    def _fail(self, request: Request, message: str) -> None:
+        logger.warning("ending %s: %s", request.request_id, message)
+        request.finish_reason = "error"
+        self._events.append(StepEvent(request.request_id, [], "error", message))
+        self._retire()
+
+    def _admit(self) -> None:
+        """Waiting requests join in order, up to --max-running-requests, while the pool (free pages and
+        pages only the prefix cache holds) has room for their prefill and first tree beyond what the
+        running requests' next trees take."""
+        limit = self.scheduler.max_running_requests
+        if not self.waiting or 0 < limit <= len(self.running):
+            return
+        kv = self.runner.kv_cache
+        available = kv.allocator.num_free - sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
+                                                for r in self.running if r.decoding)
+        evictable = False  # the prefix cache's evictable pages: counted once, when free pages do not do (a walk)
+        while self.waiting and (limit <= 0 or len(self.running) < limit):
+            # in order, but past a request whose grammar is still compiling; max_new_tokens 0 comes with
+            # prompt_logprobs (SamplingParams): it prefills
+            request = next((r for r in list(self.waiting) if self._ready(r)), None)
+            if request is None:
+                if not self.running:  # only compiles to wait for: not in a busy loop of empty steps
+                    wait([r.grammar for r in self.waiting if r.grammar is not None], timeout=0.005,
+                         return_when=FIRST_COMPLETED)
+                break
+            cached = self._match_prefix(request)
+            needed = kv.pages_for(request.fill_len + self._tree_tokens(request)) - len(cached)
+            if self.running and needed > available and not evictable and self.prefix_cache is not None:
+                available += self.prefix_cache.num_evictable
+                evictable = True
+            if self.running and needed > available:
+                break
+            self.waiting.remove(request)
+            available -= needed
+            if evictable:  # counted in: the cached pages it now holds are no longer evictable
+                available -= sum(1 for page in cached if kv.allocator.refcount(page) == 1)
+            if request.speculate and not request.num_preemptions:  # a hidden-state drafter gets the rest paired, later
+                self.drafter.open(request.request_id, request.prompt_ids[:1] if self.needs_hidden else request.prompt_ids)
+            if cached:
+                kv.allocator.incref(cached)
+                request.table.pages = list(cached)
+                request.table.num_tokens = request.num_prefilled = len(cached) * kv.page_size
+                self.report.cached_tokens += request.num_prefilled
+                if not request.num_preemptions:
+                    request.cached_tokens = request.num_prefilled
+            self.running.append(request)
+
+    def _ready(self, request: Request) -> bool:
+        """A request's grammar (if any) is compiled: its matcher made. One whose grammar failed ends here."""
+        if request.grammar is None:
+            return True
+        if not request.grammar.done():
+            return False
+        future, request.grammar = request.grammar, None
+        if future.exception() is not None:
+            self.waiting.remove(request)
+            request.finish_reason = "error"
+            self._events.append(StepEvent(request.request_id, [], "error", f"INVALID_ARGUMENT: {future.exception()}"))
+            return False
+        request.matcher = self.grammars.matcher(future.result())
+        return True
+
+    def _match_prefix(self, request: Request) -> list[int]:
+        """Cached pages of the longest cached prefix of what the request must prefill. A fresh prompt's
+        last token is always computed: its logits give the first output token."""
+        if self.prefix_cache is None:
+            return []
+        if (self.needs_hidden and request.speculate and not request.output_ids) or request.wants_prompt_logprobs:
+            return []  # the drafter needs the prompt's hidden states, or the caller its logprobs: recompute
+        fill = request.fill_ids
+        return self.prefix_cache.match(fill if request.output_ids else fill[:-1])
