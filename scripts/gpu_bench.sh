@@ -52,6 +52,9 @@
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
 #             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;
 #             a profiled run's speeds are not figures)
+#   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
+#             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
+#             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA; a device call for it
@@ -144,6 +147,8 @@ for stage in "${stages[@]}"; do
                  --prompt-len 32 --new-tokens 32 --decode-tokens 128 --out "$OUT/fp8_8b.json" > "$OUT/fp8.log" 2>&1 &&
              python3 -P benchmarks/fp8_accuracy.py --device cuda --model-path splitspec/demo_models/target --dtype bfloat16 \
                  --num-prompts 256 --prompt-len 32 --new-tokens 32 --decode-tokens 128 --out "$OUT/fp8_demo.json" >> "$OUT/fp8.log" 2>&1 ;;
+        structured) python3 -P benchmarks/structured_accept.py --device cuda --algorithms "${STRUCTURED_ALGORITHMS:-NGRAM,EAGLE3}" \
+                 --num-prompts 16 --max-new-tokens 96 --out "$OUT/structured_cuda.json" > "$OUT/structured.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         served) for case in ${SERVED_CASES:-demo-ngram demo-eagle3 8b-plain}; do
                     case $case in

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1, as in SGLang.")
     server.add_argument("--disable-radix-cache", action="store_true",
                         help="Do not keep finished requests' KV pages for reuse by prompts that share a prefix.")
+    server.add_argument("--grammar-backend", choices=("xgrammar", "none"), default="xgrammar",
+                        help="The grammar engine of structured outputs (response_format json_object / json_schema, "
+                        "regex, ebnf): xgrammar, or none to serve without them (such requests then end with an error). "
+                        "SGLang's flag; its outlines and llguidance backends are not served.")
     server.add_argument("--metrics-port", type=int, default=None,
                         help="Serve Prometheus metrics on this port at /metrics (default: no metrics server).")
     server.add_argument("--disable-frontend-multiprocessing", action="store_true",
@@ -226,7 +230,8 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
     engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache,
-                    grammars=grammar_compiler(model_dir, runner.config.vocab_size, eos))
+                    grammars=grammar_compiler(model_dir, runner.config.vocab_size, eos)
+                    if args.grammar_backend == "xgrammar" else None)
     if runner.device.type == "cuda" and not args.skip_server_warmup:
         warm_up(engine)
     heap.freeze("verifier")
