@@ -50,6 +50,30 @@ def drafter(algorithm: str, runner, device: str):
     return InProcessDrafterClient(built), SpecConfig(num_draft_tokens=8, num_steps=7 if algorithm == "NGRAM" else 4, topk=topk)
 
 
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def _valid(texts: list[str], schema: dict) -> int | None:
+    """How many texts are JSON valid under the schema (jsonschema, the tests' validator)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    ok = 0
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            ok += 1
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            pass
+    return ok
+
+
 def run(engine: Engine, prompts, params) -> tuple[list, float]:
     began = time.perf_counter()
     requests = engine.run(prompts, [params] * len(prompts))
@@ -93,17 +117,9 @@ def main() -> None:
                    "outputs_equal_plain": sum(a.output_ids == b.output_ids for a, b in zip(plain, speculated)),
                    "outputs": len(prompts)}
             if constrained:
-                import jsonschema
-
                 texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in speculated]
-                ok = 0
-                for text in texts:
-                    try:
-                        jsonschema.validate(json.loads(text), schema)
-                        ok += 1
-                    except (json.JSONDecodeError, jsonschema.ValidationError):
-                        pass
-                row["valid_outputs"] = ok
+                row["parsed_outputs"] = sum(_parses(text) for text in texts)
+                row["valid_outputs"] = _valid(texts, schema)  # None where jsonschema is not installed (the GPU image)
                 row["finished_stop"] = sum(r.finish_reason == "stop" for r in speculated)
             rows.append(row)
             print(json.dumps(row), flush=True)
