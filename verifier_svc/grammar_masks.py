@@ -20,8 +20,9 @@ from splitspec.runtime.tree import DraftTree, child_links
 from splitspec.verifier_svc.step_types import Chunk, Request
 
 
-def _allowed(bitmask_row: torch.Tensor, token: int) -> bool:
-    return bool((int(bitmask_row[token >> 5]) >> (token & 31)) & 1)
+def _allowed(words: list[int], token: int) -> bool:
+    """Whether a bitmask row (as Python ints: one read of the tensor, not one per node) allows the token."""
+    return bool((words[token >> 5] >> (token & 31)) & 1)
 
 
 class GrammarMasks:
@@ -65,10 +66,10 @@ class GrammarMasks:
         next_token, next_sibling = child_links(tree.parents)
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
         matcher.traverse_draft_tree(as_tensor(next_token), as_tensor(next_sibling), as_tensor(tree.tokens), rows)
-        keep, index = [0], {0: 0}
+        keep, index, words = [0], {0: 0}, rows.tolist()
         for node in range(1, tree.num_nodes):  # parents come before their children
             parent = tree.parents[node]
-            if parent in index and _allowed(rows[parent], tree.tokens[node]):
+            if parent in index and _allowed(words[parent], tree.tokens[node]):
                 index[node] = len(keep)
                 keep.append(node)
         if len(keep) < tree.num_nodes:
