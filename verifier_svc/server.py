@@ -190,15 +190,13 @@ def make_drafter(args: argparse.Namespace, runner, registry, model_id: str, curv
 
 
 def grammar_compiler(model_dir, vocab_size: int, eos: set[int]):
-    """Structured outputs' compiler over the target's tokenizer (runtime/grammar.py); None, logged, where there
-    is no tokenizer or no xgrammar: requests with a grammar then end with an error."""
+    """Structured outputs' compiler over the target's tokenizer (runtime/grammar.py): it loads nothing until the
+    first request with a grammar (then xgrammar and the tokenizer, on its own thread); where that fails, such
+    requests end with an error naming why."""
     from splitspec.runtime.grammar import Compiler
 
-    try:
-        return Compiler.for_model(str(model_dir), vocab_size, eos)
-    except Exception as exc:  # noqa: BLE001 - any failure only disables structured outputs
-        logger.warning("structured outputs are off: no grammar compiler for %s (%s)", model_dir, exc)
-        return None
+    return Compiler.for_model(str(model_dir), vocab_size, eos)
+
 
 def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     from splitspec.generate import eos_token_ids

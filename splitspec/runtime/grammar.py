@@ -62,20 +62,35 @@ def check(kind: str, text: str) -> None:
 
 class Compiler:
     """Compiles grammars against a tokenizer's vocabulary, off the caller's thread: compile() returns a Future
-    of xgrammar's CompiledGrammar (its own cache makes a repeated grammar a lookup)."""
+    of xgrammar's CompiledGrammar (its own cache makes a repeated grammar a lookup). Nothing is loaded until the
+    first grammar comes: xgrammar and the tokenizer are imported and built on the grammar thread then, so a
+    server that never sees one never pays for them (seconds of CPU at every start)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids, threads: int = 2):
-        xgr = _xgrammar()
-        self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
+        """tokenizer: a Hugging Face tokenizer, or the path to load one from (on first use)."""
+        self.tokenizer, self.vocab_size, self.stop_token_ids, self.threads = tokenizer, vocab_size, sorted(stop_token_ids), threads
+        self.compiler = None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     @classmethod
     def for_model(cls, tokenizer_path: str, vocab_size: int, stop_token_ids) -> "Compiler":
-        from transformers import AutoTokenizer
+        return cls(tokenizer_path, vocab_size, stop_token_ids)
 
-        return cls(AutoTokenizer.from_pretrained(tokenizer_path), vocab_size, stop_token_ids)
+    def _ready(self):
+        if self.compiler is None:  # on the grammar thread
+            xgr = _xgrammar()
+            tokenizer = self.tokenizer
+            try:
+                if isinstance(tokenizer, str):
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+            except Exception as exc:  # noqa: BLE001 - a model without a usable tokenizer: no structured outputs
+                raise RuntimeError(f"structured outputs are unavailable: no tokenizer for the grammar engine ({exc})") from None
+            self.compiler = xgr.GrammarCompiler(info, max_threads=self.threads)
+        return self.compiler
 
     def compile(self, grammar: tuple[str, str]) -> Future:
         """A Future of the compiled grammar; one that does not compile fails with ValueError("grammar: ...")."""
@@ -89,13 +104,14 @@ class Compiler:
             raise ValueError(f"grammar: {_message(exc)}") from None
 
     def _compile(self, kind: str, text: str):
+        compiler = self._ready()
         if kind == "json_object":  # a JSON object (OpenAI's JSON mode), any properties
-            return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
+            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=False)
         if kind == "json_schema":  # properties and items the schema does not name are not generated (vLLM's default)
-            return self.compiler.compile_json_schema(text, strict_mode=True, any_whitespace=False)
+            return compiler.compile_json_schema(text, strict_mode=True, any_whitespace=False)
         if kind == "regex":
-            return self.compiler.compile_regex(text)
-        return self.compiler.compile_grammar(text)
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
 
     def matcher(self, compiled):
         return _xgrammar().GrammarMatcher(compiled)
