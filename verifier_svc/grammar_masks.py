@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
+from splitspec.runtime.grammar import xgrammar_module
 from splitspec.runtime.tree import DraftTree, child_links
 from splitspec.verifier_svc.step_types import Chunk, Request
 
@@ -29,9 +30,7 @@ class GrammarMasks:
     """One step's masks: (sequence index in the forward, first logits row offset, bitmask rows)."""
 
     def __init__(self, vocab_size: int):
-        import xgrammar
-
-        self.xgr = xgrammar
+        self.xgr = xgrammar_module()
         self.vocab_size = vocab_size
         self.entries: list[tuple[int, int, torch.Tensor]] = []
         self.pruned_nodes = 0

@@ -23,7 +23,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:83: " prefix
 
 
-def _xgrammar():
+def xgrammar_module():
+    """xgrammar, imported on first use (it imports torch); a clear error where it is missing."""
     try:
         import xgrammar
     except ImportError as exc:  # pragma: no cover - a dependency of the package
@@ -37,7 +38,7 @@ def _message(exc: Exception) -> str:
 
 def check(kind: str, text: str) -> None:
     """Raises ValueError saying what is wrong with a grammar (parsed, not compiled: no tokenizer needed)."""
-    xgr = _xgrammar()
+    xgr = xgrammar_module()
     if kind == "json_object":
         return
     if not text:
@@ -78,7 +79,7 @@ class Compiler:
 
     def _ready(self):
         if self.compiler is None:  # on the grammar thread
-            xgr = _xgrammar()
+            xgr = xgrammar_module()
             tokenizer = self.tokenizer
             try:
                 if isinstance(tokenizer, str):
@@ -114,4 +115,4 @@ class Compiler:
         return compiler.compile_grammar(text)
 
     def matcher(self, compiled):
-        return _xgrammar().GrammarMatcher(compiled)
+        return xgrammar_module().GrammarMatcher(compiled)
