@@ -65,12 +65,12 @@ def checkpoint(tmp_path, **overrides):
     return save_checkpoint(model.eval(), tmp_path / "model")
 
 
-def runner(path, backend: str, graphs: bool = False, dtype: str = "bfloat16"):
+def runner(path, backend: str, graphs: bool = False, dtype: str = "bfloat16", piecewise: int = 0):
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
     return ModelRunner.load(RuntimeConfig(model_path=str(path), dtype=dtype, device="cuda", page_size=4,
                                           max_total_tokens=4096, attention_backend=backend, disable_cuda_graph=not graphs,
-                                          cuda_graph_max_bs=8))
+                                          cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=piecewise))
 
 
 def step(r, tables, inputs):
@@ -160,6 +160,52 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     replays += sum(compare([(i, [t + i for t in tokens], parents) for i in range(n)]) for n in (3, 5, 1))
     assert compare([(0, [9], None), (1, tokens, parents)]) == 0  # not graph-shaped: runs eagerly
     assert replays == 7  # every decode step and every tree verification replayed a graph
+
+
+@needs_flashinfer
+def test_piecewise_graphs_equal_eager(tmp_path):
+    """Prompt chunks and mixed steps replay piecewise graphs (attention eager between the pieces) with the
+    eager forward's logits and captured layer inputs, at every padded size, in any order of sizes; a forward
+    past the largest size and the step graphs' shapes do not use them."""
+    path = checkpoint(tmp_path)
+    eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True, piecewise=64)
+    graphed.capture_cuda_graphs()
+    pieces = graphed.piecewise
+    assert pieces is not None and pieces.sizes == [16, 32, 48, 64] and len(pieces.entries[16].graphs) == 4
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2, 40)]
+    tables = {id(r): [BlockTable() for _ in prompts] for r in (eager, graphed)}
+    tokens, parents = [20, 21, 22, 23, 24, 25], [-1, 0, 0, 1, 2, 2]
+
+    def compare(inputs) -> int:
+        want = step(eager, tables[id(eager)], inputs)
+        before = pieces.replays
+        have = step(graphed, tables[id(graphed)], inputs)
+        for a, b in zip(have, want):
+            assert a.shape == b.shape and close(a, b) < 1e-2, inputs
+        commit(eager, tables[id(eager)], inputs)
+        commit(graphed, tables[id(graphed)], inputs)
+        return pieces.replays - before
+
+    assert compare([(i, p, None) for i, p in enumerate(prompts[:5])]) == 1  # 63 tokens: padded to 64
+    assert compare([(0, [7], None), (1, tokens, parents), (2, [8, 9, 10], None)]) == 1  # mixed, 10 tokens: 16
+    assert compare([(5, prompts[5][:25], None), (3, [11], None), (4, tokens, parents)]) == 1  # 32
+    assert compare([(i, [12 + i], None) for i in range(5)]) == 0  # a decode step: the step graphs'
+    assert compare([(5, prompts[5][25:], None), (0, tokens, parents), (1, [13], None)]) == 1  # 22 tokens: 32
+    assert compare([(i, [30 + i] * 14, None) for i in range(5)]) == 0  # 70 tokens: eager
+    assert compare([(2, [40] * 47, None)]) == 1  # 48, after 16 and 32 replayed
+    for r in (eager, graphed):  # EAGLE-3's captured layer inputs: the graphs are captured again with them
+        r.set_capture_layers((0, 2, 3))
+    graphed.capture_cuda_graphs()
+    pieces = graphed.piecewise
+    outs = []
+    for r in (eager, graphed):
+        seqs = [SequenceInput(tables[id(r)][i], [50 + i] * 9, logits="all") for i in range(3)]
+        outs.append(r.forward(r.batch(seqs)))
+    assert pieces.replays == 1
+    assert outs[1].aux_hidden_states.shape == outs[0].aux_hidden_states.shape == (27, 3 * 512)
+    assert close(outs[1].aux_hidden_states.float(), outs[0].aux_hidden_states.float()) < 1e-2
+    assert close(outs[1].logits, outs[0].logits) < 1e-2
 
 
 # the device draft loop -----------------------------------------------------------------------------

@@ -406,11 +406,16 @@ class AdaptiveSpeculation:
     # choosing ------------------------------------------------------------------------------------
     def choose(self, speculating: int, plain: int = 0, prefill_tokens: int = 0) -> int:
         """The budget of the next trees of `speculating` requests (1: no drafts this step)."""
+        before = self._predicted_for
         choice = self._choose(speculating, plain, prefill_tokens)
         if self._trace is not None and speculating:
+            # the predictions only where they were made again (a settled choice reuses them: its record stays short,
+            # so that tracing a served run does not slow its steps)
+            extra = {} if self._predicted_for is before else {
+                "predicted": {n: round(v or 0.0, 1) for n, v in self.predicted.items()},
+                "acceptance": [round(a, 3) for a in self.acceptance()]}
             self._record("choose", speculating=speculating, plain=plain, prefill=prefill_tokens, choice=choice,
-                         budget=self.budget, predicted={n: round(v or 0.0, 1) for n, v in self.predicted.items()},
-                         acceptance=[round(a, 3) for a in self.acceptance()])
+                         budget=self.budget, **extra)
         return choice
 
     def _choose(self, speculating: int, plain: int, prefill_tokens: int) -> int:

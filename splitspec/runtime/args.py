@@ -14,6 +14,7 @@ from splitspec.runtime.attention import ATTENTION_BACKENDS
 from splitspec.runtime.config import DTYPES
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.loader import LOAD_FORMATS
+from splitspec.runtime.piecewise_graph import DEFAULT_MAX_TOKENS as DEFAULT_PIECEWISE_MAX_TOKENS
 from splitspec.runtime.quantization import check_method as check_quantization_method
 from splitspec.runtime.runner import RuntimeConfig
 
@@ -82,6 +83,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="Largest decode batch replayed from CUDA graphs (captured at start for 1, 2, 4, 8, then "
                         "every 8; default by the GPU's memory, as SGLang: 256 above 90 GiB, 160 above 20 GiB, else 32). Needs a CUDA device and the flashinfer backend; a logged no-op elsewhere.")
     sglang.add_argument("--disable-cuda-graph", action="store_true", help="Run every step eagerly (no CUDA graphs).")
+    sglang.add_argument("--disable-piecewise-cuda-graph", action="store_true",
+                        help="Run prompt chunks and mixed steps (a chunk beside decoding requests) eagerly instead of "
+                        "replaying piecewise CUDA graphs (captured at start for token counts up to "
+                        "--piecewise-cuda-graph-max-tokens; attention runs eagerly between the pieces). On by default "
+                        "with CUDA graphs, as in SGLang.")
+    sglang.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
+                        help=f"Largest forward (tokens) replayed from piecewise CUDA graphs (default {DEFAULT_PIECEWISE_MAX_TOKENS}); "
+                        "larger prompt chunks run eagerly, where launching costs little against their compute.")
     sglang.add_argument("--enable-torch-compile", action="store_true",
                         help="torch.compile (inductor) the model's forward for uniform batches (decode steps, tree "
                         "verification, draft steps) of up to --torch-compile-max-bs requests; attention stays one "
@@ -115,6 +124,9 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
                              "turns graphs off)")
         if on_cpu:
             logger.info("%s: --cuda-graph-max-bs %d is a no-op on CPU", command, args.cuda_graph_max_bs)
+    if getattr(args, "piecewise_cuda_graph_max_tokens", None) is not None and args.piecewise_cuda_graph_max_tokens < 1:
+        raise ValueError(f"--piecewise-cuda-graph-max-tokens {args.piecewise_cuda_graph_max_tokens}: must be at least 1 "
+                         "(--disable-piecewise-cuda-graph turns the graphs off)")
     if getattr(args, "torch_compile_max_bs", None) is not None:
         if args.torch_compile_max_bs < 1:
             raise ValueError(f"--torch-compile-max-bs {args.torch_compile_max_bs}: must be at least 1")
@@ -168,7 +180,15 @@ def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_
         attention_mode=getattr(args, "speculative_attention_mode", "prefill"),
         torch_compile_max_bs=torch_compile_max_bs(args),
         quantization=getattr(args, "quantization", None),
+        piecewise_cuda_graph_max_tokens=piecewise_max_tokens(args),
     )
+
+
+def piecewise_max_tokens(args: argparse.Namespace) -> int:
+    """0 with --disable-piecewise-cuda-graph or --disable-cuda-graph, else --piecewise-cuda-graph-max-tokens."""
+    if getattr(args, "disable_piecewise_cuda_graph", False) or getattr(args, "disable_cuda_graph", False):
+        return 0
+    return getattr(args, "piecewise_cuda_graph_max_tokens", None) or DEFAULT_PIECEWISE_MAX_TOKENS
 
 
 DEFAULT_TORCH_COMPILE_MAX_BS = 32

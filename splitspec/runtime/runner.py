@@ -59,6 +59,7 @@ class RuntimeConfig:
     attention_mode: str = "prefill"  # tree verification: one masked prefill pass, or decode rows (tree_decode)
     torch_compile_max_bs: int = 0  # > 0: uniform batches of up to this many requests run torch.compile'd (runtime.compile)
     quantization: str | None = None  # None, "fp8" or "unquant" (runtime.quantization; an FP8 checkpoint is detected)
+    piecewise_cuda_graph_max_tokens: int = 0  # > 0 (with CUDA graphs): prompt chunks and mixed steps of up to this many tokens replay piecewise graphs
 
 
 @dataclass
@@ -144,17 +145,24 @@ def _graphs_supported(backend: AttentionBackend) -> bool:
 class ModelRunner:
     def __init__(self, config: ModelConfig, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
                  capture_layers: tuple[int, ...] = (), model_dir: Path | None = None, cuda_graph_max_bs: int = 0,
-                 torch_compile_max_bs: int = 0):
+                 torch_compile_max_bs: int = 0, piecewise_max_tokens: int = 0):
         """cuda_graph_max_bs > 0: decode steps of up to that many requests replay CUDA graphs (captured by
         capture_cuda_graphs(), or at the first decode step); needs a backend that plans into fixed buffers.
         torch_compile_max_bs > 0: uniform batches of up to that many requests (decode, tree verification,
-        draft steps; and the graphs capturing them) run the torch.compile'd forward (runtime.compile)."""
+        draft steps; and the graphs capturing them) run the torch.compile'd forward (runtime.compile).
+        piecewise_max_tokens > 0 (with the step graphs): other forwards of up to that many tokens (prompt chunks,
+        mixed steps) replay piecewise graphs, captured with the step graphs (runtime.piecewise_graph)."""
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
         self.weight_bytes = weight_bytes_of(model)  # {"total", "fp8_layers"}: the model's own weights (shared ones not counted)
         self.cuda_graph_max_bs = cuda_graph_max_bs if _graphs_supported(backend) and self.device.type == "cuda" else 0
         self.graphs = None
+        # piecewise graphs need every row computed on its own outside attention: per-tensor FP8 activation scales
+        # would mix the padding rows into the real ones
+        row_wise = not any(getattr(m, "gemm", None) == "tensorwise" for m in model.modules())
+        self.piecewise_max_tokens = piecewise_max_tokens if self.cuda_graph_max_bs and row_wise else 0
+        self.piecewise = None
         # tree sizes a verification batch is padded up to without CUDA graphs (the graphs' own sizes pad with
         # them): tests exercise the padding on a CPU with it
         self.tree_pad_sizes: tuple[int, ...] = ()
@@ -177,6 +185,7 @@ class ModelRunner:
         if getattr(self, "capture_layers", None) != tuple(layers) and getattr(self, "graphs", None) is not None:
             self.kv_cache.allocator.decref(self.graphs.scratch_pages)  # the graphs captured other outputs
             self.graphs = None
+            self.piecewise = None
         self.capture_layers = tuple(layers)
 
     def capture_cuda_graphs(self, tree_nodes: tuple[int, ...] = ()) -> None:
@@ -191,6 +200,11 @@ class ModelRunner:
         for q in (1, *tree_nodes):
             if q >= 1:
                 self.graphs.capture(q)
+        if self.piecewise is None and self.piecewise_max_tokens:
+            from splitspec.runtime.piecewise_graph import PiecewiseGraphs
+
+            self.piecewise = PiecewiseGraphs(self, self.piecewise_max_tokens)
+            self.piecewise.capture()
 
     def padded_tree_size(self, num_requests: int, largest: int) -> int | None:
         """The node count a verification batch of num_requests trees, the largest of `largest` nodes, is
@@ -252,7 +266,7 @@ class ModelRunner:
             logger.info("torch.compile for uniform batches of up to %d requests (each new token count compiles "
                         "once, at its first use)", rc.torch_compile_max_bs)
         return cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs,
-                   torch_compile_max_bs=rc.torch_compile_max_bs)
+                   torch_compile_max_bs=rc.torch_compile_max_bs, piecewise_max_tokens=rc.piecewise_cuda_graph_max_tokens)
 
     def model_call(self, num_requests: int | None, input_ids: torch.Tensor, positions: torch.Tensor, backend, plan,
                    capture_layers: tuple[int, ...] = (), **extra):
@@ -287,6 +301,12 @@ class ModelRunner:
             extra["draft_layer"] = draft_layer
         # a step-shaped batch may run compiled; prompt chunks and mixed batches (token counts without bound) never
         step_shaped = batch.attention.step_tokens is not None
+        if self.piecewise is not None and features is None and draft_layer is None \
+                and self.piecewise.covers(batch.input_ids.shape[0]):
+            hidden, captured = self.piecewise.run(batch, plan)
+            return ForwardOutput(logits=self.model.logits(hidden[batch.logits_indices]),
+                                 hidden_states=hidden if return_hidden else None,
+                                 aux_hidden_states=torch.cat(captured, dim=-1) if captured else None)
         hidden, captured = self.model_call(batch.attention.num_requests if step_shaped else None, batch.input_ids,
                                            batch.positions, self.backend, plan, self.capture_layers, **extra)
         logits = self.model.logits(hidden[batch.logits_indices])
