@@ -91,6 +91,20 @@ def bench_flags(model_flags: list[str]) -> list[str]:
     return out
 
 
+def server_adaptive(model_flags: list[str]) -> list[str]:
+    """`splitspec bench` runs fixed trees unless told; the server's --speculative-adaptive defaults to auto (on where
+    the target runs on a GPU). The in-process side gets the server's resolved setting, so that both sides run the same
+    policy: [] where the flags name it or nothing speculates."""
+    names = [f.split("=", 1)[0] for f in model_flags]
+    if "--speculative-adaptive" in names or "--speculative-algorithm" not in names:
+        return []
+    from splitspec.engine_args import adaptive_enabled
+
+    device = model_flags[names.index("--device") + 1] if "--device" in model_flags else "auto"
+    on = adaptive_enabled(argparse.Namespace(speculative_adaptive="auto", device=device))
+    return ["--speculative-adaptive", "on" if on else "off"]
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below pid (Linux /proc; `up` starts each service in a session of its own)."""
     children: dict[int, list[int]] = {}
@@ -244,7 +258,7 @@ def main(argv: list[str]) -> int:
             up.wait(timeout=120)
         except subprocess.TimeoutExpired:
             up.kill()
-    in_process = bench([*bench_flags(model_flags), *load], work / "in_process.json", args.timeout, log,
+    in_process = bench([*bench_flags(model_flags), *server_adaptive(model_flags), *load], work / "in_process.json", args.timeout, log,
                        traced("in_process"))
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
               "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,

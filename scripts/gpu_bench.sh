@@ -47,7 +47,8 @@
 #             with --disable-overlap-schedule: publishing between steps), demo-ngram-grpc-here (demo-ngram with
 #             --disable-frontend-multiprocessing: gRPC on the engine's process), demo-ngram-fixed (demo-ngram with
 #             --speculative-adaptive off: every step drafts its full tree), demo-ngram-local (demo-ngram drafted in the verifier's
-#             process: up --drafters 0); SERVED_LOAD adds bench flags; each
+#             process: up --drafters 0), demo-ngram-local-fixed (both); the in-process side runs the server's adaptive setting
+#             (auto: on for a GPU target); SERVED_LOAD adds bench flags; each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
 #             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;
@@ -156,6 +157,7 @@ for stage in "${stages[@]}"; do
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-ngram-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-ngram-fixed) pre=(); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
+                        demo-ngram-local-fixed) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
                         demo-ngram-grpc-here) pre=(--serve=--disable-frontend-multiprocessing); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         8b-plain) pre=(--dummy-preset llama-3.1-8b); model=(); bs=1,8,32,64 ;;
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
