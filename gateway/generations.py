@@ -15,6 +15,7 @@ from splitspec.gateway.client import StreamBroken, VerifierClient
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import APIError, Generation, invalid
 from splitspec.gateway.text import IncrementalDecoder, StopMatcher, TextCodec
+from splitspec.gateway.tools import ToolOutput
 from splitspec.gateway.tokenizing import Tokenizing
 from splitspec.protos import verifier_pb2 as pb
 
@@ -54,6 +55,7 @@ class Choice:
     prompt: list[int] = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)  # with echo and logprobs: entries as logprobs', the first None
     grammar_field: str | None = None  # structured outputs: the field of the request's grammar
+    tools: ToolOutput | None = None  # chat with tools: the output's calls (gateway/tools.py)
 
 
 class LatencyClock:
@@ -205,6 +207,7 @@ class Gateway:
                 source = g.prompts[index // g.n] if g.prompts else None
                 choice.echo = source if isinstance(source, str) else self.codec.decode(prompt, skip_special_tokens=False)
             choice.grammar_field = g.grammar_field
+            choice.tools = ToolOutput(g.tools) if g.tools is not None else None
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)
         self.metrics.prompt_tokens.labels(**self.metrics.model).inc(sum(len(p) for p in prompts))

@@ -21,6 +21,8 @@ from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
 from splitspec.gateway.structured import StructuredFields
+from splitspec.gateway.text import ChatMessages
+from splitspec.gateway.tools import ToolCallIn, ToolFields, ToolPlan, template_calls
 from splitspec.runtime.sampling_params import MAX_SEED, MAX_TOP_LOGPROBS
 
 MAX_STOP_SEQUENCES = 4
@@ -84,6 +86,7 @@ class Generation:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     grammar: tuple[str, str] | None = None  # structured outputs: (kind, text), gateway/structured.py
     grammar_field: str | None = None  # the request field that carried it (a grammar the verifier refuses names it)
+    tools: ToolPlan | None = None  # chat tool calls: gateway/tools.py
 
     def most_tokens(self, prompt_len: int, context: int) -> int:
         """The tokens a choice may generate: max_tokens, or what the context leaves after its prompt."""
@@ -166,7 +169,7 @@ class TextPart(_Strict):
 class _Message(_Strict):
     name: Name | None = None
     tool_call_id: str | None = None
-    tool_calls: Empty | None = Field(default=None, description="tool calls are not supported by this server")
+    tool_calls: Empty | None = Field(default=None, description="only an assistant's message carries tool calls")
     refusal: str | None = None
 
 
@@ -181,10 +184,11 @@ class Message(_Message):
 
 
 class AssistantMessage(_Message):
-    """An assistant's earlier turn: text content, or none; no tool calls."""
+    """An assistant's earlier turn: text content, or none, and the tool calls it made."""
 
     role: Literal["assistant"]
     content: Annotated[Union[str, list[TextPart], None], _one_of("a string, a list of text parts or null")] = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=128)] | None = None
 
 
 AnyMessage = Annotated[Union[Message, AssistantMessage], Field(discriminator="role")]
@@ -272,7 +276,7 @@ class _Request(_Strict, StructuredFields):
         return g
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, ToolFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[AnyMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -281,11 +285,8 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: _int(0, MAX_TOP_LOGPROBS) | None = None
     # not served: neutral values only
-    tools: Empty | None = None
     functions: Empty | None = None
     function_call: Literal["none", "auto"] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None
     audio: None = None
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
     prediction: None = None
@@ -298,15 +299,24 @@ class ChatCompletionRequest(_Request):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    _tools: ToolPlan | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _top_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise PydanticCustomError("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+        self._tools = self.tool_plan()
+        if self._tools is not None and self._tools.mode != "auto" and self._grammar is not None:
+            raise PydanticCustomError("tool_choice", "'tool_choice' {mode} constrains the output, and so does '{field}': "
+                                      "give one", {"mode": self._tools.mode, "field": self._grammar[0]})
         return self
 
     def generation(self) -> Generation:
         g = super().generation()
-        g.messages = template_messages(self.messages)
+        g.tools = self._tools
+        if g.tools is not None and g.tools.grammar() is not None:
+            g.grammar_field, g.grammar = "tools", g.tools.grammar()
+        g.messages = ChatMessages(template_messages(self.messages), tools=g.tools.tools if g.tools is not None else None)
         g.max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         g.logprobs = bool(self.logprobs)
         g.top_logprobs = self.top_logprobs or 0
@@ -361,8 +371,7 @@ class CompletionRequest(_Request):
         return g
 
 
-NOT_SERVED = {"tools", "functions", "function_call", "tool_choice", "parallel_tool_calls",
-              "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "store",
+NOT_SERVED = {"functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "store",
               "metadata", "service_tier", "verbosity", "prompt_cache_key", "safety_identifier", "best_of", "suffix"}
 
 
@@ -374,6 +383,10 @@ def template_messages(messages) -> list[dict]:
         message = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if getattr(m, "tool_calls", None):
+            message["tool_calls"] = template_calls(m.tool_calls)
         out.append(message)
     return out
 
@@ -395,7 +408,8 @@ def _api_error(exc: ValidationError) -> APIError:
     kind, loc, msg = e["type"], tuple(e["loc"]), e["msg"]
     param = _param(loc)
     if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens",
-                "min_tokens", "max_tokens", "response_format", "regex", "ebnf", "json_schema"):  # already phrased
+                "min_tokens", "max_tokens", "response_format", "regex", "ebnf", "json_schema", "tools",
+                "tool_choice"):  # already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")

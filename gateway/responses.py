@@ -31,8 +31,13 @@ def whole_response(gateway: Gateway, g: Generation, prompts: list[list[int]], ch
     for c in choices:
         finish = c.finish_reason if c.finish_reason in ("stop", "length") else "stop"
         if chat:
-            body["choices"].append({"index": c.index, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                                    "finish_reason": finish,
+            message = {"role": "assistant", "content": c.text, "refusal": None}
+            if c.tools is not None:  # the output parsed into tool calls (gateway/tools.py)
+                message["content"], calls = c.tools.result(c.text)
+                if calls:
+                    message["tool_calls"] = calls
+                finish = c.tools.finish_reason(finish, calls)
+            body["choices"].append({"index": c.index, "message": message, "finish_reason": finish,
                                     "logprobs": gateway.chat_logprobs(c.logprobs) if g.logprobs else None})
         else:
             text, entries = gateway.echoed(c)
@@ -61,6 +66,11 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
         return {"index": c.index, "text": text, "finish_reason": finish,
                 "logprobs": gateway.completion_logprobs(entries) if g.logprobs and entries else None}
 
+    def delta_body(c: Choice, delta: dict, entries: list, finish: str | None = None) -> dict:
+        return {"index": c.index, "delta": delta, "finish_reason": finish,
+                "logprobs": gateway.chat_logprobs(entries) if g.logprobs and entries else None}
+
+    held: dict[int, list] = {}  # tool calls: logprob entries of text held back, sent with the next delta
     queue: asyncio.Queue = asyncio.Queue()  # (choice, delta) from every choice, in arrival order
 
     async def pump(c: Choice):
@@ -96,12 +106,20 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
                 break
             entries = c.logprobs[before:]
             finish = c.finish_reason if c.finish_reason in ("stop", "length") else None
-            if text or entries:
+            if c.tools is not None:  # tool calls: text held back where a call may begin, calls as delta.tool_calls
+                held[c.index] = held.get(c.index, []) + entries
+                deltas = c.tools.feed(text) + (c.tools.finish() if c.finish_reason is not None else [])
+                for delta in deltas:
+                    yield chunk(delta_body(c, delta, held.pop(c.index, [])))
+                if c.finish_reason is not None:
+                    finish = c.tools.finish_reason(finish or "stop", c.tools.calls)
+            elif text or entries:
                 yield chunk(piece_body(c, text, entries, None))
             if c.finish_reason is not None:
                 open_choices -= 1
                 gateway.finished(c)
-                yield chunk(piece_body(c, "", [], finish or "stop"), speculative=gateway.speculative([c], g))
+                yield chunk(delta_body(c, {}, held.pop(c.index, []), finish or "stop") if c.tools is not None
+                            else piece_body(c, "", [], finish or "stop"), speculative=gateway.speculative([c], g))
         else:
             clock.done()
             if g.include_usage:

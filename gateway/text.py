@@ -24,6 +24,15 @@ from tokenizers.decoders import DecodeStream
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+class ChatMessages(list):
+    """A chat's messages (dicts, as the template gets them) and the tools offered with them (None: none), which the
+    template renders too (transformers' `tools` argument)."""
+
+    def __init__(self, messages: list[dict], tools: list[dict] | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
 class TemplateError(ValueError):
     """The chat template refused the messages (its raise_exception) or failed to render."""
 
@@ -61,6 +70,9 @@ class TextCodec:
 
     # prompts ---------------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        tools = getattr(messages, "tools", None)
+        if tools is not None:
+            kwargs.setdefault("tools", tools)
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         if self._template is None:

@@ -43,8 +43,11 @@ ALLOWED_REFUSALS = {
     # more than one of them
     ("response_format", "invalid_value"), ("regex", "invalid_value"), ("ebnf", "invalid_value"),
     ("json_schema", "invalid_value"),
+    # tool calls: a function's parameters that do not compile as a schema, a tool_choice naming a function not among
+    # the tools (or needing tools that are not there), a function named twice
+    ("tools", "invalid_value"), ("tool_choice", "invalid_value"),
 }
-GRAMMAR_FIELDS = ("response_format", "regex", "ebnf", "json_schema")
+GRAMMAR_FIELDS = ("response_format", "regex", "ebnf", "json_schema", "tools")
 ALLOWED_REFUSAL_PREFIXES = ("prompt[",)  # prompt[i] context_length_exceeded in a batch
 
 

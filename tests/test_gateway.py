@@ -269,7 +269,9 @@ def test_hostile_bodies_get_openai_errors_never_5xx(stack, validate):
         "top_p": ({**good, "top_p": 0}, 400), "n": ({**good, "n": 0}, 400), "bool as int": ({**good, "n": True}, 400),
         "stop": ({**good, "stop": ["a", "b", "c", "d", "e"]}, 400), "penalty": ({**good, "frequency_penalty": 3}, 400),
         "top_logprobs alone": ({**good, "top_logprobs": 2}, 400), "unknown parameter": ({**good, "foo": 1}, 400),
-        "tools": ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+        "custom tool": ({**good, "tools": [{"type": "custom", "custom": {"name": "f"}}]}, 400),
+        "tool_choice without tools": ({**good, "tool_choice": "required"}, 400),
+        "functions": ({**good, "functions": [{"name": "f"}]}, 400),
         "unknown model": ({**good, "model": "gpt-9"}, 404),
         "context length": ({**good, "messages": [{"role": "user", "content": "x " * 5000}]}, 400),
         "oversized": (b'{"model": "' + b"a" * (9 << 20) + b'"}', 413),
@@ -401,6 +403,61 @@ def test_structured_outputs_through_the_openai_client(stack, validate):
             c.chat.completions.create(**ask, **extra)
         assert refused.value.body["param"] == field and "invalid" in refused.value.body["message"]
     assert c.chat.completions.create(**ask).choices[0].message.content  # still serving
+
+
+def test_tool_calls_through_the_openai_client(stack, validate):
+    """tools with tool_choice required and a named function (constrained decoding, while the requests speculate),
+    whole and streamed, through the openai client: OpenAI's tool_calls, arguments that validate against the
+    function's parameters, the same calls streamed as whole; auto on a model that answers in prose: content, no
+    calls; the calls sent back with the tool's answer; unknown tools and bad schemas are 400s naming the field."""
+    import openai
+    from test_structured_outputs import valid
+    from test_tools import TIME, WEATHER
+
+    c = client(stack)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Oslo?"}], max_tokens=96,
+               temperature=0, tools=[WEATHER, TIME])
+    one = dict(tool_choice="required", parallel_tool_calls=False)  # one call: the demo model would list calls to the end
+    raw = c.chat.completions.with_raw_response.create(**ask, **one)
+    validate(json.loads(raw.text), "CreateChatCompletionResponse")
+    required = raw.parse().choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.content is None, required
+    assert len(required.message.tool_calls) == 1
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in required.message.tool_calls:
+        assert call.type == "function" and valid(call.function.arguments, schemas[call.function.name]), call
+    assert raw.parse().model_extra["speculative"]["draft_tokens"] > 0
+    streamed = {}
+    for chunk in c.chat.completions.create(**ask, **one, stream=True):
+        for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            entry = streamed.setdefault(piece.index, {"name": None, "arguments": ""})
+            entry["name"] = piece.function.name or entry["name"]
+            entry["arguments"] += piece.function.arguments or ""
+    assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(streamed.items())] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in required.message.tool_calls]
+    named_choice = {"type": "function", "function": {"name": "get_time"}}
+    named = c.chat.completions.create(**ask, tool_choice=named_choice).choices[0]
+    assert named.finish_reason in ("stop", "length") and len(named.message.tool_calls) == 1
+    call = named.message.tool_calls[0]
+    assert call.function.name == "get_time" and (named.finish_reason == "length" or valid(call.function.arguments,
+                                                                                            schemas["get_time"]))
+    chunks = list(c.chat.completions.create(**ask, tool_choice=named_choice, stream=True))
+    arguments = "".join(p.function.arguments or "" for k in chunks if k.choices for p in k.choices[0].delta.tool_calls or [])
+    assert arguments == call.function.arguments and chunks[-1].choices[0].finish_reason == named.finish_reason
+    auto = c.chat.completions.create(**ask).choices[0]  # the demo model writes code, never a call
+    assert auto.message.tool_calls is None and auto.message.content and auto.finish_reason in ("stop", "length")
+    answer = c.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER, TIME], messages=[
+        *ask["messages"], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "get_time", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"}])
+    assert answer.choices[0].message.content is not None
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}
+    for extra, field in ((dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                         (dict(tools=[bad_schema], tool_choice="required"), "tools")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(**{**ask, **extra})
+        assert refused.value.body["param"] == field, refused.value.body
+    assert c.chat.completions.create(**ask, tool_choice="none").choices[0].message.content  # still serving
 
 
 def test_echo_with_prompt_logprobs_as_lm_eval_harness_asks(stack, validate):
