@@ -249,6 +249,16 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
         gateway.metrics.http.labels("/v1/models/{model}", "200").inc()
         return model_card()
 
+    @app.get("/get_server_info")
+    async def server_info(request: Request):
+        try:
+            authorized(config, request)
+            gateway.check_ready()
+        except APIError as exc:
+            return error_response(gateway, exc, "/get_server_info")
+        gateway.metrics.http.labels("/get_server_info", "200").inc()
+        return gateway.server_info()
+
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
         return await tokenize(gateway, request)

@@ -91,6 +91,7 @@ class Gateway:
         self.model_name = config.served_model_name
         self.ready = False
         self.admitted = 0  # choices admitted and not yet finished (the --max-queued-requests budget)
+        self.verify_steps = self.accepted_tokens = 0  # over every finished choice: /get_server_info's accept length
         self._connector: asyncio.Task | None = None
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -263,6 +264,9 @@ class Gateway:
         return piece
 
     def finished(self, choice: Choice) -> None:
+        if choice.speculation is not None:
+            self.verify_steps += choice.speculation.verify_steps
+            self.accepted_tokens += choice.speculation.accepted_tokens
         self.metrics.completion_tokens.labels(**self.metrics.model).inc(choice.tokens)
         self.metrics.finished.labels(finish_reason=choice.finish_reason or "abort", **self.metrics.model).inc()
 
@@ -272,6 +276,15 @@ class Gateway:
                 choice.finish_reason = "abort"
                 self.client.abort(choice.request_id)
                 self.metrics.aborts.labels(cause).inc()
+
+    def server_info(self) -> dict:
+        """SGLang's /get_server_info in the shape its clients read: the served model and, in internal_states, the
+        mean accept length of the choices finished so far (SGLang's bench_serving prints it)."""
+        info = self.client.info
+        steps = self.verify_steps
+        return {"model_path": info.model_path, "served_model_name": self.model_name,
+                "speculative_algorithm": info.speculative_algorithm or None, "context_length": info.max_context_tokens,
+                "internal_states": [{"avg_spec_accept_length": round(1 + self.accepted_tokens / steps, 4) if steps else None}]}
 
     # response pieces -----------------------------------------------------------------------------------
     def speculative(self, choices: list[Choice], g: Generation) -> dict:
