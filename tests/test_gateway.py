@@ -427,6 +427,9 @@ def test_tool_calls_through_the_openai_client(stack, validate):
     for call in required.message.tool_calls:
         assert call.type == "function" and valid(call.function.arguments, schemas[call.function.name]), call
     assert raw.parse().model_extra["speculative"]["draft_tokens"] > 0
+    plain = c.chat.completions.create(**ask, **one, extra_body={"speculative": False}).choices[0]  # lossless
+    assert [(t.function.name, t.function.arguments) for t in plain.message.tool_calls] == [
+        (t.function.name, t.function.arguments) for t in required.message.tool_calls]
     streamed = {}
     for chunk in c.chat.completions.create(**ask, **one, stream=True):
         for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
