@@ -1,7 +1,7 @@
 """SGLang's serving benchmark against `splitspec up`, unmodified, as a user of SGLang runs it: its bench_serving.py
 from SGLang's wheel on PyPI (a release whose script runs on its own: aiohttp, numpy, requests, tqdm, transformers,
 all in lm-eval-harness's virtualenv, tests/test_lm_eval.py), with the backends that speak OpenAI's API (`vllm` and
-`sglang-oai`: /v1/completions, `sglang-oai-chat`: /v1/chat/completions) on its offline random-ids dataset and the
+`sglang-oai`: /v1/completions, `vllm-chat` and `sglang-oai-chat`: /v1/chat/completions) on its offline random-ids dataset and the
 demo target's tokenizer. Every request completes, every completion's tokens are counted as asked, and the accept
 length it reads from SGLang's /get_server_info is this server's."""
 
@@ -42,7 +42,7 @@ def test_sglang_bench_serving_runs_unmodified_against_the_server(tmp_path):
     try:
         up.wait_for_line(r"serving demo at ")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        for backend in ("vllm", "sglang-oai", "sglang-oai-chat"):
+        for backend in ("vllm", "vllm-chat", "sglang-oai", "sglang-oai-chat"):
             out = tmp_path / f"{backend}.jsonl"
             run = subprocess.run([str(venv / "bin/python"), script, "--backend", backend, "--base-url", up.url,
                                   "--model", "demo", "--tokenizer", str(target), "--dataset-name", "random-ids",
@@ -54,7 +54,7 @@ def test_sglang_bench_serving_runs_unmodified_against_the_server(tmp_path):
             result = json.loads(out.read_text().splitlines()[-1])
             assert result["completed"] == PROMPTS, (backend, run.stdout[-3000:])
             assert result["output_throughput"] > 0 and result["mean_ttft_ms"] > 0, result
-            if backend != "sglang-oai-chat":  # completions send ignore_eos: every request generates what it asked
+            if not backend.endswith("chat"):  # completions send ignore_eos: every request generates what it asked
                 assert result["total_output_tokens"] == PROMPTS * OUTPUT_LEN, result
             if backend.startswith("sglang"):  # read from /get_server_info after the run
                 info = httpx.get(up.url + "/get_server_info", timeout=30).json()
