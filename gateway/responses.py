@@ -46,31 +46,56 @@ def whole_response(gateway: Gateway, g: Generation, prompts: list[list[int]], ch
     return body
 
 
-async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool, arrival: float,
-                 admitted: int):
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
+class _Events:
+    """One streamed answer's server-sent events: the chunks of its choices' pieces, as OpenAI streams them."""
 
-    def chunk(choice_body: dict | None, **extra) -> str:
-        body = {"id": rid, "object": kind, "created": created, "model": gateway.model_name,
+    def __init__(self, gateway: Gateway, g: Generation, rid: str, chat: bool):
+        self.gateway, self.g, self.rid, self.chat = gateway, g, rid, chat
+        self.created = int(time.time())
+        self.kind = "chat.completion.chunk" if chat else "text_completion"
+        self.held: dict[int, list] = {}  # tool calls: logprob entries of text held back, sent with the next delta
+
+    def event(self, choice_body: dict | None, **extra) -> str:
+        body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.gateway.model_name,
                 "choices": [choice_body] if choice_body is not None else []}
-        if g.include_usage and chat:  # chat chunks carry usage null until the last (completions: absent)
+        if self.g.include_usage and self.chat:  # chat chunks carry usage null until the last (completions: absent)
             body["usage"] = None
         body.update(extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def piece_body(c: Choice, text: str, entries: list, finish: str | None) -> dict:
-        if chat:
+    def _logprobs(self, entries: list, chat: bool):
+        if not (self.g.logprobs and entries):
+            return None
+        return self.gateway.chat_logprobs(entries) if chat else self.gateway.completion_logprobs(entries)
+
+    def piece(self, c: Choice, text: str, entries: list, finish: str | None) -> dict:
+        if self.chat:
             return {"index": c.index, "delta": {"content": text} if text or finish is None else {},
-                    "finish_reason": finish, "logprobs": gateway.chat_logprobs(entries) if g.logprobs and entries else None}
-        return {"index": c.index, "text": text, "finish_reason": finish,
-                "logprobs": gateway.completion_logprobs(entries) if g.logprobs and entries else None}
+                    "finish_reason": finish, "logprobs": self._logprobs(entries, True)}
+        return {"index": c.index, "text": text, "finish_reason": finish, "logprobs": self._logprobs(entries, False)}
 
-    def delta_body(c: Choice, delta: dict, entries: list, finish: str | None = None) -> dict:
-        return {"index": c.index, "delta": delta, "finish_reason": finish,
-                "logprobs": gateway.chat_logprobs(entries) if g.logprobs and entries else None}
+    def delta(self, c: Choice, delta: dict, entries: list, finish: str | None = None) -> dict:
+        return {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(entries, True)}
 
-    held: dict[int, list] = {}  # tool calls: logprob entries of text held back, sent with the next delta
+    def pieces(self, c: Choice, text: str, entries: list) -> list[dict]:
+        """The chunk bodies a choice's new text makes; with tools, text held back where a call may begin and the
+        calls as delta.tool_calls (gateway/tools.py)."""
+        if c.tools is None:
+            return [self.piece(c, text, entries, None)] if text or entries else []
+        self.held[c.index] = self.held.get(c.index, []) + entries
+        deltas = c.tools.feed(text) + (c.tools.finish() if c.finish_reason is not None else [])
+        return [self.delta(c, d, self.held.pop(c.index, [])) for d in deltas]
+
+    def finish(self, c: Choice) -> dict:
+        reason = c.finish_reason if c.finish_reason in ("stop", "length") else "stop"
+        if c.tools is None:
+            return self.piece(c, "", [], reason)
+        return self.delta(c, {}, self.held.pop(c.index, []), c.tools.finish_reason(reason, c.tools.calls))
+
+
+async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool, arrival: float,
+                 admitted: int):
+    events = _Events(gateway, g, rid, chat)
     queue: asyncio.Queue = asyncio.Queue()  # (choice, delta) from every choice, in arrival order
 
     async def pump(c: Choice):
@@ -85,8 +110,8 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
     try:
         if chat:
             for c in choices:
-                yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                             "logprobs": None})
+                yield events.event({"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                                    "logprobs": None})
         open_choices = len(choices)
         while open_choices:
             c, delta = await queue.get()
@@ -96,7 +121,7 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
             text = gateway.absorb(c, delta)
             if c.echo is not None and not c.echo_sent:  # the first delta: the prompt (and its logprobs) goes first
                 c.echo_sent = True
-                yield chunk(piece_body(c, c.echo, c.prompt_logprobs, None))
+                yield events.event(events.piece(c, c.echo, c.prompt_logprobs, None))
             clock.delivered(delta)
             if c.error is not None:
                 open_choices -= 1
@@ -104,27 +129,17 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
                 gateway.abort_unfinished(choices, "error")
                 yield f"data: {json.dumps(c.error.body())}\n\n"
                 break
-            entries = c.logprobs[before:]
-            finish = c.finish_reason if c.finish_reason in ("stop", "length") else None
-            if c.tools is not None:  # tool calls: text held back where a call may begin, calls as delta.tool_calls
-                held[c.index] = held.get(c.index, []) + entries
-                deltas = c.tools.feed(text) + (c.tools.finish() if c.finish_reason is not None else [])
-                for delta in deltas:
-                    yield chunk(delta_body(c, delta, held.pop(c.index, [])))
-                if c.finish_reason is not None:
-                    finish = c.tools.finish_reason(finish or "stop", c.tools.calls)
-            elif text or entries:
-                yield chunk(piece_body(c, text, entries, None))
+            for body in events.pieces(c, text, c.logprobs[before:]):
+                yield events.event(body)
             if c.finish_reason is not None:
                 open_choices -= 1
                 gateway.finished(c)
-                yield chunk(delta_body(c, {}, held.pop(c.index, []), finish or "stop") if c.tools is not None
-                            else piece_body(c, "", [], finish or "stop"), speculative=gateway.speculative([c], g))
+                yield events.event(events.finish(c), speculative=gateway.speculative([c], g))
         else:
             clock.done()
             if g.include_usage:
-                body = {"id": rid, "object": kind, "created": created, "model": gateway.model_name, "choices": [],
-                        "usage": gateway.usage(choices, prompts)}
+                body = {"id": rid, "object": events.kind, "created": events.created, "model": gateway.model_name,
+                        "choices": [], "usage": gateway.usage(choices, prompts)}
                 yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
         sent_done = True
