@@ -186,6 +186,20 @@ async def detokenize(gateway: Gateway, request: Request):
     return {"prompt": text}
 
 
+def read_only(gateway: Gateway, request: Request, path: str, answer, model_id: str | None = None):
+    """A GET that reads the served model's state: the API key, a connected verifier (and the model asked for, if
+    any) checked, answer() returned and counted."""
+    try:
+        authorized(gateway.config, request)
+        gateway.check_ready()
+        if model_id is not None:
+            gateway.check_model(model_id)
+    except APIError as exc:
+        return error_response(gateway, exc, path)
+    gateway.metrics.http.labels(path, "200").inc()
+    return answer()
+
+
 def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI:
     gateway = Gateway(config, codec)
 
@@ -230,34 +244,15 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models(request: Request):
-        try:
-            authorized(config, request)
-            gateway.check_ready()
-        except APIError as exc:
-            return error_response(gateway, exc, "/v1/models")
-        gateway.metrics.http.labels("/v1/models", "200").inc()
-        return {"object": "list", "data": [model_card()]}
+        return read_only(gateway, request, "/v1/models", lambda: {"object": "list", "data": [model_card()]})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        try:
-            authorized(config, request)
-            gateway.check_ready()
-            gateway.check_model(model_id)
-        except APIError as exc:
-            return error_response(gateway, exc, "/v1/models/{model}")
-        gateway.metrics.http.labels("/v1/models/{model}", "200").inc()
-        return model_card()
+        return read_only(gateway, request, "/v1/models/{model}", model_card, model_id)
 
     @app.get("/get_server_info")
     async def server_info(request: Request):
-        try:
-            authorized(config, request)
-            gateway.check_ready()
-        except APIError as exc:
-            return error_response(gateway, exc, "/get_server_info")
-        gateway.metrics.http.labels("/get_server_info", "200").inc()
-        return gateway.server_info()
+        return read_only(gateway, request, "/get_server_info", gateway.server_info)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):

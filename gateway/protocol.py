@@ -314,8 +314,9 @@ class ChatCompletionRequest(_Request, ToolFields):
     def generation(self) -> Generation:
         g = super().generation()
         g.tools = self._tools
-        if g.tools is not None and g.tools.grammar() is not None:
-            g.grammar_field, g.grammar = "tools", g.tools.grammar()
+        grammar = g.tools.grammar() if g.tools is not None else None
+        if grammar is not None:
+            g.grammar_field, g.grammar = "tools", grammar
         g.messages = ChatMessages(template_messages(self.messages), tools=g.tools.tools if g.tools is not None else None)
         g.max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         g.logprobs = bool(self.logprobs)

@@ -58,8 +58,8 @@ def weak_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Break:
-    """One attention call between two pieces: the layer, its inputs as the piece before left them, and the
-    positions (the attention's output goes to the shared buffer)."""
+    """One attention call between two pieces: the layer and its inputs as the piece before left them (its output
+    goes to the shared buffer)."""
 
     __slots__ = ("layer_id", "q", "k", "v")
 
@@ -115,13 +115,13 @@ class PiecewiseGraphs:
         self.out = torch.zeros(self.max_tokens, config.q_size, dtype=runner.dtype, device=device)
 
     @torch.inference_mode()
-    def capture(self, pool=None) -> None:
-        """Capture every size (largest first, in the step graphs' pool when given)."""
+    def capture(self) -> None:
+        """Capture every size, largest first, in a memory pool of their own."""
         runner, device = self.runner, self.runner.device
         torch.cuda.synchronize(device)
         free_before, reserved_before = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         start = time.perf_counter()
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
