@@ -148,7 +148,8 @@ class PiecewiseGraphs:
 
     def run(self, batch, plan) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(final hidden [T, H], captured layer inputs) of a batch of T <= max_tokens new tokens: the pieces
-        replayed, the batch's attention (planned: plan) run eagerly between them."""
+        replayed, the batch's attention (planned: plan) run eagerly between them. Views of the static outputs: the
+        next replay overwrites them, so a caller that keeps one copies it."""
         runner = self.runner
         rows = batch.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= rows)
@@ -162,4 +163,4 @@ class PiecewiseGraphs:
             out[:rows].view(attended.shape).copy_(attended)
         entry.graphs[-1].replay()
         self.replays += 1
-        return entry.hidden[:rows].clone(), [c[:rows].clone() for c in entry.captured]
+        return entry.hidden[:rows], [c[:rows] for c in entry.captured]

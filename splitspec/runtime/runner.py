@@ -303,12 +303,11 @@ class ModelRunner:
         step_shaped = batch.attention.step_tokens is not None
         if self.piecewise is not None and features is None and draft_layer is None \
                 and self.piecewise.covers(batch.input_ids.shape[0]):
-            hidden, captured = self.piecewise.run(batch, plan)
-            return ForwardOutput(logits=self.model.logits(hidden[batch.logits_indices]),
-                                 hidden_states=hidden if return_hidden else None,
-                                 aux_hidden_states=torch.cat(captured, dim=-1) if captured else None)
-        hidden, captured = self.model_call(batch.attention.num_requests if step_shaped else None, batch.input_ids,
-                                           batch.positions, self.backend, plan, self.capture_layers, **extra)
+            hidden, captured = self.piecewise.run(batch, plan)  # views of static buffers: the next replay overwrites
+            hidden = hidden.clone() if return_hidden else hidden  # (the logits' rows and the cat below are copies)
+        else:
+            hidden, captured = self.model_call(batch.attention.num_requests if step_shaped else None, batch.input_ids,
+                                               batch.positions, self.backend, plan, self.capture_layers, **extra)
         logits = self.model.logits(hidden[batch.logits_indices])
         return ForwardOutput(
             logits=logits,
