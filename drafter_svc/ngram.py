@@ -12,6 +12,9 @@ all requests; the longest suffixes of a request's context that the trie knows an
              children) x the parent's path probability
 Trees from all anchors merge (one node per (parent, token)) until the budget is filled. The root is
 the request's last token.
+
+The trie used is the C one (ngram_native.py, ngram_trie.c) wherever it builds; the Python one here is its twin,
+tree for tree, and the fallback ($SPLITSPEC_NGRAM_TRIE).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+from splitspec.drafter_svc import ngram_native
 from splitspec.drafter_svc.base import Bet, Drafter
 from splitspec.runtime.tree import DraftTree, leaf_outcomes
 
@@ -90,6 +94,18 @@ class NgramTrie:
         self.num_nodes += added
         if self.num_nodes > self.config.capacity:
             self._evict(self.num_nodes - self.config.capacity)
+
+    def insert_windows(self, windows: list[list[int]]) -> None:
+        for window in windows:
+            self.insert_window(window)
+
+    def draft(self, context: list[int], max_nodes: int) -> DraftTree | None:
+        """The tree for a context (root = its last token), or None when the trie suggests nothing."""
+        builder = TreeBuilder(context[-1], max_nodes)
+        if max_nodes > 1:
+            build = build_bfs if self.config.match_type == "BFS" else build_prob
+            build(self.anchors(context), builder, self.config)
+        return builder.tree()
 
     def _evict(self, count: int) -> None:
         """Drop the `count` least recently used leaves (repeatedly, as parents become leaves)."""
@@ -179,13 +195,14 @@ def build_prob(anchors: list[tuple[TrieNode, int]], builder: TreeBuilder, config
             return
 
 
-def draft_from_context(trie: NgramTrie, context: list[int], max_nodes: int) -> DraftTree | None:
+def draft_from_context(trie, context: list[int], max_nodes: int) -> DraftTree | None:
     """The tree for a context (root = its last token), or None when the trie suggests nothing."""
-    builder = TreeBuilder(context[-1], max_nodes)
-    if max_nodes > 1:
-        build = build_bfs if trie.config.match_type == "BFS" else build_prob
-        build(trie.anchors(context), builder, trie.config)
-    return builder.tree()
+    return trie.draft(context, max_nodes)
+
+
+def make_trie(config: NgramConfig):
+    """The C trie where it is available ($SPLITSPEC_NGRAM_TRIE), else the Python twin."""
+    return ngram_native.NativeNgramTrie(config) if ngram_native.native_available() else NgramTrie(config)
 
 
 class NgramDrafter(Drafter):
@@ -197,7 +214,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()
-        self.trie = NgramTrie(self.config)
+        self.trie = make_trie(self.config)
         self.contexts: dict[str, list[int]] = {}
         self.current: dict[str, tuple[DraftTree | None, int]] = {}  # request -> (tree being verified, budget)
         self.bets: dict[str, list[Bet]] = {}
@@ -222,9 +239,9 @@ class NgramDrafter(Drafter):
         del context[:-keep]
 
     def idle(self) -> None:
-        for window in self._held:
-            self.trie.insert_window(window)
-        self._held.clear()
+        if self._held:
+            self.trie.insert_windows(self._held)
+            self._held = []
 
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
         self.idle()

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import pytest
 
+import random
+
 from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter, NgramTrie, draft_from_context
+from splitspec.drafter_svc.ngram_native import NativeNgramTrie, native_available
 from splitspec.runtime.tree import path_to
+
+# the C trie and its Python twin; CI has a C compiler, so the C one must build there (not skipped quietly)
+TRIES = [NgramTrie, NativeNgramTrie]
 
 SGLANG_PARAMS = dict(branch_length=12, min_match_window_size=1, max_match_window_size=10, min_bfs_breadth=1,
                      max_bfs_breadth=8, capacity=100000)
@@ -45,9 +51,15 @@ def our_paths(tree) -> set[tuple[int, ...]]:
     return {tuple(tree.tokens[j] for j in path_to(tree.parents, i)) for i in range(tree.num_nodes)}
 
 
+def test_the_c_trie_builds_and_is_the_default():
+    assert native_available()
+    assert isinstance(NgramDrafter().trie, NativeNgramTrie)
+
+
+@pytest.mark.parametrize("trie_class", TRIES)
 @pytest.mark.parametrize("match_type", ["BFS", "PROB"])
-def test_sglang_golden_trees(match_type):
-    trie = NgramTrie(NgramConfig(match_type=match_type, **SGLANG_PARAMS))
+def test_sglang_golden_trees(match_type, trie_class):
+    trie = trie_class(NgramConfig(match_type=match_type, **SGLANG_PARAMS))
     for sequence in SEED:
         trie.insert_window(sequence)
     for query, (ids, mask) in zip(QUERY, EXPECTED[match_type]):
@@ -59,13 +71,14 @@ def test_sglang_golden_trees(match_type):
             assert our_paths(tree) == expected, (query, tree)
 
 
-def test_recency_decides_bfs_and_frequency_decides_prob():
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_recency_decides_bfs_and_frequency_decides_prob(trie_class):
     small = dict(min_bfs_breadth=1, max_bfs_breadth=1, max_match_window_size=3, branch_length=5)
-    bfs = NgramTrie(NgramConfig(match_type="BFS", **small))
+    bfs = trie_class(NgramConfig(match_type="BFS", **small))
     bfs.insert_window([1, 2, 3, 10, 11])
     bfs.insert_window([1, 2, 3, 20, 21])
     assert draft_from_context(bfs, [1, 2, 3], 2).tokens[1] == 20
-    prob = NgramTrie(NgramConfig(match_type="PROB", **small))
+    prob = trie_class(NgramConfig(match_type="PROB", **small))
     for _ in range(10):
         prob.insert_window([1, 2, 3, 20, 21])
     prob.insert_window([1, 2, 3, 10, 11])  # most recent, but rarer
@@ -73,8 +86,9 @@ def test_recency_decides_bfs_and_frequency_decides_prob():
     assert draft_from_context(bfs, [999, 888, 777], 8) is None
 
 
-def test_capacity_evicts_least_recent_leaves():
-    trie = NgramTrie(NgramConfig(capacity=12, branch_length=4, max_match_window_size=3))
+@pytest.mark.parametrize("trie_class", TRIES)
+def test_capacity_evicts_least_recent_leaves(trie_class):
+    trie = trie_class(NgramConfig(capacity=12, branch_length=4, max_match_window_size=3))
     trie.insert_window([1, 2, 3, 4, 5])
     trie.insert_window([7, 8, 9, 7, 8, 9])
     assert trie.num_nodes <= 12
@@ -94,3 +108,30 @@ def test_drafter_follows_a_request():
     assert "a" not in drafter.contexts
     with pytest.raises(ValueError, match="match-type"):
         NgramConfig(match_type="DFS")
+
+
+@pytest.mark.parametrize("match_type", ["BFS", "PROB"])
+@pytest.mark.parametrize("capacity", [10_000_000, 300])
+def test_the_c_trie_drafts_the_python_twins_trees(match_type, capacity):
+    """Random traffic over a small vocabulary (wide branching, frequency ties), with and without eviction: the
+    C trie's every tree equals the Python trie's, node for node and in order, and so does its size."""
+    rng = random.Random(f"{match_type}{capacity}")
+    config = NgramConfig(match_type=match_type, capacity=capacity, max_match_window_size=6, branch_length=9,
+                         min_bfs_breadth=1, max_bfs_breadth=5)
+    twin, native = NgramTrie(config), NativeNgramTrie(config)
+    text = [rng.randrange(12) for _ in range(400)]
+    drafted = 0
+    for step in range(300):
+        start = rng.randrange(len(text) - 12)
+        windows = [text[start : start + rng.randint(1, 12)] if rng.random() < 0.8
+                   else [rng.randrange(12) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 3))]
+        twin.insert_windows(windows)
+        native.insert_windows(windows)
+        assert native.num_nodes == twin.num_nodes
+        for budget in (2, 5, 12, 40):
+            context = text[rng.randrange(len(text) - 8):][: rng.randint(1, 8)]
+            expected = draft_from_context(twin, context, budget)
+            assert draft_from_context(native, context, budget) == expected, (step, context, budget)
+            drafted += expected is not None
+    assert twin.num_nodes <= capacity
+    assert drafted > 500  # the traffic exercised the trees, not only empty drafts
