@@ -25,7 +25,11 @@ typedef struct {
 #define EMPTY UINT64_MAX
 
 static uint64_t key_of(int32_t parent, int32_t token) { return ((uint64_t)(uint32_t)parent << 32) | (uint32_t)token; }
-static uint64_t slot_of(uint64_t key, uint64_t mask) { return (key * 0x9E3779B97F4A7C15ull >> 17) & mask; }
+static uint64_t slot_of(uint64_t key, uint64_t mask) {  /* splitmix64's finalizer: every key bit moves the slot */
+    key ^= key >> 30; key *= 0xBF58476D1CE4E5B9ull;
+    key ^= key >> 27; key *= 0x94D049BB133111EBull;
+    return (key ^ key >> 31) & mask;
+}
 
 static int32_t lookup(const Trie *t, int32_t parent, int32_t token) {
     uint64_t key = key_of(parent, token), i = slot_of(key, t->mask);

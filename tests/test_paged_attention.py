@@ -208,12 +208,38 @@ def test_flashinfer_tree_masks_are_packed_on_the_host_per_request():
     q_lens = [len(p) for p in parents]
     batch = AttentionBatch(q_lens=q_lens, kv_lens=kv_lens, page_tables=[[0], [1]], out_slots=torch.zeros(7, dtype=torch.long),
                            positions=torch.tensor([9, 10, 10, 11, 3, 4, 5]), masks=masks)
-    packed, offsets = FlashInferAttentionBackend._tree_mask(batch, [0, 1], [0, 4, 7], None)
     expected, expected_offsets = [], [0]
     for mask, q_len, kv_len in zip(masks, q_lens, kv_lens):
         full = np.ones((q_len, kv_len), dtype=bool)
         full[:, kv_len - q_len:] = mask.numpy()
         expected.append(np.packbits(full.flatten(), bitorder="little"))
         expected_offsets.append(expected_offsets[-1] + expected[-1].size)
-    assert offsets.tolist() == expected_offsets == [0, 7, 10]  # 52 bits -> 7 bytes, 18 bits -> 3 bytes
-    assert packed.dtype == torch.uint8 and packed.tolist() == np.concatenate(expected).tolist()
+    # from the mask tensors, and from the trees' bits (a batch that knows its trees: the engine's)
+    for trees in (None, parents):
+        batch.trees = trees
+        packed, offsets = FlashInferAttentionBackend._tree_mask(batch, [0, 1], [0, 4, 7], None)
+        assert offsets.tolist() == expected_offsets == [0, 7, 10]  # 52 bits -> 7 bytes, 18 bits -> 3 bytes
+        assert packed.dtype == torch.uint8 and packed.tolist() == np.concatenate(expected).tolist()
+
+
+def test_tree_masks_from_bits_equal_tree_masks_from_tensors():
+    """Random trees and prefixes: the packing from the trees' bits equals the packing from their masks."""
+    import random
+
+    from splitspec.runtime.attention.base import AttentionBatch
+    from splitspec.runtime.attention.flashinfer_backend import FlashInferAttentionBackend
+    from splitspec.runtime.tree import tree_mask
+
+    rng = random.Random(0)
+    for _ in range(100):
+        trees = [tuple([-1] + [rng.randrange(i) for i in range(1, rng.randint(2, 20))]) for _ in range(rng.randint(1, 6))]
+        q_lens = [len(t) for t in trees]
+        kv_lens = [q + rng.randint(0, 70) for q in q_lens]
+        starts = [sum(q_lens[:i]) for i in range(len(trees) + 1)]
+        batch = AttentionBatch(q_lens=q_lens, kv_lens=kv_lens, page_tables=[[0]] * len(trees),
+                               out_slots=torch.zeros(starts[-1], dtype=torch.long),
+                               positions=torch.zeros(starts[-1], dtype=torch.long), masks=[tree_mask(t) for t in trees])
+        from_tensors = FlashInferAttentionBackend._tree_mask(batch, list(range(len(trees))), starts, None)
+        batch.trees = trees
+        from_bits = FlashInferAttentionBackend._tree_mask(batch, list(range(len(trees))), starts, None)
+        assert all(torch.equal(a, b) for a, b in zip(from_tensors, from_bits))

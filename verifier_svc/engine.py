@@ -270,8 +270,9 @@ class Engine(Scheduling):
                 self.report.padding_tokens += pad - len(tokens)
                 tokens += [tokens[0]] * (pad - len(tokens))
                 parents += [0] * (pad - len(parents))
+            tree = tuple(parents) if len(tokens) > 1 else None
             sequences.append(SequenceInput(v.request.table, tokens, positions(parents, v.seq_len),
-                                           tree_mask(parents) if len(tokens) > 1 else None, "all"))
+                                           tree_mask(tree) if tree else None, "all", tree))
         return sequences
 
     def _forward(self, sequences: list[SequenceInput]):

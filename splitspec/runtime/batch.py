@@ -24,6 +24,9 @@ class SequenceInput:
     positions: list[int] | None = None  # default: table.num_tokens + arange(len(input_ids))
     mask: torch.Tensor | None = None  # [q_len, q_len] bool over the new tokens; None = causal
     logits: str = "last"  # which new tokens get logits: "last", "all" or "none"
+    # the draft tree whose ancestor-or-self relation `mask` is, when it is one (tree.tree_mask(parents)): backends
+    # build their masks from its bits (tree.ancestor_rows) instead of from the tensor
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -41,7 +44,10 @@ def validate(seq: SequenceInput) -> None:
         raise ValueError("a sequence in a forward batch needs at least one new token")
     if seq.positions is not None and len(seq.positions) != q_len:
         raise ValueError(f"{len(seq.positions)} positions for {q_len} new tokens")
-    if seq.mask is not None:
+    if seq.parents is not None:  # its mask is tree_mask(parents): every node sees itself
+        if seq.mask is None or len(seq.parents) != q_len:
+            raise ValueError(f"a tree of {len(seq.parents)} nodes for {q_len} new tokens, or without its mask")
+    elif seq.mask is not None:
         if tuple(seq.mask.shape) != (q_len, q_len):
             raise ValueError(f"mask shape {tuple(seq.mask.shape)} does not match {q_len} new tokens")
         if not bool(seq.mask.diagonal().all()):
@@ -57,7 +63,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
     for seq in sequences:
         validate(seq)  # all of them before any page is reserved
     input_ids, positions, out_slots, logits_rows = [], [], [], []
-    q_lens, kv_lens, page_tables, masks, cu_logits = [], [], [], [], [0]
+    q_lens, kv_lens, page_tables, masks, trees, cu_logits = [], [], [], [], [], [0]
     for seq in sequences:
         q_len, start = len(seq.input_ids), seq.table.num_tokens
         kv_cache.reserve(seq.table, start + q_len)
@@ -79,6 +85,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         kv_lens.append(start + q_len)
         page_tables.append(list(seq.table.pages))
         masks.append(seq.mask)
+        trees.append(seq.parents)
     positions_t = torch.tensor(positions, dtype=torch.long)
     attention = AttentionBatch(
         q_lens=q_lens,
@@ -87,6 +94,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         out_slots=torch.cat([torch.tensor(s, dtype=torch.long) if isinstance(s, list) else s for s in out_slots]),
         positions=positions_t,
         masks=masks,
+        trees=trees,
     )
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -25,6 +25,7 @@ import time
 import torch
 
 from splitspec.runtime.attention.base import AttentionBatch
+from splitspec.runtime.tree import tree_mask
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,9 @@ class StepGraphs:
             page_size = self.runner.kv_cache.page_size
             slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(1, q + 1)],
                                  dtype=torch.long)
-            mask = None if q == 1 else torch.ones(q, q, dtype=torch.bool).tril()
-            self.dummies[q] = (q + 1, pages, slots, torch.arange(1, q + 1), mask)
+            chain = tuple(range(-1, q - 1))
+            mask = None if q == 1 else tree_mask(chain)
+            self.dummies[q] = (q + 1, pages, slots, torch.arange(1, q + 1), mask, None if q == 1 else chain)
         return self.dummies[q]
 
     def has(self, q: int, width: int = 0) -> bool:
@@ -153,14 +155,15 @@ class StepGraphs:
         pad = bs - (attention.num_requests if attention is not None else 0)
         if pad == 0:
             return attention
-        kv_len, pages, slots, positions, mask = self._dummy(q)
+        kv_len, pages, slots, positions, mask, chain = self._dummy(q)
         if attention is None:
-            attention = AttentionBatch([], [], [], slots[:0], positions[:0], [])
+            attention = AttentionBatch([], [], [], slots[:0], positions[:0], [], [])
         return AttentionBatch(q_lens=[q] * bs, kv_lens=attention.kv_lens + [kv_len] * pad,
                               page_tables=attention.page_tables + [pages] * pad,
                               out_slots=torch.cat([attention.out_slots, slots.repeat(pad)]),
                               positions=torch.cat([attention.positions, positions.repeat(pad)]),
-                              masks=attention.masks + [mask] * pad)
+                              masks=attention.masks + [mask] * pad,
+                              trees=None if attention.trees is None else attention.trees + [chain] * pad)
 
     def tokens_per_request(self, batch, chains: bool = False) -> int | None:
         """q when the batch is graph-shaped: at most max_bs requests of q tokens each (q = 1 without masks,

@@ -23,6 +23,7 @@ Worked example, tokens [t0 t1 t2 t3 t4], parents [-1, 0, 0, 1, 1]:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -87,13 +88,25 @@ def positions(parents: list[int] | tuple[int, ...], seq_len: int) -> list[int]:
     return [seq_len + d for d in depths(parents)]
 
 
-def tree_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """[N, N] bool: mask[i, j] iff j is i or an ancestor of i."""
+@functools.lru_cache(maxsize=4096)
+def ancestor_rows(parents: tuple[int, ...]) -> tuple[int, ...]:
+    """The tree mask's rows as bits: node i's int has bit j set iff j is i or an ancestor of i."""
+    rows: list[int] = []
+    for i, parent in enumerate(parents):
+        rows.append((rows[parent] if parent != NO_NODE else 0) | 1 << i)
+    return tuple(rows)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_mask(parents: tuple[int, ...]) -> torch.Tensor:
     n = len(parents)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        mask[i] |= mask[parents[i]]
-    return mask
+    return torch.tensor([[row >> j & 1 for j in range(n)] for row in ancestor_rows(parents)], dtype=torch.bool)
+
+
+def tree_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """[N, N] bool: mask[i, j] iff j is i or an ancestor of i. One tensor per tree shape, shared (a step's trees
+    mostly repeat a few shapes: built once, not per request per step): read it, never write into it."""
+    return _tree_mask(tuple(parents))
 
 
 def child_links(parents: list[int] | tuple[int, ...]) -> tuple[list[int], list[int]]:

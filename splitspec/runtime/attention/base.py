@@ -29,6 +29,8 @@ class AttentionBatch:
     out_slots: torch.Tensor  # [num_tokens] flat slot id where each new token's K/V is written
     positions: torch.Tensor  # [num_tokens] RoPE position of each new token
     masks: list[torch.Tensor | None]  # per request: [q_len, q_len] bool over new tokens, None = causal
+    # per request, where its mask is a draft tree's: the tree's parents (tree.ancestor_rows gives the mask as bits)
+    trees: list[tuple[int, ...] | None] | None = None
 
     @property
     def num_requests(self) -> int:

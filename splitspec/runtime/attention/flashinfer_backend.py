@@ -31,6 +31,7 @@ import torch
 
 from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+from splitspec.runtime.tree import ancestor_rows
 
 LN2 = 0.6931471805599453
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
@@ -46,6 +47,22 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(-(-bits.numel() // 8) * 8, dtype=torch.uint8)
     padded[: bits.numel()] = bits
     return (padded.view(-1, 8) * _BIT_WEIGHTS).sum(1).to(torch.uint8)
+
+
+def _packed_trees(trees: list[tuple[int, ...]], kv_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """_tree_mask for trees without a window, from their masks' bits as Python ints: per request one int of
+    q_len x kv_len bits (row i: the prefix's kv_len - q_len ones, then node i's ancestors), its bytes
+    little-endian (bit e of the int is bit e % 8 of byte e // 8: pack_bits' order); no tensor op per request."""
+    chunks, offsets = [], [0]
+    for parents, kv_len in zip(trees, kv_lens):
+        rows = ancestor_rows(parents)
+        prefix = kv_len - len(rows)
+        ones, bits = (1 << prefix) - 1, 0
+        for i, row in enumerate(rows):
+            bits |= (ones | row << prefix) << (i * kv_len)
+        chunks.append(bits.to_bytes(-(-len(rows) * kv_len // 8), "little"))
+        offsets.append(offsets[-1] + len(chunks[-1]))
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8), torch.tensor(offsets, dtype=torch.int32)
 
 
 @dataclass
@@ -207,6 +224,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         """(packed uint8, byte offsets int32 [R+1]) on the host: each request's [q_len, kv_len] bool (prefix
         visible, new tokens by their mask), flattened and packed to bits in FlashInfer's order (little: element
         8k+j is bit j of byte k), each request starting on a byte; a sliding window is applied by positions."""
+        trees = batch.trees or [None] * batch.num_requests
+        if window is None and all(trees[i] is not None for i in requests):  # every mask a tree's: from its bits
+            return _packed_trees([trees[i] for i in requests], [batch.kv_lens[i] for i in requests])
         positions = batch.positions.cpu()
         parts, offsets = [], [0]
         for i in requests:
