@@ -46,8 +46,9 @@
 #             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64) and 8b-plain-serial (the same served
 #             with --disable-overlap-schedule: publishing between steps), demo-ngram-grpc-here (demo-ngram with
 #             --disable-frontend-multiprocessing: gRPC on the engine's process), demo-ngram-fixed (demo-ngram with
-#             --speculative-adaptive off: every step drafts its full tree), demo-ngram-local (demo-ngram drafted in the verifier's
-#             process: up --drafters 0), demo-ngram-local-fixed (both); the in-process side runs the server's adaptive setting
+#             --speculative-adaptive off: every step drafts its full tree), demo-ngram-local (drafted in the verifier's process,
+#             up --drafters 0: up's default for NGRAM since 2026-11-27), demo-ngram-remote (from a drafter process, up
+#             --drafters 1: the default before), demo-ngram-local-fixed (local, fixed trees); the in-process side runs the server's adaptive setting
 #             (auto: on for a GPU target); SERVED_LOAD adds bench flags; each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
@@ -156,6 +157,7 @@ for stage in "${stages[@]}"; do
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-ngram-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
+                        demo-ngram-remote) pre=(--serve=--drafters=1); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-ngram-fixed) pre=(); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
                         demo-ngram-local-fixed) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
                         demo-ngram-grpc-here) pre=(--serve=--disable-frontend-multiprocessing); model=(--speculative-algorithm NGRAM); bs=1,16 ;;

@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="Address the gateway listens on (0.0.0.0: every interface).")
     parser.add_argument("--port", type=int, default=30000,
                         help="Gateway HTTP port; the verifier takes port+1 (gRPC), port+2 (metrics), port+3 (drafters).")
-    parser.add_argument("--drafters", type=int, default=1,
-                        help="Drafter processes (0: the verifier drafts in its own process).")
+    parser.add_argument("--drafters", type=int, default=None,
+                        help="Drafter processes (0: the verifier drafts in its own process). Default: 0 for NGRAM (no "
+                        "model to place on a GPU; its trie costs microseconds per request in the verifier's process, "
+                        "where a drafter process would add a round trip to every step), 1 for the model drafters.")
     parser.add_argument("--model-path", "--model", dest="model_path", default=None,
                         help="Target model directory or hub id (default: the demo target, with its demo drafts).")
     parser.add_argument("--speculative-algorithm", default=None,
@@ -121,12 +123,13 @@ class Launcher:
                 extra = [*extra, "--max-total-tokens", DEMO_MAX_TOTAL_TOKENS]
         self.url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         self.model_name = served or model
-        if args.zmq_curve_keys and algorithm and args.drafters > 0:
+        drafters = default_drafters(algorithm) if args.drafters is None else args.drafters
+        if args.zmq_curve_keys and algorithm and drafters > 0:
             try:
                 make_curve_keys(args.zmq_curve_keys)
             except (ValueError, OSError) as exc:
                 raise SystemExit(f"splitspec up: error: --zmq-curve-keys {args.zmq_curve_keys}: {exc}") from None
-        commands = service_commands(model, draft, algorithm, served, extra, args.drafters, args.port, args.host,
+        commands = service_commands(model, draft, algorithm, served, extra, drafters, args.port, args.host,
                                     args.log_level, args.api_key, curve_keys=args.zmq_curve_keys)
         python = [sys.executable, "-m", "splitspec"]
         if args.prometheus_config:
@@ -308,6 +311,12 @@ def _flag_value(flags: list[str], name: str) -> str | None:
         elif flag.startswith(name + "="):
             value = flag.split("=", 1)[1]
     return value
+
+
+def default_drafters(algorithm: str | None) -> int:
+    """`up`'s drafter processes when --drafters is not given: NGRAM drafts in the verifier's process, a model
+    drafter in one process of its own."""
+    return 0 if algorithm is None or algorithm.upper() == "NGRAM" else 1
 
 
 def service_commands(model: str, draft: str | None, algorithm: str | None, served: str | None, extra: list[str],

@@ -255,3 +255,19 @@ def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
     assert _flag_value(["--dtype", "float32", "--device", "cpu"], "--device") == "cpu"
     assert _flag_value(["--device=cuda:0", "--max-total-tokens", "64"], "--device") == "cuda:0"
     assert _flag_value(["--devices", "x"], "--device") is None
+
+
+def test_ngram_drafts_in_the_verifiers_process_unless_drafters_are_asked_for():
+    """`up`'s default topology: NGRAM (no model to place) in the verifier's process, a model drafter in a process
+    of its own; --drafters overrides either."""
+    from splitspec.launcher import Launcher, build_parser
+
+    def services(*flags: str) -> list[str]:
+        args, extra = build_parser().parse_known_args(list(flags))
+        return [service.name for service in Launcher(args, extra).services]
+
+    assert services() == ["verifier", "gateway"]  # the demo's default algorithm, NGRAM
+    assert services("--speculative-algorithm", "ngram") == ["verifier", "gateway"]
+    assert services("--speculative-algorithm", "NGRAM", "--drafters", "2") == ["verifier", "drafter-1", "drafter-2", "gateway"]
+    assert services("--speculative-algorithm", "EAGLE3") == ["verifier", "drafter-1", "gateway"]
+    assert services("--speculative-algorithm", "EAGLE3", "--drafters", "0") == ["verifier", "gateway"]
