@@ -85,16 +85,15 @@ class StepGraphs:
         return self.scratch_pages[: cache.pages_for(num_tokens)]
 
     def _dummy(self, q: int) -> tuple:
-        """A padding request, built once per q: (kv_len, pages, slots, positions, mask) of a chain of q
-        tokens at positions 1..q after one cached key, in the scratch pages."""
+        """A padding request, built once per q: (kv_len, pages, slots, positions, parents) of a chain of q
+        tokens at positions 1..q after one cached key, in the scratch pages (parents None for q = 1: no mask)."""
         if q not in self.dummies:
             pages = self._scratch(q + 1)
             page_size = self.runner.kv_cache.page_size
             slots = torch.tensor([pages[i // page_size] * page_size + i % page_size for i in range(1, q + 1)],
                                  dtype=torch.long)
-            chain = tuple(range(-1, q - 1))
-            mask = None if q == 1 else tree_mask(chain)
-            self.dummies[q] = (q + 1, pages, slots, torch.arange(1, q + 1), mask, None if q == 1 else chain)
+            chain = None if q == 1 else tuple(range(-1, q - 1))
+            self.dummies[q] = (q + 1, pages, slots, torch.arange(1, q + 1), chain)
         return self.dummies[q]
 
     def has(self, q: int, width: int = 0) -> bool:
@@ -155,7 +154,8 @@ class StepGraphs:
         pad = bs - (attention.num_requests if attention is not None else 0)
         if pad == 0:
             return attention
-        kv_len, pages, slots, positions, mask, chain = self._dummy(q)
+        kv_len, pages, slots, positions, chain = self._dummy(q)
+        mask = None if chain is None else tree_mask(chain)  # built once per shape (tree_mask's cache)
         if attention is None:
             attention = AttentionBatch([], [], [], slots[:0], positions[:0], [], [])
         return AttentionBatch(q_lens=[q] * bs, kv_lens=attention.kv_lens + [kv_len] * pad,
