@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import ModelBets, draft_loop_for, host_beam_draft
 from splitspec.runtime.batch import SequenceInput
@@ -104,18 +105,21 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         asked = [(i, self.states[r], min(self.num_draft_tokens, b)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
                  if self.states[r].pending_tokens or (b >= 2 and self.states[r].root_feature is not None)]
         # rows not yet in the head's KV, for every asked request in one batch (a budget below 2 only catches up)
-        computed = self._catch_up([s for _, s, _ in asked])
+        with device_phase("draft.catch_up"):
+            computed = self._catch_up([s for _, s, _ in asked])
         asked = [(i, s, b, computed.get(j)) for j, (i, s, b) in enumerate(asked) if b >= 2]
         if not asked:
             return out
         states = [s for _, s, _, _ in asked]
-        logits = torch.stack([lg if lg is not None else self.runner.model.logits(s.root_feature[None])[0]
-                              for _, s, _, lg in asked])
+        with device_phase("draft.root_logits"):
+            logits = torch.stack([lg if lg is not None else self.runner.model.logits(s.root_feature[None])[0]
+                                  for _, s, _, lg in asked])
         asked = [(i, s, b) for i, s, b, _ in asked]
         budgets = [b for _, _, b in asked]
         if self.loop is not None:
-            trees = self.loop.run([s.last_token for s in states], logits, torch.stack([s.root_feature for s in states]),
-                                  [s.table for s in states], budgets)
+            with device_phase("draft.loop"):
+                trees = self.loop.run([s.last_token for s in states], logits, torch.stack([s.root_feature for s in states]),
+                                      [s.table for s in states], budgets)
             self._remember([request_ids[i] for i, _, _ in asked], trees, budgets)
         else:
             trees = host_beam_draft(self.runner, [s.last_token for s in states], logits, [s.table for s in states],

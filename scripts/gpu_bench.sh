@@ -8,6 +8,9 @@
 #             a decode step's
 #   lossless  greedy plain vs speculative decoding in bf16 on the GPU: the demo target with NGRAM, STANDALONE,
 #             EAGLE, EAGLE3, and the 8B-shaped dummy with NGRAM (outputs equal, or near-ties recorded)
+#   specprofile  where a speculative step's host and device time go: `splitspec bench` in process on the demo pair
+#             (PROFILE_ALGORITHM, default EAGLE3; fixed trees; PROFILE_BS, default 1,16) with SPLITSPEC_TORCH_PROFILE
+#             (splitspec/device_profile.py: prof/<point>.txt, the ops and the labelled phases; prof/<point>.trace.json.gz)
 #   profile   the 8B decode step's kernel time by kernel (torch.profiler) against its graph and eager wall time
 #   eager     the decode stage without CUDA graphs
 #   bench     `splitspec bench` on the 8B-shaped dummy target with a dummy EAGLE-3 head of the published 8B shape
@@ -46,7 +49,8 @@
 #             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64) and 8b-plain-serial (the same served
 #             with --disable-overlap-schedule: publishing between steps), demo-ngram-grpc-here (demo-ngram with
 #             --disable-frontend-multiprocessing: gRPC on the engine's process), demo-ngram-fixed (demo-ngram with
-#             --speculative-adaptive off: every step drafts its full tree), demo-ngram-local (drafted in the verifier's process,
+#             --speculative-adaptive off: every step drafts its full tree), demo-eagle3-local (the EAGLE-3 head in the
+#             verifier's process, up --drafters 0), demo-ngram-local (drafted in the verifier's process,
 #             up --drafters 0: up's default for NGRAM since 2026-11-27), demo-ngram-remote (from a drafter process, up
 #             --drafters 1: the default before), demo-ngram-local-fixed (local, fixed trees); the in-process side runs the server's adaptive setting
 #             (auto: on for a GPU target); SERVED_LOAD adds bench flags; each
@@ -151,11 +155,15 @@ for stage in "${stages[@]}"; do
                  --num-prompts 256 --prompt-len 32 --new-tokens 32 --decode-tokens 128 --out "$OUT/fp8_demo.json" >> "$OUT/fp8.log" 2>&1 ;;
         structured) python3 -P benchmarks/structured_accept.py --device cuda --algorithms "${STRUCTURED_ALGORITHMS:-NGRAM,EAGLE3}" \
                  --num-prompts 16 --max-new-tokens 96 --out "$OUT/structured_cuda.json" > "$OUT/structured.log" 2>&1 ;;
+        specprofile) SPLITSPEC_TORCH_PROFILE="$OUT/prof" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
+                 --speculative-algorithm "${PROFILE_ALGORITHM:-EAGLE3}" --speculative-adaptive off --batch-size "${PROFILE_BS:-1,16}" \
+                 --prompt-len 128 --output-len 128 --out "$OUT/spec_profile.json" > "$OUT/spec_profile.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         served) for case in ${SERVED_CASES:-demo-ngram demo-eagle3 8b-plain}; do
                     case $case in
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
+                        demo-eagle3-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-ngram-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-ngram-remote) pre=(--serve=--drafters=1); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-ngram-fixed) pre=(); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;

@@ -26,8 +26,11 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
           policy=None) -> tuple[dict, list]:
     """Serve the prompts with at most batch_size running; (row fields, requests). policy: an adaptive policy to
     go on learning with (a server keeps one for its life), else the engine's own."""
+    from splitspec.device_profile import StepProfiler
     from splitspec.verifier_svc.engine import Engine, SpecConfig
 
+    profiler = StepProfiler(f"bs{batch_size}_{len(prompts)}x{params[0].max_new_tokens}_"
+                            f"{getattr(getattr(drafter, 'drafter', None), 'name', 'spec') if drafter is not None else 'plain'}")
     engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=True)
     if policy is not None:
         engine.adaptive = policy
@@ -55,6 +58,7 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
                 phases[phase] = phases.get(phase, 0.0) + seconds
             if drafter is not None:
                 budgets[report.budget] = budgets.get(report.budget, 0) + 1
+            profiler.step()
         for event in events:
             i = index[event.request_id]
             if event.new_token_ids:
@@ -64,6 +68,7 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
                 if event.finish_reason == "error":
                     logger.error("request %d failed: %s", i, event.error)
     row = latency_fields(timelines, time.perf_counter() - start)
+    profiler.close()
     if decode_steps:
         step = {k: round(v / decode_steps * 1e3, 3) for k, v in phases.items()}
         step["total"] = round(decode_seconds / decode_steps * 1e3, 3)

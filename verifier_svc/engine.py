@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from splitspec.device_profile import phase as device_phase
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.penalties import apply_penalties
 from splitspec.runtime.runner import ModelRunner
@@ -139,7 +140,8 @@ class Engine(Scheduling):
 
     def _timed(self, phase: str, run: Callable):
         began = self._clock()
-        out = run()
+        with device_phase(f"engine.{phase}"):
+            out = run()
         self.report.seconds[phase] = self._clock() - began
         return out
 
@@ -239,10 +241,12 @@ class Engine(Scheduling):
 
     # verify + accept -----------------------------------------------------------------------------
     def _forward_and_accept(self, prefills: list[Chunk], verifies: list[Verify], masks=None) -> list[StepEvent]:
-        sequences = self._sequences(prefills, verifies)
+        with device_phase("engine.sequences"):
+            sequences = self._sequences(prefills, verifies)
         if not sequences:
             return []
-        batch, logits, features = self._forward(sequences)
+        with device_phase("engine.verify"):
+            batch, logits, features = self._forward(sequences)
         accept_start = self._clock()
         if masks is not None:  # structured outputs: what each constrained row's grammar forbids is -inf
             masks.apply(logits, batch.cu_logits)
@@ -252,9 +256,11 @@ class Engine(Scheduling):
         # the target's own token at every row of every request that accepts by it (greedy, or keyed sampling),
         # from one sampling kernel over the batch and one transfer, not one per request; requests with
         # penalties or coins use their own rows below
-        targets = target_rows(self.spec, logits, batch.cu_logits, prefills, verifies)
-        events = self._first_tokens(prefills, batch.cu_logits, logits, targets, rows, features)
-        events += self._accept_trees(verifies, len(prefills), batch.cu_logits, logits, targets, rows, features)
+        with device_phase("engine.target_rows"):
+            targets = target_rows(self.spec, logits, batch.cu_logits, prefills, verifies)
+        with device_phase("engine.accept"):
+            events = self._first_tokens(prefills, batch.cu_logits, logits, targets, rows, features)
+            events += self._accept_trees(verifies, len(prefills), batch.cu_logits, logits, targets, rows, features)
         self.report.seconds["accept"] = self._clock() - accept_start - self.report.seconds["commit"]
         return events
 

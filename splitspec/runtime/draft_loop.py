@@ -29,6 +29,7 @@ import time
 import torch
 
 from splitspec import kernels
+from splitspec.device_profile import phase as device_phase
 from splitspec.runtime.attention.base import merge_attention
 from splitspec.runtime.attention.torch_backend import dense_attention
 from splitspec.runtime.cuda_graph import capture_sizes, warm_and_capture
@@ -188,17 +189,24 @@ class DraftLoop:
         if self.num_steps == 1:
             outputs = self._body(root_logits, root_features, positions.to(self.device), None)
         elif graph_bs is not None:
-            outputs = self._replay(graph_bs, root_logits, root_features, positions, tables)
+            with device_phase("loop.replay"):
+                outputs = self._replay(graph_bs, root_logits, root_features, positions, tables)
         else:
             if self.local.shape[2] < count:
                 self.local = self._local_buffer(count)
             plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
             outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
-        host = torch.cat([o[:count].double() for o in outputs[:5]], 1).cpu()  # one transfer (ids < 2**53)
+        with device_phase("loop.to_host"):
+            host = torch.cat([o[:count].double() for o in outputs[:5]], 1).cpu()  # one transfer (ids < 2**53)
         keep, parents_width = self.keep, outputs[3].shape[1]
         # the best path of each request (overlap's bets start from it); a copy: a replay overwrites outputs
         self.paths = [row[3 * keep + parents_width :].long().tolist() for row in host]
         self.path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
+        with device_phase("loop.trees"):
+            return self._trees(roots, host, budgets, parents_width)
+
+    def _trees(self, roots: list[int], host: torch.Tensor, budgets: list[int], parents_width: int) -> list[DraftTree]:
+        keep = self.keep
         trees = []
         for i, root in enumerate(roots):
             row = host[i]

@@ -1,0 +1,75 @@
+"""Where a step's device and host time go, on a GPU: with SPLITSPEC_TORCH_PROFILE=DIR in its environment,
+`splitspec bench` (in process) runs decode steps STEPS_FROM..STEPS_TO of every timed point under torch.profiler
+and writes DIR/<point>.txt (the ops by self host time and by device time; the phases named below by their
+wall time) and DIR/<point>.trace.json.gz (a Chrome trace). The engine's phases and the drafters' parts are
+labelled with `phase(name)` (record_function when profiling is on, nothing otherwise). A profiled step runs
+slower: its figures are for proportions, not speed. Off unless the variable is set."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import shutil
+from pathlib import Path
+
+ENV = "SPLITSPEC_TORCH_PROFILE"
+STEPS_FROM, STEPS_TO = 20, 40
+ENABLED = bool(os.environ.get(ENV))
+
+
+def phase(name: str):
+    """A labelled range in the profile (a no-op context unless profiling is on)."""
+    if not ENABLED:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.profiler.record_function(name)
+
+
+class StepProfiler:
+    """Call step() after every decode step of a point; the profile covers steps STEPS_FROM..STEPS_TO."""
+
+    def __init__(self, name: str):
+        self.directory = os.environ.get(ENV)
+        self.name, self.steps, self.profiler = name, 0, None
+
+    def step(self) -> None:
+        if not self.directory:
+            return
+        self.steps += 1
+        if self.steps == STEPS_FROM:
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+        elif self.steps == STEPS_TO and self.profiler is not None:
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        out = Path(self.directory)
+        out.mkdir(parents=True, exist_ok=True)
+        events = profiler.key_averages()
+        steps = STEPS_TO - STEPS_FROM
+        device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+        with open(out / f"{self.name}.txt", "w") as f:
+            f.write(f"{self.name}: decode steps {STEPS_FROM}..{STEPS_TO} ({steps} steps)\n\n== by self host time\n")
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=70))
+            f.write("\n== by device time\n")
+            f.write(events.table(sort_by=device_key, row_limit=30, max_name_column_width=70))
+            f.write("\n== labelled phases (host wall ms per step)\n")
+            for event in sorted(events, key=lambda e: -e.cpu_time_total):
+                if event.key.startswith(("engine.", "draft.", "loop.")):
+                    f.write(f"{event.key:40s} {event.cpu_time_total / 1e3 / steps:9.3f} ms/step  x{event.count / steps:.1f}\n")
+        trace = out / f"{self.name}.trace.json"
+        profiler.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
