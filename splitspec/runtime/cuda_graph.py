@@ -19,6 +19,8 @@ per request replay too.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
@@ -38,6 +40,23 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector collected first, then held off while graphs are captured: a collection
+    during a capture may destroy graphs that went out of use (their owners sit in reference cycles, e.g. a
+    runner's graphs after set_capture_layers), and destroying a graph while a stream captures is an error
+    that invalidates the capture (CUDA: "operation not permitted when stream is capturing"; seen on an H100
+    as a CUBLAS execution failure at the next grid point of `splitspec bench`)."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def warm_and_capture(forward, pool, stream: torch.cuda.Stream, device: torch.device):
     """Run forward twice on stream outside any graph (lazy inits, Triton compilation), then capture it into
     a graph in the shared memory pool: (graph, forward's outputs, static: each replay overwrites them)."""
@@ -47,7 +66,7 @@ def warm_and_capture(forward, pool, stream: torch.cuda.Stream, device: torch.dev
             forward()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, stream=stream):
+    with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = forward()
     return graph, outputs
 

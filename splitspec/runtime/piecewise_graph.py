@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from splitspec.runtime.cuda_graph import collector_paused
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 512
@@ -124,7 +126,7 @@ class PiecewiseGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
+        with collector_paused(), torch.cuda.stream(stream):
             for size in sorted(self.sizes, reverse=True):
                 ids, positions = self.ids[:size], self.positions[:size]
                 for _ in range(2):  # lazy inits and Triton's compiles happen outside the capture
