@@ -37,7 +37,7 @@ from splitspec.verifier_svc.grammar_masks import GrammarMasks, no_grammars
 from splitspec.verifier_svc.scheduling import Scheduling
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
                                                StepReport)
-from splitspec.verifier_svc.verification import (Verify, accept_tree, kv_moves, pad_size, prompt_logprobs,
+from splitspec.verifier_svc.verification import (Verify, accept_tree, by_target, kv_moves, pad_size, prompt_logprobs,
                                                  target_rows, token_logprobs, usable)
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Engine(Scheduling):
         self._observe_last(start)
         prefills = self._timed("schedule", self._schedule)
         trees = self._timed("draft", self._draft)
-        verifies = [Verify(r, trees.get(r.request_id) or DraftTree((r.output_ids[-1],), (-1,)), r.table.num_tokens)
+        verifies = [Verify(r, trees.get(r.request_id) or DraftTree.root(r.output_ids[-1]), r.table.num_tokens)
                     for r in self.running if r.decoding]
         masks = GrammarMasks.build(prefills, verifies, self.runner.config.vocab_size) if self.grammars else None
         events, self._events = self._events + self._forward_and_accept(prefills, verifies, masks), []
@@ -271,6 +271,9 @@ class Engine(Scheduling):
                                    c.request.wants_prompt_logprobs else "last" if c.samples else "none") for c in prefills]
         pad = 0 if prefills else pad_size(self.runner, verifies)
         for v in verifies:
+            if v.tree.num_nodes == 1 and not pad:  # plain decoding's root
+                sequences.append(SequenceInput(v.request.table, [v.tree.tokens[0]], [v.seq_len], None, "all"))
+                continue
             tokens, parents = list(v.tree.tokens), list(v.tree.parents)
             if pad > len(tokens):  # filler children of the root, never walked: their rows are not read
                 self.report.padding_tokens += pad - len(tokens)
@@ -331,22 +334,27 @@ class Engine(Scheduling):
     def _accept_trees(self, verifies: list[Verify], offset: int, cu_logits: list[int], logits: torch.Tensor,
                       targets: list[int] | None, rows: list[int], features) -> list[StepEvent]:
         """Every tree walked and its accepted tokens emitted; the accepted paths' KV compacted in one kernel
-        (report.seconds["commit"])."""
+        (report.seconds["commit"]). A root alone verified by the target's own token (plain decoding) takes
+        that token: no walk, no slice of the logits, no KV to move."""
         commit_seconds, move_src, move_dst, lengths, accepted = 0.0, [], [], [], []
+        page_size = self.runner.kv_cache.page_size
         for i, v in enumerate(verifies, start=offset):
             first, end = cu_logits[i], cu_logits[i] + v.tree.num_nodes  # a padded tree's own rows
-            node_logits = logits[first:end]
-            acceptance = accept_tree(self.spec, v, node_logits, targets[first:end] if targets is not None else None)
-            commit_start = time.perf_counter()  # host work only: no device sync per request, even when timing
-            kv_moves(self.runner.kv_cache.page_size, v, acceptance, move_src, move_dst)
-            lengths.append((v.request.table, v.seq_len + len(acceptance.path)))
-            commit_seconds += time.perf_counter() - commit_start
-            self._count(v, acceptance)
-            accepted.append((v, acceptance, node_logits, rows[i]))
+            if end - first == 1 and targets is not None and by_target(self.spec, v.request.params):
+                acceptance = Acceptance([0], [targets[first]])
+                lengths.append((v.request.table, v.seq_len + 1))
+            else:
+                acceptance = accept_tree(self.spec, v, logits[first:end], targets[first:end] if targets is not None else None)
+                commit_start = time.perf_counter()  # host work only: no device sync per request, even when timing
+                kv_moves(page_size, v, acceptance, move_src, move_dst)
+                lengths.append((v.request.table, v.seq_len + len(acceptance.path)))
+                commit_seconds += time.perf_counter() - commit_start
+                self._count(v, acceptance)
+            accepted.append((v, acceptance, first, rows[i]))
         states = path_states(accepted, features) if self.needs_hidden else {}
         events = []
-        for v, acceptance, node_logits, _ in accepted:
-            logprobs = (token_logprobs(node_logits[list(acceptance.path)], acceptance.tokens, v.request.params)
+        for v, acceptance, first, _ in accepted:
+            logprobs = (token_logprobs(logits[[first + node for node in acceptance.path]], acceptance.tokens, v.request.params)
                         if v.request.params.logprobs is not None else None)
             events.append(v.request.emit(acceptance.tokens, self.eos_ids, states.get(v.request.request_id), logprobs))
         commit_start = self._clock()
@@ -357,7 +365,6 @@ class Engine(Scheduling):
             kv.set_length(table, length)
         self.report.seconds["commit"] = commit_seconds + self._clock() - commit_start
         return events
-
 
     # commit --------------------------------------------------------------------------------------
     def _count(self, v: Verify, acceptance: Acceptance) -> None:

@@ -78,9 +78,14 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
                 out_slots.append(flat)
         else:
             out_slots.append(kv_cache.slot_ids(seq.table, start, start + q_len))
-        rows = {"last": [row0 + q_len - 1], "all": list(range(row0, row0 + q_len)), "none": []}[seq.logits]
-        logits_rows += rows
-        cu_logits.append(cu_logits[-1] + len(rows))
+        if seq.logits == "last":
+            logits_rows.append(row0 + q_len - 1)
+            cu_logits.append(cu_logits[-1] + 1)
+        elif seq.logits == "all":
+            logits_rows += range(row0, row0 + q_len)
+            cu_logits.append(cu_logits[-1] + q_len)
+        else:
+            cu_logits.append(cu_logits[-1])
         q_lens.append(q_len)
         kv_lens.append(start + q_len)
         page_tables.append(list(seq.table.pages))

@@ -47,6 +47,14 @@ class DraftTree:
             raise ValueError(f"{len(self.scores)} scores for {len(self.tokens)} nodes")
 
     @classmethod
+    def root(cls, token: int) -> "DraftTree":
+        """The root alone (a plain decode step's tree): one per token, made once."""
+        tree = _ROOTS.get(token)
+        if tree is None:
+            tree = _ROOTS[token] = cls((token,), (NO_NODE,))
+        return tree
+
+    @classmethod
     def chain(cls, root: int, drafts: list[int]) -> "DraftTree":
         """A linear draft: root -> drafts[0] -> drafts[1] -> ..."""
         return cls(tuple([root, *drafts]), tuple(range(-1, len(drafts))))
@@ -66,6 +74,9 @@ class DraftTree:
     @property
     def num_drafts(self) -> int:
         return len(self.tokens) - 1
+
+
+_ROOTS: dict[int, DraftTree] = {}
 
 
 def validate_parents(parents: tuple[int, ...] | list[int]) -> None:
