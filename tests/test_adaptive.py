@@ -323,6 +323,37 @@ def test_speculation_off_still_feeds_the_drafter(demo):
         assert request.stats.verify_steps == 0 and len(request.output_ids) == 3 * FEED_EVERY + 5
 
 
+def test_speculation_off_feeds_staggered_requests_together(demo):
+    """Requests that began decoding at different steps are fed in the same steps (when one has FEED_EVERY tokens
+    unsent, all go), so the drafter catches up in one forward per feed, not one per request as each reaches the
+    mark; every token still reaches it, in order, and outputs equal plain decoding's."""
+    from splitspec.verifier_svc.engine import FEED_EVERY
+
+    runner, prompts = demo
+    drafter = Recording()
+    engine = Engine(runner, InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5),
+                    set())
+    engine.adaptive.choose = lambda *args, **kwargs: 1
+    feeds = []  # per drafter call: the requests it fed
+    original = engine.drafter.request
+    engine.drafter.request = lambda asks: (feeds.append(sorted(a.request_id for a in asks if a.new_tokens)), original(asks))
+    params = SamplingParams(temperature=0.0, max_new_tokens=3 * FEED_EVERY, ignore_eos=True)
+    first = engine.add_request(prompts[0], params)
+    for _ in range(5):  # the second request starts 5 steps later
+        engine.step()
+    second = engine.add_request(prompts[1], params)
+    step_all(engine)
+    plain = Engine(runner, None, SpecConfig(), set()).run(prompts[:2], [params] * 2)
+    assert [first.output_ids, second.output_ids] == [r.output_ids for r in plain]
+    decode_feeds = [f for f in feeds if f]
+    both = [f for f in decode_feeds if f == sorted([first.request_id, second.request_id])]
+    assert len(both) >= 2, decode_feeds  # fed together while both decode
+    for request in (first, second):  # every output token but those after the last feed reached the drafter
+        sent = sum(drafter.extends.get(request.request_id, []))
+        assert 0 < sent <= len(request.prompt_ids) + len(request.output_ids)
+        assert sent >= len(request.output_ids) - FEED_EVERY, (sent, len(request.output_ids))
+
+
 def test_budgets_that_change_every_few_steps_over_zeromq_with_overlap(demo):
     """The policy's decisions as the drafter pool sees them: a real `splitspec drafter` process over tcp with
     overlap on, the budget changing every few steps (full, none with feed-only asks, smaller with bets drafted

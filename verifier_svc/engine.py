@@ -43,7 +43,7 @@ from splitspec.verifier_svc.verification import (Verify, accept_tree, by_target,
 logger = logging.getLogger(__name__)
 
 
-FEED_EVERY = 16  # adaptive, speculation off: a request's new tokens go to the drafter in batches of this many
+FEED_EVERY = 16  # adaptive, speculation off: new tokens go to the drafter once a request has this many unsent
 
 
 class Engine(Scheduling):
@@ -194,6 +194,10 @@ class Engine(Scheduling):
                             "drafting again" if self.adaptive.budget >= 2 else "drafting off", len(self.running),
                             {n: round(v) for n, v in self.adaptive.predicted.items()})
         asks = []
+        # drafting off: when one request has FEED_EVERY tokens unsent, every request's unsent tokens go in the same
+        # feed (one catch-up forward of the drafter for all, not one per request as each reaches the mark)
+        feed = self.budget < 2 and not only_missing and any(
+            len(r.unsent) >= FEED_EVERY for r in self.running if r.speculate and r.decoding)
         for request in self.running:
             if not request.speculate:
                 continue
@@ -201,7 +205,7 @@ class Engine(Scheduling):
                 request.draft_budget = self.budget
                 if self.budget >= 2:
                     budget = self.budget
-                elif len(request.unsent) >= FEED_EVERY:
+                elif feed and request.unsent:
                     budget = 0  # feed only
                 else:
                     continue
