@@ -12,7 +12,7 @@ from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 from splitspec.verifier_svc.engine import Engine, SpecConfig
 from splitspec.verifier_svc.prefix_cache import PrefixCache
-from splitspec.verifier_svc.warmup import PROMPT_TOKENS, warm_up
+from splitspec.verifier_svc.warmup import PROMPT_TOKENS, WARM_TREE, warm_up
 
 
 def test_warm_up_leaves_no_trace_and_outputs_stay_plain_decodings():
@@ -23,7 +23,14 @@ def test_warm_up_leaves_no_trace_and_outputs_stay_plain_decodings():
     engine = Engine(runner, InProcessDrafterClient(NgramDrafter(NgramConfig())), SpecConfig(num_draft_tokens=6), set(),
                     prefix_cache=cache)
     before = allocator.num_free
+    batches = []  # every forward's sequences: (new tokens, tree parents or None)
+    forward = runner.forward
+    runner.forward = lambda batch, **kw: (batches.append(list(zip(batch.attention.q_lens, batch.attention.trees))),
+                                          forward(batch, **kw))[1]
     assert warm_up(engine) > 0
+    runner.forward = forward
+    # a draft tree was verified beside a prompt chunk (the custom-mask attention compiled before serving)
+    assert any(len(b) == 2 and b[0] == (PROMPT_TOKENS, None) and b[1] == (len(WARM_TREE), WARM_TREE) for b in batches), batches
     assert not engine.has_work and allocator.num_used == 0 and allocator.num_free == before
     assert cache.num_pages == 0 and cache.evicted_pages == 0
     assert PROMPT_TOKENS > 2 * runner.kv_cache.page_size  # the second request met a cached prefix

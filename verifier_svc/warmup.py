@@ -7,6 +7,10 @@ kernels; a prompt's prefill, a prompt over a cached prefix and the samplers comp
 that needs them, so without this the first users wait a minute and a deployment's readiness says nothing.
 Two requests run through the engine before the step loop starts, with no drafting and no metrics: a
 greedy prompt (prefill, then decode) and the same prompt sampled (a cached prefix, the sampling kernels).
+Then one forward verifies a small draft tree beside a prompt chunk, eagerly: attention under a custom mask is
+a FlashInfer family of its own, and a step that mixes a prompt with drafts (or verifies trees of a size no
+graph holds) would otherwise compile it for the first users, the engine silent meanwhile (seen on an H100:
+"the engine has sent nothing for 15 s", for about 50 s, in a served EAGLE-3 run's first load).
 Their pages are freed again (the prefix cache evicts them), so no user prompt meets them, and the load-adaptive
 policy starts fresh after them (a forward that compiled for a minute is not what a step costs).
 """
@@ -16,7 +20,10 @@ from __future__ import annotations
 import logging
 import time
 
+from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.runtime.tree import positions, tree_mask
 from splitspec.verifier_svc.engine import Engine
 
 logger = logging.getLogger("splitspec.verifier")
@@ -33,6 +40,7 @@ def warm_up(engine: Engine) -> float:
         engine.add_request(prompt, params, speculate=False)
         while engine.has_work:
             engine.step()
+    _warm_tree_attention(engine)
     engine.restart_adaptive()  # its first forwards' compile times are not what a step costs
     cache = engine.prefix_cache
     if cache is not None:  # not a user's eviction: the count stays as it was
@@ -40,5 +48,28 @@ def warm_up(engine: Engine) -> float:
         cache.evict(cache.num_evictable)
         cache.evicted_pages = evicted
     seconds = time.perf_counter() - began
-    logger.info("warmed up in %.1f s (prefill, a cached prefix, decode and sampling compiled before serving)", seconds)
+    logger.info("warmed up in %.1f s (prefill, a cached prefix, decode, sampling and tree attention compiled before "
+                "serving)", seconds)
     return seconds
+
+
+WARM_TREE = (-1, 0, 0, 1)  # a root, two children and a grandchild: a mask that is neither causal nor full
+
+
+def _warm_tree_attention(engine: Engine) -> None:
+    """One eager forward of a draft tree (after a committed context) beside a prompt chunk, in pages of its own,
+    released after."""
+    runner, kv = engine.runner, engine.runner.kv_cache
+    vocab = runner.config.vocab_size
+    tokens = [(11 + 17 * i) % vocab for i in range(PROMPT_TOKENS)]
+    context, prompt = BlockTable(), BlockTable()
+    try:
+        runner.forward(runner.batch([SequenceInput(context, tokens, logits="none")]))
+        kv.set_length(context, len(tokens))
+        tree = [tokens[-1], *tokens[: len(WARM_TREE) - 1]]
+        runner.forward(runner.batch([
+            SequenceInput(prompt, tokens, logits="last"),
+            SequenceInput(context, tree, positions(WARM_TREE, len(tokens)), tree_mask(WARM_TREE), "all", WARM_TREE)]))
+    finally:
+        kv.release(context)
+        kv.release(prompt)
