@@ -52,6 +52,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
         self.token_map = token_map
         self.max_catch_up = 2048  # rows per request per forward when catching up
+        self.pad_catch_ups = "graphs"  # see _padded_round
         self.states: dict[str, _State] = {}
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
@@ -62,32 +63,55 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
 
     def _catch_up(self, states: list[_State]) -> dict[int, torch.Tensor]:
         """Forward every state's rows not yet in the head's KV, in rounds of at most max_catch_up rows per
-        request (a long prompt, a re-pin); {index in states: the root row's logits} for those that had any."""
+        request (a long prompt, a re-pin); {index in states: the root row's logits} for those that had any.
+        A round whose requests add unequal numbers of rows (their accept lengths differ) is padded to the
+        longest, where a captured CUDA graph holds that shape: each shorter request repeats its last row, whose
+        key lands past its length (never committed, overwritten by its next rows), and its root is read at its
+        own last row; so the round replays one graph instead of running eagerly."""
         kv = self.runner.kv_cache
         catch_up = [(i, s) for i, s in enumerate(states) if s.pending_tokens]
         root_logits: dict[int, torch.Tensor] = {}
         for _, s in catch_up:
             s.pending_hidden = [torch.cat(s.pending_hidden)]
         while catch_up:
-            sequences, features, taken = [], [], []
-            for _, s in catch_up:
-                n = min(len(s.pending_tokens), self.max_catch_up)
-                sequences.append(SequenceInput(s.table, s.pending_tokens[:n], logits="last"))
-                features.append(s.pending_hidden[0][:n])
-                taken.append(n)
+            taken = [min(len(s.pending_tokens), self.max_catch_up) for _, s in catch_up]
+            q = self._padded_round(taken, catch_up[0][1].pending_hidden[0].shape[-1])
+            sequences, features, last_rows, end = [], [], [], 0
+            for (_, s), n in zip(catch_up, taken):
+                tokens, rows = s.pending_tokens[:n], s.pending_hidden[0][:n]
+                if q > n:
+                    tokens = tokens + [tokens[-1]] * (q - n)
+                    rows = torch.cat([rows, rows[-1:].expand(q - n, -1)])
+                end += q or n
+                last_rows.append(end - 1 - (q - n if q else 0))
+                sequences.append(SequenceInput(s.table, tokens, logits="all" if q else "last"))
+                features.append(rows)
             batch = self.runner.batch(sequences)
             output = self.runner.forward(batch, return_hidden=True, features=torch.cat(features))
-            end = 0
-            for row, ((i, s), n) in enumerate(zip(catch_up, taken)):
-                end += n
+            for row, ((i, s), n, last) in enumerate(zip(catch_up, taken, last_rows)):
                 kv.set_length(s.table, s.table.num_tokens + n)
                 s.pending_tokens, s.pending_hidden = s.pending_tokens[n:], [s.pending_hidden[0][n:]]
                 if not s.pending_tokens:  # this round held the root row
-                    s.root_feature = output.hidden_states[end - 1].clone()
-                    root_logits[i] = output.logits[row]
+                    s.root_feature = output.hidden_states[last].clone()
+                    root_logits[i] = output.logits[last if q else row]
                     s.pending_hidden = []
             catch_up = [(i, s) for i, s in catch_up if s.pending_tokens]
         return root_logits
+
+    def _padded_round(self, taken: list[int], width: int) -> int:
+        """The rows per request a catch-up round is padded to (0: not padded). pad_catch_ups "graphs": where
+        the rounds' counts differ and a captured graph of chains of the longest, fed features this wide, holds
+        the batch; "always" (tests: the padding path on a CPU); "never"."""
+        if self.pad_catch_ups == "never" or len(set(taken)) == 1:
+            return 0
+        q = max(taken)
+        if self.pad_catch_ups == "always":
+            return q
+        graphs = self.runner.graphs
+        if graphs is None or len(taken) > graphs.max_bs or not graphs.has(q, width):
+            return 0
+        kv = self.runner.kv_cache  # the padding's rows need room too (a page each at most)
+        return q if kv.allocator.num_free >= len(taken) else 0
 
     def _root_logits(self, states: list[_State]) -> list[torch.Tensor]:
         """Each (caught-up or catching-up) state's root logits."""

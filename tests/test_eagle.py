@@ -76,6 +76,19 @@ def test_a_hidden_state_drafter_gets_the_targets_state_before_every_token():
         assert torch.allclose(states, want[: states.shape[0]], atol=2e-4, rtol=1e-3), (states - want[: states.shape[0]]).abs().max()
 
 
+def test_unsent_states_cut_every_requests_rows_out_together():
+    """The engine keeps unsent states as rows of their steps' tensors and cuts every asked request's out at once:
+    each request gets its rows in order across sources, a request without any gets None, a kept prefix is kept."""
+    from splitspec.verifier_svc.draft_features import StateRows, unsent_states
+
+    a, b = torch.arange(12.0).view(6, 2), torch.arange(100.0, 108.0).view(4, 2)
+    out = unsent_states([[StateRows(a, 1, 2), StateRows(b, 0, 1)], [], [StateRows(a, 4, 2).first(1), StateRows(b, 2, 2)]])
+    assert torch.equal(out[0], torch.cat([a[1:3], b[0:1]])) and out[1] is None
+    assert torch.equal(out[2], torch.cat([a[4:5], b[2:4]]))
+    assert unsent_states([[], []]) == [None, None]
+    assert torch.equal(unsent_states([[StateRows(b, 1, 3)]])[0], b[1:4])
+
+
 def eagle_head_dir(tmp_path) -> str:
     """A random EAGLE head shaped for the demo target (its hidden size, heads, vocabulary)."""
     import test_eagle_head as th
@@ -307,3 +320,34 @@ def test_prompt_states_reach_the_drafter_chunk_by_chunk():
     while engine.has_work:
         engine.step()
     assert drafter.tokens[request.request_id][:100] == prompt
+
+
+def test_catch_ups_of_unequal_lengths_padded_to_one_shape_draft_the_same_trees(tmp_path):
+    """A catch-up round whose requests add unequal numbers of rows is padded to the longest (so that on a GPU it
+    replays one captured graph): each shorter request repeats its last row past its length. The padding path
+    (forced here on a CPU) drafts the trees the unpadded rounds draft, the padded rounds happen, the outputs equal
+    plain decoding's, and no page is left held."""
+    target = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["target"]), dtype="float32", device="cpu",
+                                            max_total_tokens=8192))
+    prompts = [list(range(40 + 3 * i, 60 + 5 * i)) for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)] * len(prompts)
+    plain = run(target, prompts, params, batch=4)
+    results, padded = {}, []
+    for mode in ("never", "always"):
+        head = ModelRunner.load(RuntimeConfig(model_path=eagle_head_dir(tmp_path / mode), dtype="float32", device="cpu",
+                                              max_total_tokens=8192, family="eagle"))
+        head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
+        eagle = EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)
+        eagle.pad_catch_ups = mode
+        trees = []
+        draft, pad = eagle.draft, eagle._padded_round
+        eagle.draft = lambda ids, nodes: trees.append(draft(ids, nodes)) or trees[-1]
+        eagle._padded_round = lambda taken, width: (padded.append((mode, taken)) if len(set(taken)) > 1 else None,
+                                                     pad(taken, width))[1]
+        spec = run(target, prompts, params, InProcessDrafterClient(eagle), SpecConfig(num_draft_tokens=6), batch=4)
+        assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+        assert all(s.stats.fallbacks == 0 for s in spec) and sum(s.stats.draft_tokens for s in spec) > 0
+        assert head.kv_cache.allocator.num_used == 0
+        results[mode] = [[(t.tokens, t.parents) if t is not None else None for t in step] for step in trees]
+    assert any(mode == "always" for mode, _ in padded), padded  # unequal rounds met, and padded
+    assert results["always"] == results["never"]

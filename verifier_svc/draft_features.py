@@ -1,9 +1,49 @@
 """The target's states a hidden-state drafter (EAGLE, EAGLE-3, MTP) gets with the tokens (REFERENCES §1.4: token
-t[p+1] pairs with h[p]): a prompt chunk's pairs as the chunk is computed, and each step's accepted path's states."""
+t[p+1] pairs with h[p]): a prompt chunk's pairs as the chunk is computed, and each step's accepted path's states.
+
+A request keeps its unsent states as StateRows (rows of one step's gathered states, not sliced out per request), and
+the states of every request asked in a step are cut out together when they are sent (`unsent_states`): a few tensor
+ops per feed, not several per request per step (with drafting off a request still gathers every step's state)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class StateRows(NamedTuple):
+    """count rows of source from start: states a request has not sent yet."""
+
+    source: torch.Tensor
+    start: int
+    count: int
+
+    def first(self, count: int) -> "StateRows":
+        return self if count >= self.count else StateRows(self.source, self.start, count)
+
+
+def unsent_states(blocks: list[list[StateRows]]) -> list[torch.Tensor | None]:
+    """Each request's unsent states as one tensor [rows, W] (None for none), for all the requests at once: the
+    distinct sources joined, every request's rows picked in one gather, then split (views)."""
+    sources, offsets, index, counts = [], {}, [], []
+    for request_blocks in blocks:
+        count = 0
+        for block in request_blocks:
+            key = id(block.source)
+            if key not in offsets:
+                offsets[key] = sum(t.shape[0] for t in sources)
+                sources.append(block.source)
+            first = offsets[key] + block.start
+            index.extend(range(first, first + block.count))
+            count += block.count
+        counts.append(count)
+    if not index:
+        return [None] * len(blocks)
+    joined = sources[0] if len(sources) == 1 else torch.cat(sources)
+    picked = joined.index_select(0, torch.tensor(index, device=joined.device))
+    parts = iter(torch.split(picked, [c for c in counts if c]))
+    return [next(parts) if c else None for c in counts]
 
 from splitspec.verifier_svc.step_types import Chunk, Request
 
@@ -16,14 +56,16 @@ def pair_prompt_states(request: Request, chunk: Chunk, hidden: torch.Tensor) -> 
     inner_end = min(chunk.end, last)
     if start < inner_end:
         request.unsent.extend(request.prompt_ids[start + 1 : inner_end + 1])
-        request.unsent_hidden.append(hidden[start - chunk.start : inner_end - chunk.start].clone())
+        # copies: a view would keep the whole forward's states alive until the request's next feed
+        request.unsent_hidden.append(StateRows(hidden[start - chunk.start : inner_end - chunk.start].clone(), 0,
+                                               inner_end - start))
     request.hidden_upto = max(request.hidden_upto, chunk.end)
-    return hidden[last - chunk.start :][:1].clone() if chunk.end == request.fill_len else None  # not a view of the step
+    return StateRows(hidden[last - chunk.start :][:1].clone(), 0, 1) if chunk.end == request.fill_len else None
 
 
 def path_states(accepted: list, features) -> dict:
     """The accepted paths' states of the requests that speculate, to pair with the emitted tokens: every request's
-    rows in one gather, each request keeping a slice of that step-sized copy (not of the whole forward's)."""
+    rows in one gather (a step-sized copy, not the whole forward's), each request keeping its StateRows of it."""
     picks = [(v.request.request_id, [row + node for node in acceptance.path]) for v, acceptance, _, row in accepted
              if v.request.speculate]
     if not picks:
@@ -32,6 +74,6 @@ def path_states(accepted: list, features) -> dict:
     gathered = features.index_select(0, torch.tensor(flat, device=features.device))
     states, start = {}, 0
     for request_id, request_rows in picks:
-        states[request_id] = gathered[start : start + len(request_rows)]
+        states[request_id] = StateRows(gathered, start, len(request_rows))
         start += len(request_rows)
     return states

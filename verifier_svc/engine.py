@@ -31,7 +31,7 @@ from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance
 from splitspec.verifier_svc.adaptive import StepShape, adaptive_policy
-from splitspec.verifier_svc.draft_features import pair_prompt_states, path_states
+from splitspec.verifier_svc.draft_features import pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, no_grammars
 from splitspec.verifier_svc.scheduling import Scheduling
@@ -193,7 +193,7 @@ class Engine(Scheduling):
                 logger.info("adaptive speculation: %s at %d decoding requests (predicted tokens/s by budget: %s)",
                             "drafting again" if self.adaptive.budget >= 2 else "drafting off", len(self.running),
                             {n: round(v) for n, v in self.adaptive.predicted.items()})
-        asks = []
+        asks, states = [], []
         # drafting off: when one request has FEED_EVERY tokens unsent, every request's unsent tokens go in the same
         # feed (one catch-up forward of the drafter for all, not one per request as each reaches the mark)
         feed = self.budget < 2 and not only_missing and any(
@@ -213,9 +213,12 @@ class Engine(Scheduling):
                 budget = 0  # feed only
             else:
                 continue
-            hidden = torch.cat(request.unsent_hidden) if request.unsent_hidden else None
-            asks.append(DraftAsk(request.request_id, request.unsent, budget, hidden))
+            asks.append(DraftAsk(request.request_id, request.unsent, budget))
+            states.append(request.unsent_hidden)
             request.unsent, request.unsent_hidden = [], []
+        if asks and self.needs_hidden:  # every ask's states cut out together
+            for ask, hidden in zip(asks, unsent_states(states)):
+                ask.hidden = hidden
         if asks:
             self.drafter.request(asks)
 

@@ -66,7 +66,7 @@ class Request:
     table: BlockTable = field(default_factory=BlockTable)
     stats: SpecStats = field(default_factory=SpecStats)
     unsent: list[int] = field(default_factory=list)  # tokens the drafter has not been told about
-    unsent_hidden: list = field(default_factory=list)  # hidden-state drafters: [k, H] blocks, one row per unsent token
+    unsent_hidden: list = field(default_factory=list)  # hidden-state drafters: StateRows, one row per unsent token
     hidden_upto: int = 0  # prompt positions whose (next token, hidden state) pair was recorded
     num_prefilled: int = 0  # tokens of fill_ids already in the KV cache (chunked prefill)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (at first admission)
@@ -84,8 +84,8 @@ class Request:
 
     def emit(self, tokens: list[int], eos_ids: set[int], hidden=None, logprobs: list[TokenLogprob] | None = None) -> StepEvent:
         """Append tokens until a stop condition; what follows a stop is dropped. hidden: one state per
-        token (a hidden-state drafter's pairing; a copy of its own, not a view of the whole step's states),
-        kept for the emitted ones; the tokens (and states) the drafter has not been told about grow."""
+        token (a hidden-state drafter's pairing: draft_features.StateRows), kept for the emitted ones; the tokens
+        (and states) the drafter has not been told about grow."""
         emitted = []
         for token in tokens:
             self.output_ids.append(token)
@@ -101,7 +101,7 @@ class Request:
         if self.speculate and self.finish_reason is None:  # a finished request is never asked again
             self.unsent.extend(emitted)
             if hidden is not None:
-                self.unsent_hidden.append(hidden[: len(emitted)])
+                self.unsent_hidden.append(hidden.first(len(emitted)))
         if logprobs is not None:
             logprobs = logprobs[: len(emitted)]
             self.logprobs.extend(logprobs)
