@@ -414,6 +414,45 @@ def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():
     assert runner.kv_cache.allocator.num_used == 0 and not worker.live
 
 
+def test_a_step_that_stalls_has_the_engine_threads_stack_logged(caplog):
+    """A step far longer than steps run (here a forward that stalls once, as a kernel compiling on first use does)
+    gets one warning naming where the engine thread is; the request then completes with plain decoding's tokens."""
+    import threading
+
+    from splitspec.verifier_svc.engine import Engine, SpecConfig
+    from splitspec.verifier_svc.worker import EngineWorker, Submission
+
+    target = demo_model_dirs()["target"]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=1024))
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    reference = generate_ids(runner, [[5, 6, 7]], [params], set())[0].output_ids
+    forward, stalls = runner.forward, []
+
+    def compiling_on_first_use(batch, **kwargs):
+        if not stalls:
+            stalls.append(1)
+            time.sleep(1.5)
+        return forward(batch, **kwargs)
+
+    runner.forward = compiling_on_first_use
+    worker = EngineWorker(Engine(runner, None, SpecConfig(), set()), stall_seconds=0.5)
+    caplog.set_level("WARNING", logger="splitspec.verifier")
+    worker.start()
+    done, tokens = threading.Event(), []
+
+    def deliver(request, event):
+        tokens.extend(event.new_token_ids)
+        if event.finish_reason is not None:
+            done.set()
+
+    worker.submit(Submission("s", [5, 6, 7], params, False, deliver))
+    assert done.wait(60)
+    assert tokens == reference
+    warnings = [r.getMessage() for r in caplog.records if "an engine step has run for" in r.getMessage()]
+    assert len(warnings) == 1 and "compiling_on_first_use" in warnings[0] and "time.sleep" in warnings[0], warnings
+    assert worker.watchdog.reports == 1
+
+
 def test_overlapped_publishing_keeps_every_stream_whole_and_in_order():
     """The serving loop's overlap (a step's metrics and deltas published during the next step's forward), run
     on CPU in process: speculating requests submitted while others decode and one aborted mid-stream get the

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from splitspec.host_profile import HostProfile
 from splitspec.verifier_svc.engine import Engine
+from splitspec.verifier_svc.step_watchdog import STALL_SECONDS, StepWatchdog
 from splitspec.verifier_svc.step_types import Request, StepEvent
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,8 @@ class _Abort:
 
 class EngineWorker(threading.Thread):
     def __init__(self, engine: Engine, metrics=None, publish: Callable[[list[Delivery]], None] = deliver_each,
-                 overlap: bool = False):
+                 overlap: bool = False, stall_seconds: float = STALL_SECONDS):
+        """stall_seconds: a step running longer has the engine thread's stack logged (StepWatchdog)."""
         super().__init__(name="engine", daemon=True)
         self.engine, self.metrics, self.publish = engine, metrics, publish
         self.inbox: queue.Queue = queue.Queue()
@@ -67,6 +69,8 @@ class EngineWorker(threading.Thread):
         self.overlap = overlap
         self._pending: tuple[object, list[Delivery]] | None = None  # the last step's (report, deliveries), unpublished
         self._flushed = {"metrics": 0.0, "publish": 0.0}  # seconds spent publishing since the loop last looked
+        self.step_began: float | None = None  # perf_counter() at the running step's start, None between steps
+        self.watchdog = StepWatchdog(self, stall_seconds)
         if overlap:
             engine.while_forward = self._flush
 
@@ -87,6 +91,7 @@ class EngineWorker(threading.Thread):
         clock = time.perf_counter
         profile = HostProfile("verifier")  # SPLITSPEC_PROFILE_HOST
         profile.start()
+        self.watchdog.start()
         while True:
             busy = self.engine.has_work
             profile.tick(idle=not busy)
@@ -95,12 +100,15 @@ class EngineWorker(threading.Thread):
             if self.engine.has_work:
                 stepped = clock()
                 self._take_flushed()  # an abort's flush during intake is intake's
+                self.step_began = stepped
                 try:
                     events = self.engine.step()  # with overlap, the last step's deltas went out during its forward
                 except Exception as exc:  # never hang the streams: end every live request with the error
                     logger.exception("engine step failed; ending the %d running requests", len(self.live))
                     self._fail_all(f"INTERNAL: the engine step failed: {exc}")
                     continue
+                finally:
+                    self.step_began = None
                 hidden = sum(self._take_flushed().values())
                 observed = clock()
                 self._flush()  # the last step's, if this step ran no forward to hide it under
