@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from splitspec.verifier_svc.step_types import Chunk, Request
+
 
 class StateRows(NamedTuple):
     """count rows of source from start: states a request has not sent yet."""
@@ -26,13 +28,13 @@ class StateRows(NamedTuple):
 def unsent_states(blocks: list[list[StateRows]]) -> list[torch.Tensor | None]:
     """Each request's unsent states as one tensor [rows, W] (None for none), for all the requests at once: the
     distinct sources joined, every request's rows picked in one gather, then split (views)."""
-    sources, offsets, index, counts = [], {}, [], []
+    sources, offsets, index, counts, total = [], {}, [], [], 0
     for request_blocks in blocks:
         count = 0
         for block in request_blocks:
             key = id(block.source)
             if key not in offsets:
-                offsets[key] = sum(t.shape[0] for t in sources)
+                offsets[key], total = total, total + block.source.shape[0]
                 sources.append(block.source)
             first = offsets[key] + block.start
             index.extend(range(first, first + block.count))
@@ -44,8 +46,6 @@ def unsent_states(blocks: list[list[StateRows]]) -> list[torch.Tensor | None]:
     picked = joined.index_select(0, torch.tensor(index, device=joined.device))
     parts = iter(torch.split(picked, [c for c in counts if c]))
     return [next(parts) if c else None for c in counts]
-
-from splitspec.verifier_svc.step_types import Chunk, Request
 
 
 def pair_prompt_states(request: Request, chunk: Chunk, hidden: torch.Tensor) -> torch.Tensor | None:
