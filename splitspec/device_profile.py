@@ -57,6 +57,8 @@ class StepProfiler:
         out = Path(self.directory)
         out.mkdir(parents=True, exist_ok=True)
         events = profiler.key_averages()
+        if not len(events):
+            return
         steps = STEPS_TO - STEPS_FROM
         device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
         with open(out / f"{self.name}.txt", "w") as f:
