@@ -9,7 +9,7 @@ Two requests run through the engine before the step loop starts, with no draftin
 greedy prompt (prefill, then decode) and the same prompt sampled (a cached prefix, the sampling kernels).
 Then one forward verifies a small draft tree beside a prompt chunk, eagerly: attention under a custom mask is
 a FlashInfer family of its own, and a step that mixes a prompt with drafts (or verifies trees of a size no
-graph holds) would otherwise compile it for the first users, the engine silent meanwhile (seen on an H100:
+graph holds) would otherwise compile it for the first users, the engine silent meanwhile (seen on an H200:
 "the engine has sent nothing for 15 s", for about 50 s, in a served EAGLE-3 run's first load).
 Their pages are freed again (the prefix cache evicts them), so no user prompt meets them, and the load-adaptive
 policy starts fresh after them (a forward that compiled for a minute is not what a step costs).
