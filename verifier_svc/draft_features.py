@@ -65,13 +65,17 @@ def pair_prompt_states(request: Request, chunk: Chunk, hidden: torch.Tensor) -> 
 
 def path_states(accepted: list, features) -> dict:
     """The accepted paths' states of the requests that speculate, to pair with the emitted tokens: every request's
-    rows in one gather (a step-sized copy, not the whole forward's), each request keeping its StateRows of it."""
+    rows in one gather (a step-sized copy, not the whole forward's; the forward's own when those are all its rows),
+    each request keeping its StateRows of it. features is the forward's own tensor (never a graph's static buffer)."""
     picks = [(v.request.request_id, [row + node for node in acceptance.path]) for v, acceptance, _, row in accepted
              if v.request.speculate]
     if not picks:
         return {}
     flat = [r for _, request_rows in picks for r in request_rows]
-    gathered = features.index_select(0, torch.tensor(flat, device=features.device))
+    if len(flat) == features.shape[0] and flat == list(range(len(flat))):
+        gathered = features  # every row, in order (decoding alone, each request a root or its accepted chain)
+    else:
+        gathered = features.index_select(0, torch.tensor(flat, device=features.device))
     states, start = {}, 0
     for request_id, request_rows in picks:
         states[request_id] = StateRows(gathered, start, len(request_rows))
