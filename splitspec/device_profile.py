@@ -16,12 +16,13 @@ from pathlib import Path
 ENV = "SPLITSPEC_TORCH_PROFILE"
 STEPS_FROM, STEPS_TO = 20, 40
 ENABLED = bool(os.environ.get(ENV))
+_OFF = contextlib.nullcontext()  # reusable: what phase() returns on every call when profiling is off
 
 
 def phase(name: str):
     """A labelled range in the profile (a no-op context unless profiling is on)."""
     if not ENABLED:
-        return contextlib.nullcontext()
+        return _OFF
     import torch
 
     return torch.profiler.record_function(name)

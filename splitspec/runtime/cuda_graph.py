@@ -41,13 +41,15 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def collector_paused():
+def collector_paused(collect: bool = True):
     """Python's cyclic garbage collector collected first, then held off while graphs are captured: a collection
     during a capture may destroy graphs that went out of use (their owners sit in reference cycles, e.g. a
     runner's graphs after set_capture_layers), and destroying a graph while a stream captures is an error
     that invalidates the capture (CUDA: "operation not permitted when stream is capturing"; seen on an H100
-    as a CUBLAS execution failure at the next grid point of `splitspec bench`)."""
-    gc.collect()
+    as a CUBLAS execution failure at the next grid point of `splitspec bench`). collect=False: the caller's
+    capture collects on entry itself (torch.cuda.graph does)."""
+    if collect:
+        gc.collect()
     was = gc.isenabled()
     gc.disable()
     try:
@@ -66,7 +68,7 @@ def warm_and_capture(forward, pool, stream: torch.cuda.Stream, device: torch.dev
             forward()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with collector_paused(), torch.cuda.graph(graph, pool=pool, stream=stream):
+    with collector_paused(collect=False), torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = forward()
     return graph, outputs
 
