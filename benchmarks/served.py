@@ -10,6 +10,12 @@ load (--load: batch sizes, prompt and output lengths; the same prompt token ids 
 both reports and, for every point both measured (batch size, plain or speculative), served tok/s over in
 process tok/s. --dummy-preset builds a random-weight model of a published shape (e.g. llama-3.1-8b) with the
 demo tokenizer, so that the gateway can tokenize for it (its vocabulary cut to the tokenizer's).
+
+Targets no draft fits (a dummy 8B) are measured with simulated acceptance on both sides:
+
+    python -P benchmarks/served.py --dummy-preset llama-3.1-8b --dummy-draft-preset eagle3-llama-3.1-8b \
+        --simulate-acceptance accept-length:6 --out served.json -- --speculative-algorithm EAGLE3 \
+        --speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 --speculative-adaptive off
 """
 
 from __future__ import annotations
@@ -49,6 +55,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--serve", default="", help="More `splitspec up` flags (e.g. --drafters 2).")
     parser.add_argument("--dummy-preset", default=None,
                         help="A random-weight target of this shape (splitspec.model_shapes) with the demo tokenizer.")
+    parser.add_argument("--dummy-draft-preset", default=None,
+                        help="With --dummy-preset: a random-weight draft head of this shape (e.g. eagle3-llama-3.1-8b) for "
+                        "the dummy target (its vocabulary cut to the same tokenizer's).")
+    parser.add_argument("--simulate-acceptance", default=None, metavar="PROFILE",
+                        help="Simulated speculation (the rows say so): the in-process side runs first with `splitspec bench "
+                        "--simulate-acceptance PROFILE` and records plain decoding's outputs, the served side replays them "
+                        "(`up --speculative-replay`), drafts accepted per PROFILE on both sides; a dummy target loads as "
+                        "--load-format dummy-decisive on both.")
     parser.add_argument("--port", type=int, default=31000, help="The gateway's port (up takes the next four too).")
     parser.add_argument("--timeout", type=float, default=900, help="Seconds for each of the three steps.")
     parser.add_argument("--log-level", default="warning", help="The services' log level (their logs go to OUT.log).")
@@ -60,7 +74,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def dummy_with_demo_tokenizer(preset: str) -> Path:
-    """The preset's config (vocabulary cut to the demo tokenizer's) beside the demo target's tokenizer files."""
+    """The preset's config (vocabulary cut to the demo tokenizer's; an EAGLE head's draft vocabulary too) beside
+    the demo target's tokenizer files."""
     from splitspec.demo import demo_model_dirs
     from splitspec.model_shapes import PRESETS
 
@@ -68,6 +83,8 @@ def dummy_with_demo_tokenizer(preset: str) -> Path:
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     folder = Path(tempfile.mkdtemp(prefix=f"splitspec-served-{preset}-"))
     config = {**PRESETS[preset], "vocab_size": vocab}
+    if "draft_vocab_size" in config:
+        config["draft_vocab_size"] = min(config["draft_vocab_size"], vocab)
     for key in ("bos_token_id", "eos_token_id"):
         config[key] = json.loads((target / "config.json").read_text()).get(key)
     (folder / "config.json").write_text(json.dumps(config))
@@ -211,25 +228,34 @@ def ratios(served: dict, in_process: dict) -> list[dict]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    args, model_flags = parse_args(argv)
-    out = Path(args.out)
-    work = Path(tempfile.mkdtemp(prefix="splitspec-served-"))
+def model_flags_of(args, model_flags: list[str]) -> list[str]:
+    """The flags after `--`, with the dummy target (and head) --dummy-preset / --dummy-draft-preset build; a
+    simulated run's dummy target loads decisive."""
+    if args.dummy_draft_preset and not args.dummy_preset:
+        raise SystemExit("--dummy-draft-preset needs --dummy-preset (a head for the dummy target)")
     if args.dummy_preset:
         model_flags = ["--model-path", str(dummy_with_demo_tokenizer(args.dummy_preset)), "--load-format", "dummy",
                        *model_flags]
-    if "--model-path" in model_flags:
-        model_path = model_flags[model_flags.index("--model-path") + 1]
-    else:  # up and bench both serve the demo target (and its demo draft); bench --url tokenizes with its tokenizer
-        from splitspec.demo import demo_model_dirs
+    if args.dummy_draft_preset:
+        model_flags += ["--speculative-draft-model-path", str(dummy_with_demo_tokenizer(args.dummy_draft_preset)),
+                        "--speculative-draft-load-format", "dummy"]
+    if args.simulate_acceptance:
+        if "--speculative-algorithm" not in model_flags:
+            raise SystemExit("--simulate-acceptance needs a --speculative-algorithm whose drafter pays the draft cost")
+        model_flags = ["dummy-decisive" if flag == "dummy" and i and model_flags[i - 1] == "--load-format" else flag
+                       for i, flag in enumerate(model_flags)]
+    return model_flags
 
-        model_path = str(demo_model_dirs()["target"])
-    load = shlex.split(args.load)
-    log = open(out.with_suffix(".log"), "w")
+
+def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[str], work: Path, log,
+                    replay: Path | None) -> dict:
+    """`splitspec up` measured by `splitspec bench --url` (after an untimed warm-up); up stopped after."""
     if not free(args.port):
         raise SystemExit(f"port {args.port} is taken")
+    simulated = (["--speculative-replay", str(replay), "--speculative-replay-profile", args.simulate_acceptance]
+                 if replay is not None else [])
     up_command = [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(args.port), "--log-level", args.log_level,
-                  *shlex.split(args.serve), *model_flags]
+                  *shlex.split(args.serve), *model_flags, *simulated]
     print("$ " + shlex.join(up_command[2:]), file=log, flush=True)
     up = lifeline.spawn(up_command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=traced("served"))
     url = f"http://127.0.0.1:{args.port}"
@@ -243,6 +269,7 @@ def main(argv: list[str]) -> int:
         before = loop_totals(metrics_url)
         served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
+        return served
     except subprocess.TimeoutExpired:  # stuck: every service prints its threads' stacks (cli's SIGUSR1) to the log
         print(f"served bench timed out after {args.timeout} s: the services' stacks follow", file=log, flush=True)
         for pid in descendants(up.pid):
@@ -258,17 +285,43 @@ def main(argv: list[str]) -> int:
             up.wait(timeout=120)
         except subprocess.TimeoutExpired:
             up.kill()
-    in_process = bench([*bench_flags(model_flags), *server_adaptive(model_flags), *load], work / "in_process.json", args.timeout, log,
-                       traced("in_process"))
+
+
+def main(argv: list[str]) -> int:
+    args, model_flags = parse_args(argv)
+    out = Path(args.out)
+    work = Path(tempfile.mkdtemp(prefix="splitspec-served-"))
+    model_flags = model_flags_of(args, model_flags)
+    if "--model-path" in model_flags:
+        model_path = model_flags[model_flags.index("--model-path") + 1]
+    else:  # up and bench both serve the demo target (and its demo draft); bench --url tokenizes with its tokenizer
+        from splitspec.demo import demo_model_dirs
+
+        model_path = str(demo_model_dirs()["target"])
+    load = shlex.split(args.load)
+    log = open(out.with_suffix(".log"), "w")
+    in_process_argv = [*bench_flags(model_flags), *server_adaptive(model_flags), *load]
+    replay = None
+    if args.simulate_acceptance:  # in process first: its plain outputs are the reference the server replays
+        replay = work / "reference.jsonl"
+        in_process_argv += ["--simulate-acceptance", args.simulate_acceptance, "--simulate-reference-out", str(replay)]
+        in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
+        served = serve_and_bench(args, model_flags, model_path, load, work, log, replay)
+    else:
+        served = serve_and_bench(args, model_flags, model_path, load, work, log, None)
+        in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
               "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
+              "simulated": args.simulate_acceptance,
               "points": ratios(served, in_process), "served_engine_loop": served.get("engine_loop"),
               "served": served, "in_process": in_process}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"served engine loop: {report['served_engine_loop']}")
     for point in report["points"]:
         print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
-              f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}")
+              f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}"
+              + (f"  accept length served {point['served_accept_length']} in process {point['in_process_accept_length']}"
+                 if point["speculative"] else ""))
     return 0
 
 

@@ -380,9 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "embedding (and lm_head), and its config says which states EAGLE3 needs; MTP loads its MTP "
                        "layers from it; STANDALONE checks that the draft speaks its vocabulary.")
     model.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path.")
-    model.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                       help="dummy: --model-path is a config alone and the target's embedding (and lm_head) that a head "
-                       "shares are random (benchmarks of dummy targets; see splitspec bench --preset).")
+    model.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "pt", "dummy", "dummy-decisive"),
+                       help="The target's (`splitspec up` passes the verifier's on). dummy or dummy-decisive: --model-path is "
+                       "a config alone and the target's embedding (and lm_head) that a head shares are random (benchmarks "
+                       "of dummy targets; see splitspec bench --preset); the others read the target's checkpoint as usual.")
     model.add_argument("--dtype", default="auto", help="Draft model dtype (auto = the checkpoint's; fp32 files run in bf16 on GPU).")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
     model.add_argument("--page-size", type=int, default=16, help="Tokens per page of the draft model's KV cache.")

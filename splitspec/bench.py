@@ -101,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="Simulated speculation: record plain decoding's outputs and replay them as drafts accepted per "
                       "PROFILE (accept-length:L, or per-depth rates a_1,a_2,...; see --speculative-replay-profile); "
                       "several profiles separated by ';' measure every point under each. Greedy only; rows are "
-                      "labelled simulated and name their profile.")
+                      "labelled simulated and name their profile. Dummy targets (--preset, --load-format dummy) load as "
+                      "--load-format dummy-decisive.")
+    grid.add_argument("--simulate-reference-out", default=None, metavar="FILE",
+                      help="With --simulate-acceptance: also write the recorded reference (plain decoding's outputs at "
+                      "every batch size, JSON lines of prompt_ids and output_ids) to FILE, for a server's "
+                      "--speculative-replay (benchmarks/served.py --simulate-acceptance).")
     grid.add_argument("--warmup-requests", type=int, default=2, help="Untimed requests before each point (8 tokens each).")
     split = parser.add_argument_group("the drafter in its own process (the split)")
     split.add_argument("--drafter-transport", default="in-process", choices=("in-process", "zmq"),

@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -218,28 +219,6 @@ def tree_of(ns) -> tuple[int, int, int]:
     return draft_tree_shape(ns)
 
 
-DECISIVE = ("dummy weights made decisive for simulated acceptance: embedding x50, lm_head = the embedding, sublayer "
-            "input norms x0.1 (the same shapes and kernels, so the same cost)")
-
-
-def decisive_dummy(model) -> None:
-    """Random weights leave a model's top two logits a few hundredths apart at almost every position, so greedy
-    decoding hinges on bf16 rounding, which differs between a decode step and a tree verification: a replayed
-    continuation would stop being the target's own within a few tokens. Make the residual stream carry the
-    token's embedding, large, past small sublayer outputs, and read logits with the embedding itself: the
-    current token then wins by a wide margin whatever the rounding, and every shape and kernel stays as it was."""
-    import torch
-
-    with torch.no_grad():
-        embed = model.model.embed_tokens.weight
-        embed.mul_(50.0)
-        if model.lm_head_weight is not embed:
-            model.lm_head_weight.copy_(embed)
-        for layer in model.model.layers:
-            layer.input_layernorm.weight.mul_(0.1)
-            layer.post_attention_layernorm.weight.mul_(0.1)
-
-
 def _resolve_models(args) -> None:
     """Presets become dummy model directories; the demo target gets its demo draft, as `splitspec up` does; the
     simulated acceptance's conditions are checked."""
@@ -254,6 +233,8 @@ def _resolve_models(args) -> None:
         raise ValueError("--simulate-acceptance needs a --speculative-algorithm whose drafter pays the draft cost")
     if args.simulate_acceptance and args.temperature > 0:
         raise ValueError("--simulate-acceptance replays greedy outputs: use --temperature 0")
+    if args.simulate_acceptance and args.load_format == "dummy":  # greedy outputs that hold between batch shapes
+        args.load_format = "dummy-decisive"
     if args.model_path is None and args.speculative_algorithm in ("STANDALONE", "EAGLE", "EAGLE3") \
             and not args.speculative_draft_model_path:  # the demo target: its demo draft, as `splitspec up` does
         from splitspec.demo import demo_model_dirs
@@ -288,14 +269,16 @@ def _report(args, runner, model_dir, rows: list[dict]) -> dict:
     """The JSON report: the machine, the models, the CUDA graphs and torch.compile, and every row."""
     import torch
 
+    from splitspec.runtime.loader import DECISIVE
+
     cuda = runner.device.type == "cuda"
     return {"device": torch.cuda.get_device_name(runner.device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
             "torch": torch.__version__, "dtype": str(runner.dtype).replace("torch.", ""),
             "attention_backend": runner.backend.name,
             "cuda_graphs": {"batch_sizes": runner.graphs.sizes, "tree_sizes": runner.graphs.tree_sizes}
             if runner.graphs else None,
-            "model": (f"dummy {args.preset} (random weights)" + (f"; {DECISIVE}" if args.simulate_acceptance else "")
-                      if args.preset else str(model_dir)),
+            "model": (f"dummy {args.preset} (random weights)" if args.preset else str(model_dir))
+            + (f"; {DECISIVE}" if args.load_format == "dummy-decisive" else ""),
             "draft": (f"dummy {args.draft_preset} (random weights)" if args.draft_preset
                       else args.speculative_draft_model_path),
             "simulated": bool(args.simulate_acceptance),
@@ -324,8 +307,6 @@ def run_in_process(args) -> dict:
     per_request = args.prompt_len + args.output_len + max_tree + 2 * args.page_size
     runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir,
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
-    if args.preset and args.simulate_acceptance:
-        decisive_dummy(runner.model)
     heap.freeze("bench")  # as the served verifier does: the same garbage collection on both sides
     prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
     scheduler = engine_args.scheduler_config(args)
@@ -354,6 +335,8 @@ def run_in_process(args) -> dict:
             for prompt, output in zip(prompts, plain_outputs[batch_size]):
                 reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
         reference.close()
+        if args.simulate_reference_out:  # for a server's --speculative-replay (benchmarks/served.py)
+            shutil.copyfile(reference.name, args.simulate_reference_out)
     from splitspec.verifier_svc.adaptive import adaptive_policy, verify_tree_sizes
 
     profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]

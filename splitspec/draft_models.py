@@ -207,7 +207,9 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
     target_cfg = target.config if target is not None else target_config(args)
     steps, topk, tokens = draft_tree_shape(args) if kind != "standalone" else tree_shape(args, (3, 1, 4))
     path = draft_dir(args)
+    # a decisive dummy target's draft is a plain dummy one (decisiveness is about the target's greedy outputs)
     load_format = getattr(args, "speculative_draft_load_format", None) or getattr(args, "load_format", "auto")
+    load_format = "dummy" if load_format == "dummy-decisive" else load_format
     runner = ModelRunner.load(RuntimeConfig(
         model_path=str(path), dtype=args.dtype, device=args.device, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
@@ -275,7 +277,7 @@ def _target_embed_and_head(args, target, runner, kind):
     from splitspec.runtime.loader import read_embed_and_head
 
     with_head = kind != "eagle3" or runner.model.needs_target_head  # EAGLE-3 heads mostly have their own
-    if getattr(args, "load_format", "auto") == "dummy":  # a dummy target (benchmarks): random weights of its shape
+    if getattr(args, "load_format", "auto") in ("dummy", "dummy-decisive"):  # a dummy target (benchmarks): random weights
         import torch
 
         config = target_config(args)

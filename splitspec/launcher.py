@@ -35,7 +35,7 @@ DEMO_DRAFT = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}
 DEFAULT_ALGORITHM = "NGRAM"
 DEMO_NAME = "splitspec-demo"  # the served model name of the demo target
 DEMO_MAX_TOTAL_TOKENS = "32768"  # KV tokens for the demo target when none are given (8 KiB each in fp32)
-MODEL_FLAGS = ("--dtype", "--device", "--revision")
+MODEL_FLAGS = ("--dtype", "--device", "--revision", "--load-format", "--random-seed")
 PREFIX_WIDTH = 10
 
 
@@ -392,7 +392,7 @@ def _drafter_flags() -> set[str]:
 
 def _speculative_and_model_flags(extra: list[str]) -> list[str]:
     """The pass-through flags the drafters need as well: the --speculative-* flags a drafter takes (the
-    verifier's own, such as --speculative-overlap, stay with it) and the model's dtype/device."""
+    verifier's own, such as --speculative-overlap, stay with it) and the model's dtype, device and load format."""
     out, i = [], 0
     drafter = _drafter_flags() if extra else set()
     while i < len(extra):

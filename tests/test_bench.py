@@ -244,3 +244,36 @@ def test_served_against_in_process_in_one_command(tmp_path):
     loop = report["served_engine_loop"]  # the served verifier's loop, from its /metrics around the served bench
     assert loop["steps"] > 0 and loop["mean_ms"]["step"] > 0 and loop["mean_ms"]["verify"] > 0, loop
     assert {"intake", "metrics", "publish", "schedule", "draft", "accept", "commit"} <= set(loop["mean_ms"]), loop
+
+
+def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_recorded(tmp_path):
+    """benchmarks/served.py --simulate-acceptance (issue 31's 8B EAGLE-3 served figure, shrunk): the in-process side
+    runs first and records plain decoding's outputs of a decisive dummy target; `up` replays them through a real
+    dummy EAGLE-3 head in a drafter process, so both sides accept the same drafts (the replay's draws are seeded per
+    reference) and no served request leaves its reference."""
+    from test_launcher import free_port_block
+
+    out = tmp_path / "sim.json"
+    port = free_port_block(4)
+    result = lifeline.run([sys.executable, "-P", "benchmarks/served.py", "--out", str(out), "--port", str(port),
+                           "--dummy-preset", "quick", "--dummy-draft-preset", "eagle3-quick",
+                           "--simulate-acceptance", "accept-length:3", "--log-level", "info",
+                           "--load", "--batch-size 2 --prompt-len 16 --output-len 40 --num-prompts 2 --warmup-requests 1",
+                           "--", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                           "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=600, cwd=str(REPO))
+    log = (tmp_path / "sim.log").read_text() if (tmp_path / "sim.log").exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + log[-3000:]
+    report = json.loads(out.read_text())
+    assert report["simulated"] == "accept-length:3" and report["in_process"]["simulated"] is True
+    assert "dummy weights made decisive" in report["in_process"]["model"]
+    assert report["model_flags"][report["model_flags"].index("--load-format") + 1] == "dummy-decisive"
+    points = {(p["batch_size"], p["speculative"]): p for p in report["points"]}
+    assert set(points) == {(2, None), (2, "EAGLE3")}, report["points"]
+    spec = points[(2, "EAGLE3")]
+    assert spec["served_errors"] == 0 and abs(spec["in_process_accept_length"] - 3) < 0.4, spec
+    assert spec["served_accept_length"] == spec["in_process_accept_length"], spec
+    inside = next(r for r in report["in_process"]["rows"] if r["speculative"])
+    assert inside["outputs_equal_plain"] == 2 and inside["off_reference"] == 0 and inside["step_ms"]["draft"] > 0
+    assert "SIMULATED speculation: EAGLE3 drafts for real" in log  # the drafter process's replay
+    assert "follows no reference sequence" not in log

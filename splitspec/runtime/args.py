@@ -37,7 +37,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--load-format", default="auto", choices=LOAD_FORMATS,
         help="auto: safetensors, else pytorch_model.bin; safetensors or pt (pytorch_model.bin, loaded weights-only): only "
-        "that format; dummy: random weights from config.json alone.",
+        "that format; dummy: random weights from config.json alone; dummy-decisive: the same, made decisive (the current "
+        "token wins each step by a wide margin whatever the rounding: greedy outputs that hold between batch shapes, "
+        "for simulated speculation, --speculative-replay; same shapes and kernels, so the same cost).",
     )
     group.add_argument(
         "--dtype", default="auto", choices=("auto", *DTYPES),

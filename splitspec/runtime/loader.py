@@ -33,7 +33,9 @@ from splitspec.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")  # pt: pytorch_model.bin files only
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "dummy-decisive")  # pt: pytorch_model.bin files only
+DECISIVE = ("dummy weights made decisive (--load-format dummy-decisive): embedding x50, lm_head = the embedding, "
+            "sublayer input norms x0.1 (the same shapes and kernels, so the same cost)")
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 INT_DTYPES = {"I64", "I32", "I16", "I8", "U8"}
 TORCH_DTYPE_CODES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -246,13 +248,16 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config)(config).to(dtype)
     spec = checkpoint_spec(model)
-    if load_format == "dummy":
+    if load_format in ("dummy", "dummy-decisive"):
         qplan = quantization.plan(model, spec, None, config, quantization_flag)
         _materialize(model, device)
         _init_dummy(model, seed)
+        if load_format == "dummy-decisive":
+            _make_decisive(model)
         quantization.swap_in_fp8(model, qplan.modules, device, dtype, quantize=True)  # the same weights, quantized
         model.quant_plan = qplan
-        logger.info("initialised %s with random (dummy) weights, seed %d", config.architecture, seed)
+        logger.info("initialised %s with random (dummy) weights, seed %d%s", config.architecture, seed,
+                    f"; {DECISIVE}" if load_format == "dummy-decisive" else "")
         return model.eval()
     model_dir = Path(model_dir)
     tensors = rename_for_model(model, read_checkpoint_index(model_dir, load_format))
@@ -344,6 +349,28 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             param.copy_(torch.randn(param.shape, generator=generator, device=param.device, dtype=torch.float32) * 0.02)
     for buffer in quantization.persistent_buffers(model).values():
         buffer.zero_()  # EAGLE-3's d2t: draft id i is target id i
+
+
+@torch.no_grad()
+def _make_decisive(model: nn.Module) -> None:
+    """Random weights leave a model's top two logits a few hundredths apart at almost every position, so greedy
+    decoding hinges on bf16 rounding, which differs between a decode step and a tree verification: a recorded
+    continuation replayed as drafts (--speculative-replay) would stop being the target's own within a few tokens.
+    Make the residual stream carry the token's embedding, large, past small sublayer outputs, and read logits with
+    the embedding itself: the current token then wins by a wide margin whatever the rounding, and every shape and
+    kernel stays as it was."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "embed_tokens") or not hasattr(model, "lm_head_weight"):
+        raise ValueError(f"--load-format dummy-decisive: {type(model).__name__} is not a Llama-family decoder")
+    embed = inner.embed_tokens.weight
+    if tuple(model.lm_head_weight.shape) != tuple(embed.shape):
+        raise ValueError("--load-format dummy-decisive needs an lm_head of the embedding's shape")
+    embed.mul_(50.0)
+    if model.lm_head_weight is not embed:
+        model.lm_head_weight.copy_(embed)
+    for layer in inner.layers:
+        layer.input_layernorm.weight.mul_(0.1)
+        layer.post_attention_layernorm.weight.mul_(0.1)
 
 
 def read_embed_and_head(model_dir: Path, dtype: torch.dtype, device: torch.device,
