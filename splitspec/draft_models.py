@@ -210,6 +210,9 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
     # a decisive dummy target's draft is a plain dummy one (decisiveness is about the target's greedy outputs)
     load_format = getattr(args, "speculative_draft_load_format", None) or getattr(args, "load_format", "auto")
     load_format = "dummy" if load_format == "dummy-decisive" else load_format
+    beside = None  # a draft in its target's process on the same GPU, its cache not sized by a flag: mirror the target's
+    if target is not None and not (args.max_total_tokens or max_total_tokens) and target.device.type == "cuda":
+        beside = target.kv_cache.num_pages * target.kv_cache.page_size
     runner = ModelRunner.load(RuntimeConfig(
         model_path=str(path), dtype=args.dtype, device=args.device, page_size=args.page_size,
         max_total_tokens=args.max_total_tokens or max_total_tokens, load_format=load_format,
@@ -220,7 +223,7 @@ def _build_drafter(args: argparse.Namespace, max_total_tokens: int | None, targe
         cuda_graph_max_bs=getattr(args, "cuda_graph_max_bs", None),
         torch_compile_max_bs=torch_compile_max_bs(args),
         family=None if kind == "standalone" else kind,
-        quantization=getattr(args, "speculative_draft_model_quantization", None)))
+        quantization=getattr(args, "speculative_draft_model_quantization", None), kv_tokens_beside_target=beside))
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else target_dir(args))
     layers = hidden_state_layers(args, target_cfg) if kind != "standalone" else ()
     check_feature_width(kind, runner, target_cfg, layers, path)

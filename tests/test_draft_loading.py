@@ -234,3 +234,19 @@ def test_drafter_process_needs_the_targets_path(tmp_path):
                              str(tmp_path / "nothing-here")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"--speculative-draft-model-path '{tmp_path / 'nothing-here'}': no such directory" in result.stderr
+
+
+def test_a_draft_beside_its_target_mirrors_the_targets_cache_within_the_memory_left():
+    """A model drafter in the verifier's process (up --drafters 0) on a GPU, no --max-total-tokens: its cache holds as
+    many tokens as the target's when they fit in what the target's --mem-fraction-static left less half the headroom;
+    fewer when they do not (a warning); too little memory is a ConfigError naming the flags (it was the same
+    fraction-of-total rule as the target's, which left nothing once the target had taken its share)."""
+    from splitspec.runtime.runner import tokens_beside_target
+
+    gib = 2**30
+    # an 8B target with an EAGLE-3 head on a 140 GiB card: 861k tokens of 4 KiB are 3.3 GiB of the 21 GiB left
+    assert tokens_beside_target(861_472, free=21 * gib, total=140 * gib, fraction=0.85, per_token=4096) == 861_472
+    # 21 GiB free less 10.5 kept: 10.5 GiB / 32 KiB per token (a standalone draft of 16 layers)
+    assert 344_060 <= tokens_beside_target(861_472, free=21 * gib, total=140 * gib, fraction=0.85, per_token=32768) <= 344_064
+    with pytest.raises(ConfigError, match="lower --mem-fraction-static or set --max-total-tokens"):
+        tokens_beside_target(861_472, free=10 * gib, total=140 * gib, fraction=0.85, per_token=4096)

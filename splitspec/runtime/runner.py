@@ -60,6 +60,9 @@ class RuntimeConfig:
     torch_compile_max_bs: int = 0  # > 0: uniform batches of up to this many requests run torch.compile'd (runtime.compile)
     quantization: str | None = None  # None, "fp8" or "unquant" (runtime.quantization; an FP8 checkpoint is detected)
     piecewise_cuda_graph_max_tokens: int = 0  # > 0 (with CUDA graphs): prompt chunks and mixed steps of up to this many tokens replay piecewise graphs
+    # a draft model in its target's process on the same GPU (the target took --mem-fraction-static first): its KV
+    # cache holds as many tokens as the target's, or as many as fit in the memory the target left less a reserve
+    kv_tokens_beside_target: int | None = None
 
 
 @dataclass
@@ -113,9 +116,12 @@ CPU_DEFAULT_MAX_TOKENS = 65536
 
 
 def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """Pages from --max-total-tokens, or on a GPU from --mem-fraction-static of its memory."""
+    """Pages from --max-total-tokens, or on a GPU from --mem-fraction-static of its memory (a draft beside its
+    target: kv_pages_beside_target)."""
     if rc.max_total_tokens is not None:
         return -(-rc.max_total_tokens // rc.page_size)
+    if rc.kv_tokens_beside_target is not None and device.type == "cuda":
+        return kv_pages_beside_target(rc, config, dtype, device)
     if device.type != "cuda":  # CPU: four full contexts, at most 64Ki tokens and a tenth of the memory available now
         import os
 
@@ -135,6 +141,33 @@ def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtyp
     if num_tokens < rc.page_size:
         raise ConfigError(f"--mem-fraction-static {fraction} leaves no memory for the KV cache after the weights")
     return num_tokens // rc.page_size
+
+
+def kv_pages_beside_target(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """A draft model loaded into its target's process after the target sized its KV cache from
+    --mem-fraction-static: see tokens_beside_target."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    tokens = tokens_beside_target(rc.kv_tokens_beside_target, free, total, rc.mem_fraction_static or DEFAULT_GPU_MEM_FRACTION,
+                                  KVCache.bytes_per_token(config, dtype))
+    return tokens // rc.page_size
+
+
+def tokens_beside_target(wanted: int, free: int, total: int, fraction: float, per_token: int) -> int:
+    """The draft's cache mirrors the target's token capacity (wanted; SGLang sizes its draft runner's cache
+    likewise), or takes what fits in the free memory less half the headroom the fraction left the process
+    (activations, CUDA graphs), with a warning. Too little fits: a ConfigError naming the flags that make room."""
+    reserve = total * (1.0 - fraction) / 2
+    fits = int(max(free - reserve, 0) // per_token)
+    if fits < min(wanted, 1024):
+        raise ConfigError(f"the draft model's KV cache does not fit beside the target's ({free / 2**30:.1f} GiB free, "
+                          f"{reserve / 2**30:.1f} GiB kept for activations): lower --mem-fraction-static or set "
+                          "--max-total-tokens")
+    if fits < wanted:
+        logger.warning("the draft model's KV cache holds %d tokens, fewer than the target's %d (the memory the target "
+                       "left): a request it cannot hold decodes without drafts. Lower --mem-fraction-static for more",
+                       fits, wanted)
+    return min(wanted, fits)
 
 
 def _graphs_supported(backend: AttentionBackend) -> bool:
