@@ -9,7 +9,9 @@
 #   lossless  greedy plain vs speculative decoding in bf16 on the GPU: the demo target with NGRAM, STANDALONE,
 #             EAGLE, EAGLE3, and the 8B-shaped dummy with NGRAM (outputs equal, or near-ties recorded)
 #   specprofile  where a speculative step's host and device time go: `splitspec bench` in process on the demo pair
-#             (PROFILE_ALGORITHM, default EAGLE3; fixed trees; PROFILE_BS, default 1,16) with SPLITSPEC_TORCH_PROFILE
+#             (PROFILE_ALGORITHM, default EAGLE3; fixed trees; PROFILE_BS, default 1,16; PROFILE_FLAGS: more bench flags,
+#             e.g. the 8B pair: --preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b --simulate-acceptance
+#             accept-length:6 --steps 5 --topk 1 --num-draft-tokens 6) with SPLITSPEC_TORCH_PROFILE
 #             (splitspec/device_profile.py: prof/<point>.txt, the ops and the labelled phases; prof/<point>.trace.json.gz)
 #   profile   the 8B decode step's kernel time by kernel (torch.profiler) against its graph and eager wall time
 #   eager     the decode stage without CUDA graphs
@@ -161,7 +163,7 @@ for stage in "${stages[@]}"; do
                  --num-prompts 16 --max-new-tokens 96 --out "$OUT/structured_cuda.json" > "$OUT/structured.log" 2>&1 ;;
         specprofile) SPLITSPEC_TORCH_PROFILE="$OUT/prof" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
                  --speculative-algorithm "${PROFILE_ALGORITHM:-EAGLE3}" --speculative-adaptive off --batch-size "${PROFILE_BS:-1,16}" \
-                 --prompt-len 128 --output-len 128 --out "$OUT/spec_profile.json" > "$OUT/spec_profile.log" 2>&1 ;;
+                 --prompt-len 128 --output-len 128 ${PROFILE_FLAGS:-} --out "$OUT/spec_profile.json" > "$OUT/spec_profile.log" 2>&1 ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         served) for case in ${SERVED_CASES:-demo-ngram demo-eagle3 8b-plain}; do
                     case $case in
