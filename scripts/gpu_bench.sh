@@ -54,11 +54,13 @@
 #             --speculative-adaptive off: every step drafts its full tree), demo-eagle3-local (the EAGLE-3 head in the
 #             verifier's process, up --drafters 0), demo-ngram-local (drafted in the verifier's process,
 #             up --drafters 0: up's default for NGRAM since 2026-11-27), demo-ngram-remote (from a drafter process, up
-#             --drafters 1: the default before), demo-ngram-local-fixed (local, fixed trees), 8b-eagle3-sim (the 8B-shaped
-#             dummy target with a dummy EAGLE-3 head of its shape drafting for real from a drafter process, acceptance
-#             simulated at accept length 6, steps 5, top-1, fixed trees: served.py --simulate-acceptance, both sides
-#             replaying the in-process side's recorded plain outputs; batch 1, 8, 32, 64) and 8b-eagle3-sim-local (the
-#             same, the head in the verifier's process); the in-process side runs the server's adaptive setting
+#             --drafters 1: the default before), demo-ngram-local-fixed (local, fixed trees), demo-eagle3-remote (the
+#             head in a drafter process, up --drafters 1: up's default on a GPU before 2026-11-28), 8b-eagle3-sim (the
+#             8B-shaped dummy target with a dummy EAGLE-3 head of its shape drafting for real, as up places it: in the
+#             verifier's process on a GPU; acceptance simulated at accept length 6, steps 5, top-1, fixed trees:
+#             served.py --simulate-acceptance, both sides replaying the in-process side's recorded plain outputs; batch
+#             1, 8, 32, 64), 8b-eagle3-sim-local (--drafters 0) and 8b-eagle3-sim-remote (--drafters 1: the head in a
+#             drafter process); the in-process side runs the server's adaptive setting
 #             (auto: on for a GPU target); SERVED_LOAD adds bench flags; each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
@@ -170,15 +172,17 @@ for stage in "${stages[@]}"; do
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-eagle3-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
+                        demo-eagle3-remote) pre=(--serve=--drafters=1); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-ngram-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-ngram-remote) pre=(--serve=--drafters=1); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-ngram-fixed) pre=(); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
                         demo-ngram-local-fixed) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM --speculative-adaptive off); bs=1,16 ;;
                         demo-ngram-grpc-here) pre=(--serve=--disable-frontend-multiprocessing); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         8b-plain) pre=(--dummy-preset llama-3.1-8b); model=(); bs=1,8,32,64 ;;
-                        8b-eagle3-sim|8b-eagle3-sim-local)
+                        8b-eagle3-sim|8b-eagle3-sim-local|8b-eagle3-sim-remote)
                             pre=(--dummy-preset llama-3.1-8b --dummy-draft-preset eagle3-llama-3.1-8b --simulate-acceptance accept-length:6)
                             [[ $case == *-local ]] && pre+=(--serve=--drafters=0)
+                            [[ $case == *-remote ]] && pre+=(--serve=--drafters=1)
                             model=(--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1
                                    --speculative-num-draft-tokens 6 --speculative-adaptive off); bs=1,8,32,64 ;;
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;

@@ -259,7 +259,8 @@ def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
 
 def test_ngram_drafts_in_the_verifiers_process_unless_drafters_are_asked_for():
     """`up`'s default topology: NGRAM (no model to place) in the verifier's process, a model drafter in a process
-    of its own; --drafters overrides either."""
+    of its own on a CPU verifier and in the verifier's process on a GPU (it would share the GPU); --drafters
+    overrides either."""
     from splitspec.launcher import Launcher, build_parser
 
     def services(*flags: str) -> list[str]:
@@ -271,3 +272,8 @@ def test_ngram_drafts_in_the_verifiers_process_unless_drafters_are_asked_for():
     assert services("--speculative-algorithm", "NGRAM", "--drafters", "2") == ["verifier", "drafter-1", "drafter-2", "gateway"]
     assert services("--speculative-algorithm", "EAGLE3") == ["verifier", "drafter-1", "gateway"]
     assert services("--speculative-algorithm", "EAGLE3", "--drafters", "0") == ["verifier", "gateway"]
+    assert services("--speculative-algorithm", "EAGLE3", "--device", "cpu") == ["verifier", "drafter-1", "gateway"]
+    assert services("--speculative-algorithm", "EAGLE3", "--device", "cuda:0") == ["verifier", "gateway"]
+    assert services("--speculative-algorithm", "EAGLE3", "--device=cuda") == ["verifier", "gateway"]
+    assert services("--speculative-algorithm", "EAGLE3", "--device", "cuda", "--drafters", "1") == [
+        "verifier", "drafter-1", "gateway"]
