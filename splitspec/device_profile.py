@@ -3,7 +3,12 @@
 and writes DIR/<point>.txt (the ops by self host time and by device time; the phases named below by their
 wall time) and DIR/<point>.trace.json.gz (a Chrome trace). The engine's phases and the drafters' parts are
 labelled with `phase(name)` (record_function when profiling is on, nothing otherwise). A profiled step runs
-slower: its figures are for proportions, not speed. Off unless the variable is set."""
+slower: its figures are for proportions, not speed. Off unless the variable is set.
+
+A served verifier (EngineWorker) profiles too when SPLITSPEC_TORCH_PROFILE_SERVED=BATCH:KIND is set as well (KIND
+spec or plain): its decode steps of BATCH requests, every one verifying a tree (spec) or none (plain), the 4th to
+the 16th of those (a served load's waves hold fewer whole-batch steps than a point in process), into
+DIR/served_bs<BATCH>_<KIND>.txt: the served step beside the in-process one."""
 
 from __future__ import annotations
 
@@ -28,18 +33,38 @@ def phase(name: str):
     return torch.profiler.record_function(name)
 
 
+SERVED_ENV = "SPLITSPEC_TORCH_PROFILE_SERVED"
+
+
+def served_selector():
+    """(profiler, does this step count) for a served verifier, from SPLITSPEC_TORCH_PROFILE_SERVED; None when off."""
+    spec = os.environ.get(SERVED_ENV)
+    if not (ENABLED and spec):
+        return None
+    batch, _, kind = spec.partition(":")
+    batch, speculative = int(batch), kind == "spec"
+
+    def counts(report) -> bool:  # a decode step of that many requests, all verifying trees (spec) or none (plain)
+        trees = len(report.accept_lengths)
+        return (report.prefill_tokens == 0 and report.generated_tokens > 0
+                and (trees == batch if speculative else trees == 0 and report.forward_tokens == batch))
+
+    return StepProfiler(f"served_bs{batch}_{'spec' if speculative else 'plain'}", 4, 16), counts
+
+
 class StepProfiler:
     """Call step() after every decode step of a point; the profile covers steps STEPS_FROM..STEPS_TO."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, start: int = STEPS_FROM, stop: int = STEPS_TO):
         self.directory = os.environ.get(ENV)
         self.name, self.steps, self.profiler = name, 0, None
+        self.start, self.stop = start, stop
 
     def step(self) -> None:
         if not self.directory:
             return
         self.steps += 1
-        if self.steps == STEPS_FROM:
+        if self.steps == self.start:
             import torch
 
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -47,7 +72,7 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
-        elif self.steps == STEPS_TO and self.profiler is not None:
+        elif self.steps == self.stop and self.profiler is not None:
             self.close()
 
     def close(self) -> None:
@@ -60,10 +85,10 @@ class StepProfiler:
         events = profiler.key_averages()
         if not len(events):
             return
-        steps = STEPS_TO - STEPS_FROM
+        steps = self.stop - self.start
         device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
         with open(out / f"{self.name}.txt", "w") as f:
-            f.write(f"{self.name}: decode steps {STEPS_FROM}..{STEPS_TO} ({steps} steps)\n\n== by self host time\n")
+            f.write(f"{self.name}: decode steps {self.start}..{self.stop} ({steps} steps)\n\n== by self host time\n")
             f.write(events.table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=70))
             f.write("\n== by device time\n")
             f.write(events.table(sort_by=device_key, row_limit=30, max_name_column_width=70))

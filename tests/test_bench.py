@@ -5,6 +5,7 @@ its drafter process replaying over ZeroMQ."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -277,3 +278,28 @@ def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_r
     assert inside["outputs_equal_plain"] == 2 and inside["off_reference"] == 0 and inside["step_ms"]["draft"] > 0
     assert "SIMULATED speculation: EAGLE3 drafts for real" in log  # the drafter process's replay
     assert "follows no reference sequence" not in log
+
+
+def test_the_served_profile_counts_whole_batch_decode_steps_of_its_kind():
+    """SPLITSPEC_TORCH_PROFILE_SERVED=BATCH:KIND: the served verifier's profile counts decode steps of BATCH requests
+    that all verified trees (spec) or none (plain); prefill steps and partial batches are not counted; off
+    without SPLITSPEC_TORCH_PROFILE."""
+    code = """
+from splitspec.device_profile import served_selector
+from splitspec.verifier_svc.step_types import StepReport
+profiler, counts = served_selector()
+assert profiler.name == 'served_bs4_spec' and (profiler.start, profiler.stop) == (4, 16)
+assert counts(StepReport(generated_tokens=9, accept_lengths=[3, 2, 1, 3], forward_tokens=24))
+assert not counts(StepReport(generated_tokens=5, accept_lengths=[3, 2], forward_tokens=16))  # part of the batch
+assert not counts(StepReport(generated_tokens=9, accept_lengths=[3, 2, 1, 3], prefill_tokens=64))
+assert not counts(StepReport(generated_tokens=4, forward_tokens=4))  # plain steps
+print('ok')
+"""
+    env = {**os.environ, "SPLITSPEC_TORCH_PROFILE": "/nonexistent", "SPLITSPEC_TORCH_PROFILE_SERVED": "4:spec"}
+    result = lifeline.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=str(REPO))
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+    off = {k: v for k, v in env.items() if k != "SPLITSPEC_TORCH_PROFILE"}
+    result = lifeline.run([sys.executable, "-c", "from splitspec.device_profile import served_selector; "
+                           "assert served_selector() is None; print('off')"], capture_output=True, text=True,
+                          timeout=120, env=off, cwd=str(REPO))
+    assert result.returncode == 0 and result.stdout.strip() == "off", result.stderr[-2000:]

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitspec.device_profile import served_selector
 from splitspec.host_profile import HostProfile
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.step_watchdog import STALL_SECONDS, StepWatchdog
@@ -91,6 +92,7 @@ class EngineWorker(threading.Thread):
         clock = time.perf_counter
         profile = HostProfile("verifier")  # SPLITSPEC_PROFILE_HOST
         profile.start()
+        device_profile = served_selector()  # SPLITSPEC_TORCH_PROFILE with SPLITSPEC_TORCH_PROFILE_SERVED
         self.watchdog.start()
         while True:
             busy = self.engine.has_work
@@ -110,6 +112,8 @@ class EngineWorker(threading.Thread):
                 finally:
                     self.step_began = None
                 hidden = sum(self._take_flushed().values())
+                if device_profile is not None and device_profile[1](self.engine.report):
+                    device_profile[0].step()
                 observed = clock()
                 self._flush()  # the last step's, if this step ran no forward to hide it under
                 for event in events:
