@@ -13,6 +13,8 @@ request with its first token and then sends every later token with the state bef
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from splitspec.device_profile import phase as device_phase
@@ -72,29 +74,43 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         catch_up = [(i, s) for i, s in enumerate(states) if s.pending_tokens]
         root_logits: dict[int, torch.Tensor] = {}
         for _, s in catch_up:
-            s.pending_hidden = [torch.cat(s.pending_hidden)]
+            if len(s.pending_hidden) > 1:
+                s.pending_hidden = [torch.cat(s.pending_hidden)]
+        # host work per round is a few tensor ops for the whole batch, not per request: at batch 32 the per-request
+        # slicing, padding and root copies took ~2.6 ms of host time per step against ~0.1 ms of device time
         while catch_up:
             taken = [min(len(s.pending_tokens), self.max_catch_up) for _, s in catch_up]
             q = self._padded_round(taken, catch_up[0][1].pending_hidden[0].shape[-1])
-            sequences, features, last_rows, end = [], [], [], 0
-            for (_, s), n in zip(catch_up, taken):
-                tokens, rows = s.pending_tokens[:n], s.pending_hidden[0][:n]
-                if q > n:
-                    tokens = tokens + [tokens[-1]] * (q - n)
-                    rows = torch.cat([rows, rows[-1:].expand(q - n, -1)])
-                end += q or n
-                last_rows.append(end - 1 - (q - n if q else 0))
-                sequences.append(SequenceInput(s.table, tokens, logits="all" if q else "last"))
-                features.append(rows)
+            rows = [s.pending_hidden[0] if n == len(s.pending_tokens) else s.pending_hidden[0][:n]
+                    for (_, s), n in zip(catch_up, taken)]
+            flat = torch.cat(rows) if len(rows) > 1 else rows[0]
+            starts = list(itertools.accumulate(taken, initial=0))
+            if q:  # each shorter request repeats its last row up to q rows: one gather
+                index = [start + min(j, n - 1) for start, n in zip(starts, taken) for j in range(q)]
+                features = flat.index_select(0, torch.tensor(index, device=flat.device))
+                last_rows = [k * q + n - 1 for k, n in enumerate(taken)]
+            else:
+                features = flat
+                last_rows = [end - 1 for end in starts[1:]]
+            sequences = [SequenceInput(s.table, s.pending_tokens[:n] + [s.pending_tokens[n - 1]] * (q - n) if q > n
+                                       else s.pending_tokens[:n], logits="all" if q else "last")
+                         for (_, s), n in zip(catch_up, taken)]
             batch = self.runner.batch(sequences)
-            output = self.runner.forward(batch, return_hidden=True, features=torch.cat(features))
-            for row, ((i, s), n, last) in enumerate(zip(catch_up, taken, last_rows)):
+            output = self.runner.forward(batch, return_hidden=True, features=features)
+            done = [k for k, ((_, s), n) in enumerate(zip(catch_up, taken)) if n == len(s.pending_tokens)]
+            if done:  # the roots' features and logits, gathered together (new tensors: no graph buffer is kept)
+                device = output.hidden_states.device
+                roots = torch.tensor([last_rows[k] for k in done], device=device)
+                feats = output.hidden_states.index_select(0, roots).unbind(0)
+                logits = output.logits.index_select(0, roots if q else torch.tensor(done, device=device)).unbind(0)
+                finished = dict(zip(done, zip(feats, logits)))
+            for k, ((i, s), n) in enumerate(zip(catch_up, taken)):
                 kv.set_length(s.table, s.table.num_tokens + n)
-                s.pending_tokens, s.pending_hidden = s.pending_tokens[n:], [s.pending_hidden[0][n:]]
-                if not s.pending_tokens:  # this round held the root row
-                    s.root_feature = output.hidden_states[last].clone()
-                    root_logits[i] = output.logits[last if q else row]
-                    s.pending_hidden = []
+                if done and k in finished:  # this round held the root row
+                    s.root_feature, root_logits[i] = finished[k]
+                    s.pending_tokens, s.pending_hidden = [], []
+                else:
+                    s.pending_tokens, s.pending_hidden = s.pending_tokens[n:], [s.pending_hidden[0][n:]]
             catch_up = [(i, s) for i, s in catch_up if s.pending_tokens]
         return root_logits
 

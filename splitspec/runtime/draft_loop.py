@@ -199,20 +199,21 @@ class DraftLoop:
         with device_phase("loop.to_host"):
             host = torch.cat([o[:count].double() for o in outputs[:5]], 1).cpu()  # one transfer (ids < 2**53)
         keep, parents_width = self.keep, outputs[3].shape[1]
+        rows = host.tolist()  # Python floats once for the whole batch (per-row tensor ops cost ~10 us each)
         # the best path of each request (overlap's bets start from it); a copy: a replay overwrites outputs
-        self.paths = [row[3 * keep + parents_width :].long().tolist() for row in host]
+        self.paths = [[int(x) for x in row[3 * keep + parents_width :]] for row in rows]
         self.path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
         with device_phase("loop.trees"):
-            return self._trees(roots, host, budgets, parents_width)
+            return self._trees(roots, rows, budgets, parents_width)
 
-    def _trees(self, roots: list[int], host: torch.Tensor, budgets: list[int], parents_width: int) -> list[DraftTree]:
+    def _trees(self, roots: list[int], rows: list[list[float]], budgets: list[int], parents_width: int) -> list[DraftTree]:
         keep = self.keep
         trees = []
         for i, root in enumerate(roots):
-            row = host[i]
-            order = row[:keep].long().tolist()
-            tokens, scores = row[keep : 2 * keep].long().tolist(), row[2 * keep : 3 * keep].tolist()
-            parent_list = [NO_NODE, *range(self.topk), *row[3 * keep : 3 * keep + parents_width].long().tolist()]
+            row = rows[i]
+            order = [int(x) for x in row[:keep]]
+            tokens, scores = [int(x) for x in row[keep : 2 * keep]], row[2 * keep : 3 * keep]
+            parent_list = [NO_NODE, *range(self.topk), *(int(x) for x in row[3 * keep : 3 * keep + parents_width])]
             take = sorted(range(min(budgets[i] - 1, keep)), key=lambda j: order[j])  # by flat index
             selected = [order[j] for j in take]
             trees.append(DraftTree(tuple([root, *(tokens[j] for j in take)]),
