@@ -2,6 +2,9 @@
 # The GPU benchmark, from a clean checkout on the lent GPU machine (the `device` tool), carrying .fi/
 # (scripts/gpu_fetch_wheels.sh fills it):
 #   bash scripts/gpu_bench.sh [STAGE...]      # results in $OUT (default /tmp/splitspec-gpu)
+# .ficache/*.txz (carried; scripts/gpu_env.sh) holds FlashInfer modules compiled on an earlier machine: a cold machine then
+# skips ~100 s of JIT compiling per model shape (the 8B shape's modules at 0712a25+: 10 s instead of ~110 s to the first
+# figure); the jitcache stage makes one. The wheels, .fi and .ficache together must stay under the call's 64 MiB.
 # Stages (default: all, in this order; a device call has 10 minutes, so name a few per call):
 #   decode    plain decode of a Llama-3.1-8B-shaped dummy model in bf16 (FlashInfer, CUDA graphs of the decode
 #             step and of 16-node trees) at batch 1 and 8, step phases, and the tree verification's time over
@@ -71,6 +74,8 @@
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
+#   jitcache  compile FlashInfer's modules for the 8B shape and the demo's (tiny in-process benches) and write them as
+#             $OUT/flashinfer-jit.txz, for .ficache/ (see above)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA; a device call for it
@@ -195,6 +200,14 @@ for stage in "${stages[@]}"; do
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
                         -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || { stop=1; break; }
                 done ;;
+        jitcache) # FlashInfer's JIT modules of the 8B shape (head dim 128) and the demo's (64), as one .txz (back in $OUT;
+                  # keep it in .ficache/, carried: scripts/gpu_env.sh installs it as FlashInfer's AOT modules)
+                  for shape in "--preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b" ""; do
+                      timeout 200 python3 -P -m splitspec bench --device cuda --dtype bfloat16 $shape --speculative-algorithm EAGLE3 \
+                          --speculative-adaptive off --steps 3 --topk 1 --num-draft-tokens 4 --batch-size 1 --num-prompts 1 \
+                          --output-len 8 --prompt-len 32 --warmup-requests 1 --out "$OUT/jitcache_run.json" >> "$OUT/jitcache.log" 2>&1
+                  done
+                  (cd "$FLASHINFER_WORKSPACE_BASE" && find . -path '*/cached_ops/*/*.so' | tar cJf "$OUT/flashinfer-jit.txz" -T -) ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;

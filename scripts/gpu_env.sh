@@ -8,6 +8,14 @@ if [[ -n "$wheels" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || return 1
 fi
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}"
+# FlashInfer modules compiled on an earlier machine (.ficache/*.txz: its JIT cache's .so files, same version and arch,
+# made by `bash scripts/gpu_bench.sh jitcache`) are installed as its AOT modules, which it loads without compiling
+if compgen -G ".ficache/*.txz" > /dev/null && [[ -d /tmp/site/flashinfer ]]; then
+    rm -rf /tmp/ficache && mkdir -p /tmp/ficache && for t in .ficache/*.txz; do tar xJf "$t" -C /tmp/ficache; done
+    while IFS= read -r so; do
+        name=$(basename "$(dirname "$so")") && mkdir -p "/tmp/site/flashinfer/data/aot/$name" && cp "$so" "/tmp/site/flashinfer/data/aot/$name/"
+    done < <(find /tmp/ficache -path '*/cached_ops/*/*.so')
+fi
 export PYTHONPATH="$(bash scripts/import_tree.sh):/tmp/site" PYTHONUNBUFFERED=1
 if [[ -f .whl/prometheus.gz ]]; then
     mkdir -p /tmp/bin && gunzip -c .whl/prometheus.gz > /tmp/bin/prometheus && chmod +x /tmp/bin/prometheus
