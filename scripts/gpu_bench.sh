@@ -75,7 +75,8 @@
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
 #   jitcache  compile FlashInfer's modules for the 8B shape and the demo's (tiny in-process benches) and write them as
-#             $OUT/flashinfer-jit.txz, for .ficache/ (see above)
+#             $OUT/flashinfer-<version>-jit.txz (the modules this call compiled: those already in .ficache load as
+#             they are), for .ficache/ beside the others (see above)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA; a device call for it
@@ -207,7 +208,7 @@ for stage in "${stages[@]}"; do
                           --speculative-adaptive off --steps 3 --topk 1 --num-draft-tokens 4 --batch-size 1 --num-prompts 1 \
                           --output-len 8 --prompt-len 32 --warmup-requests 1 --out "$OUT/jitcache_run.json" >> "$OUT/jitcache.log" 2>&1
                   done
-                  (cd "$FLASHINFER_WORKSPACE_BASE" && find . -path '*/cached_ops/*/*.so' | tar cJf "$OUT/flashinfer-jit.txz" -T -) ;;
+                  (cd "$FLASHINFER_WORKSPACE_BASE" && find . -path '*/cached_ops/*/*.so' | tar cJf "$OUT/flashinfer-$(python3 -c 'import flashinfer; print(flashinfer.__version__)')-jit.txz" -T -) ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
                    tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;

@@ -9,9 +9,12 @@ if [[ -n "$wheels" ]]; then
 fi
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}"
 # FlashInfer modules compiled on an earlier machine (.ficache/*.txz: its JIT cache's .so files, same version and arch,
-# made by `bash scripts/gpu_bench.sh jitcache`) are installed as its AOT modules, which it loads without compiling
-if compgen -G ".ficache/*.txz" > /dev/null && [[ -d /tmp/site/flashinfer ]]; then
-    rm -rf /tmp/ficache && mkdir -p /tmp/ficache && for t in .ficache/*.txz; do tar xJf "$t" -C /tmp/ficache; done
+# made by `bash scripts/gpu_bench.sh jitcache`) are installed as its AOT modules, which it loads without compiling;
+# only archives named for the FlashInfer version carried in .fi/ (flashinfer-<version>-*.txz)
+fi_version=$(compgen -G ".fi/flashinfer_python-*.whl" | head -1 | sed 's/.*flashinfer_python-\([^-]*\)-.*/\1/')
+if [[ -n "$fi_version" ]] && compgen -G ".ficache/flashinfer-$fi_version-*.txz" > /dev/null && [[ -d /tmp/site/flashinfer ]]; then
+    rm -rf /tmp/ficache && mkdir -p /tmp/ficache
+    for t in .ficache/flashinfer-"$fi_version"-*.txz; do tar xJf "$t" -C /tmp/ficache; done
     while IFS= read -r so; do
         name=$(basename "$(dirname "$so")") && mkdir -p "/tmp/site/flashinfer/data/aot/$name" && cp "$so" "/tmp/site/flashinfer/data/aot/$name/"
     done < <(find /tmp/ficache -path '*/cached_ops/*/*.so')
