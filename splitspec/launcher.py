@@ -35,7 +35,7 @@ DEMO_DRAFT = {"STANDALONE": "draft", "EAGLE": "eagle", "EAGLE3": "eagle3"}
 DEFAULT_ALGORITHM = "NGRAM"
 DEMO_NAME = "splitspec-demo"  # the served model name of the demo target
 DEMO_MAX_TOTAL_TOKENS = "32768"  # KV tokens for the demo target when none are given (8 KiB each in fp32)
-MODEL_FLAGS = ("--dtype", "--device", "--revision", "--load-format", "--random-seed")
+MODEL_FLAGS = ("--dtype", "--device", "--revision", "--load-format")
 PREFIX_WIDTH = 10
 
 
