@@ -300,7 +300,8 @@ def main(argv: list[str]) -> int:
         model_path = str(demo_model_dirs()["target"])
     load = shlex.split(args.load)
     log = open(out.with_suffix(".log"), "w")
-    in_process_argv = [*bench_flags(model_flags), *server_adaptive(model_flags), *load]
+    # the engine as the server runs it: no device synchronisation at every phase boundary
+    in_process_argv = [*bench_flags(model_flags), *server_adaptive(model_flags), "--no-phase-sync", *load]
     replay = None
     if args.simulate_acceptance:  # in process first: its plain outputs are the reference the server replays
         replay = work / "reference.jsonl"

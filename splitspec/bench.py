@@ -107,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="With --simulate-acceptance: also write the recorded reference (plain decoding's outputs at "
                       "every batch size, JSON lines of prompt_ids and output_ids) to FILE, for a server's "
                       "--speculative-replay (benchmarks/served.py --simulate-acceptance).")
+    grid.add_argument("--no-phase-sync", action="store_true",
+                      help="In process on a GPU: run the engine as a server does, without waiting for the device at every "
+                      "phase boundary (the default waits, so that step_ms splits each step by phase, which costs some "
+                      "speed); step_ms's phases are then host time and only its total is the device's. "
+                      "benchmarks/served.py's in-process side runs this way.")
     grid.add_argument("--warmup-requests", type=int, default=2, help="Untimed requests before each point (8 tokens each).")
     split = parser.add_argument_group("the drafter in its own process (the split)")
     split.add_argument("--drafter-transport", default="in-process", choices=("in-process", "zmq"),

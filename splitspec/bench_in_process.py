@@ -24,15 +24,17 @@ logger = logging.getLogger("splitspec.bench")
 
 
 def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, params: list, scheduler,
-          policy=None) -> tuple[dict, list]:
+          policy=None, sync_phases: bool = True) -> tuple[dict, list]:
     """Serve the prompts with at most batch_size running; (row fields, requests). policy: an adaptive policy to
-    go on learning with (a server keeps one for its life), else the engine's own."""
+    go on learning with (a server keeps one for its life), else the engine's own. sync_phases: on a GPU, wait for
+    the device at every phase boundary so that step_ms splits the step by phase (a server does not: the host
+    runs ahead of the device; off, the phases are host time and only the step total is the device's)."""
     from splitspec.device_profile import StepProfiler
     from splitspec.verifier_svc.engine import Engine, SpecConfig
 
     profiler = StepProfiler(f"bs{batch_size}_{len(prompts)}x{params[0].max_new_tokens}_"
                             f"{getattr(getattr(drafter, 'drafter', None), 'name', 'spec') if drafter is not None else 'plain'}")
-    engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=True)
+    engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=sync_phases)
     if policy is not None:
         engine.adaptive = policy
     budgets: dict[int, int] = {}
@@ -74,7 +76,7 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
         step = {k: round(v / decode_steps * 1e3, 3) for k, v in phases.items()}
         step["total"] = round(decode_seconds / decode_steps * 1e3, 3)
         step["other"] = round(step["total"] - sum(v for k, v in step.items() if k != "total"), 3)
-        row.update(decode_steps=decode_steps, step_ms=step)
+        row.update(decode_steps=decode_steps, step_ms=step, phases_synchronised=engine.sync_timing)
     if budgets:
         row["budgets"] = {str(k): v for k, v in sorted(budgets.items())}  # decode steps per tree budget
     return row, requests
@@ -297,6 +299,7 @@ def run_in_process(args) -> dict:
     _resolve_models(args)
     model_dir = runtime_args.resolve_model(args)
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
+    sync = not args.no_phase_sync
     if args.cuda_graph_max_bs is None and not args.disable_cuda_graph:  # target and draft head: no larger graphs
         args.cuda_graph_max_bs = max(batch_sizes)
     points = grid_points(args) if args.speculative_algorithm else []
@@ -322,8 +325,9 @@ def run_in_process(args) -> dict:
     # are captured once per point (a drafter may change what the target's forward returns)
     plain_rows, plain_outputs = {}, {}
     for batch_size, (prompts, params, warm) in loads.items():
-        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler)
-        plain_rows[batch_size], requests = drive(runner, None, None, prompts, batch_size, params, scheduler)
+        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler, sync_phases=sync)
+        plain_rows[batch_size], requests = drive(runner, None, None, prompts, batch_size, params, scheduler,
+                                                 sync_phases=sync)
         plain_outputs[batch_size] = [r.output_ids for r in requests]
         logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain_rows[batch_size]["output_tok_s"],
                     plain_rows[batch_size]["per_request_tok_s"])
@@ -355,9 +359,11 @@ def run_in_process(args) -> dict:
                     policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
                     runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec))
                     for batch_size, (prompts, params, warm) in loads.items():
-                        drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy)
+                        drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy,
+                              sync_phases=sync)
                         drafter.stats.__init__()
-                        row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy)
+                        row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy,
+                                              sync_phases=sync)
                         rows.append(_spec_row(args, ns, row, requests, drafter, plain_rows[batch_size],
                                               plain_outputs[batch_size], batch_size, adaptive, reference, profile))
             finally:

@@ -277,6 +277,9 @@ def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_r
     inside = next(r for r in report["in_process"]["rows"] if r["speculative"])
     assert inside["outputs_equal_plain"] == 2 and inside["off_reference"] == 0 and inside["step_ms"]["draft"] > 0
     assert "SIMULATED speculation: EAGLE3 drafts for real" in log  # the drafter process's replay
+    # the in-process side runs the engine as the server does (no device synchronisation at phase boundaries)
+    assert any(line.startswith("$ ") and " bench " in line and "--url" not in line and "--no-phase-sync" in line
+               for line in log.splitlines()), log[:3000]
     assert "follows no reference sequence" not in log
 
 
