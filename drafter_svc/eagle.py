@@ -98,6 +98,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             batch = self.runner.batch(sequences)
             output = self.runner.forward(batch, return_hidden=True, features=features)
             done = [k for k, ((_, s), n) in enumerate(zip(catch_up, taken)) if n == len(s.pending_tokens)]
+            finished = {}  # k -> (root feature, root logits) of the requests whose last row this round held
             if done:  # the roots' features and logits, gathered together (new tensors: no graph buffer is kept)
                 device = output.hidden_states.device
                 roots = torch.tensor([last_rows[k] for k in done], device=device)
@@ -106,7 +107,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                 finished = dict(zip(done, zip(feats, logits)))
             for k, ((i, s), n) in enumerate(zip(catch_up, taken)):
                 kv.set_length(s.table, s.table.num_tokens + n)
-                if done and k in finished:  # this round held the root row
+                if k in finished:
                     s.root_feature, root_logits[i] = finished[k]
                     s.pending_tokens, s.pending_hidden = [], []
                 else:

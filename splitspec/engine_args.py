@@ -243,17 +243,22 @@ def spec_config(args: argparse.Namespace):
     )
 
 
-def adaptive_enabled(args: argparse.Namespace) -> bool:
-    """--speculative-adaptive: on, off, or auto (on when the target runs on a GPU)."""
-    mode = getattr(args, "speculative_adaptive", "auto") or "auto"
-    if mode != "auto":
-        return mode == "on"
-    device = str(getattr(args, "device", "auto") or "auto")
+def on_gpu(device: str | None) -> bool:
+    """Whether a --device value (None or auto: cuda when available) names a GPU."""
+    device = str(device or "auto")
     if device == "auto":
         import torch
 
         return torch.cuda.is_available()
     return device.startswith("cuda")
+
+
+def adaptive_enabled(args: argparse.Namespace) -> bool:
+    """--speculative-adaptive: on, off, or auto (on when the target runs on a GPU)."""
+    mode = getattr(args, "speculative_adaptive", "auto") or "auto"
+    if mode != "auto":
+        return mode == "on"
+    return on_gpu(getattr(args, "device", None))
 
 
 def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
