@@ -86,10 +86,16 @@ class _Current:
     """What the drafter knows of the tree being verified for a request: the tree, the loop's best path
     (target ids, depth 1..S) and, for a head, the outputs its first S-1 nodes were drafted from."""
 
-    __slots__ = ("tree", "path", "path_hidden", "budget")
+    __slots__ = ("tree", "path", "_rows", "_row", "budget")
 
-    def __init__(self, tree: DraftTree, path: list[int], path_hidden: torch.Tensor | None, budget: int):
-        self.tree, self.path, self.path_hidden, self.budget = tree, path, path_hidden, budget
+    def __init__(self, tree: DraftTree, path: list[int], rows: torch.Tensor | None, row: int, budget: int):
+        """rows [B, S-1, H] (the loop run's path outputs, None without a head) and this request's row of it: taken
+        only when a bet drafts from it (a per-request tensor op on every step otherwise)."""
+        self.tree, self.path, self._rows, self._row, self.budget = tree, path, rows, row, budget
+
+    @property
+    def path_hidden(self) -> torch.Tensor | None:
+        return None if self._rows is None else self._rows[self._row]
 
 
 def _in_tree(tree: DraftTree, path: list[int]) -> int:
@@ -132,8 +138,7 @@ class ModelBets:
         """After a loop run for these requests: their current trees."""
         loop = self.loop
         for k, (request_id, tree, budget) in enumerate(zip(request_ids, trees, budgets)):
-            hidden = None if loop.path_hidden is None else loop.path_hidden[k]
-            self.current[request_id] = _Current(tree, loop.paths[k], hidden, budget)
+            self.current[request_id] = _Current(tree, loop.paths[k], loop.path_hidden, k, budget)
 
     def take_bet(self, request_id: str, index: int) -> None:
         self.current[request_id] = self.bets[request_id][index][1]
@@ -226,8 +231,8 @@ class ModelBets:
             for j, ((k, a, guess, _), tree, budget) in enumerate(zip(plans, trees, budgets)):
                 request_id = asked[k][1]
                 outcome = tuple(self.current[request_id].path[:a]) + (guess,)
-                hidden = None if self.loop.path_hidden is None else self.loop.path_hidden[j]
-                kept.setdefault(k, []).append((Bet(outcome, tree), _Current(tree, self.loop.paths[j], hidden, budget)))
+                kept.setdefault(k, []).append((Bet(outcome, tree), _Current(tree, self.loop.paths[j], self.loop.path_hidden,
+                                                                           j, budget)))
             for k, (position, request_id) in enumerate(asked):
                 self.bets[request_id] = kept.get(k, [])
                 out[position] = [bet for bet, _ in self.bets[request_id]]

@@ -347,11 +347,13 @@ class Engine(Scheduling):
         page_size = self.runner.kv_cache.page_size
         for i, v in enumerate(verifies, start=offset):
             first, end = cu_logits[i], cu_logits[i] + v.tree.num_nodes  # a padded tree's own rows
-            if end - first == 1 and targets is not None and by_target(self.spec, v.request.params):
+            decided = targets is not None and by_target(self.spec, v.request.params)  # no logits slice then
+            if end - first == 1 and decided:
                 acceptance = Acceptance([0], [targets[first]])
                 lengths.append((v.request.table, v.seq_len + 1))
             else:
-                acceptance = accept_tree(self.spec, v, logits[first:end], targets[first:end] if targets is not None else None)
+                acceptance = accept_tree(self.spec, v, None if decided else logits[first:end],
+                                         targets[first:end] if targets is not None else None)
                 commit_start = time.perf_counter()  # host work only: no device sync per request, even when timing
                 kv_moves(page_size, v, acceptance, move_src, move_dst)
                 lengths.append((v.request.table, v.seq_len + len(acceptance.path)))

@@ -108,8 +108,9 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
     return sample(logits, params, output_positions).tolist() if used else None
 
 
-def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor, targets: list[int] | None = None) -> Acceptance:
-    """targets: the target's token at each of node_logits' rows, already on the host (target_rows)."""
+def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor | None, targets: list[int] | None = None) -> Acceptance:
+    """targets: the target's token at each of node_logits' rows, already on the host (target_rows); node_logits
+    may be None when those decide (by_target)."""
     request, tree = v.request, v.tree
     next_token, next_sibling = child_links(tree.parents)
     if targets is not None and by_target(spec, request.params):
