@@ -65,20 +65,6 @@ def _packed_trees(trees: list[tuple[int, ...]], kv_lens: list[int]) -> tuple[tor
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8), torch.tensor(offsets, dtype=torch.int32)
 
 
-def _plan_prefill(wrapper, kv_lens: list[int], *args, **kwargs) -> None:
-    """A FlashInfer prefill wrapper's plan, told its requests' longest key count (max_sequence_kv) and given their
-    key counts in its buffer: unasked, its plan derives both on the host with a Python loop over a tensor (one
-    comparison op per request, ~60 tensor ops at batch 32 on every plan, three plans a speculative step). The
-    buffer holds what it would have computed (pages -> lengths: the same numbers). A FlashInfer without that
-    buffer is planned as before."""
-    buffer = getattr(wrapper, "_kv_lens_buffer", None)
-    if buffer is None or not kv_lens or len(kv_lens) > buffer.numel():
-        wrapper.plan(*args, **kwargs)
-        return
-    wrapper.plan(*args, max_sequence_kv=max(kv_lens), **kwargs)
-    buffer[: len(kv_lens)].copy_(torch.tensor(kv_lens, dtype=buffer.dtype), non_blocking=True)
-
-
 @dataclass
 class _Group:
     wrapper: object
@@ -218,17 +204,15 @@ class FlashInferAttentionBackend(AttentionBackend):
             return
         qo_indptr = torch.tensor([0] + [starts[i + 1] - starts[i] for i in requests]).cumsum(0).to(torch.int32)
         if kind == "causal":
-            _plan_prefill(wrapper, [batch.kv_lens[i] for i in requests], qo_indptr, indptr,
-                          indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim, causal=True,
-                          window_left=window_left, **common)
+            wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
+                         causal=True, window_left=window_left, **common)
         else:
             # the masks packed here and every index array on the host: FlashInfer's plan reads its index arrays on
             # the host and packs a mask with a device kernel whose size it reads back, so arrays given on the device
             # cost a device sync each (the host then waits for the step before instead of running ahead of it)
             packed, mask_indptr = self._tree_mask(batch, requests, starts, window)
-            _plan_prefill(wrapper, [batch.kv_lens[i] for i in requests], qo_indptr, indptr,
-                          indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
-                          packed_custom_mask=packed.to(self.device, non_blocking=True), **common)
+            wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
+                         packed_custom_mask=packed.to(self.device, non_blocking=True), **common)
             # given a packed mask, FlashInfer 0.6 keeps the unpacked mask's offsets (bits); its kernels read bytes
             if wrapper.is_cuda_graph_enabled:
                 wrapper._mask_indptr_buf.copy_(mask_indptr, non_blocking=True)
@@ -325,8 +309,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         batch = AttentionBatch(list(q_lens), list(kv_lens), page_tables, None, None, [])
         indptr, indices, last = self._pages(batch, list(range(len(kv_lens))), self.kv_cache.page_size)
         qo_indptr = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-        _plan_prefill(state.wrapper, list(kv_lens), qo_indptr, indptr, indices.to(self.device, non_blocking=True), last,
-                      head_dim_qk=self.config.head_dim, causal=False, **self._common())
+        state.wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last,
+                           head_dim_qk=self.config.head_dim, causal=False, **self._common())
         return state
 
     def attend_prefix(self, layer_id: int, q: torch.Tensor, plan: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
