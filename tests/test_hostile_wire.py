@@ -88,14 +88,15 @@ class FakeVerifier:
 def learned(fake, request_id: str, history: list[int], step: int = 1):
     """Open a request with history[:-1] and ask with its last token: NGRAM inserts no prompt (SGLang's semantics),
     the window of that ask reaches its trie before the next draft, so the second ask (step + 1, returned) drafts
-    from the history."""
+    from the history. Each reply is awaited up to 120 s (it comes in milliseconds; a 2-core machine running the suite
+    on four workers has kept a fresh drafter's first reply past 10 s)."""
     fake.send(fake.message(open=step_pb2.OpenRequest(request_id=request_id, token_ids=history[:-1])))
     fake.send(fake.draft(step, request_id, new_tokens=history[-1:]))
-    first = fake.recv()
+    first = fake.recv(timeout=120)
     if first is None or first.WhichOneof("kind") != "draft_reply":
         return first
     fake.send(fake.draft(step + 1, request_id))
-    return fake.recv()
+    return fake.recv(timeout=120)
 
 
 def test_a_hostile_verifier_cannot_take_a_drafter_down():
