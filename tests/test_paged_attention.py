@@ -243,3 +243,26 @@ def test_tree_masks_from_bits_equal_tree_masks_from_tensors():
         batch.trees = trees
         from_bits = FlashInferAttentionBackend._tree_mask(batch, list(range(len(trees))), starts, None)
         assert all(torch.equal(a, b) for a, b in zip(from_tensors, from_bits))
+
+
+def test_flashinfer_plans_max_is_the_builtin_max_from_one_reduction():
+    """The max FlashInfer's prefill module is given (flashinfer_backend._tensor_max) returns what the builtin does:
+    a 1-D host tensor's largest element as a 0-d tensor, and the builtin's answer for anything else."""
+    import builtins
+    import types
+
+    from splitspec.runtime.attention.flashinfer_backend import _tensor_max, _tensor_max_in
+
+    generator = torch.Generator().manual_seed(0)
+    for n in (1, 2, 33, 257):
+        lens = torch.randint(1, 5000, (n,), generator=generator, dtype=torch.int32)
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).to(torch.int32)])
+        for t in (lens, indptr[1:] - indptr[:-1]):
+            got, want = _tensor_max(t), builtins.max(t)
+            assert got.dim() == 0 and got.dtype == want.dtype and got.item() == want.item() == int(lens.max())
+    assert _tensor_max([3, 9, 4]) == 9 and _tensor_max(7, 128) == 128 and _tensor_max([], default=5) == 5
+    module = types.SimpleNamespace(prefill=types.SimpleNamespace())
+    _tensor_max_in(module)
+    _tensor_max_in(module)  # idempotent
+    assert module.prefill.max is _tensor_max
+    assert builtins.max is not _tensor_max and max is builtins.max  # nothing but that module changes
