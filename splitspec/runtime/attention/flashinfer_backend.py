@@ -24,7 +24,6 @@ read them at replay.
 from __future__ import annotations
 
 import builtins
-
 import logging
 import re
 from dataclasses import dataclass, field
