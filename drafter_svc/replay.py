@@ -110,6 +110,8 @@ class ReplayDrafter(Drafter):
         self.draws: dict[str, int] = {}  # request -> draws so far
         self.contexts: dict[str, list[int]] = {}
         self.matched: dict[str, int | None] = {}  # request -> reference index (None: not looked up yet, -1: none)
+        self.checked: dict[str, int] = {}  # request -> how much of its context is known to equal its reference's start
+        self._starts: dict[tuple[int | None, str], float] = {}  # (reference, salt) -> the Weyl sequence's start
         self.off_reference = 0  # requests whose sequence left their reference
         self._by_first: dict[tuple[int, ...], list[int]] = {}
         for i, ref in enumerate(references):
@@ -124,6 +126,7 @@ class ReplayDrafter(Drafter):
         self.inner.open(request_id, prompt_ids)
         self.contexts[request_id] = list(prompt_ids)
         self.matched[request_id] = None
+        self.checked[request_id] = 0
 
     def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
         if self.needs_hidden_states:
@@ -138,6 +141,7 @@ class ReplayDrafter(Drafter):
         self.current.pop(request_id, None)
         self.bets.pop(request_id, None)
         self.matched.pop(request_id, None)
+        self.checked.pop(request_id, None)
         self.draws.pop(request_id, None)
 
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
@@ -149,8 +153,8 @@ class ReplayDrafter(Drafter):
                 out.append(None)
                 continue
             k = self.draws[request_id] = self.draws.get(request_id, -1) + 1
-            reference = self._reference(request_id)
-            tree, accepted = self._tree(self.contexts[request_id], reference, self._draw(request_id, k), n)
+            context, reference = self.contexts[request_id], self._reference(request_id)
+            tree, accepted = self._tree(context, reference, self._draw(request_id, k), n, checked=len(context))
             self.current[request_id] = (accepted, tree)
             out.append(tree)
         return out
@@ -178,7 +182,8 @@ class ReplayDrafter(Drafter):
                 guess %= self.vocab_size
                 outcome = tuple(main[:a]) + (guess,)
                 bet_context = context + list(outcome)
-                bet_tree, bet_accepted = self._tree(bet_context, reference, self._draw(request_id, k), tree.num_nodes)
+                bet_tree, bet_accepted = self._tree(bet_context, reference, self._draw(request_id, k), tree.num_nodes,
+                                                    checked=n)
                 bets.append((Bet(outcome, bet_tree), (bet_accepted, bet_tree)))
             self.bets[request_id] = bets
             out.append([bet for bet, _ in bets])
@@ -193,10 +198,16 @@ class ReplayDrafter(Drafter):
 
     # the simulated tree ------------------------------------------------------------------------------
     def _reference(self, request_id: str) -> list[int] | None:
+        """The reference this request's context still follows (None: none does). Contexts only grow, so each call
+        compares only the tokens added since the last one (a whole-context comparison per request per step was
+        the replay's own host cost, paid inside the step it measures)."""
         context = self.contexts[request_id]
-        index = self.matched[request_id]
-        if index is not None and index >= 0 and self.references[index][: len(context)] == context:
-            return self.references[index]
+        index, checked = self.matched[request_id], self.checked.get(request_id, 0)
+        if index is not None and index >= 0:
+            reference = self.references[index]
+            if reference[checked : len(context)] == context[checked:] and len(context) <= len(reference):
+                self.checked[request_id] = len(context)
+                return reference
         if index == -1:
             return None
         # first lookup, or the sequence left its reference: another one that it still follows (the same prompt
@@ -208,20 +219,26 @@ class ReplayDrafter(Drafter):
                            request_id, len(context))
             self.off_reference += 1
         self.matched[request_id] = index
+        self.checked[request_id] = len(context) if index >= 0 else 0
         return None if index < 0 else self.references[index]
 
     def _draw(self, request_id: str, k: int, salt: str = "") -> float:
         """This request's k-th draw: a Weyl sequence from a seeded start, so that the drawn depths follow
         the profile closely even over a few dozen steps."""
-        start = random.Random(f"{self.seed}:{self.matched[request_id]}{salt}").random()
+        key = (self.matched[request_id], salt)
+        start = self._starts.get(key)
+        if start is None:  # seeding a Random from a string hashes it: once per (reference, salt), not per draw
+            start = self._starts[key] = random.Random(f"{self.seed}:{key[0]}{salt}").random()
         return (start + k * GOLDEN) % 1.0
 
-    def _tree(self, context: list[int], reference: list[int] | None, u: float, num_nodes: int) -> tuple[DraftTree, int]:
+    def _tree(self, context: list[int], reference: list[int] | None, u: float, num_nodes: int,
+              checked: int = 0) -> tuple[DraftTree, int]:
         """(the tree for this context and draw, how many of its drafts the target will accept). A context
-        that is not a prefix of the reference gets a tree the target rejects."""
+        that is not a prefix of the reference gets a tree the target rejects; its first `checked` tokens are
+        known to be the reference's."""
         n = len(context)
         depth = min(self.num_steps, num_nodes - 1)
-        if reference is not None and reference[:n] != context:
+        if reference is not None and (n > len(reference) or reference[checked:n] != context[checked:]):
             reference = None
         # the reference's next tokens, as far as it goes; past it (or without one) tokens nobody predicts
         truth = [reference[n - 1 + d] if reference is not None and n - 1 + d < len(reference) else -1
