@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The device tool copies the working tree (tracked files and untracked ones git does not ignore) plus the carried
+# paths (.fi, .whl, .ficache), 64 MiB in all; this repo's tree with the wheels is at that limit. Before a GPU call:
+#   bash scripts/gpu_slim.sh aside [--no-draft]   # then call the device; afterwards:
+#   bash scripts/gpu_slim.sh back
+# aside moves what GPU calls do not read into .gpu-aside/ (git-ignored): benchmarks/results, docs, deploy and the
+# xgrammar wheel (the structured-output tests only); at 2c90d28 that leaves ~0.1 MiB of room. --no-draft also moves
+# the demo STANDALONE draft's weights (5.5 MB; for calls that serve only the 8B shapes: a demo case would retrain the
+# demo models); a call on the demo shapes only can leave .ficache (1.6 MB, the 8B shape's modules) out of carry. The tracked files moved are marked
+# skip-worktree, so that `git commit -a` cannot commit their absence (it did once: 2d8dcb1 restored them); `back`
+# restores them and clears the mark. `status` prints what the device tool would copy, in bytes.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+aside=.gpu-aside
+tracked=(benchmarks/results docs deploy)
+draft=splitspec/demo_models/draft/model.safetensors
+
+size() {  # bytes the device tool copies: tracked and untracked-not-ignored files present, and the carried paths
+    { git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c '[ -f "{}" ] && stat -c %s "{}"' ; \
+      find .fi .whl .ficache -type f -exec stat -c %s {} + 2>/dev/null; } | awk '{s += $1} END {print s + 0}'
+}
+
+case "${1:-status}" in
+    aside)
+        mkdir -p "$aside/whl"
+        paths=("${tracked[@]}")
+        [[ "${2:-}" == --no-draft ]] && paths+=("$draft")
+        for p in "${paths[@]}"; do
+            [[ -e "$p" ]] || continue
+            git ls-files -z -- "$p" | xargs -0 -r git update-index --skip-worktree --
+            mkdir -p "$aside/$(dirname "$p")" && mv "$p" "$aside/$p"
+        done
+        for w in .whl/xgrammar-*.whl; do [[ -e "$w" ]] && mv "$w" "$aside/whl/"; done
+        echo "set aside; the device tool copies $(size) bytes (limit $((64 << 20)))" ;;
+    back)
+        for p in "${tracked[@]}" "$draft"; do
+            if [[ -e "$aside/$p" ]]; then
+                rm -rf "$p" && mkdir -p "$(dirname "$p")" && mv "$aside/$p" "$p"
+            fi
+            git ls-files -z -- "$p" | xargs -0 -r git update-index --no-skip-worktree --
+        done
+        for w in "$aside"/whl/*.whl; do [[ -e "$w" ]] && mv "$w" .whl/; done
+        rm -rf "$aside"
+        git status --short | head -5
+        echo "back; the device tool would copy $(size) bytes (limit $((64 << 20)))" ;;
+    status) echo "the device tool would copy $(size) bytes (limit $((64 << 20)))" ;;
+    *) echo "usage: bash scripts/gpu_slim.sh aside [--no-draft] | back | status" >&2; exit 2 ;;
+esac
