@@ -229,10 +229,9 @@ class ModelBets:
                                   else None, bet_tables, budgets)
             kept: dict[int, list] = {}
             for j, ((k, a, guess, _), tree, budget) in enumerate(zip(plans, trees, budgets)):
-                request_id = asked[k][1]
-                outcome = tuple(self.current[request_id].path[:a]) + (guess,)
-                kept.setdefault(k, []).append((Bet(outcome, tree), _Current(tree, self.loop.paths[j], self.loop.path_hidden,
-                                                                           j, budget)))
+                outcome = tuple(self.current[asked[k][1]].path[:a]) + (guess,)
+                current = _Current(tree, self.loop.paths[j], self.loop.path_hidden, j, budget)
+                kept.setdefault(k, []).append((Bet(outcome, tree), current))
             for k, (position, request_id) in enumerate(asked):
                 self.bets[request_id] = kept.get(k, [])
                 out[position] = [bet for bet, _ in self.bets[request_id]]

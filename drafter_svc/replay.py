@@ -205,7 +205,7 @@ class ReplayDrafter(Drafter):
         index, checked = self.matched[request_id], self.checked.get(request_id, 0)
         if index is not None and index >= 0:
             reference = self.references[index]
-            if reference[checked : len(context)] == context[checked:] and len(context) <= len(reference):
+            if reference[checked : len(context)] == context[checked:]:  # (false too when the context outgrew it)
                 self.checked[request_id] = len(context)
                 return reference
         if index == -1:

@@ -6,8 +6,8 @@
 # aside moves what GPU calls do not read into .gpu-aside/ (git-ignored): benchmarks/results, docs, deploy and the
 # xgrammar wheel (the structured-output tests only); at 2c90d28 that leaves ~0.1 MiB of room. --no-draft also moves
 # the demo STANDALONE draft's weights (5.5 MB; for calls that serve only the 8B shapes: a demo case would retrain the
-# demo models); a call on the demo shapes only can leave .ficache (1.6 MB, the 8B shape's modules) out of carry. The tracked files moved are marked
-# skip-worktree, so that `git commit -a` cannot commit their absence (it did once: 2d8dcb1 restored them); `back`
+# demo models); a call on the demo shapes only can leave .ficache (1.6 MB, the 8B shape's modules) out of carry.
+# The tracked files moved are marked skip-worktree, so that `git commit -a` cannot commit their absence (it did once: 2d8dcb1 restored them); `back`
 # restores them and clears the mark. `status` prints what the device tool would copy, in bytes.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

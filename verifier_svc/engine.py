@@ -352,8 +352,8 @@ class Engine(Scheduling):
                 acceptance = Acceptance([0], [targets[first]])
                 lengths.append((v.request.table, v.seq_len + 1))
             else:
-                acceptance = accept_tree(self.spec, v, None if decided else logits[first:end],
-                                         targets[first:end] if targets is not None else None)
+                acceptance = (accept_tree(self.spec, v, targets=targets[first:end]) if decided
+                              else accept_tree(self.spec, v, logits[first:end]))
                 commit_start = time.perf_counter()  # host work only: no device sync per request, even when timing
                 kv_moves(page_size, v, acceptance, move_src, move_dst)
                 lengths.append((v.request.table, v.seq_len + len(acceptance.path)))

@@ -108,12 +108,13 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
     return sample(logits, params, output_positions).tolist() if used else None
 
 
-def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor | None, targets: list[int] | None = None) -> Acceptance:
-    """targets: the target's token at each of node_logits' rows, already on the host (target_rows); node_logits
-    may be None when those decide (by_target)."""
+def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor | None = None,
+                targets: list[int] | None = None) -> Acceptance:
+    """By targets, the target's token at each node, already on the host (target_rows), when the request accepts by
+    them (by_target: the caller decides); else from the nodes' logits."""
     request, tree = v.request, v.tree
     next_token, next_sibling = child_links(tree.parents)
-    if targets is not None and by_target(spec, request.params):
+    if targets is not None:
         return accept_target_tokens(list(tree.tokens), next_token, next_sibling, targets)
     node_depths = depths(tree.parents)
     output_positions = [len(request.output_ids) + d for d in node_depths]
