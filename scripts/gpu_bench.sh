@@ -70,7 +70,9 @@
 #             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;
 #             a profiled run's speeds are not figures); SERVED_TORCH_PROFILE=BATCH:KIND (KIND spec or plain) profiles the
 #             served verifier's whole-batch decode steps of that kind with torch.profiler beside every in-process point
-#             (splitspec/device_profile.py: tprof_<case>/served_bs<BATCH>_<KIND>.txt and bs*.txt; not figures either)
+#             (splitspec/device_profile.py: tprof_<case>/served_bs<BATCH>_<KIND>.txt and bs*.txt; not figures either);
+#             SERVED_STEP_LOG=1 writes each side's step timeline (splitspec/step_log.py: steps_<case>.{verifier,client,
+#             in_process}.<pid>.jsonl; read with benchmarks/step_timeline.py)
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -197,6 +199,7 @@ for stage in "${stages[@]}"; do
                         *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
                     SPLITSPEC_TORCH_PROFILE=${SERVED_TORCH_PROFILE:+$OUT/tprof_$case} SPLITSPEC_TORCH_PROFILE_SERVED=${SERVED_TORCH_PROFILE:-} \
+                    SPLITSPEC_STEP_LOG=${SERVED_STEP_LOG:+$OUT/steps_$case} \
                     SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$case" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$case} timeout "${SERVED_TIMEOUT:-540}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$case.json" \
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
                         -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || { stop=1; break; }

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from splitspec.bench_measure import Timeline, latency_fields, make_prompts
+from splitspec.step_log import StepLog
 
 logger = logging.getLogger("splitspec.bench")
 
@@ -88,6 +89,7 @@ def run_remote(args) -> dict:
     local = Path(args.model_path) if args.model_path else None
     prompts_all = make_prompts(args, local, None, max(counts.values()))
     rows = []
+    log = StepLog.from_env("client")  # SPLITSPEC_STEP_LOG
     for batch_size, speculative in itertools.product(batch_sizes, (False, True)):
         prompts = prompts_all[: counts[batch_size]]
         work: queue.Queue = queue.Queue()
@@ -120,7 +122,10 @@ def run_remote(args) -> dict:
             t.start()
         for t in threads:
             t.join()
-        row = {"batch_size": batch_size, "speculative": None, **latency_fields(timelines, time.perf_counter() - start),
+        ended = time.perf_counter()
+        if log is not None:
+            log.point(batch_size, speculative, start, ended, timelines)
+        row = {"batch_size": batch_size, "speculative": None, **latency_fields(timelines, ended - start),
                "errors": errors}
         row["prompt_tokens_mean"] = round(statistics.fmean(
             [e["usage"]["prompt_tokens"] for e in extras if e.get("usage")] or [0]), 1)

@@ -18,6 +18,7 @@ from pathlib import Path
 from splitspec import engine_args, heap
 from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts
 from splitspec.lifeline import spawn
+from splitspec.step_log import StepLog
 from splitspec.runtime import args as runtime_args
 
 logger = logging.getLogger("splitspec.bench")
@@ -32,6 +33,7 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
     from splitspec.device_profile import StepProfiler
     from splitspec.verifier_svc.engine import Engine, SpecConfig
 
+    log = StepLog.from_env("in_process")  # SPLITSPEC_STEP_LOG
     profiler = StepProfiler(f"bs{batch_size}_{len(prompts)}x{params[0].max_new_tokens}_"
                             f"{getattr(getattr(drafter, 'drafter', None), 'name', 'spec') if drafter is not None else 'plain'}")
     engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=sync_phases)
@@ -47,13 +49,19 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
     while waiting or engine.has_work:
         while waiting and len(index) < batch_size:
             i = waiting.pop(0)
+            timelines[i].sent = time.perf_counter()
             requests[i] = engine.add_request(prompts[i], params[i])
             index[requests[i].request_id] = i
-            timelines[i].sent = time.perf_counter()
+            if log is not None:
+                log.arrived(timelines[i].sent, timelines[i].sent)
         step_start = time.perf_counter()
         events = engine.step()
         now = time.perf_counter()
         report = engine.report
+        if log is not None:
+            log.step(step_start, now, report, len(engine.running), len(engine.waiting))
+            log.published(now, len(events), sum(1 for e in events if e.new_token_ids and not timelines[index[e.request_id]].deliveries),
+                          sum(1 for e in events if e.finish_reason is not None))
         if report.prefill_tokens == 0 and report.generated_tokens:
             decode_steps += 1
             decode_seconds += now - step_start
@@ -71,6 +79,9 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
                 if event.finish_reason == "error":
                     logger.error("request %d failed: %s", i, event.error)
     row = latency_fields(timelines, time.perf_counter() - start)
+    if log is not None:
+        log.point(batch_size, drafter is not None, start, time.perf_counter(), timelines)
+        log.close()
     profiler.close()
     if decode_steps:
         step = {k: round(v / decode_steps * 1e3, 3) for k, v in phases.items()}

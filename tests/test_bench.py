@@ -223,7 +223,8 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
 def test_served_against_in_process_in_one_command(tmp_path):
     """benchmarks/served.py: `splitspec up` measured by `splitspec bench --url`, then the same model and load in
     process; the report pairs every point (plain and NGRAM) with its served/in-process ratio, and both sides
-    speculated."""
+    speculated. With SPLITSPEC_STEP_LOG, the served verifier, the bench's client and the in-process bench write their
+    step timelines, and benchmarks/step_timeline.py accounts for every measured request on both sides."""
     from test_launcher import free_port_block
 
     out = tmp_path / "served.json"
@@ -231,7 +232,8 @@ def test_served_against_in_process_in_one_command(tmp_path):
     result = lifeline.run([sys.executable, "-P", "benchmarks/served.py", "--out", str(out), "--port", str(port),
                            "--load", "--batch-size 2 --prompt-len 32 --output-len 12 --num-prompts 2 --warmup-requests 1",
                            "--", "--speculative-algorithm", "NGRAM", "--device", "cpu"],
-                          capture_output=True, text=True, timeout=600, cwd=str(REPO))
+                          capture_output=True, text=True, timeout=600, cwd=str(REPO),
+                          env={**os.environ, "SPLITSPEC_STEP_LOG": str(tmp_path / "steps")})
     log = (tmp_path / "served.log").read_text() if (tmp_path / "served.log").exists() else ""
     assert result.returncode == 0, result.stderr[-3000:] + log[-3000:]
     report = json.loads(out.read_text())
@@ -245,6 +247,23 @@ def test_served_against_in_process_in_one_command(tmp_path):
     loop = report["served_engine_loop"]  # the served verifier's loop, from its /metrics around the served bench
     assert loop["steps"] > 0 and loop["mean_ms"]["step"] > 0 and loop["mean_ms"]["verify"] > 0, loop
     assert {"intake", "metrics", "publish", "schedule", "draft", "accept", "commit"} <= set(loop["mean_ms"]), loop
+
+    names = sorted(p.name.split(".")[1] for p in tmp_path.glob("steps.*.jsonl"))
+    assert set(names) == {"client", "verifier", "in_process"}, names
+    timeline = lifeline.run([sys.executable, "benchmarks/step_timeline.py", "--json", *map(str, tmp_path.glob("steps.*.jsonl"))],
+                            capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert timeline.returncode == 0, timeline.stderr
+    rows = [json.loads(line) for line in timeline.stdout.splitlines()]
+    measured = [r for r in rows if r["requests"] == 2 and r["batch_size"] == 2]  # the warm-ups: 1 request, or 16 tokens
+    for side in ("served", "in_process"):
+        for speculative in (False, True):
+            row = next(r for r in measured if r["side"] == side and r["speculative"] == speculative)
+            legs = row["ttft_legs_ms"]  # every request arrived, got its first token published and seen, in the window
+            assert legs is not None, row
+            assert min(legs.values()) >= 0 and abs(sum(legs.values()) - row["ttft_ms"]) < 0.01, row
+            assert sum(k["count"] for k in row["steps"].values()) > 0 and row["steps"]["decode"]["count"] > 0, row
+            if side == "in_process":
+                assert legs["in"] == legs["out"] == 0.0 and row["idle_between_steps_ms"] == 0.0, row
 
 
 def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_recorded(tmp_path):

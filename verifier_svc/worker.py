@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from splitspec.device_profile import served_selector
 from splitspec.host_profile import HostProfile
+from splitspec.step_log import StepLog
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.step_watchdog import STALL_SECONDS, StepWatchdog
 from splitspec.verifier_svc.step_types import Request, StepEvent
@@ -40,6 +41,7 @@ class Submission:
     request: Request | None = None
     stream: object = None  # the server's: which Generate stream the deltas go to
     first: bool = True  # no delta sent yet (the first carries the prompt's counts and the seed)
+    received: float = 0.0  # perf_counter() when it reached the worker
 
 
 Delivery = tuple[Submission, StepEvent]
@@ -72,10 +74,12 @@ class EngineWorker(threading.Thread):
         self._flushed = {"metrics": 0.0, "publish": 0.0}  # seconds spent publishing since the loop last looked
         self.step_began: float | None = None  # perf_counter() at the running step's start, None between steps
         self.watchdog = StepWatchdog(self, stall_seconds)
+        self.step_log = StepLog.from_env("verifier")  # SPLITSPEC_STEP_LOG
         if overlap:
             engine.while_forward = self._flush
 
     def submit(self, submission: Submission) -> None:
+        submission.received = time.perf_counter()
         self.inbox.put(submission)
 
     def abort_later(self, submission: Submission) -> None:
@@ -113,6 +117,9 @@ class EngineWorker(threading.Thread):
                     self.step_began = None
                 hidden = sum(self._take_flushed().values())
                 observed = clock()
+                if self.step_log is not None:
+                    self.step_log.step(stepped, observed, self.engine.report, len(self.engine.running),
+                                       len(self.engine.waiting))
                 self._flush()  # the last step's, if this step ran no forward to hide it under
                 for event in events:
                     self._settle(event)
@@ -142,7 +149,10 @@ class EngineWorker(threading.Thread):
             self.metrics.observe(self.engine, report)
         observed = time.perf_counter()
         if deliveries:
-            self.publish(deliveries)
+            if self.step_log is not None:
+                self.step_log.published(observed, len(deliveries), sum(1 for s, e in deliveries if s.first and e.new_token_ids),
+                                        sum(1 for _, e in deliveries if e.finish_reason is not None))
+            self.publish(deliveries)  # which flips each submission's first
         self._flushed["metrics"] += observed - began
         self._flushed["publish"] += time.perf_counter() - observed
 
@@ -157,6 +167,8 @@ class EngineWorker(threading.Thread):
 
     def _handle(self, item) -> None:
         if isinstance(item, Submission):
+            if self.step_log is not None:
+                self.step_log.arrived(item.received, time.perf_counter())
             item.request = self.engine.add_request(item.prompt_ids, item.params, item.speculate)
             self.live[item.request.request_id] = item
             return
