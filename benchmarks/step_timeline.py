@@ -52,6 +52,8 @@ def point_report(point: dict, clients: list[dict], engine: list[dict]) -> dict:
         decoding = s["forward_tokens"] > s["prefill_tokens"]
         kind = "decode" if not s["prefill_tokens"] else "mixed" if decoding else "prefill"
         kinds[kind].append(s["ended"] - s["began"])
+    decodes = [s for s in steps if not s["prefill_tokens"]]
+    phases = sorted({k for s in decodes for k in s["ms"]})
     gaps = [b["began"] - a["ended"] for a, b in zip(steps, steps[1:])]
     idle = [g for g in gaps if g > 1e-3]  # the loop's own turn between two steps is microseconds
     sent = [c["sent"] for c in clients]
@@ -62,6 +64,11 @@ def point_report(point: dict, clients: list[dict], engine: list[dict]) -> dict:
         "steps": {k: {"count": len(v), "mean_ms": _ms(_mean(v)), "total_ms": _ms(sum(v))} for k, v in kinds.items()},
         "idle_between_steps_ms": _ms(sum(idle)), "idle_gaps": len(idle),
         "ttft_ms": _ms(_mean(first) - _mean(sent)) if first and len(first) == len(sent) else None,
+        # a decode step's phases and what its thread got meanwhile (older logs: no cpu_ms, gc_ms, switches)
+        "decode_step_ms": {k: round(statistics.fmean(s["ms"].get(k, 0.0) for s in decodes), 3) for k in phases},
+        "decode_step_host": {k: round(statistics.fmean(f(s) for s in decodes), 3) for k, f in (
+            ("cpu_ms", lambda s: s["cpu_ms"]), ("gc_ms", lambda s: s["gc_ms"]),
+            ("involuntary_switches", lambda s: s["switches"][1]))} if decodes and "cpu_ms" in decodes[0] else None,
     }
     if len(arrivals) == len(sent) and len(firsts) == len(first) == len(sent):
         report["ttft_legs_ms"] = {"in": _ms(_mean(arrivals) - _mean(sent)), "engine": _ms(_mean(firsts) - _mean(arrivals)),
@@ -108,9 +115,16 @@ def line(row: dict) -> str:
     ttft = "n/a" if row["ttft_ms"] is None else f"{row['ttft_ms']:.1f} ms"
     if legs:
         ttft += f" = in {legs['in']:.1f} + engine {legs['engine']:.1f} + out {legs['out']:.1f}"
-    return (f"{row['side']:<10} bs{row['batch_size']:<3} {'spec ' if row['speculative'] else 'plain'}: "
+    text = (f"{row['side']:<10} bs{row['batch_size']:<3} {'spec ' if row['speculative'] else 'plain'}: "
             f"{row['requests']} requests in {row['wall_ms']:.0f} ms; steps: {steps}; idle between steps "
             f"{row['idle_between_steps_ms']:.1f} ms in {row['idle_gaps']} gaps; TTFT {ttft}")
+    if row["decode_step_ms"]:
+        text += "\n    decode step phases (ms): " + " ".join(f"{k} {v:.2f}" for k, v in row["decode_step_ms"].items())
+    if row["decode_step_host"]:
+        host = row["decode_step_host"]
+        text += (f"; its thread's CPU {host['cpu_ms']:.2f} ms, GC {host['gc_ms']:.2f} ms, "
+                 f"{host['involuntary_switches']:.2f} involuntary switches")
+    return text
 
 
 def main(argv: list[str]) -> int:

@@ -95,53 +95,76 @@ class _Events:
 
 async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool, arrival: float,
                  admitted: int):
+    """The server-sent events of a streamed answer. What is ready goes out in one write: the events of every delta
+    already delivered (a step's tokens, a finish, the usage and [DONE]) are joined and yielded once, before the
+    stream waits for the next delta, so a request costs the event loop and the socket a write per step, not one
+    per event."""
     events = _Events(gateway, g, rid, chat)
-    queue: asyncio.Queue = asyncio.Queue()  # (choice, delta) from every choice, in arrival order
+    if len(choices) == 1:  # one choice: its own queue, no merging task
+        only = choices[0]
+        pumps = []
 
-    async def pump(c: Choice):
-        while True:
-            delta = await c.queue.get()
-            await queue.put((c, delta))
-            if isinstance(delta, StreamBroken) or delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                return
+        async def next_delta():
+            return only, await only.queue.get()
 
-    pumps = [asyncio.get_running_loop().create_task(pump(c)) for c in choices]
+        def ready() -> bool:
+            return not only.queue.empty()
+    else:
+        queue: asyncio.Queue = asyncio.Queue()  # (choice, delta) from every choice, in arrival order
+
+        async def pump(c: Choice):
+            while True:
+                delta = await c.queue.get()
+                await queue.put((c, delta))
+                if isinstance(delta, StreamBroken) or delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return
+
+        pumps = [asyncio.get_running_loop().create_task(pump(c)) for c in choices]
+        next_delta = queue.get
+
+        def ready() -> bool:
+            return not queue.empty()
+
     clock, sent_done = LatencyClock(gateway.metrics, arrival), False
+    out: list[str] = []  # events not yet written
     try:
         if chat:
             for c in choices:
-                yield events.event({"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                                    "logprobs": None})
+                out.append(events.event({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                         "finish_reason": None, "logprobs": None}))
         open_choices = len(choices)
         while open_choices:
-            c, delta = await queue.get()
+            if out and not ready():
+                yield "".join(out)
+                out.clear()
+            c, delta = await next_delta()
             if c.finish_reason is not None:  # stopped by a stop string; later deltas are dropped
                 continue
             before = len(c.logprobs)
             text = gateway.absorb(c, delta)
             if c.echo is not None and not c.echo_sent:  # the first delta: the prompt (and its logprobs) goes first
                 c.echo_sent = True
-                yield events.event(events.piece(c, c.echo, c.prompt_logprobs, None))
+                out.append(events.event(events.piece(c, c.echo, c.prompt_logprobs, None)))
             clock.delivered(delta)
             if c.error is not None:
                 open_choices -= 1
                 gateway.finished(c)
                 gateway.abort_unfinished(choices, "error")
-                yield f"data: {json.dumps(c.error.body())}\n\n"
+                out.append(f"data: {json.dumps(c.error.body())}\n\n")
                 break
-            for body in events.pieces(c, text, c.logprobs[before:]):
-                yield events.event(body)
+            out.extend(events.event(body) for body in events.pieces(c, text, c.logprobs[before:]))
             if c.finish_reason is not None:
                 open_choices -= 1
                 gateway.finished(c)
-                yield events.event(events.finish(c), speculative=gateway.speculative([c], g))
+                out.append(events.event(events.finish(c), speculative=gateway.speculative([c], g)))
         else:
             clock.done()
             if g.include_usage:
                 body = {"id": rid, "object": events.kind, "created": events.created, "model": gateway.model_name,
                         "choices": [], "usage": gateway.usage(choices, prompts)}
-                yield f"data: {json.dumps(body)}\n\n"
-        yield "data: [DONE]\n\n"
+                out.append(f"data: {json.dumps(body)}\n\n")
+        out.append("data: [DONE]\n\n")
+        yield "".join(out)
         sent_done = True
     finally:
         for task in pumps:

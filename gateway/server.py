@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from splitspec import event_loop
     from splitspec.gateway.app import GatewayConfig, create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -54,8 +55,14 @@ def run(args: argparse.Namespace) -> int:
                            served_model_name=args.served_model_name, api_key=args.api_key,
                            max_queued_requests=args.max_queued_requests,
                            max_request_body_bytes=args.max_request_body_bytes, tokenizer_threads=args.tokenizer_threads)
-    logging.getLogger("splitspec.gateway").info("gateway on http://%s:%d, verifier at %s", args.host, args.port,
-                                                args.verifier)
+    loop = event_loop.name()
+    try:  # uvicorn's "auto": httptools' C parser where installed (a dependency), else h11's pure-Python one
+        import httptools  # noqa: F401
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    logging.getLogger("splitspec.gateway").info("gateway on http://%s:%d, verifier at %s (event loop %s, HTTP parser %s)",
+                                                args.host, args.port, args.verifier, loop, http)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5)
+                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5, loop=loop, http=http)
     return 0

@@ -54,6 +54,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
             index[requests[i].request_id] = i
             if log is not None:
                 log.arrived(timelines[i].sent, timelines[i].sent)
+        if log is not None:
+            log.begin()
         step_start = time.perf_counter()
         events = engine.step()
         now = time.perf_counter()

@@ -4,7 +4,9 @@ event, timed on the system's monotonic clock (time.perf_counter, the same in eve
 
 - {"kind": "arrive", "received": t, "taken": t}: a request reached the engine's process, and the loop took it in;
 - {"kind": "step", "began": t, "ended": t, "running": n, "waiting": n, "prefill_tokens": n, "forward_tokens": n,
-  "generated": n, "finished": n, "budget": n, "ms": {phase: ms}}: one engine step;
+  "generated": n, "finished": n, "budget": n, "ms": {phase: ms}, "cpu_ms": ms, "gc_ms": ms, "switches": [voluntary,
+  involuntary]}: one engine step, with the CPU time its thread got meanwhile (a CUDA synchronize spins, so it counts),
+  the time the process spent in the garbage collector, and the thread's context switches (involuntary: preempted);
 - {"kind": "publish", "at": t, "deltas": n, "first": n, "finished": n}: deltas handed to their streams (first: how
   many carry their request's first token);
 - {"kind": "client", "sent": t, "first": t, "done": t}: a request as the bench's client saw it;
@@ -15,8 +17,11 @@ write per event costs microseconds, but the figures of a logged run are the log'
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import resource
+import time
 
 ENV = "SPLITSPEC_STEP_LOG"
 
@@ -25,6 +30,23 @@ class StepLog:
     def __init__(self, path: str):
         self.path = path
         self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (open for the loop's life; flushed per step)
+        self.gc_seconds, self._gc_began = 0.0, 0.0
+        gc.callbacks.append(self._gc)
+        self._began = self._counters()
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        else:
+            self.gc_seconds += time.perf_counter() - self._gc_began
+
+    def _counters(self) -> tuple[float, float, int, int]:
+        usage = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+        return time.thread_time(), self.gc_seconds, usage.ru_nvcsw, usage.ru_nivcsw
+
+    def begin(self) -> None:
+        """On the loop's thread, as a step begins: the counters its step line is the difference from."""
+        self._began = self._counters()
 
     @classmethod
     def from_env(cls, name: str) -> StepLog | None:
@@ -38,10 +60,14 @@ class StepLog:
         self._write({"kind": "arrive", "received": received, "taken": taken})
 
     def step(self, began: float, ended: float, report, running: int, waiting: int) -> None:
+        """On the loop's thread, as the step (begun with begin()) has ended."""
+        now = self._counters()
+        cpu, gc_seconds, voluntary, involuntary = (b - a for a, b in zip(self._began, now))
         self._write({"kind": "step", "began": began, "ended": ended, "running": running, "waiting": waiting,
                      "prefill_tokens": report.prefill_tokens, "forward_tokens": report.forward_tokens,
                      "generated": report.generated_tokens, "finished": len(report.finished), "budget": report.budget,
-                     "ms": {k: round(v * 1e3, 3) for k, v in report.seconds.items()}})
+                     "ms": {k: round(v * 1e3, 3) for k, v in report.seconds.items()}, "cpu_ms": round(cpu * 1e3, 3),
+                     "gc_ms": round(gc_seconds * 1e3, 3), "switches": [voluntary, involuntary]})
         self.file.flush()
 
     def published(self, at: float, deltas: int, first: int, finished: int) -> None:
@@ -57,4 +83,6 @@ class StepLog:
         self.file.flush()
 
     def close(self) -> None:
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
         self.file.close()

@@ -21,7 +21,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from splitspec import heap
+from splitspec import event_loop, heap
 from splitspec.protos import engine_link_pb2 as link
 from splitspec.protos.channel import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from splitspec.protos import verifier_pb2 as pb
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    return asyncio.run(serve(args.engine, args.commands, args.address))
+    return event_loop.run(serve(args.engine, args.commands, args.address))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from splitspec import engine_args, heap
+from splitspec import engine_args, event_loop, heap
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime import args as runtime_args
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
@@ -256,7 +256,7 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
                     "on this process" if args.disable_frontend_multiprocessing else "in its front process")
 
     if args.disable_frontend_multiprocessing:
-        return asyncio.run(serve_here(engine, metrics, overlap, info, limits, address, ready))
+        return event_loop.run(serve_here(engine, metrics, overlap, info, limits, address, ready))
     from splitspec.verifier_svc.engine_link import FrontLink
 
     front = FrontLink(address, args.log_level)

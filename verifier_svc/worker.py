@@ -107,6 +107,8 @@ class EngineWorker(threading.Thread):
                 stepped = clock()
                 self._take_flushed()  # an abort's flush during intake is intake's
                 self.step_began = stepped
+                if self.step_log is not None:
+                    self.step_log.begin()
                 try:
                     events = self.engine.step()  # with overlap, the last step's deltas went out during its forward
                 except Exception as exc:  # never hang the streams: end every live request with the error

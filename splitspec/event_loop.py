@@ -1,0 +1,28 @@
+"""The services' asyncio event loop: uvloop where it is installed (a dependency on Linux and macOS), as uvicorn's
+"auto" picks it, vLLM's API server and SGLang's servers run theirs; asyncio's own loop elsewhere. The gateway and
+the verifier's gRPC front spend their time in the loop's socket and callback machinery (one request's HTTP
+exchange, its gRPC submission, each step's fan-out to the streams), which uvloop runs in C."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+
+
+def factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory, or None (asyncio's default loop)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def name() -> str:
+    return "uvloop" if factory() is not None else "asyncio"
+
+
+def run(main: Coroutine):
+    """asyncio.run(main) on the services' loop."""
+    with asyncio.Runner(loop_factory=factory()) as runner:
+        return runner.run(main)
