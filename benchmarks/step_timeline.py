@@ -9,7 +9,8 @@ each point:
 - steps by kind (decode: no prompt tokens; mixed: prompt chunks and decoding requests; prefill: prompt chunks
   alone), their count and mean duration, and how long the engine sat idle between steps while the point ran;
 - the mean time to first token split into its legs: in (sent by the client -> reached the engine's process),
-  engine (-> the first token's publication) and out (-> the client has it). Means of differences are differences
+  engine (-> the first token's publication) and out (-> the client has it); with the gateway's and the front's logs,
+  the way in by the mean time from the send to each point it passes. Means of differences are differences
   of means, so no request has to be matched across processes; every log is on the machine's monotonic clock.
 """
 
@@ -40,10 +41,14 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 3)
 
 
+def _time(e: dict) -> float:
+    return e.get("received", e.get("began", e.get("at", 0.0)))
+
+
 def point_report(point: dict, clients: list[dict], engine: list[dict]) -> dict:
     """One point: its clients (the requests the bench timed) against the engine events inside its window."""
     began, ended = point["began"], point["ended"]
-    inside = [e for e in engine if began <= e.get("received", e.get("began", e.get("at", 0.0))) <= ended]
+    inside = [e for e in engine if began <= _time(e) <= ended]
     steps = [e for e in inside if e["kind"] == "step"]
     arrivals = [e["received"] for e in inside if e["kind"] == "arrive"]
     firsts = [e["at"] for e in inside if e["kind"] == "publish" for _ in range(e["first"])]
@@ -70,6 +75,13 @@ def point_report(point: dict, clients: list[dict], engine: list[dict]) -> dict:
             ("cpu_ms", lambda s: s["cpu_ms"]), ("gc_ms", lambda s: s["gc_ms"]),
             ("involuntary_switches", lambda s: s["switches"][1]))} if decodes and "cpu_ms" in decodes[0] else None,
     }
+    hops: dict[str, list[float]] = {}
+    for e in inside:
+        if e["kind"] == "hop":
+            hops.setdefault(e["name"], []).append(e["at"])
+    # the way in, leg by leg: the mean time from the client's send to each named point (gateway, front), then the engine
+    report["in_hops_ms"] = {name: _ms(_mean(at) - _mean(sent)) for name, at in sorted(hops.items(), key=lambda kv: _mean(kv[1]))
+                            if len(at) == len(sent)} or None
     if len(arrivals) == len(sent) and len(firsts) == len(first) == len(sent):
         report["ttft_legs_ms"] = {"in": _ms(_mean(arrivals) - _mean(sent)), "engine": _ms(_mean(firsts) - _mean(arrivals)),
                                   "out": _ms(_mean(first) - _mean(firsts))}
@@ -101,8 +113,9 @@ def analyse(paths: list[Path]) -> list[dict]:
     for side, client_name, engine_name in (("served", "client", "verifier"), ("in_process", "in_process", "in_process")):
         if client_name not in by_name:
             continue
-        engine = sorted((e for e in by_name.get(engine_name, []) if e["kind"] in ("arrive", "step", "publish")),
-                        key=lambda e: e.get("received", e.get("began", e.get("at", 0.0))))
+        hops = [e for name in ("gateway", "front") for e in by_name.get(name, [])] if side == "served" else []
+        engine = sorted([e for e in by_name.get(engine_name, []) if e["kind"] in ("arrive", "step", "publish")] + hops,
+                        key=_time)
         for point, clients in points_of(by_name[client_name]):
             rows.append({"side": side, **point_report(point, clients, engine)})
     return rows
@@ -115,6 +128,8 @@ def line(row: dict) -> str:
     ttft = "n/a" if row["ttft_ms"] is None else f"{row['ttft_ms']:.1f} ms"
     if legs:
         ttft += f" = in {legs['in']:.1f} + engine {legs['engine']:.1f} + out {legs['out']:.1f}"
+    if row.get("in_hops_ms"):
+        ttft += " (in: " + ", ".join(f"{k} {v:.1f}" for k, v in row["in_hops_ms"].items()) + ")"
     text = (f"{row['side']:<10} bs{row['batch_size']:<3} {'spec ' if row['speculative'] else 'plain'}: "
             f"{row['requests']} requests in {row['wall_ms']:.0f} ms; steps: {steps}; idle between steps "
             f"{row['idle_between_steps_ms']:.1f} ms in {row['idle_gaps']} gaps; TTFT {ttft}")

@@ -96,6 +96,8 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
         gateway.release(admitted)
         raise
     choices = gateway.submit(g, prompts)
+    if gateway.step_log is not None:
+        gateway.step_log.hop("gateway_handler", arrival)
     gateway.metrics.in_flight.labels(**gateway.metrics.model).inc()
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if g.stream:

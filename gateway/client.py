@@ -36,7 +36,7 @@ class StreamBroken:
 
 
 class VerifierClient:
-    def __init__(self, address: str, on_grpc_error=None):
+    def __init__(self, address: str, on_grpc_error=None, step_log=None):
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=channel.client_options())  # keepalive: a hung
         # verifier or a silently cut path ends the stream (and its requests, with an error) within ~15 s
@@ -48,6 +48,7 @@ class VerifierClient:
         self._queues: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._on_grpc_error = on_grpc_error or (lambda code: None)
+        self._step_log = step_log  # splitspec.step_log: when each submission goes to the stream
 
     async def model_info(self, timeout: float = 5.0) -> pb.ModelInfo:
         self.info = await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
@@ -89,7 +90,10 @@ class VerifierClient:
     async def _run(self, outbox: asyncio.Queue) -> None:
         async def messages():
             while True:
-                yield await outbox.get()
+                message = await outbox.get()
+                if self._step_log is not None and message.WhichOneof("kind") == "submit":
+                    self._step_log.hop("gateway_submitted")
+                yield message
 
         call = self.stub.Generate(messages())
         code, details = "UNAVAILABLE", "the Generate stream ended"

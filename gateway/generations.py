@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from splitspec import heap
+from splitspec.step_log import StepLog
 from splitspec.gateway.client import StreamBroken, VerifierClient
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import APIError, Generation, invalid
@@ -93,10 +94,11 @@ class Gateway:
         self.admitted = 0  # choices admitted and not yet finished (the --max-queued-requests budget)
         self.verify_steps = self.accepted_tokens = 0  # over every finished choice: /get_server_info's accept length
         self._connector: asyncio.Task | None = None
+        self.step_log = StepLog.from_env("gateway")  # SPLITSPEC_STEP_LOG: each submission's way in
 
     # lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.client = VerifierClient(self.config.verifier, on_grpc_error=self._grpc_error)
+        self.client = VerifierClient(self.config.verifier, on_grpc_error=self._grpc_error, step_log=self.step_log)
         self._connector = asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:

@@ -10,7 +10,10 @@ event, timed on the system's monotonic clock (time.perf_counter, the same in eve
 - {"kind": "publish", "at": t, "deltas": n, "first": n, "finished": n}: deltas handed to their streams (first: how
   many carry their request's first token);
 - {"kind": "client", "sent": t, "first": t, "done": t}: a request as the bench's client saw it;
-- {"kind": "point", "batch_size": n, "speculative": bool, "began": t, "ended": t}: one bench point's measured run.
+- {"kind": "point", "batch_size": n, "speculative": bool, "began": t, "ended": t}: one bench point's measured run;
+- {"kind": "hop", "name": name, "at": t}: a submission passing a named point on its way in (the gateway's
+  "gateway_handler" and "gateway_submitted", the verifier front's "front_received"), so that the way from the
+  client to the engine can be split leg by leg.
 
 `python benchmarks/step_timeline.py FILE...` reads them back wave by wave. Off unless the variable is set; a
 write per event costs microseconds, but the figures of a logged run are the log's, not speeds to quote."""
@@ -81,6 +84,10 @@ class StepLog:
         self._write({"kind": "point", "batch_size": batch_size, "speculative": speculative, "began": began,
                      "ended": ended})
         self.file.flush()
+
+    def hop(self, name: str, at: float | None = None) -> None:
+        self._write({"kind": "hop", "name": name, "at": time.perf_counter() if at is None else at})
+        self.file.flush()  # a service stopped by a signal keeps what it logged
 
     def close(self) -> None:
         if self._gc in gc.callbacks:

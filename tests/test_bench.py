@@ -249,7 +249,7 @@ def test_served_against_in_process_in_one_command(tmp_path):
     assert {"intake", "metrics", "publish", "schedule", "draft", "accept", "commit"} <= set(loop["mean_ms"]), loop
 
     names = sorted(p.name.split(".")[1] for p in tmp_path.glob("steps.*.jsonl"))
-    assert set(names) == {"client", "verifier", "in_process"}, names
+    assert set(names) == {"client", "gateway", "front", "verifier", "in_process"}, names
     timeline = lifeline.run([sys.executable, "benchmarks/step_timeline.py", "--json", *map(str, tmp_path.glob("steps.*.jsonl"))],
                             capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert timeline.returncode == 0, timeline.stderr
@@ -264,6 +264,10 @@ def test_served_against_in_process_in_one_command(tmp_path):
             assert sum(k["count"] for k in row["steps"].values()) > 0 and row["steps"]["decode"]["count"] > 0, row
             if side == "in_process":
                 assert legs["in"] == legs["out"] == 0.0 and row["idle_between_steps_ms"] == 0.0, row
+            else:  # the way in, point by point, in the order every submission passes them
+                hops = row["in_hops_ms"]
+                assert list(hops) == ["gateway_handler", "gateway_submitted", "front_received"], row
+                assert 0 <= hops["gateway_handler"] <= hops["gateway_submitted"] <= hops["front_received"] <= legs["in"], row
 
 
 def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_recorded(tmp_path):

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import grpc
 
+from splitspec.step_log import StepLog
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.verifier_svc import convert
 
@@ -119,6 +120,7 @@ class NoCounts:
 class VerifierServicer:
     def __init__(self, backend: Backend, limits: Limits, info: pb.ModelInfo, counts: Counts):
         self.backend, self.limits, self.info, self.counts = backend, limits, info, counts
+        self.step_log = StepLog.from_env("front")  # SPLITSPEC_STEP_LOG: when each submission reached this front
         self.live_ids: set[str] = set()  # every stream's unfinished requests (ids must be unique among them)
         self.streams: set[Stream] = set()
         self.unavailable: str | None = None  # why the engine cannot serve now ("UNAVAILABLE: ..."), else None
@@ -147,6 +149,8 @@ class VerifierServicer:
                         stream.put(message)
                         break
                     if message.WhichOneof("kind") == "submit":
+                        if self.step_log is not None:
+                            self.step_log.hop("front_received")
                         self._submit(message.submit, live, stream)
                     elif message.WhichOneof("kind") == "abort" and message.abort.request_id in live:
                         await self.backend.abort(message.abort.request_id)
