@@ -1,8 +1,9 @@
 """The gateway's side of the verifier's gRPC API: one long-lived Generate stream carries every request's
 submission and abort one way and the per-step token deltas the other (grpc.aio).
 
-Submissions queued in the same event-loop turn go out back to back on the stream, so the verifier sees
-requests that arrived together as one batch. Deltas are routed to each request's queue by id. When the
+Submissions queued while the stream was writing go out together, as one SubmitBatch message, so the verifier
+sees requests that arrived together as one batch (gRPC writes a stream's messages one at a time: a message per
+request would queue a burst behind its own writes). Deltas are routed to each request's queue by id. When the
 stream breaks (the verifier died or restarted), every request on it ends with an error event (the HTTP
 side turns it into a 503) and the next submission opens a new stream.
 """
@@ -22,6 +23,7 @@ from splitspec.protos import verifier_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("splitspec.gateway")
 SERVICE = "splitspec.v1.Verifier"
+BATCH_BYTES = channel.MAX_MESSAGE_BYTES // 4  # submissions sent as one SubmitBatch hold at most this many bytes
 
 
 class VerifierUnavailable(Exception):
@@ -73,6 +75,14 @@ class VerifierClient:
             request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, speculate=speculate)))
         return queue
 
+    def _submissions(self, submits: list) -> pb.GenerateClientMessage:
+        if self._step_log is not None:
+            for _ in submits:
+                self._step_log.hop("gateway_submitted")
+        if len(submits) == 1:
+            return pb.GenerateClientMessage(submit=submits[0])
+        return pb.GenerateClientMessage(submits=pb.SubmitBatch(requests=submits))
+
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone, stop string hit); its final ABORT delta is dropped."""
         if self._queues.pop(request_id, None) is not None and self._outbox is not None:
@@ -89,11 +99,28 @@ class VerifierClient:
 
     async def _run(self, outbox: asyncio.Queue) -> None:
         async def messages():
+            """What is queued when the stream can write: consecutive submissions go as one SubmitBatch (a burst of
+            arrivals costs one write, not one each; gRPC writes one message at a time), aborts in their place."""
             while True:
-                message = await outbox.get()
-                if self._step_log is not None and message.WhichOneof("kind") == "submit":
-                    self._step_log.hop("gateway_submitted")
-                yield message
+                queued = [await outbox.get()]
+                while not outbox.empty():
+                    queued.append(outbox.get_nowait())
+                submits, size = [], 0
+                for message in queued:
+                    if message.WhichOneof("kind") == "submit":
+                        bytes_ = message.submit.ByteSize()
+                        if submits and size + bytes_ > BATCH_BYTES:  # a batch stays well inside the message limit
+                            yield self._submissions(submits)
+                            submits, size = [], 0
+                        submits.append(message.submit)
+                        size += bytes_
+                        continue
+                    if submits:
+                        yield self._submissions(submits)
+                        submits, size = [], 0
+                    yield message
+                if submits:
+                    yield self._submissions(submits)
 
         call = self.stub.Generate(messages())
         code, details = "UNAVAILABLE", "the Generate stream ended"

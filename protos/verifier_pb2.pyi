@@ -89,13 +89,21 @@ class AbortResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class SubmitBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ...) -> None: ...
+
 class GenerateClientMessage(_message.Message):
-    __slots__ = ("submit", "abort")
+    __slots__ = ("submit", "abort", "submits")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    SUBMITS_FIELD_NUMBER: _ClassVar[int]
     submit: SubmitRequest
     abort: AbortRequest
-    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+    submits: SubmitBatch
+    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., submits: _Optional[_Union[SubmitBatch, _Mapping]] = ...) -> None: ...
 
 class SpeculationCounts(_message.Message):
     __slots__ = ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position", "fallbacks")

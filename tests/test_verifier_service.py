@@ -222,6 +222,22 @@ def test_bad_requests_are_refused_by_name_while_others_run(verifier):
         assert results[name]["finish"] == pb.FINISH_REASON_LENGTH and len(results[name]["tokens"]) == 32
 
 
+def test_a_submit_batch_is_answered_request_by_request_as_if_each_came_alone(verifier):
+    """The gateway sends what it had queued as one SubmitBatch: each request in it is checked, refused or run on
+    its own (a bad one among good ones is refused by name), with the outputs the same requests get one by one."""
+    info = verifier.GetModelInfo(pb.ModelInfoRequest())
+    alone = collect(verifier, [submit("alone-a", PROMPTS[2], max_new_tokens=12), submit("alone-b", PROMPTS[3], max_new_tokens=12)], 2)
+    batch = pb.SubmitBatch(requests=[submit("a", PROMPTS[2], max_new_tokens=12).submit,
+                                     submit("oov", [1, info.vocab_size + 5]).submit,
+                                     submit("b", PROMPTS[3], max_new_tokens=12).submit])
+    results = collect(verifier, [pb.GenerateClientMessage(submits=batch)], 3)
+    assert results["oov"]["finish"] == pb.FINISH_REASON_ERROR and "outside the vocabulary" in results["oov"]["error"]
+    for name in ("a", "b"):
+        assert results[name]["finish"] == pb.FINISH_REASON_LENGTH and results[name]["error"] == ""
+        assert results[name]["tokens"] == alone[f"alone-{name}"]["tokens"], name
+        assert results[name]["spec"].accepted_tokens > 0 and results[name]["spec"].fallbacks == 0
+
+
 def test_penalties_and_logprobs_over_the_wire(verifier):
     """The wire's penalty and logprob fields reach the engine: speculative output with penalties equals
     offline plain decoding with them, and every token comes with its logprob and top-k."""

@@ -148,11 +148,13 @@ class VerifierServicer:
                     if isinstance(message, Malformed):  # this stream ends with the status; nobody else's
                         stream.put(message)
                         break
-                    if message.WhichOneof("kind") == "submit":
-                        if self.step_log is not None:
-                            self.step_log.hop("front_received")
-                        self._submit(message.submit, live, stream)
-                    elif message.WhichOneof("kind") == "abort" and message.abort.request_id in live:
+                    kind = message.WhichOneof("kind")
+                    if kind in ("submit", "submits"):
+                        for submit in [message.submit] if kind == "submit" else message.submits.requests:
+                            if self.step_log is not None:
+                                self.step_log.hop("front_received")
+                            self._submit(submit, live, stream)
+                    elif kind == "abort" and message.abort.request_id in live:
                         await self.backend.abort(message.abort.request_id)
             finally:
                 reading = False
