@@ -154,7 +154,7 @@ class EngineWorker(threading.Thread):
             if self.step_log is not None:
                 self.step_log.published(observed, len(deliveries), sum(1 for s, e in deliveries if s.first and e.new_token_ids),
                                         sum(1 for _, e in deliveries if e.finish_reason is not None))
-            self.publish(deliveries)  # which flips each submission's first
+            self.publish(deliveries)  # a served publish also clears each submission's first
         self._flushed["metrics"] += observed - began
         self._flushed["publish"] += time.perf_counter() - observed
 
