@@ -71,8 +71,9 @@
 #             a profiled run's speeds are not figures); SERVED_TORCH_PROFILE=BATCH:KIND (KIND spec or plain) profiles the
 #             served verifier's whole-batch decode steps of that kind with torch.profiler beside every in-process point
 #             (splitspec/device_profile.py: tprof_<case>/served_bs<BATCH>_<KIND>.txt and bs*.txt; not figures either);
-#             SERVED_STEP_LOG=1 writes each side's step timeline (splitspec/step_log.py: steps_<case>.{verifier,client,
-#             in_process}.<pid>.jsonl; read with benchmarks/step_timeline.py)
+#             SERVED_STEP_LOG=1 writes each side's step timeline (splitspec/step_log.py: steps_<case>.{verifier,front,
+#             gateway,client,in_process}.<pid>.jsonl, packed into $OUT/steps.tgz at the end; read with
+#             benchmarks/step_timeline.py)
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -221,4 +222,8 @@ for stage in "${stages[@]}"; do
     echo "== $stage rc=$rc"
     [[ $rc -ne 0 ]] && failed=1
 done
+# the device tool brings back only a few files per call: step logs (SERVED_STEP_LOG) travel as one archive
+if compgen -G "$OUT/steps_*.jsonl" > /dev/null; then
+    (cd "$OUT" && tar czf steps.tgz steps_*.jsonl && rm -f steps_*.jsonl)
+fi
 exit $failed

@@ -263,7 +263,7 @@ def test_served_against_in_process_in_one_command(tmp_path):
             assert min(legs.values()) >= 0 and abs(sum(legs.values()) - row["ttft_ms"]) < 0.01, row
             assert sum(k["count"] for k in row["steps"].values()) > 0 and row["steps"]["decode"]["count"] > 0, row
             if side == "in_process":
-                assert legs["in"] == legs["out"] == 0.0 and row["idle_between_steps_ms"] == 0.0, row
+                assert legs["in"] == legs["out"] == 0.0, row  # sent is admitted, published is seen: one clock read each
             else:  # the way in, point by point, in the order every submission passes them
                 hops = row["in_hops_ms"]
                 assert list(hops) == ["gateway_handler", "gateway_submitted", "front_received"], row
