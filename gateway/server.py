@@ -55,12 +55,7 @@ def run(args: argparse.Namespace) -> int:
                            served_model_name=args.served_model_name, api_key=args.api_key,
                            max_queued_requests=args.max_queued_requests,
                            max_request_body_bytes=args.max_request_body_bytes, tokenizer_threads=args.tokenizer_threads)
-    loop = event_loop.name()
-    try:  # uvicorn's "auto": httptools' C parser where installed (a dependency), else h11's pure-Python one
-        import httptools  # noqa: F401
-        http = "httptools"
-    except ImportError:
-        http = "h11"
+    loop, http = event_loop.name(), event_loop.http_parser()
     logging.getLogger("splitspec.gateway").info("gateway on http://%s:%d, verifier at %s (event loop %s, HTTP parser %s)",
                                                 args.host, args.port, args.verifier, loop, http)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False,

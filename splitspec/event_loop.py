@@ -22,6 +22,15 @@ def name() -> str:
     return "uvloop" if factory() is not None else "asyncio"
 
 
+def http_parser() -> str:
+    """uvicorn's "auto" choice: httptools' C parser where installed (a dependency), else h11's pure-Python one."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
 def run(main: Coroutine):
     """asyncio.run(main) on the services' loop."""
     with asyncio.Runner(loop_factory=factory()) as runner:

@@ -33,8 +33,7 @@ class StepLog:
     def __init__(self, path: str):
         self.path = path
         self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (open for the loop's life; flushed per step)
-        self.gc_seconds, self._gc_began = 0.0, 0.0
-        gc.callbacks.append(self._gc)
+        self.gc_seconds, self._gc_began = 0.0, 0.0  # the collector is timed once a step is (begin): hops need not
         self._began = self._counters()
 
     def _gc(self, phase: str, info: dict) -> None:
@@ -49,6 +48,8 @@ class StepLog:
 
     def begin(self) -> None:
         """On the loop's thread, as a step begins: the counters its step line is the difference from."""
+        if self._gc not in gc.callbacks:
+            gc.callbacks.append(self._gc)
         self._began = self._counters()
 
     @classmethod
