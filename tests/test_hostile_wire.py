@@ -49,9 +49,11 @@ class FakeVerifier:
         self.socket.bind(self.address)
         self.peer, self.session = None, 0
         self.heartbeats = 0
+        self.answered_register = False  # a register_reply sent that the drafter has not yet shown it took
 
     def recv(self, timeout: float = 10.0) -> step_pb2.DrafterMessage | None:
-        """The drafter's next message other than a heartbeat (heartbeats are answered and counted)."""
+        """The drafter's next message other than a heartbeat (heartbeats are answered and counted) or a register
+        retry that crossed our reply (sent before the reply reached the drafter)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if not self.socket.poll(100):
@@ -61,13 +63,19 @@ class FakeVerifier:
             message = step_pb2.DrafterMessage.FromString(data)
             if message.WhichOneof("kind") == "heartbeat":
                 self.heartbeats += 1
+                self.answered_register = False  # a heartbeat comes only with a session: the reply was taken
                 self.send(step_pb2.VerifierMessage(verifier_epoch=EPOCH, session=self.session,
                                                    heartbeat_reply=step_pb2.HeartbeatReply(known=True)))
                 continue
+            if message.WhichOneof("kind") == "register" and self.answered_register:
+                continue  # a retry the drafter sent (once a second) before our reply reached it: already answered
+            self.answered_register = False  # anything else comes after the reply was taken: a register is new
             return message
         return None
 
     def send(self, message: step_pb2.VerifierMessage) -> None:
+        if message.WhichOneof("kind") == "register_reply":
+            self.answered_register = True
         self.raw(message.SerializeToString())
 
     def raw(self, *frames: bytes) -> None:
