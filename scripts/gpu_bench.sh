@@ -73,7 +73,10 @@
 #             (splitspec/device_profile.py: tprof_<case>/served_bs<BATCH>_<KIND>.txt and bs*.txt; not figures either);
 #             SERVED_STEP_LOG=1 writes each side's step timeline (splitspec/step_log.py: steps_<case>.{verifier,front,
 #             gateway,client,in_process}.<pid>.jsonl, packed into $OUT/steps.tgz at the end; read with
-#             benchmarks/step_timeline.py)
+#             benchmarks/step_timeline.py); SERVED_THREADS=1 samples which threads use which CPUs meanwhile
+#             (benchmarks/thread_sampler.py: threads_<case>.txt); SERVED_PIN_ENGINE=1 runs the served engine thread
+#             alone on CPU 0's physical core (SPLITSPEC_ENGINE_CPUS) and every other process on the other CPUs
+#             (taskset); SERVED_TAG suffixes the case's file names (two runs of one case in one call)
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -199,11 +202,23 @@ for stage in "${stages[@]}"; do
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
                         *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
-                    SPLITSPEC_TORCH_PROFILE=${SERVED_TORCH_PROFILE:+$OUT/tprof_$case} SPLITSPEC_TORCH_PROFILE_SERVED=${SERVED_TORCH_PROFILE:-} \
-                    SPLITSPEC_STEP_LOG=${SERVED_STEP_LOG:+$OUT/steps_$case} \
-                    SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$case" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$case} timeout "${SERVED_TIMEOUT:-540}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$case.json" \
+                    sampler= pin=() tag=$case${SERVED_TAG:-}
+                    if [[ -n "${SERVED_THREADS:-}" ]]; then  # which threads use which CPUs meanwhile
+                        python3 benchmarks/thread_sampler.py --out "$OUT/threads_$tag.txt" & sampler=$!
+                    fi
+                    if [[ -n "${SERVED_PIN_ENGINE:-}" ]]; then  # the served engine thread alone on CPU 0's physical core
+                        engine_cpus=$(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list)
+                        others=$(python3 -c "import os,sys; e={int(c) for p in sys.argv[1].split(',') for c in (range(int(p.split('-')[0]), int(p.split('-')[-1]) + 1))}; print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - e)))" "$engine_cpus")
+                        pin=(env SPLITSPEC_ENGINE_CPUS="$engine_cpus" taskset -c "$others")
+                        echo "$case: engine thread on CPUs $engine_cpus, every other process on $others" >> "$OUT/served.log"
+                    fi
+                    SPLITSPEC_TORCH_PROFILE=${SERVED_TORCH_PROFILE:+$OUT/tprof_$tag} SPLITSPEC_TORCH_PROFILE_SERVED=${SERVED_TORCH_PROFILE:-} \
+                    SPLITSPEC_STEP_LOG=${SERVED_STEP_LOG:+$OUT/steps_$tag} \
+                    SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$tag" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$tag} timeout "${SERVED_TIMEOUT:-540}" "${pin[@]}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$tag.json" \
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
-                        -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || { stop=1; break; }
+                        -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || stop=1
+                    [[ -n "$sampler" ]] && { kill "$sampler"; wait "$sampler"; }
+                    [[ $stop -ne 0 ]] && break
                 done ;;
         jitcache) # FlashInfer's JIT modules of the 8B shape (head dim 128) and the demo's (64), as one .txz (back in $OUT;
                   # keep it in .ficache/, carried: scripts/gpu_env.sh installs it as FlashInfer's AOT modules)
@@ -222,8 +237,11 @@ for stage in "${stages[@]}"; do
     echo "== $stage rc=$rc"
     [[ $rc -ne 0 ]] && failed=1
 done
-# the device tool brings back only a few files per call: step logs (SERVED_STEP_LOG) travel as one archive
-if compgen -G "$OUT/steps_*.jsonl" > /dev/null; then
-    (cd "$OUT" && tar czf steps.tgz steps_*.jsonl && rm -f steps_*.jsonl)
+# the device tool brings back only a few files per call: step logs (SERVED_STEP_LOG), thread samples (SERVED_THREADS)
+# and the adaptive policy's traces travel as one archive
+[[ -f "$OUT/steps.tgz" ]] && (cd "$OUT" && tar xzf steps.tgz && rm steps.tgz)  # an earlier run's in this call: kept
+packed=$(cd "$OUT" && compgen -G "steps_*.jsonl"; compgen -G "threads_*.txt"; compgen -G "adaptive_*.jsonl")
+if [[ -n "$packed" ]]; then
+    (cd "$OUT" && tar czf steps.tgz $packed && rm -f $packed)
 fi
 exit $failed

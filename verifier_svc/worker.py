@@ -15,6 +15,7 @@ preempts when the pool runs dry, so a request only has to fit alone (the server 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -60,6 +61,20 @@ class _Abort:
     found: bool = False
 
 
+def pin_engine_thread() -> None:
+    """SPLITSPEC_ENGINE_CPUS=0,8 (a cpulist, as taskset takes it): the calling thread (the engine's) runs on
+    those CPUs only; an experiment's knob, for whether the engine thread loses time to processes sharing its core."""
+    spec = os.environ.get("SPLITSPEC_ENGINE_CPUS", "").strip()
+    if not spec:
+        return
+    cpus = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    os.sched_setaffinity(0, cpus)  # pid 0: this thread alone
+    logger.info("engine thread %d pinned to CPUs %s", threading.get_native_id(), sorted(cpus))
+
+
 class EngineWorker(threading.Thread):
     def __init__(self, engine: Engine, metrics=None, publish: Callable[[list[Delivery]], None] = deliver_each,
                  overlap: bool = False, stall_seconds: float = STALL_SECONDS):
@@ -97,6 +112,7 @@ class EngineWorker(threading.Thread):
         profile = HostProfile("verifier")  # SPLITSPEC_PROFILE_HOST
         profile.start()
         device_profile = served_selector()  # SPLITSPEC_TORCH_PROFILE with SPLITSPEC_TORCH_PROFILE_SERVED
+        pin_engine_thread()
         self.watchdog.start()
         while True:
             busy = self.engine.has_work
