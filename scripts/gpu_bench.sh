@@ -218,7 +218,7 @@ for stage in "${stages[@]}"; do
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
                         -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || stop=1
                     [[ -n "$sampler" ]] && { kill "$sampler"; wait "$sampler"; }
-                    [[ $stop -ne 0 ]] && break
+                    if [[ $stop -ne 0 ]]; then break; fi
                 done ;;
         jitcache) # FlashInfer's JIT modules of the 8B shape (head dim 128) and the demo's (64), as one .txz (back in $OUT;
                   # keep it in .ficache/, carried: scripts/gpu_env.sh installs it as FlashInfer's AOT modules)
