@@ -52,7 +52,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--load", default="--batch-size 1,8 --prompt-len 128 --output-len 128",
                         help="`splitspec bench` flags of the load, for both sides (batch sizes, lengths, prompts).")
-    parser.add_argument("--serve", default="", help="More `splitspec up` flags (e.g. --drafters 2).")
+    parser.add_argument("--serve", action="append", default=[],
+                        help="More `splitspec up` flags (e.g. --drafters 2); may be given several times.")
     parser.add_argument("--dummy-preset", default=None,
                         help="A random-weight target of this shape (splitspec.model_shapes) with the demo tokenizer.")
     parser.add_argument("--dummy-draft-preset", default=None,
@@ -255,7 +256,7 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
     simulated = (["--speculative-replay", str(replay), "--speculative-replay-profile", args.simulate_acceptance]
                  if replay is not None else [])
     up_command = [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(args.port), "--log-level", args.log_level,
-                  *shlex.split(args.serve), *model_flags, *simulated]
+                  *(flag for serve in args.serve for flag in shlex.split(serve)), *model_flags, *simulated]
     print("$ " + shlex.join(up_command[2:]), file=log, flush=True)
     up = lifeline.spawn(up_command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=traced("served"))
     url = f"http://127.0.0.1:{args.port}"

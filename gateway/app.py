@@ -208,6 +208,8 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(_app):
         await gateway.start()
+        if config.serve_when_ready:  # uvicorn accepts once this returns: meanwhile connections wait in the backlog
+            await gateway.until_ready()
         try:
             yield
         finally:
@@ -266,15 +268,17 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
 
     @app.get("/health")
     async def health():
-        if gateway.ready and await gateway.client.serving():
+        if gateway.all_ready() and await gateway.client.serving():
             return Response(status_code=200)
-        return JSONResponse(APIError(503, "the verifier is not serving", "service_unavailable",
-                                     code="verifier_unavailable").body(), status_code=503)
+        message = ("the verifier is not serving" if not gateway.ready or gateway.config.workers_dir is None
+                   else "not every gateway worker serves yet")
+        return JSONResponse(APIError(503, message, "service_unavailable", code="verifier_unavailable").body(),
+                            status_code=503)
 
     @app.get("/metrics")
     async def metrics():
         if gateway.metrics is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(gateway.metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class GatewayConfig:
     max_queued_requests: int = 1024
     max_request_body_bytes: int = 8 << 20
     tokenizer_threads: int = 2
+    workers_dir: str | None = None  # one of --tokenizer-worker-num's processes: where each marks itself ready
+    workers: int = 1
+    serve_when_ready: bool = False  # accept no connection before the verifier's info and the tokenizer are in
 
 
 @dataclass
@@ -121,8 +125,13 @@ class Gateway:
                                      self.metrics.tokenize_batch.labels(**self.metrics.model))
         heap.freeze("gateway")
         self.ready = True
+        if self.config.workers_dir is not None:
+            open(os.path.join(self.config.workers_dir, f"ready-{os.getpid()}"), "w").close()
         logger.info("serving %s (context %d tokens, speculation %s) from the verifier at %s", self.model_name,
                      info.max_context_tokens, info.speculative_algorithm or "off", self.config.verifier)
+
+    async def until_ready(self) -> None:
+        await asyncio.shield(self._connector)
 
     async def stop(self) -> None:
         if self._connector is not None:
@@ -135,6 +144,15 @@ class Gateway:
             self.metrics.grpc_errors.labels(code).inc()
 
     # requests ----------------------------------------------------------------------------------------
+    def all_ready(self) -> bool:
+        """This process serves, and so do its sibling workers (their supervisor drops a dead one's mark)."""
+        if not self.ready:
+            return False
+        if self.config.workers_dir is None:
+            return True
+        marks = [n for n in os.listdir(self.config.workers_dir) if n.startswith("ready-")]
+        return len(marks) >= self.config.workers
+
     def check_ready(self) -> None:
         if not self.ready:
             raise APIError(503, "the verifier is not ready yet", "service_unavailable", code="verifier_unavailable",

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, multiprocess
 
 PREFIX = "splitspec:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -11,8 +13,17 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 
 class GatewayMetrics:
     def __init__(self, model_name: str):
+        """With PROMETHEUS_MULTIPROC_DIR set (several gateway processes, gateway/workers.py), every process writes
+        its values there and `exposition` sums all of theirs (prometheus_client's multiprocess mode; the process
+        collector's memory and descriptors are left out there: they would be the answering process's alone)."""
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_open_fds, ... (drift)
+        multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if multiprocess_dir:
+            self.exposition = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.exposition, path=multiprocess_dir)
+        else:
+            self.exposition = self.registry
+            ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_open_fds, ... (drift)
         labels = ["model_name"]
         self.model = {"model_name": model_name}
         reg = self.registry
@@ -32,7 +43,7 @@ class GatewayMetrics:
         self.completion_tokens = Counter(PREFIX + "gateway_completion_tokens", "Tokens generated for clients.", labels,
                                          registry=reg)
         self.in_flight = Gauge(PREFIX + "gateway_requests_in_flight", "HTTP generation requests being served.", labels,
-                               registry=reg)
+                               registry=reg, multiprocess_mode="livesum")
         self.grpc_errors = Counter(PREFIX + "gateway_grpc_errors", "Failed gRPC calls and streams to the verifier, by code.",
                                    ["code"], registry=reg)
         self.tokenize_batch = Histogram(PREFIX + "gateway_tokenize_batch_size",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 
 
@@ -34,30 +36,66 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Seconds an idle keep-alive connection stays open. Above the 5 s after which HTTP "
                         "clients (httpx, hence openai; requests) drop their idle connections, so a client never "
                         "reuses one the server is closing that instant (uvicorn's own 5 s races them).")
+    parser.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
+                        help="Gateway processes serving the port (SGLang's flag; vLLM's --api-server-count): each "
+                        "parses HTTP, tokenizes and streams on its own event loop with its own gRPC stream to the "
+                        "verifier, and the kernel spreads connections over them (SO_REUSEPORT). More than one "
+                        "shortens a burst's way to the engine when one process is the queue. /metrics sums them all; "
+                        "--max-queued-requests is shared out among them; a worker that dies is started again.")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="Log level of the gateway and uvicorn.")
     return parser
 
 
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that reproduce args for one worker process (every option of build_parser but the worker count)."""
+    flags = []
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest in ("help", "tokenizer_worker_num"):
+            continue
+        value = getattr(args, action.dest)
+        if value is not None:
+            flags += [action.option_strings[0], str(value)]
+    return flags
+
+
 def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    if (args.max_queued_requests < 1 or args.max_request_body_bytes < 1024 or args.timeout_keep_alive <= 0
+            or args.tokenizer_worker_num < 1):
+        print("splitspec gateway: error: --max-queued-requests must be >= 1, --max-request-body-bytes >= 1024, "
+              "--timeout-keep-alive > 0 and --tokenizer-worker-num >= 1", file=sys.stderr)
+        return 2
+    if args.tokenizer_worker_num > 1:
+        from splitspec.gateway.workers import Supervisor
+
+        logging.getLogger("splitspec.gateway").info("gateway on http://%s:%d: %d worker processes", args.host, args.port,
+                                                    args.tokenizer_worker_num)
+        return Supervisor(worker_flags(args), args.host, args.port, args.tokenizer_worker_num,
+                          args.max_queued_requests).run()
+    return serve(args)
+
+
+def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
+    """This process serves the app: on host:port, or on a socket a supervisor bound (gateway/workers.py)."""
     import uvicorn
 
     from splitspec import event_loop
     from splitspec.gateway.app import GatewayConfig, create_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    if args.max_queued_requests < 1 or args.max_request_body_bytes < 1024 or args.timeout_keep_alive <= 0:
-        print("splitspec gateway: error: --max-queued-requests must be >= 1, --max-request-body-bytes >= 1024 and "
-              "--timeout-keep-alive > 0", file=sys.stderr)
-        return 2
     config = GatewayConfig(verifier=args.verifier, tokenizer_path=args.tokenizer_path,
                            served_model_name=args.served_model_name, api_key=args.api_key,
                            max_queued_requests=args.max_queued_requests,
-                           max_request_body_bytes=args.max_request_body_bytes, tokenizer_threads=args.tokenizer_threads)
+                           max_request_body_bytes=args.max_request_body_bytes, tokenizer_threads=args.tokenizer_threads,
+                           workers_dir=getattr(args, "workers_dir", None), workers=getattr(args, "workers", 1),
+                           serve_when_ready=getattr(args, "serve_when_ready", False))
     loop, http = event_loop.name(), event_loop.http_parser()
-    logging.getLogger("splitspec.gateway").info("gateway on http://%s:%d, verifier at %s (event loop %s, HTTP parser %s)",
-                                                args.host, args.port, args.verifier, loop, http)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5, loop=loop, http=http)
+    logging.getLogger("splitspec.gateway").info("gateway%s on http://%s:%d, verifier at %s (event loop %s, HTTP parser %s)",
+                                                "" if sock is None else f" worker {os.getpid()}", args.host, args.port,
+                                                args.verifier, loop, http)
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5, loop=loop, http=http))
+    server.run(sockets=None if sock is None else [sock])
     return 0

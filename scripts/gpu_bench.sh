@@ -76,7 +76,8 @@
 #             benchmarks/step_timeline.py); SERVED_THREADS=1 samples which threads use which CPUs meanwhile
 #             (benchmarks/thread_sampler.py: threads_<case>.txt); SERVED_PIN_ENGINE=1 runs the served engine thread
 #             alone on CPU 0's physical core (SPLITSPEC_ENGINE_CPUS) and every other process on the other CPUs
-#             (taskset); SERVED_TAG suffixes the case's file names (two runs of one case in one call)
+#             (taskset); SERVED_TAG suffixes the case's file names (two runs of one case in one call); SERVED_UP adds
+#             `splitspec up` flags to every case (e.g. SERVED_UP='--tokenizer-worker-num 4')
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -202,6 +203,7 @@ for stage in "${stages[@]}"; do
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
                         *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
+                    [[ -n "${SERVED_UP:-}" ]] && pre+=(--serve="$SERVED_UP")
                     sampler= pin=() tag=$case${SERVED_TAG:-}
                     if [[ -n "${SERVED_THREADS:-}" ]]; then  # which threads use which CPUs meanwhile
                         python3 benchmarks/thread_sampler.py --out "$OUT/threads_$tag.txt" & sampler=$!

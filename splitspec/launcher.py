@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Draft model or head (default with the demo target: the algorithm's demo draft).")
     parser.add_argument("--served-model-name", default=None, help="The model name clients use.")
     parser.add_argument("--api-key", default=None, help="Passed to the gateway: required as 'Authorization: Bearer KEY'.")
+    parser.add_argument("--tokenizer-worker-num", "--api-server-count", type=int, default=1,
+                        help="Gateway processes on the port (passed to the gateway: SGLang's flag, vLLM's "
+                        "--api-server-count); more than one when a single gateway process is the queue under bursts "
+                        "of requests (docs/deploy.md).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="Log level of every service.")
     parser.add_argument("--health-timeout", type=float, default=600.0,
@@ -108,6 +112,8 @@ class Launcher:
     def _plan(self, args, extra: list[str]) -> list[Service]:
         from splitspec.demo import demo_model_dirs
 
+        if args.tokenizer_worker_num < 1:
+            raise SystemExit(f"splitspec up: error: --tokenizer-worker-num must be >= 1, not {args.tokenizer_worker_num}")
         algorithm = args.speculative_algorithm
         if algorithm is not None and algorithm.lower() == "none":
             algorithm = None
@@ -132,7 +138,8 @@ class Launcher:
             except (ValueError, OSError) as exc:
                 raise SystemExit(f"splitspec up: error: --zmq-curve-keys {args.zmq_curve_keys}: {exc}") from None
         commands = service_commands(model, draft, algorithm, served, extra, drafters, args.port, args.host,
-                                    args.log_level, args.api_key, curve_keys=args.zmq_curve_keys)
+                                    args.log_level, args.api_key, curve_keys=args.zmq_curve_keys,
+                                    gateway_workers=args.tokenizer_worker_num)
         python = [sys.executable, "-m", "splitspec"]
         if args.prometheus_config:
             with open(args.prometheus_config, "w") as f:
@@ -330,11 +337,13 @@ def default_drafters(algorithm: str | None, device: str | None = None) -> int:
 
 def service_commands(model: str, draft: str | None, algorithm: str | None, served: str | None, extra: list[str],
                      drafters: int, port: int, host: str, log_level: str, api_key: str | None = None,
-                     topology: str = "local", curve_keys: str | None = None) -> list[tuple[str, list[str]]]:
+                     topology: str = "local", curve_keys: str | None = None,
+                     gateway_workers: int = 1) -> list[tuple[str, list[str]]]:
     """(service name, `splitspec ...` argv) of every service. topology "local": processes on this machine
     (verifier on 127.0.0.1, drafters named drafter-i); "compose": containers (every service binds
     0.0.0.0 and finds the verifier by its service name; one drafter service, scaled, names its replicas
-    by hostname). curve_keys: a directory of certificates as make_curve_keys writes them (CURVE on)."""
+    by hostname). curve_keys: a directory of certificates as make_curve_keys writes them (CURVE on).
+    gateway_workers: the gateway's processes (--tokenizer-worker-num)."""
     compose = topology == "compose"
     verifier_host = "verifier" if compose else "127.0.0.1"
     spec = ["--speculative-algorithm", algorithm] if algorithm else []
@@ -364,6 +373,8 @@ def service_commands(model: str, draft: str | None, algorithm: str | None, serve
                "--verifier", f"{verifier_host}:{port + 1}", "--log-level", log_level]
     if api_key:
         gateway += ["--api-key", api_key]
+    if gateway_workers != 1:
+        gateway += ["--tokenizer-worker-num", str(gateway_workers)]
     commands.append(("gateway", gateway))
     return commands
 

@@ -66,10 +66,10 @@ def validate():
     return openapi_validator()
 
 
-def start_gateway(verifier_port: int, *extra: str):
+def start_gateway(verifier_port: int, *extra: str, env: dict | None = None):
     port = free_port()
     process = spawn_service([sys.executable, "-P", "-m", "splitspec", "gateway", "--port", str(port), "--verifier",
-                                f"127.0.0.1:{verifier_port}", "--log-level", "warning", *extra])
+                                f"127.0.0.1:{verifier_port}", "--log-level", "warning", *extra], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -939,6 +939,110 @@ def test_a_killed_gateway_has_its_requests_aborted_and_a_new_one_serves(validate
         assert again.status_code == 200 and again.json()["choices"][0]["text"] == first["choices"][0]["text"]
         print(f"a killed gateway's requests were aborted and their pages freed {freed:.2f} s after the kill")
     finally:
+        gateway.kill()
+        gateway.wait(timeout=30)
+        stop(process, stub)
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is pid (read from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _submitting_workers(prefix: Path) -> dict[int, int]:
+    """Worker pid -> the verifier submissions its step log recorded (SPLITSPEC_STEP_LOG)."""
+    counts = {}
+    for path in prefix.parent.glob(prefix.name + ".gateway.*.jsonl"):
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        counts[int(path.name.split(".")[-2])] = sum(1 for e in events if e.get("name") == "gateway_submitted")
+    return counts
+
+
+def test_several_gateway_processes_serve_one_port_with_summed_metrics(tmp_path):
+    """--tokenizer-worker-num 2: two gateway processes on one port (SO_REUSEPORT). Requests over fresh connections
+    are spread over both by the kernel (each worker's step log records the submissions it made) and every answer for a
+    prompt is the same; a real Prometheus server scraping the port sees every request counted, whichever worker
+    answers its scrapes; a worker killed with SIGKILL is started again on its socket while the requests sent meanwhile
+    are answered; SIGTERM stops every worker, and a supervisor killed with SIGKILL takes its workers with it."""
+    from test_verifier_service import Prometheus
+
+    process, stub = start_verifier("--max-total-tokens", "16384", "--served-model-name", MODEL)
+    prefix = tmp_path / "steps"
+    gateway, url = start_gateway(stub.port, "--tokenizer-worker-num", "2",
+                                 env={**os.environ, "SPLITSPEC_STEP_LOG": str(prefix)})
+    server = None
+    try:
+        workers = _children(gateway.pid)
+        assert len(workers) == 2, workers
+        prompts = ["def add(a, b):\n", "import sys\n", "class Point:\n"]
+
+        def burst(n: int) -> list[dict]:
+            async def one(body):  # a client of its own: a fresh connection, hashed to a worker by its port
+                async with httpx.AsyncClient(timeout=120) as http:
+                    response = await http.post(url + "/v1/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    return response.json()
+
+            async def main():
+                return await asyncio.gather(*(one({"model": MODEL, "prompt": prompts[i % 3], "max_tokens": 6,
+                                                   "temperature": 0}) for i in range(n)))
+
+            return asyncio.run(main())
+
+        answers = burst(24)
+        texts = {}
+        for i, answer in enumerate(answers):
+            texts.setdefault(prompts[i % 3], set()).add(answer["choices"][0]["text"])
+        assert all(len(t) == 1 for t in texts.values()), texts  # both workers answer a prompt alike
+        submitted = _submitting_workers(prefix)
+        assert sum(submitted.values()) == 24 and sum(1 for n in submitted.values() if n) == 2, submitted
+
+        port = int(url.rsplit(":", 1)[1])
+        server = Prometheus(tmp_path, [port])
+        q = server.wait_for
+        assert q('sum(splitspec:gateway_http_requests_total{endpoint="/v1/completions",status_code="200"})', 24) == 24
+        assert q("sum(splitspec:time_to_first_token_seconds_count)", 24) == 24
+        completion = sum(a["usage"]["completion_tokens"] for a in answers)
+        assert q("sum(splitspec:gateway_completion_tokens_total)", completion) == completion
+        assert q("sum(splitspec:gateway_requests_in_flight)", 0) == 0
+
+        victim = sorted(workers)[0]
+        os.kill(victim, signal.SIGKILL)
+        again = burst(12)  # those hashed to the dead worker's socket wait for its successor
+        assert all(a["choices"][0]["text"] in texts[prompts[i % 3]] for i, a in enumerate(again))
+        deadline = time.time() + 60
+        while len(_children(gateway.pid) - {victim}) < 2:
+            assert time.time() < deadline, "the killed worker was not started again"
+            time.sleep(0.2)
+        assert victim not in _children(gateway.pid) and gateway.poll() is None
+        # the dead worker's counts stay in the sums
+        assert q('sum(splitspec:gateway_http_requests_total{endpoint="/v1/completions",status_code="200"})', 36) == 36
+
+        workers = _children(gateway.pid)
+        gateway.terminate()
+        assert gateway.wait(timeout=60) == 0
+        assert not any(Path(f"/proc/{pid}").exists() for pid in workers), workers  # stopped and reaped
+
+        gateway, url = start_gateway(stub.port, "--tokenizer-worker-num", "2")
+        workers = _children(gateway.pid)
+        gateway.kill()
+        gateway.wait(timeout=30)
+        deadline = time.time() + 30
+        while any(Path(f"/proc/{pid}").exists() for pid in workers):
+            assert time.time() < deadline, "workers outlived their killed supervisor"
+            time.sleep(0.1)
+    finally:
+        if server is not None:
+            server.close()
         gateway.kill()
         gateway.wait(timeout=30)
         stop(process, stub)
