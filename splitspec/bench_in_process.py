@@ -304,6 +304,32 @@ def _report(args, runner, model_dir, rows: list[dict]) -> dict:
             "rows": rows}
 
 
+def _plain(args, runner, loads: dict, scheduler, sync: bool) -> tuple[dict, dict]:
+    """Plain decoding at every batch size: (batch size -> its row, batch size -> every request's output ids)."""
+    plain_rows, plain_outputs = {}, {}
+    for batch_size, (prompts, params, warm) in loads.items():
+        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler, sync_phases=sync)
+        plain_rows[batch_size], requests = drive(runner, None, None, prompts, batch_size, params, scheduler,
+                                                 sync_phases=sync)
+        plain_outputs[batch_size] = [r.output_ids for r in requests]
+        logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain_rows[batch_size]["output_tok_s"],
+                    plain_rows[batch_size]["per_request_tok_s"])
+    return plain_rows, plain_outputs
+
+
+def _reference(args, loads: dict, plain_outputs: dict):
+    """Simulated acceptance: plain decoding's outputs (at every batch size: bf16 may differ between them) in a
+    temporary JSONL file the replay drafter reads (a copy at --simulate-reference-out, for a server's)."""
+    reference = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="splitspec-replay-", delete=False)
+    for batch_size, (prompts, _, _) in loads.items():
+        for prompt, output in zip(prompts, plain_outputs[batch_size]):
+            reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
+    reference.close()
+    if args.simulate_reference_out:  # for a server's --speculative-replay (benchmarks/served.py)
+        shutil.copyfile(reference.name, args.simulate_reference_out)
+    return reference
+
+
 def run_in_process(args) -> dict:
 
     from splitspec.runtime.runner import ModelRunner
@@ -336,24 +362,9 @@ def run_in_process(args) -> dict:
                              * args.warmup_requests)
     # plain decoding at every batch size first, then each grid point at every batch size: the target's graphs
     # are captured once per point (a drafter may change what the target's forward returns)
-    plain_rows, plain_outputs = {}, {}
-    for batch_size, (prompts, params, warm) in loads.items():
-        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler, sync_phases=sync)
-        plain_rows[batch_size], requests = drive(runner, None, None, prompts, batch_size, params, scheduler,
-                                                 sync_phases=sync)
-        plain_outputs[batch_size] = [r.output_ids for r in requests]
-        logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain_rows[batch_size]["output_tok_s"],
-                    plain_rows[batch_size]["per_request_tok_s"])
+    plain_rows, plain_outputs = _plain(args, runner, loads, scheduler, sync)
     rows = [{"batch_size": b, "speculative": None, **row} for b, row in plain_rows.items()]
-    reference = None
-    if args.simulate_acceptance:  # plain decoding's outputs (at every batch size: bf16 may differ between them)
-        reference = tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="splitspec-replay-", delete=False)
-        for batch_size, (prompts, _, _) in loads.items():
-            for prompt, output in zip(prompts, plain_outputs[batch_size]):
-                reference.write(json.dumps({"prompt_ids": prompt, "output_ids": output}) + "\n")
-        reference.close()
-        if args.simulate_reference_out:  # for a server's --speculative-replay (benchmarks/served.py)
-            shutil.copyfile(reference.name, args.simulate_reference_out)
+    reference = _reference(args, loads, plain_outputs) if args.simulate_acceptance else None
     from splitspec.verifier_svc.adaptive import adaptive_policy, verify_tree_sizes
 
     profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]
