@@ -48,10 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The flags that reproduce args for one worker process (every option of build_parser but the worker count)."""
+    """The flags that reproduce args for one worker process: every option of build_parser but the worker count and
+    the queue limit (the supervisor gives each worker its share)."""
     flags = []
     for action in build_parser()._actions:
-        if not action.option_strings or action.dest in ("help", "tokenizer_worker_num"):
+        if not action.option_strings or action.dest in ("help", "tokenizer_worker_num", "max_queued_requests"):
             continue
         value = getattr(args, action.dest)
         if value is not None:

@@ -57,10 +57,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def worker_argv(flags: list[str], fd: int, workers: int, max_queued_requests: int, directory: str) -> list[str]:
     """A worker's command: the gateway's flags (server.worker_flags) with its share of the queue limit."""
-    kept = [f for i, f in enumerate(flags) if f != "--max-queued-requests" and (i == 0 or flags[i - 1] != "--max-queued-requests")]
     share = math.ceil(max_queued_requests / workers)
     return [sys.executable, "-m", "splitspec.gateway.worker", "--fd", str(fd), "--workers-dir", directory,
-            "--workers", str(workers), *kept, "--max-queued-requests", str(share)]
+            "--workers", str(workers), *flags, "--max-queued-requests", str(share)]
 
 
 class Supervisor:
