@@ -21,15 +21,21 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-running-requests", type=int, default=0,
                        help="Requests decoding at once; the rest wait (0 = no limit).")
     group.add_argument("--chunked-prefill-size", type=int, default=8192,
-                       help="Tokens one step computes in all: each decoding request's tree counts first "
-                       "(--speculative-num-draft-tokens each, 1 without speculation), prompt chunks share the rest, "
-                       "so long prompts are prefilled over several steps while others decode (-1 = no limit).")
+                       help="Prompt tokens one step prefills at most; a longer prompt is prefilled over several steps "
+                       "(-1 = no limit). With --enable-mixed-chunk each decoding request's tree counts first "
+                       "(--speculative-num-draft-tokens each, 1 without speculation) and prompt chunks share the rest.")
+    group.add_argument("--enable-mixed-chunk", action="store_true",
+                       help="Verify the decoding requests' trees in the same steps as prompt chunks (vLLM's chunked "
+                       "prefill: decoding never pauses for a prompt). Default (SGLang's): a step with prompt chunks "
+                       "prefills alone and the batch decodes again once no prompt waits, so a wave of arrivals joins "
+                       "one decoding batch instead of trickling in over mixed steps.")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     from splitspec.verifier_svc.step_types import SchedulerConfig
 
-    return SchedulerConfig(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size)
+    return SchedulerConfig(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+                           enable_mixed_chunk=args.enable_mixed_chunk)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier") -> None:

@@ -298,9 +298,11 @@ def test_force_greedy_verify_environment_variable():
     assert outputs[0] == outputs[1] != outputs[2]
 
 
-def test_chunked_prefill_and_running_limit_keep_outputs(demo, plain_greedy):
-    """At most 2 requests running and 14 tokens per step in all, each decoding request's tree (6
-    tokens) counted first, prompts chunked into what is left: same outputs."""
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-chunk", "prefill-first"])
+def test_chunked_prefill_and_running_limit_keep_outputs(demo, plain_greedy, mixed):
+    """At most 2 requests running and 14 tokens per step: with --enable-mixed-chunk each decoding request's tree
+    (6 tokens) counts first and prompts are chunked into what is left, in the same steps; without it (SGLang's
+    default) a step with a prompt chunk prefills up to 14 tokens alone and its trees wait: same outputs."""
     from splitspec.verifier_svc.engine import Engine, SchedulerConfig
 
     runner, _, prompts, reference = demo
@@ -308,17 +310,23 @@ def test_chunked_prefill_and_running_limit_keep_outputs(demo, plain_greedy):
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     plain = [plain_greedy[i].output_ids[:16] for i in (0, 3, 13, 18, 23, 5)]  # greedy: the first 16 of 48
     engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set(),
-                    SchedulerConfig(max_running_requests=2, chunked_prefill_size=14))
+                    SchedulerConfig(max_running_requests=2, chunked_prefill_size=14, enable_mixed_chunk=mixed))
     requests = [engine.add_request(p, params) for p in chosen]
-    most_running, prefill_steps, mixed_steps = 0, 0, 0
+    most_running, prefill_steps, mixed_steps, paused_steps = 0, 0, 0, 0
     while engine.has_work:
         decoding = sum(r.decoding for r in engine.running)
         engine.step()
         most_running = max(most_running, len(engine.running))
         prefill_steps += engine.report.prefill_tokens > 0
-        mixed_steps += engine.report.prefill_tokens > 0 and decoding > 0
-        assert engine.report.prefill_tokens + 6 * decoding <= 14
-    assert most_running == 2 and prefill_steps >= sum(len(p) for p in chosen) // 14 and mixed_steps > 0
+        verified = engine.report.forward_tokens - engine.report.prefill_tokens
+        mixed_steps += engine.report.prefill_tokens > 0 and verified > 0
+        paused_steps += engine.report.prefill_tokens > 0 and decoding > 0 and verified == 0
+        if mixed:
+            assert engine.report.prefill_tokens + 6 * decoding <= 14
+        else:
+            assert engine.report.prefill_tokens <= 14
+    assert most_running == 2 and prefill_steps >= sum(len(p) for p in chosen) // 14
+    assert (mixed_steps > 0 and paused_steps == 0) if mixed else (mixed_steps == 0 and paused_steps > 0)
     for i, (request, p) in enumerate(zip(requests, plain)):
         assert_greedy_match(request.output_ids, p, reference, chosen[i], f"chunked prompt {i}")
     assert sum(r.stats.accepted_tokens for r in requests) > 0

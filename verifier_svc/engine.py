@@ -119,14 +119,17 @@ class Engine(Scheduling):
 
     def step(self) -> list[StepEvent]:
         """schedule -> draft (collect the trees asked for) -> verify, accept and commit (one forward) -> ask
-        (the next trees, as soon as acceptance is known); each phase timed into the step's report."""
+        (the next trees, as soon as acceptance is known); each phase timed into the step's report. A step
+        with prompt chunks prefills alone unless --enable-mixed-chunk (SGLang's default: a wave of arrivals
+        is prefilled before the batch decodes again); the decoding requests' asked trees wait for the next."""
         self.report = StepReport(budget=self.budget)
         start = self._clock()
         self._observe_last(start)
         prefills = self._timed("schedule", self._schedule)
-        trees = self._timed("draft", self._draft)
+        decode = not prefills or self.scheduler.enable_mixed_chunk  # else the decoding requests wait a step
+        trees = self._timed("draft", self._draft) if decode else {}
         verifies = [Verify(r, trees.get(r.request_id) or DraftTree.root(r.output_ids[-1]), r.table.num_tokens)
-                    for r in self.running if r.decoding]
+                    for r in self.running if r.decoding] if decode else []
         masks = GrammarMasks.build(prefills, verifies, self.runner.config.vocab_size) if self.grammars else None
         events, self._events = self._events + self._forward_and_accept(prefills, verifies, masks), []
         self._retire()
@@ -201,7 +204,7 @@ class Engine(Scheduling):
         for request in self.running:
             if not request.speculate:
                 continue
-            if request.decoding and not (only_missing and request.draft_budget):
+            if request.decoding and not (only_missing and request.draft_budget) and request.draft_budget < 2:
                 request.draft_budget = self.budget
                 if self.budget >= 2:
                     budget = self.budget

@@ -32,11 +32,13 @@ class Scheduling:
 
     def _schedule(self) -> list[Chunk]:
         """Admit, then reserve this step's pages oldest request first, preempting the newest when the
-        pool runs dry. The step's token budget (--chunked-prefill-size) counts every decoding request's
-        tree first; prompt chunks share what is left."""
+        pool runs dry. Prompt chunks share the step's token budget (--chunked-prefill-size); with
+        --enable-mixed-chunk the decoding requests' trees go in the same step and count first, otherwise a
+        step with chunks prefills alone (the trees' pages are reserved all the same)."""
         self._admit()
         limit = self.scheduler.chunked_prefill_size
-        budget = None if limit <= 0 else limit - sum(self._tree_tokens(r) for r in self.running if r.decoding)
+        budget = None if limit <= 0 else limit - (sum(self._tree_tokens(r) for r in self.running if r.decoding)
+                                                  if self.scheduler.enable_mixed_chunk else 0)
         chunks = []
         for request in sorted(self.running, key=lambda r: r.arrival):
             if request not in self.running:  # preempted by an older request this step
