@@ -53,7 +53,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         head must already be cut to them)."""
         self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
         self.token_map = token_map
-        self.max_catch_up = 2048  # rows per request per forward when catching up
+        self.max_catch_up = 2048  # rows per forward when catching up (all requests together)
         self.pad_catch_ups = "graphs"  # see _padded_round
         self.states: dict[str, _State] = {}
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
@@ -64,8 +64,9 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self._forget_bets(request_id)
 
     def _catch_up(self, states: list[_State]) -> dict[int, torch.Tensor]:
-        """Forward every state's rows not yet in the head's KV, in rounds of at most max_catch_up rows per
-        request (a long prompt, a re-pin); {index in states: the root row's logits} for those that had any.
+        """Forward every state's rows not yet in the head's KV, in rounds of at most max_catch_up rows in all (a long
+        prompt, a re-pin, a wave of prompts that finished prefilling together: each round's activations stay within
+        what a prompt chunk's take); {index in states: the root row's logits} for those that had any.
         A round whose requests add unequal numbers of rows (their accept lengths differ) is padded to the
         longest, where a captured CUDA graph holds that shape: each shorter request repeats its last row, whose
         key lands past its length (never committed, overwritten by its next rows), and its root is read at its
@@ -79,7 +80,12 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         # host work per round is a few tensor ops for the whole batch, not per request (per-request slicing, padding
         # and root copies were ~10 tensor ops per request each round)
         while catch_up:
-            taken = [min(len(s.pending_tokens), self.max_catch_up) for _, s in catch_up]
+            taken, room = [], self.max_catch_up  # rows this round, oldest asks first: one bounded forward's activations
+            for _, s in catch_up:
+                taken.append(min(len(s.pending_tokens), room))
+                room -= taken[-1]
+            held = catch_up[len([n for n in taken if n]):]  # past the round's rows: the next round's
+            catch_up, taken = catch_up[: len(catch_up) - len(held)], [n for n in taken if n]
             q = self._padded_round(taken, catch_up[0][1].pending_hidden[0].shape[-1])
             rows = [s.pending_hidden[0] if n == len(s.pending_tokens) else s.pending_hidden[0][:n]
                     for (_, s), n in zip(catch_up, taken)]
@@ -112,7 +118,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                     s.pending_tokens, s.pending_hidden = [], []
                 else:
                     s.pending_tokens, s.pending_hidden = s.pending_tokens[n:], [s.pending_hidden[0][n:]]
-            catch_up = [(i, s) for i, s in catch_up if s.pending_tokens]
+            catch_up = [(i, s) for i, s in catch_up if s.pending_tokens] + held
         return root_logits
 
     def _padded_round(self, taken: list[int], width: int) -> int:

@@ -5,8 +5,9 @@ event, timed on the system's monotonic clock (time.perf_counter, the same in eve
 - {"kind": "arrive", "received": t, "taken": t}: a request reached the engine's process, and the loop took it in;
 - {"kind": "step", "began": t, "ended": t, "running": n, "waiting": n, "prefill_tokens": n, "forward_tokens": n,
   "generated": n, "finished": n, "budget": n, "ms": {phase: ms}, "cpu_ms": ms, "gc_ms": ms, "switches": [voluntary,
-  involuntary]}: one engine step, with the CPU time its thread got meanwhile (a CUDA synchronize spins, so it counts),
-  the time the process spent in the garbage collector, and the thread's context switches (involuntary: preempted);
+  involuntary], "cuda_mib": [allocated, reserved]}: one engine step, with the CPU time its thread got meanwhile (a CUDA
+  synchronize spins, so it counts), the time the process spent in the garbage collector, the thread's context
+  switches (involuntary: preempted) and, on a GPU, the caching allocator's memory after it;
 - {"kind": "publish", "at": t, "deltas": n, "first": n, "finished": n}: deltas handed to their streams (first: how
   many carry their request's first token);
 - {"kind": "client", "sent": t, "first": t, "done": t}: a request as the bench's client saw it;
@@ -27,6 +28,17 @@ import resource
 import time
 
 ENV = "SPLITSPEC_STEP_LOG"
+
+
+def _device_memory() -> dict:
+    """The CUDA caching allocator's allocated and reserved MiB after the step (host counters: no device sync), where
+    this process uses CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    return {"cuda_mib": [torch.cuda.memory_allocated() >> 20, torch.cuda.memory_reserved() >> 20]}
 
 
 class StepLog:
@@ -71,7 +83,7 @@ class StepLog:
                      "prefill_tokens": report.prefill_tokens, "forward_tokens": report.forward_tokens,
                      "generated": report.generated_tokens, "finished": len(report.finished), "budget": report.budget,
                      "ms": {k: round(v * 1e3, 3) for k, v in report.seconds.items()}, "cpu_ms": round(cpu * 1e3, 3),
-                     "gc_ms": round(gc_seconds * 1e3, 3), "switches": [voluntary, involuntary]})
+                     "gc_ms": round(gc_seconds * 1e3, 3), "switches": [voluntary, involuntary], **_device_memory()})
         self.file.flush()
 
     def published(self, at: float, deltas: int, first: int, finished: int) -> None:
