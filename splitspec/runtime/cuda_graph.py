@@ -8,7 +8,8 @@ slots, FlashInfer's page-table and mask buffers) and static outputs (final hidde
 layer inputs, logits of every row). A batch of r requests runs in the smallest captured b >= r: its
 inputs are copied in, the b - r padding requests run a dummy chain in scratch pages of their own, and
 the first r requests' rows of the outputs are returned (copied: the next replay overwrites them). The
-graphs share one memory pool, captured largest first. Other batches (prompt chunks, mixed batches,
+graphs share one memory pool, captured largest first, and one set of outputs per shape: the largest batch's,
+into whose first rows a smaller batch's graph copies its own (per-size outputs were most of the graphs' memory). Other batches (prompt chunks, mixed batches,
 trees of another size) run eagerly. A draft's steps have graphs of their own (runtime.draft_loop).
 
 A draft head's forwards outside its steps are fed features (a catch-up: the target's; overlap's bets:
@@ -142,6 +143,11 @@ class StepGraphs:
         max_kv = min(runner.kv_cache.capacity_tokens, config.max_position_embeddings + q)
         kv = runner.kv_cache
         stream = torch.cuda.Stream(device)
+        # the largest size's outputs are every size's: a smaller graph copies its rows into their first rows, so that
+        # its own outputs are intermediates the pool reuses (run() copies the rows out after each replay); per-size
+        # outputs took most of a set's memory (an 8B target's tree graphs up to 256 requests: 3.4 GiB, its EAGLE-3
+        # head's twelve chain sets 10 GiB, taken after the KV cache had been sized)
+        shared = None
         for bs in sorted(self.sizes, reverse=True):
             # page-table entries, listed per request: at most a longest context each (overlap's bets fork a request's
             # KV, so requests share pages and the pool does not bound them), plus the padding requests' scratch pages
@@ -154,9 +160,18 @@ class StepGraphs:
             def forward():
                 hidden, captured = runner.model_call(bs, ids_b, pos_b, runner.backend, state.plan, runner.capture_layers,
                                                      **extra)
-                return hidden, captured, runner.model.logits(hidden)
+                logits = runner.model.logits(hidden)
+                if shared is None:
+                    return hidden, captured, logits
+                rows = bs * q
+                outputs = (shared[0][:rows], [c[:rows] for c in shared[1]], shared[2][:rows])
+                for out, value in zip((outputs[0], *outputs[1], outputs[2]), (hidden, *captured, logits)):
+                    out.copy_(value)
+                return outputs
 
             graph, (hidden, captured, logits) = warm_and_capture(forward, self.pool, stream, device)
+            if shared is None:
+                shared = (hidden, captured, logits)
             self.graphs[(bs, q, width)] = _Graph(state, graph, hidden, captured, logits)
         torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
