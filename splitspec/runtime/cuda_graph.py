@@ -9,7 +9,7 @@ layer inputs, logits of every row). A batch of r requests runs in the smallest c
 inputs are copied in, the b - r padding requests run a dummy chain in scratch pages of their own, and
 the first r requests' rows of the outputs are returned (copied: the next replay overwrites them). The
 graphs share one memory pool, captured largest first, and one set of outputs per shape: the largest batch's,
-into whose first rows a smaller batch's graph copies its own (per-size outputs were most of the graphs' memory). Other batches (prompt chunks, mixed batches,
+into whose first rows a smaller batch's graph copies its own. Other batches (prompt chunks, mixed batches,
 trees of another size) run eagerly. A draft's steps have graphs of their own (runtime.draft_loop).
 
 A draft head's forwards outside its steps are fed features (a catch-up: the target's; overlap's bets:
@@ -144,9 +144,9 @@ class StepGraphs:
         kv = runner.kv_cache
         stream = torch.cuda.Stream(device)
         # the largest size's outputs are every size's: a smaller graph copies its rows into their first rows, so that
-        # its own outputs are intermediates the pool reuses (run() copies the rows out after each replay); per-size
-        # outputs took most of a set's memory (an 8B target's tree graphs up to 256 requests: 3.4 GiB, its EAGLE-3
-        # head's twelve chain sets 10 GiB, taken after the KV cache had been sized)
+        # its own outputs are intermediates the pool reuses (run() copies the rows out after each replay). Graphs are
+        # taken after the KV cache is sized: an 8B target's with its EAGLE-3 head's, up to 256 requests, took 14.8 GiB
+        # with per-size outputs and ran a served verifier out of memory; shared, 5.3 GiB less
         shared = None
         for bs in sorted(self.sizes, reverse=True):
             # page-table entries, listed per request: at most a longest context each (overlap's bets fork a request's
