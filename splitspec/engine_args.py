@@ -26,9 +26,10 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                        "(--speculative-num-draft-tokens each, 1 without speculation) and prompt chunks share the rest.")
     group.add_argument("--enable-mixed-chunk", action="store_true",
                        help="Verify the decoding requests' trees in the same steps as prompt chunks (vLLM's chunked "
-                       "prefill: decoding never pauses for a prompt). Default (SGLang's): a step with prompt chunks "
-                       "prefills alone and the batch decodes again once no prompt waits, so a wave of arrivals joins "
-                       "one decoding batch instead of trickling in over mixed steps.")
+                       "prefill: decoding never pauses for a prompt). Default: prompts that all fit one step's "
+                       "--chunked-prefill-size prefill alone and the batch decodes again next step (SGLang's way: a wave "
+                       "of arrivals joins one decoding batch instead of trickling in over mixed steps); a longer "
+                       "backlog (a long prompt over several chunks) is mixed with the decodes, which wait at most one step.")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:

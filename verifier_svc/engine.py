@@ -65,6 +65,7 @@ class Engine(Scheduling):
         self._ids = itertools.count()
         self.report = StepReport()  # the last step's
         self._events: list[StepEvent] = []  # ended by the scheduler this step (requests that can never fit)
+        self.mixed = False  # this step verifies trees beside its prompt chunks (scheduling._schedule decides)
         # EAGLE-style drafters get, with every token after the first, the target's state(s) of the position
         # before it (REFERENCES §1.4: token t[p+1] pairs with h[p]): the final normed state, or the inputs
         # of the layers the runner captures (EAGLE-3, concatenated)
@@ -120,13 +121,14 @@ class Engine(Scheduling):
     def step(self) -> list[StepEvent]:
         """schedule -> draft (collect the trees asked for) -> verify, accept and commit (one forward) -> ask
         (the next trees, as soon as acceptance is known); each phase timed into the step's report. A step
-        with prompt chunks prefills alone unless --enable-mixed-chunk (SGLang's default: a wave of arrivals
-        is prefilled before the batch decodes again); the decoding requests' asked trees wait for the next."""
+        with prompt chunks that all fit its budget prefills alone (a wave of arrivals is prefilled before the
+        batch decodes again, as SGLang does), and the decoding requests' asked trees wait for the next; a longer
+        backlog, or --enable-mixed-chunk, mixes them (scheduling._schedule)."""
         self.report = StepReport(budget=self.budget)
         start = self._clock()
         self._observe_last(start)
         prefills = self._timed("schedule", self._schedule)
-        decode = not prefills or self.scheduler.enable_mixed_chunk  # else the decoding requests wait a step
+        decode = not prefills or self.mixed  # else the decoding requests wait a step
         trees = self._timed("draft", self._draft) if decode else {}
         verifies = [Verify(r, trees.get(r.request_id) or DraftTree.root(r.output_ids[-1]), r.table.num_tokens)
                     for r in self.running if r.decoding] if decode else []

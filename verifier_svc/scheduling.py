@@ -32,13 +32,18 @@ class Scheduling:
 
     def _schedule(self) -> list[Chunk]:
         """Admit, then reserve this step's pages oldest request first, preempting the newest when the
-        pool runs dry. Prompt chunks share the step's token budget (--chunked-prefill-size); with
-        --enable-mixed-chunk the decoding requests' trees go in the same step and count first, otherwise a
-        step with chunks prefills alone (the trees' pages are reserved all the same)."""
+        pool runs dry. Prompt chunks share the step's token budget (--chunked-prefill-size). A step whose
+        prompts all fit the budget prefills alone (the trees' pages are reserved all the same): a wave of
+        arrivals joins one decoding batch. With --enable-mixed-chunk, or a backlog of prompt tokens over the
+        budget (a long prompt), the decoding requests' trees go in the same step and count first."""
         self._admit()
         limit = self.scheduler.chunked_prefill_size
+        # prompts that fit this step prefill alone; a longer backlog (a long prompt over several chunks) goes beside the
+        # decodes, so that they never wait more than one step for it
+        pending = sum(r.fill_len - r.num_prefilled for r in self.running if not r.decoding)
+        self.mixed = self.scheduler.enable_mixed_chunk or 0 < limit < pending
         budget = None if limit <= 0 else limit - (sum(self._tree_tokens(r) for r in self.running if r.decoding)
-                                                  if self.scheduler.enable_mixed_chunk else 0)
+                                                  if self.mixed else 0)
         chunks = []
         for request in sorted(self.running, key=lambda r: r.arrival):
             if request not in self.running:  # preempted by an older request this step
