@@ -32,8 +32,8 @@ class SchedulerConfig:
 
     max_running_requests: int = 0  # 0 = no limit (--max-running-requests)
     chunked_prefill_size: int = 0  # tokens per step in all: tree tokens first, prompt chunks in the rest; <= 0 = no limit
-    # a step with prompt chunks verifies the decoding requests' trees too (vLLM's way); off (SGLang's default): it
-    # prefills alone and decoding resumes once nothing waits to prefill (--enable-mixed-chunk)
+    # every step with prompt chunks verifies the decoding requests' trees too (vLLM's way); off: a step whose prompts
+    # fit its budget prefills alone, a longer backlog is mixed (scheduling._schedule; --enable-mixed-chunk)
     enable_mixed_chunk: bool = False
 
 
