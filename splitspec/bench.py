@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "phase boundary (the default waits, so that step_ms splits each step by phase, which costs some "
                       "speed); step_ms's phases are then host time and only its total is the device's. "
                       "benchmarks/served.py's in-process side runs this way.")
+    grid.add_argument("--disable-overlap-schedule", action="store_true",
+                      help="In process on a GPU with --no-phase-sync: land every plain decoding step's tokens before the "
+                      "next step is launched. By default, as in a served verifier, the next plain step is launched first "
+                      "(SGLang's flag name; the verifier's --disable-overlap-schedule).")
     grid.add_argument("--warmup-requests", type=int, default=2, help="Untimed requests before each point (8 tokens each).")
     split = parser.add_argument_group("the drafter in its own process (the split)")
     split.add_argument("--drafter-transport", default="in-process", choices=("in-process", "zmq"),

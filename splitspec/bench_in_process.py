@@ -25,18 +25,20 @@ logger = logging.getLogger("splitspec.bench")
 
 
 def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, params: list, scheduler,
-          policy=None, sync_phases: bool = True) -> tuple[dict, list]:
+          policy=None, sync_phases: bool = True, overlap: bool = False) -> tuple[dict, list]:
     """Serve the prompts with at most batch_size running; (row fields, requests). policy: an adaptive policy to
     go on learning with (a server keeps one for its life), else the engine's own. sync_phases: on a GPU, wait for
     the device at every phase boundary so that step_ms splits the step by phase (a server does not: the host
-    runs ahead of the device; off, the phases are host time and only the step total is the device's)."""
+    runs ahead of the device; off, the phases are host time and only the step total is the device's). overlap: the
+    overlap schedule (a server's default on a GPU; not with sync_phases)."""
     from splitspec.device_profile import StepProfiler
     from splitspec.verifier_svc.engine import Engine, SpecConfig
 
     log = StepLog.from_env("in_process")  # SPLITSPEC_STEP_LOG
     profiler = StepProfiler(f"bs{batch_size}_{len(prompts)}x{params[0].max_new_tokens}_"
                             f"{getattr(getattr(drafter, 'drafter', None), 'name', 'spec') if drafter is not None else 'plain'}")
-    engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=sync_phases)
+    engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=sync_phases,
+                    overlap_schedule=overlap)
     if policy is not None:
         engine.adaptive = policy
     budgets: dict[int, int] = {}
@@ -89,7 +91,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
         step = {k: round(v / decode_steps * 1e3, 3) for k, v in phases.items()}
         step["total"] = round(decode_seconds / decode_steps * 1e3, 3)
         step["other"] = round(step["total"] - sum(v for k, v in step.items() if k != "total"), 3)
-        row.update(decode_steps=decode_steps, step_ms=step, phases_synchronised=engine.sync_timing)
+        row.update(decode_steps=decode_steps, step_ms=step, phases_synchronised=engine.sync_timing,
+                   overlap_schedule=engine.overlap_schedule)
     if budgets:
         row["budgets"] = {str(k): v for k, v in sorted(budgets.items())}  # decode steps per tree budget
     return row, requests
@@ -304,13 +307,14 @@ def _report(args, runner, model_dir, rows: list[dict]) -> dict:
             "rows": rows}
 
 
-def _plain(args, runner, loads: dict, scheduler, sync: bool) -> tuple[dict, dict]:
+def _plain(args, runner, loads: dict, scheduler, sync: bool, overlap: bool) -> tuple[dict, dict]:
     """Plain decoding at every batch size: (batch size -> its row, batch size -> every request's output ids)."""
     plain_rows, plain_outputs = {}, {}
     for batch_size, (prompts, params, warm) in loads.items():
-        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler, sync_phases=sync)
+        drive(runner, None, None, prompts[: args.warmup_requests], batch_size, warm, scheduler, sync_phases=sync,
+              overlap=overlap)
         plain_rows[batch_size], requests = drive(runner, None, None, prompts, batch_size, params, scheduler,
-                                                 sync_phases=sync)
+                                                 sync_phases=sync, overlap=overlap)
         plain_outputs[batch_size] = [r.output_ids for r in requests]
         logger.info("batch %d plain: %s tok/s, %s tok/s per request", batch_size, plain_rows[batch_size]["output_tok_s"],
                     plain_rows[batch_size]["per_request_tok_s"])
@@ -349,6 +353,7 @@ def run_in_process(args) -> dict:
     per_request = args.prompt_len + args.output_len + max_tree + 2 * args.page_size
     runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir,
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
+    overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule  # as the served verifier's
     heap.freeze("bench")  # as the served verifier does: the same garbage collection on both sides
     prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
     scheduler = engine_args.scheduler_config(args)
@@ -362,7 +367,7 @@ def run_in_process(args) -> dict:
                              * args.warmup_requests)
     # plain decoding at every batch size first, then each grid point at every batch size: the target's graphs
     # are captured once per point (a drafter may change what the target's forward returns)
-    plain_rows, plain_outputs = _plain(args, runner, loads, scheduler, sync)
+    plain_rows, plain_outputs = _plain(args, runner, loads, scheduler, sync, overlap)
     rows = [{"batch_size": b, "speculative": None, **row} for b, row in plain_rows.items()]
     reference = _reference(args, loads, plain_outputs) if args.simulate_acceptance else None
     from splitspec.verifier_svc.adaptive import adaptive_policy, verify_tree_sizes
@@ -384,10 +389,10 @@ def run_in_process(args) -> dict:
                     runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec))
                     for batch_size, (prompts, params, warm) in loads.items():
                         drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy,
-                              sync_phases=sync)
+                              sync_phases=sync, overlap=overlap)
                         drafter.stats.__init__()
                         row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy,
-                                              sync_phases=sync)
+                                              sync_phases=sync, overlap=overlap)
                         rows.append(_spec_row(args, ns, row, requests, drafter, plain_rows[batch_size],
                                               plain_outputs[batch_size], batch_size, adaptive, reference, profile))
             finally:

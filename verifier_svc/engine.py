@@ -34,6 +34,7 @@ from splitspec.verifier_svc.adaptive import StepShape, adaptive_policy
 from splitspec.verifier_svc.draft_features import pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, no_grammars
+from splitspec.verifier_svc.overlap import InFlight, OverlapSchedule
 from splitspec.verifier_svc.scheduling import Scheduling
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
                                                StepReport)
@@ -46,15 +47,19 @@ logger = logging.getLogger(__name__)
 FEED_EVERY = 16  # adaptive, speculation off: new tokens go to the drafter once a request has this many unsent
 
 
-class Engine(Scheduling):
+class Engine(Scheduling, OverlapSchedule):
     def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int],
                  scheduler: SchedulerConfig | None = None, prefix_cache=None, sync_timing: bool = False,
-                 grammars=None):
+                 grammars=None, overlap_schedule: bool = False):
         """sync_timing: on a GPU, wait for the device at each phase boundary, so that the step's phase
         times (report.seconds) are the device's too, not only the host's launches (`splitspec bench`).
-        grammars: a runtime.grammar.Compiler for structured outputs (None: requests with a grammar fail)."""
+        grammars: a runtime.grammar.Compiler for structured outputs (None: requests with a grammar fail).
+        overlap_schedule: a plain decoding step is launched before the last one's tokens reach the host (overlap.py;
+        not with sync_timing, which waits for the device at every phase)."""
         self.grammars = grammars
         self.sync_timing = sync_timing and runner.device.type == "cuda"
+        self.overlap_schedule = overlap_schedule and not self.sync_timing
+        self.in_flight: InFlight | None = None  # a launched plain step whose tokens have not landed (overlap.py)
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
         self.scheduler = scheduler or SchedulerConfig()
         self.prefix_cache = prefix_cache
@@ -111,7 +116,7 @@ class Engine(Scheduling):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight)
 
     def _clock(self) -> float:
         if self.sync_timing:
@@ -127,19 +132,30 @@ class Engine(Scheduling):
         self.report = StepReport(budget=self.budget)
         start = self._clock()
         self._observe_last(start)
+        events = []
+        if self.in_flight is not None:  # the overlap schedule: the next plain step launched before this one lands
+            events, launched = self._step_in_flight()
+            if launched:  # the same batch again: nothing to schedule, draft or ask; the policy observes plain steps only
+                return self._close(events, [], [], start, observe=False)
         prefills = self._timed("schedule", self._schedule)
         decode = not prefills or self.mixed  # else the decoding requests wait a step
         trees = self._timed("draft", self._draft) if decode else {}
         verifies = [Verify(r, trees.get(r.request_id) or DraftTree.root(r.output_ids[-1]), r.table.num_tokens)
                     for r in self.running if r.decoding] if decode else []
         masks = GrammarMasks.build(prefills, verifies, self.runner.config.vocab_size) if self.grammars else None
-        events, self._events = self._events + self._forward_and_accept(prefills, verifies, masks), []
+        events += self._events + self._forward_and_accept(prefills, verifies, masks)
+        self._events = []
         self._retire()
         self._timed("ask", self._request_drafts)
+        return self._close(events, prefills, verifies, start)
+
+    def _close(self, events: list[StepEvent], prefills: list[Chunk], verifies: list[Verify], start: float,
+               observe: bool = True) -> list[StepEvent]:
+        """The step's report completed (and observed by the adaptive policy); its events returned."""
         self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
         self.report.generated_tokens = sum(len(e.new_token_ids) for e in events)
         self.report.finished = [e.finish_reason for e in events if e.finish_reason]
-        if self.adaptive is not None:
+        if self.adaptive is not None and observe:
             self._observe(verifies, start)
         return events
 
@@ -259,6 +275,9 @@ class Engine(Scheduling):
             return []
         with device_phase("engine.verify"):
             batch, logits, features = self._forward(sequences)
+        if self._defers(prefills, verifies, masks):  # its tokens land at the next step (overlap.py)
+            self.in_flight = self._launch(verifies, logits, pending=0)
+            return []
         accept_start = self._clock()
         if masks is not None:  # structured outputs: what each constrained row's grammar forbids is -inf
             masks.apply(logits, batch.cu_logits)
@@ -296,10 +315,13 @@ class Engine(Scheduling):
                                            tree_mask(tree) if tree else None, "all", tree))
         return sequences
 
-    def _forward(self, sequences: list[SequenceInput]):
-        """One target forward over the step's sequences: (batch, logits [rows, V], the drafter's features)."""
+    def _forward(self, sequences: list[SequenceInput], roots: torch.Tensor | None = None):
+        """One target forward over the step's sequences: (batch, logits [rows, V], the drafter's features).
+        roots: the input ids on the device, one per sequence (the overlap schedule's tokens not landed)."""
         forward_start = self._clock()
         batch = self.runner.batch(sequences)
+        if roots is not None:
+            batch.input_ids.copy_(roots)
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
         # the forward is queued on the device: the drafter's deferred bookkeeping and the caller's host work run
         # under it (on a CPU device the forward has run already: they cost what they cost, after it)

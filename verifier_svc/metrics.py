@@ -33,6 +33,8 @@ class EngineMetrics:
                                       "of different sizes replays one captured CUDA graph (their rows are not read).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token (cached included).")
         self.prefill_tokens = counter("prefill_computed_tokens", "Tokens prefilled by the target (recomputation after preemption included).")
+        self.deferred_steps = counter("overlap_deferred_steps", "Plain decoding steps launched and left in flight: their "
+                                      "tokens reached the host while the next step ran (the overlap schedule).")
         self.preemptions = counter("num_preemptions", "Running requests sent back to wait because the KV cache ran out of pages.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Requests that ended, by finish reason.", ("finished_reason",))
@@ -105,6 +107,8 @@ class EngineMetrics:
         self._child(self.prompt_tokens).inc(report.prompt_tokens)
         self._child(self.prefill_tokens).inc(report.prefill_tokens)
         self._child(self.preemptions).inc(report.preemptions)
+        if report.deferred:
+            self._child(self.deferred_steps).inc()
         self._child(self.generation_tokens).inc(report.generated_tokens)
         self._child(self.prefix_hit_tokens).inc(report.cached_tokens)
         for reason in report.finished:

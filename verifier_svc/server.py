@@ -99,8 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the engine's thread. By default a front process does it, so that it never takes the engine's GIL "
                         "(vLLM's flag name).")
     server.add_argument("--disable-overlap-schedule", action="store_true",
-                        help="Publish each step's tokens and metrics between steps. By default, on a GPU, they are "
-                        "published while the next step's forward runs on the device (SGLang's flag name).")
+                        help="Run every step to its end before the next one starts. By default, on a GPU, a step's tokens "
+                        "and metrics are published while the next step's forward runs on the device, and a plain decoding "
+                        "step (no draft in it) is launched before the last one's tokens reach the host, its input tokens "
+                        "taken on the device (SGLang's flag name; docs/lifecycle.md).")
+    server.add_argument("--async-scheduling", action="store_true",
+                        help="Launch each plain decoding step before the last one's tokens reach the host on a CPU device "
+                        "too (on a GPU it is the default). On a CPU it hides nothing and holds each stream's tokens back "
+                        "one step: for tests of the overlap schedule (vLLM's flag name).")
     server.add_argument("--skip-server-warmup", action="store_true",
                         help="Report serving without first running two short requests through the engine. By default, on "
                         "a GPU, they compile the kernels that compile on first use (FlashInfer's prefill, the samplers) "
@@ -227,13 +233,14 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     from splitspec.verifier_svc.prefix_cache import PrefixCache
 
     cache = None if args.disable_radix_cache else PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
+    overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule
     engine = Engine(runner, drafter, spec, eos, engine_args.scheduler_config(args), prefix_cache=cache,
                     grammars=grammar_compiler(model_dir, runner.config.vocab_size, eos)
-                    if args.grammar_backend == "xgrammar" else None)
+                    if args.grammar_backend == "xgrammar" else None,
+                    overlap_schedule=(overlap or args.async_scheduling) and not args.disable_overlap_schedule)
     if runner.device.type == "cuda" and not args.skip_server_warmup:
         warm_up(engine)
     heap.freeze("verifier")
-    overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule
     context = context_length(args, runner.config.max_position_embeddings)
     info = pb.ModelInfo(model_id=model_id, model_path=str(model_dir),
                         vocab_size=runner.config.vocab_size, max_context_tokens=context,

@@ -18,7 +18,7 @@ from splitspec.runtime.tree import DraftTree, child_links, depths
 from splitspec.verifier_svc.acceptance import Acceptance, accept_target_tokens
 from splitspec.verifier_svc.step_types import Chunk, Request, SpecConfig, TokenLogprob
 
-_ARGMAX = SamplingParams(temperature=0.0)  # a row sample() argmaxes (its token unused, or a greedy request's)
+ARGMAX = SamplingParams(temperature=0.0)  # a row sample() argmaxes (its token unused, or a greedy request's)
 
 
 @dataclass
@@ -91,7 +91,7 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
     batch and one transfer. Rows of requests that do not decide by it are argmaxed and never read."""
     if logits is None:
         return None
-    params, output_positions, used = [_ARGMAX] * logits.shape[0], [0] * logits.shape[0], False
+    params, output_positions, used = [ARGMAX] * logits.shape[0], [0] * logits.shape[0], False
     for i, chunk in enumerate(prefills):
         if chunk.samples and not chunk.request.params.has_penalties:  # a fresh prompt's first token: position 0,
             params[cu_logits[i + 1] - 1], used = chunk.request.params, True  # the chunk's last row

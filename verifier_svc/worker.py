@@ -142,7 +142,8 @@ class EngineWorker(threading.Thread):
                 for event in events:
                     self._settle(event)
                 self._pending = (self.engine.report, [d for d in map(self._delivery, events) if d is not None])
-                if not (self.overlap and self.engine.has_work):
+                # the overlap schedule's step in flight hides it now; else the next step's forward will
+                if not (self.overlap and self.engine.has_work) or self.engine.in_flight is not None:
                     self._flush()
                 if self.metrics is not None:
                     self.metrics.observe_loop({"intake": stepped - start if busy else 0.0, "step": observed - stepped - hidden,

@@ -1,0 +1,152 @@
+"""The overlap schedule (verifier_svc/overlap.py): plain decoding steps launched before the last step's tokens have
+landed give what steps run one after another give (outputs, streams, finish reasons), through arrivals, stop
+tokens, aborts, penalties and logprobs beside them, preemption and the prefix cache, and leave no page behind;
+served (`splitspec verifier --async-scheduling`, gRPC) the same, with the deferred steps counted in its metrics."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import torch
+from test_verifier_service import collect, start_verifier, stop, submit
+
+from splitspec.demo import demo_model_dirs
+from splitspec.generate import generate_ids
+from splitspec.protos import verifier_pb2 as pb
+from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.verifier_svc.engine import Engine, SpecConfig
+from splitspec.verifier_svc.prefix_cache import PrefixCache
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 4000, (12 + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return demo_model_dirs()["target"]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+def runner_for(target, max_total_tokens: int, device: str = "cpu") -> ModelRunner:
+    """The demo target; on a GPU with its CUDA graphs and pinned, event-ordered copies (the overlap's real case)."""
+    return ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device=device,
+                                          max_total_tokens=max_total_tokens, page_size=16))
+
+
+def drive(runner, overlap: bool, script: dict, cache: bool) -> dict:
+    """Run script ({step: [("add", key, prompt, params) | ("abort", key)]}) to the end; every request's output,
+    finish reason and streamed tokens, and the run's counts."""
+    engine = Engine(runner, None, SpecConfig(), {2}, prefix_cache=PrefixCache(runner.kv_cache.allocator, 16)
+                    if cache else None, overlap_schedule=overlap)
+    requests, streamed, finishes = {}, {}, {}
+    steps = deferred = preemptions = 0
+    while any(s >= steps for s in script) or engine.has_work:
+        for action in script.get(steps, []):
+            if action[0] == "add":
+                requests[action[1]] = engine.add_request(action[2], action[3])
+            else:
+                engine.abort(requests[action[1]])
+        by_id = {r.request_id: key for key, r in requests.items()}
+        for event in engine.step():
+            key = by_id[event.request_id]
+            streamed.setdefault(key, []).extend(event.new_token_ids)
+            if event.finish_reason is not None:
+                assert key not in finishes, f"{key} finished twice"
+                finishes[key] = event.finish_reason
+        steps += 1
+        deferred += engine.report.deferred
+        preemptions += engine.report.preemptions
+    return {"outputs": {k: r.output_ids for k, r in requests.items()}, "finish": {k: r.finish_reason for k, r in requests.items()},
+            "streamed": streamed, "finishes": finishes, "steps": steps, "deferred": deferred, "preemptions": preemptions,
+            "engine": engine}
+
+
+def mixed_script(stop_token: int) -> dict:
+    p = prompts(10)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    return {
+        0: [("add", f"g{i}", p[i], SamplingParams(temperature=0.0, max_new_tokens=16 + 3 * i)) for i in range(4)]
+           + [("add", f"s{i}", p[4 + i], SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_new_tokens=20 + i))
+              for i in range(3)]
+           + [("add", "stop", p[0], SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=[stop_token]))],
+        4: [("add", "late", p[7], greedy)],
+        9: [("abort", "g1")],
+        14: [("add", "penalty", p[8], SamplingParams(temperature=0.0, max_new_tokens=10, frequency_penalty=0.8)),
+             ("add", "logprobs", p[9], SamplingParams(temperature=0.0, max_new_tokens=10, logprobs=2))],
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache", [True, False], ids=["prefix-cache", "no-cache"])
+def test_overlapped_plain_steps_give_what_serial_steps_give(target, cache, device):
+    runner = runner_for(target, 4096, device)
+    first = drive(runner, False, {0: [("add", "probe", prompts(1)[0], SamplingParams(temperature=0.0, max_new_tokens=16))]},
+                  cache=False)["outputs"]["probe"]
+    stop_token = first[5]
+    serial = drive(runner, False, mixed_script(stop_token), cache)
+    overlapped = drive(runner, True, mixed_script(stop_token), cache)
+    assert serial["deferred"] == 0 and overlapped["deferred"] >= overlapped["steps"] // 2, overlapped
+    for key, output in serial["outputs"].items():
+        if key == "g1":  # aborted: at a different length, the shorter a prefix of the longer
+            short, long = sorted((output, overlapped["outputs"][key]), key=len)
+            assert long[: len(short)] == short and overlapped["finish"][key] == "abort"
+            continue
+        assert overlapped["outputs"][key] == output, key
+        assert overlapped["finish"][key] == serial["finish"][key], key
+        for run in (serial, overlapped):  # every token streamed once, in order; every end reported once
+            assert run["streamed"][key] == run["outputs"][key] and run["finishes"][key] == run["finish"][key], key
+    stop = overlapped["outputs"]["stop"]
+    assert overlapped["finish"]["stop"] == "stop" and stop == first[: first.index(stop_token) + 1]
+    assert overlapped["finish"]["g0"] == "length" and overlapped["engine"].in_flight is None
+    kv = runner.kv_cache
+    held = 0 if not cache else sum(1 for page in range(kv.num_pages) if kv.allocator.refcount(page))
+    assert kv.allocator.num_free + held == kv.num_pages and (cache or held == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_preemption_lands_the_step_in_flight_first_and_keeps_outputs(target, device):
+    """A pool of 12 pages (192 tokens) for 8 requests of ~30-50 tokens: requests are preempted and readmitted."""
+    runner = runner_for(target, 192, device)
+    p = prompts(8, seed=1)
+    script = {0: [("add", f"r{i}", p[i], SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, max_new_tokens=24))
+                  for i in range(8)]}
+    serial = drive(runner, False, script, cache=False)
+    overlapped = drive(runner, True, script, cache=False)
+    assert serial["preemptions"] > 0 and overlapped["preemptions"] > 0 and overlapped["deferred"] > 0
+    assert overlapped["outputs"] == serial["outputs"] and overlapped["finish"] == serial["finish"]
+    assert runner.kv_cache.allocator.num_free == runner.kv_cache.num_pages
+
+
+def test_served_with_async_scheduling_equals_plain_generation(target):
+    """A verifier process with --async-scheduling: plain (speculate off) greedy, seeded and stopping requests over
+    gRPC equal offline generation; its /metrics count deferred steps."""
+    process, stub = start_verifier("--max-total-tokens", "4096", "--async-scheduling")
+    try:
+        p = prompts(6, seed=2)
+        runner = runner_for(target, 2048)
+        params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)] * 4 + [
+            SamplingParams(temperature=0.9, seed=5, max_new_tokens=24, ignore_eos=True)] * 2
+        plain = generate_ids(runner, p, params, set())
+        stop_at = plain[0].output_ids[6]
+        plain_flags = {"max_new_tokens": 24, "speculate": False, "ignore_eos": True}
+        messages = [submit(f"q{i}", p[i], **plain_flags) for i in range(4)]
+        messages += [submit(f"q{i}", p[i], temperature=0.9, seed=5, **plain_flags) for i in (4, 5)]
+        messages.append(submit("stop", p[0], stop_token_ids=[stop_at], **plain_flags))
+        results = collect(stub, messages, len(messages))
+        for i, reference in enumerate(plain):
+            assert results[f"q{i}"]["tokens"] == reference.output_ids and results[f"q{i}"]["finish"] == pb.FINISH_REASON_LENGTH
+        full = plain[0].output_ids
+        assert results["stop"]["tokens"] == full[: full.index(stop_at) + 1]
+        assert results["stop"]["finish"] == pb.FINISH_REASON_STOP
+        text = urllib.request.urlopen(stub.metrics_url, timeout=10).read().decode()
+        deferred = sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("splitspec:overlap_deferred_steps_total"))
+        assert deferred > 0, "no step was deferred"
+    finally:
+        stop(process, stub)

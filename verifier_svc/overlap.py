@@ -1,0 +1,133 @@
+"""The overlap schedule for plain decoding (SGLang's overlap scheduler, vLLM's async scheduling): a step whose
+requests all decode without a tree is launched before the last step's tokens have reached the host.
+
+A plain decoding step accepts exactly one token per request, so everything the next step needs is known when
+it is queued except the tokens themselves: each request's KV grows by one slot (committed at launch), its next
+position is the next one, and its next root is the token this step samples, which stays on the device and is
+copied into the next batch's input ids there. So the engine queues step N+1 before it reads step N's tokens;
+while the device runs N+1 the host turns N's tokens into events (stop conditions, streams, metrics) and
+schedules N+2. The serial host work between two forwards is only the launch.
+
+    step N    launch: forward, sample on the device, copy the tokens to the host (not waited for)
+    step N+1  launch N+1 from N's device tokens, then land N: wait for its copy, emit its tokens
+    ...       until the batch changes (an arrival to admit, an abort, a request that speculates, penalties,
+              logprobs, a grammar, no page for one more slot): N lands first and the step runs as usual
+
+A request that stopped at step N (its EOS, a stop token) still computed step N+1's row: that row is dropped when
+N+1 lands (what SGLang's and vLLM's overlap do too). Its slot N+1 holds the KV of its last token, so the prefix
+cache may keep it. Outputs are unchanged: the sampled token of every row is the one the unoverlapped step would
+sample (the same keyed sampling at the same output position).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.sampling import sample
+from splitspec.verifier_svc.step_types import Request, StepEvent
+from splitspec.verifier_svc.verification import ARGMAX, Verify, by_target
+
+
+@dataclass
+class InFlight:
+    """A launched plain step whose tokens the host has not read: its requests in row order, the tokens on the
+    device (the next step's roots), their host copy and the event after which that copy is complete."""
+
+    verifies: list[Verify]
+    tokens: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def land(self) -> list[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
+def deferrable(spec, request: Request) -> bool:
+    """A request whose next token is the target's own sample of its unmodified logits, and nothing more of it is
+    read: no drafts, penalties, logprobs or grammar."""
+    params = request.params
+    return (not request.speculate and by_target(spec, params) and params.logprobs is None and request.matcher is None
+            and not request.wants_prompt_logprobs)
+
+
+class OverlapSchedule:
+    """Engine's overlapped plain decoding; the attributes it uses are Engine's (runner, spec, running, waiting,
+    scheduler, eos_ids, report, overlap_schedule, in_flight, _events, _forward, _retire)."""
+
+    def _defers(self, prefills, verifies: list[Verify], masks) -> bool:
+        """This step may launch without landing: a decode-only step of roots whose tokens nobody but the stream reads."""
+        return (self.overlap_schedule and not prefills and bool(verifies) and masks is None and not self._events
+                and all(v.tree.num_nodes == 1 and deferrable(self.spec, v.request) for v in verifies))
+
+    def _launch(self, verifies: list[Verify], logits: torch.Tensor, pending: int) -> InFlight:
+        """Sample every row (row i is verifies[i]'s root) on the device at its output position (pending: tokens the
+        requests have sampled and not yet emitted), start the copy to the host, and commit each root's KV slot."""
+        params = [ARGMAX if v.request.params.is_greedy or self.spec.force_greedy_verify else v.request.params
+                  for v in verifies]
+        tokens = sample(logits, params, [len(v.request.output_ids) + pending for v in verifies])
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = tokens, None
+        kv = self.runner.kv_cache
+        for v in verifies:
+            kv.set_length(v.request.table, v.seq_len + 1)
+        self.report.deferred = True
+        return InFlight(verifies, tokens, host, copied)
+
+    def _continues(self, flight: InFlight) -> bool:
+        """The next step is the same batch decoding again: nothing to admit, nobody aborted, a page for one more
+        slot each (no preemption: that needs the tokens)."""
+        limit = self.scheduler.max_running_requests
+        if self.waiting and not 0 < limit <= len(self.running):
+            return False
+        if len(self.running) != len(flight.verifies) or any(
+                r is not v.request for r, v in zip(self.running, flight.verifies)):
+            return False
+        kv = self.runner.kv_cache
+        needed = sum(kv.pages_for(r.table.num_tokens + 1) - len(r.table.pages) for r in self.running)
+        if needed > kv.allocator.num_free:
+            return False
+        for request in self.running:
+            kv.reserve(request.table, request.table.num_tokens + 1)
+        return True
+
+    def _relaunch(self, flight: InFlight) -> InFlight:
+        """Step N+1 of the same batch, its roots the device tokens of step N (not landed)."""
+        verifies = [Verify(v.request, v.tree, v.request.table.num_tokens) for v in flight.verifies]
+        sequences = [SequenceInput(v.request.table, [0], [v.seq_len], None, "all") for v in verifies]
+        _, logits, _ = self._forward(sequences, roots=flight.tokens)
+        return self._launch(verifies, logits, pending=1)
+
+    def _land(self, flight: InFlight) -> list[StepEvent]:
+        """Step N's tokens emitted; the rows of requests that ended since its launch (a stop in the step before,
+        an abort) dropped."""
+        events = []
+        for v, token in zip(flight.verifies, flight.land()):
+            if v.request.finish_reason is None:
+                events.append(v.request.emit([token], self.eos_ids))
+        return events
+
+    def _step_in_flight(self) -> tuple[list[StepEvent], bool]:
+        """(events of the step in flight, whether the next one was launched before they landed). Phases: schedule
+        (the check and the pages), verify (the launch), accept (the landing: the wait for the copy, the events)."""
+        flight, self.in_flight = self.in_flight, None
+        began = time.perf_counter()
+        continues = self._continues(flight)
+        self.report.seconds["schedule"] = time.perf_counter() - began
+        if continues:
+            self.in_flight = self._relaunch(flight)
+        began = time.perf_counter()
+        events = self._land(flight)
+        self._retire()
+        self.report.seconds["accept"] = time.perf_counter() - began
+        return events, continues
