@@ -81,6 +81,10 @@
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
+#   overlap   the overlap schedule (verifier_svc/overlap.py) on the GPU: tests/test_overlap_schedule.py's CUDA cases
+#             (overlapped plain steps against serial ones, pinned copies and events), then plain decoding of the 8B-shaped
+#             dummy in process at OVERLAP_BS (default 1,32,64): phases synchronised (step_ms's verify is the forward), then
+#             --no-phase-sync with --disable-overlap-schedule (serial), then --no-phase-sync (overlapped, a server's way)
 #   jitcache  compile FlashInfer's modules for the 8B shape and the demo's (tiny in-process benches) and write them as
 #             $OUT/flashinfer-<version>-jit.txz (the modules this call compiled: those already in .ficache load as
 #             they are), for .ficache/ beside the others (see above)
@@ -181,6 +185,19 @@ for stage in "${stages[@]}"; do
         specprofile) SPLITSPEC_TORCH_PROFILE="$OUT/prof" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
                  --speculative-algorithm "${PROFILE_ALGORITHM:-EAGLE3}" --speculative-adaptive off --batch-size "${PROFILE_BS:-1,16}" \
                  --prompt-len 128 --output-len 128 ${PROFILE_FLAGS:-} --out "$OUT/spec_profile.json" > "$OUT/spec_profile.log" 2>&1 ;;
+        overlap) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_overlap_schedule.py -k cuda \
+                     > "$OUT/overlap.log" 2>&1 || stop=1
+                 for mode in phases serial overlapped; do
+                     [[ $stop == 1 ]] && break
+                     case $mode in
+                         phases) extra=() ;;
+                         serial) extra=(--no-phase-sync --disable-overlap-schedule) ;;
+                         overlapped) extra=(--no-phase-sync) ;;
+                     esac
+                     timeout 200 python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
+                         --batch-size "${OVERLAP_BS:-1,32,64}" --prompt-len 128 --output-len 128 "${extra[@]}" \
+                         --out "$OUT/overlap_8b_${mode}.json" >> "$OUT/overlap.log" 2>&1 || stop=1
+                 done ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         served) for case in ${SERVED_CASES:-demo-ngram demo-eagle3 8b-plain}; do
                     case $case in
