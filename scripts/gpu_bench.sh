@@ -185,7 +185,7 @@ for stage in "${stages[@]}"; do
         specprofile) SPLITSPEC_TORCH_PROFILE="$OUT/prof" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
                  --speculative-algorithm "${PROFILE_ALGORITHM:-EAGLE3}" --speculative-adaptive off --batch-size "${PROFILE_BS:-1,16}" \
                  --prompt-len 128 --output-len 128 ${PROFILE_FLAGS:-} --out "$OUT/spec_profile.json" > "$OUT/spec_profile.log" 2>&1 ;;
-        overlap) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_overlap_schedule.py -k cuda \
+        overlap) timeout 240 python3 -P -m pytest -q -p no:cacheprovider tests/test_overlap_schedule.py -k cuda \
                      > "$OUT/overlap.log" 2>&1 || stop=1
                  for mode in phases serial overlapped; do
                      [[ $stop == 1 ]] && break
