@@ -84,7 +84,8 @@
 #   overlap   the overlap schedule (verifier_svc/overlap.py) on the GPU: tests/test_overlap_schedule.py's CUDA cases
 #             (overlapped plain steps against serial ones, pinned copies and events), then plain decoding of the 8B-shaped
 #             dummy in process at OVERLAP_BS (default 1,32,64): phases synchronised (step_ms's verify is the forward), then
-#             --no-phase-sync with --disable-overlap-schedule (serial), then --no-phase-sync (overlapped, a server's way)
+#             --no-phase-sync with --disable-overlap-schedule (serial), then --no-phase-sync (overlapped, a server's way);
+#             OVERLAP_MODES picks among phases serial overlapped sampled sampled_serial (the last two at temperature 0.8)
 #   jitcache  compile FlashInfer's modules for the 8B shape and the demo's (tiny in-process benches) and write them as
 #             $OUT/flashinfer-<version>-jit.txz (the modules this call compiled: those already in .ficache load as
 #             they are), for .ficache/ beside the others (see above)
@@ -187,12 +188,14 @@ for stage in "${stages[@]}"; do
                  --prompt-len 128 --output-len 128 ${PROFILE_FLAGS:-} --out "$OUT/spec_profile.json" > "$OUT/spec_profile.log" 2>&1 ;;
         overlap) timeout 240 python3 -P -m pytest -q -p no:cacheprovider tests/test_overlap_schedule.py -k cuda \
                      > "$OUT/overlap.log" 2>&1 || stop=1
-                 for mode in phases serial overlapped; do
+                 for mode in ${OVERLAP_MODES:-phases serial overlapped}; do
                      [[ $stop == 1 ]] && break
                      case $mode in
                          phases) extra=() ;;
                          serial) extra=(--no-phase-sync --disable-overlap-schedule) ;;
                          overlapped) extra=(--no-phase-sync) ;;
+                         sampled) extra=(--no-phase-sync --temperature 0.8) ;;
+                         sampled_serial) extra=(--no-phase-sync --disable-overlap-schedule --temperature 0.8) ;;
                      esac
                      timeout 200 python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
                          --batch-size "${OVERLAP_BS:-1,32,64}" --prompt-len 128 --output-len 128 "${extra[@]}" \

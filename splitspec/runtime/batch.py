@@ -102,9 +102,16 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         trees=trees,
     )
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=positions_t.to(device),
+        input_ids=to_device(torch.tensor(input_ids, dtype=torch.long), device),
+        positions=to_device(positions_t, device),
         attention=attention,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        logits_indices=to_device(torch.tensor(logits_rows, dtype=torch.long), device),
         cu_logits=cu_logits,
     )
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for the work already queued there (a blocking copy waits for the
+    stream to drain: the overlap schedule builds a step's batch while the step before it runs). The source is staged
+    by the copy itself, so the caller may drop it at once."""
+    return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)

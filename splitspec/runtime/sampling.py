@@ -27,6 +27,7 @@ import torch
 
 from splitspec.kernels.keyed_noise import (COIN_SALT, FINAL_COIN_SALT, GOLDEN32, MASK32, SEED_SALT,  # noqa: F401
                                            UNIFORM_BITS, _fmix32, _mul32, gumbel_from_keys, position_keys)
+from splitspec.runtime.batch import to_device
 from splitspec.runtime.sampling_params import SamplingParams
 
 
@@ -72,16 +73,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions:
     chosen = [params[i] for i in rows]
     if any(p.seed is None for p in chosen):
         raise ValueError("sampling needs a seed per request (SamplingParams.with_seed())")
-    processed = process_logits(
-        logits[rows],
-        torch.tensor([p.temperature for p in chosen], device=device),
-        torch.tensor([p.top_k for p in chosen], device=device),
-        torch.tensor([p.top_p for p in chosen], device=device),
-        torch.tensor([p.min_p for p in chosen], device=device) if any(p.min_p for p in chosen) else None,
+    processed = process_logits(  # every host value goes over without waiting for the device (batch.to_device)
+        logits[to_device(torch.tensor(rows), device)],
+        to_device(torch.tensor([p.temperature for p in chosen]), device),
+        to_device(torch.tensor([p.top_k for p in chosen]), device),
+        to_device(torch.tensor([p.top_p for p in chosen]), device),
+        to_device(torch.tensor([p.min_p for p in chosen]), device) if any(p.min_p for p in chosen) else None,
     )
-    keys = position_keys(torch.tensor([p.seed for p in chosen], device=device, dtype=torch.long),
-                         torch.tensor([output_positions[i] for i in rows], device=device, dtype=torch.long))
+    keys = position_keys(to_device(torch.tensor([p.seed for p in chosen], dtype=torch.long), device),
+                         to_device(torch.tensor([output_positions[i] for i in rows], dtype=torch.long), device))
     from splitspec.kernels import ops
 
-    tokens[rows] = ops.gumbel_argmax(processed, keys)  # argmax(processed + keyed Gumbel noise)
+    tokens[to_device(torch.tensor(rows), device)] = ops.gumbel_argmax(processed, keys)  # argmax(processed + keyed Gumbel noise)
     return tokens
