@@ -54,6 +54,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="`splitspec bench` flags of the load, for both sides (batch sizes, lengths, prompts).")
     parser.add_argument("--serve", action="append", default=[],
                         help="More `splitspec up` flags (e.g. --drafters 2); may be given several times.")
+    parser.add_argument("--prefix-cache", default="off", choices=("off", "on"),
+                        help="off (default): the served verifier runs with --disable-radix-cache, like the in-process "
+                        "engine, which has none: the load sends its prompts again at every point (and its warm-up's), "
+                        "which a cache would answer from memory on the served side only (plain requests; EAGLE's "
+                        "recompute their prompts for the head). on: the server's default.")
     parser.add_argument("--dummy-preset", default=None,
                         help="A random-weight target of this shape (splitspec.model_shapes) with the demo tokenizer.")
     parser.add_argument("--dummy-draft-preset", default=None,
@@ -256,7 +261,8 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
     simulated = (["--speculative-replay", str(replay), "--speculative-replay-profile", args.simulate_acceptance]
                  if replay is not None else [])
     up_command = [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(args.port), "--log-level", args.log_level,
-                  *(flag for serve in args.serve for flag in shlex.split(serve)), *model_flags, *simulated]
+                  *(flag for serve in args.serve for flag in shlex.split(serve)), *model_flags, *simulated,
+                  *(["--disable-radix-cache"] if args.prefix_cache == "off" else [])]
     print("$ " + shlex.join(up_command[2:]), file=log, flush=True)
     up = lifeline.spawn(up_command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=traced("served"))
     url = f"http://127.0.0.1:{args.port}"

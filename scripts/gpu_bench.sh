@@ -91,7 +91,8 @@
 #             they are), for .ficache/ beside the others (see above)
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
-#             path vs its twin (tests/test_fp8.py), and the runtime suite with forwards on CUDA; a device call for it
+#             path vs its twin (tests/test_fp8.py), the overlap schedule against serial steps (tests/test_overlap_schedule.py),
+#             and the runtime suite with forwards on CUDA; a device call for it
 #             carries .fi and a .whl holding only pytest, pluggy, iniconfig, packaging, pyzmq and grpcio-health-checking
 #             (with the gateway's wheels too, the working tree and its carry pass the device's 64 MiB)
 set -uo pipefail
@@ -251,7 +252,7 @@ for stage in "${stages[@]}"; do
                   done
                   (cd "$FLASHINFER_WORKSPACE_BASE" && find . -path '*/cached_ops/*/*.so' | tar cJf "$OUT/flashinfer-$(python3 -c 'import flashinfer; print(flashinfer.__version__)')-jit.txz" -T -) ;;
         tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
-                   tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
+                   tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py tests/test_overlap_schedule.py::test_overlapped_plain_steps_give_what_serial_steps_give tests/test_overlap_schedule.py::test_preemption_lands_the_step_in_flight_first_and_keeps_outputs --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;
     esac
     rc=$?
