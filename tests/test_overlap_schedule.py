@@ -41,17 +41,17 @@ def runner_for(target, max_total_tokens: int, device: str = "cpu") -> ModelRunne
                                           max_total_tokens=max_total_tokens, page_size=16))
 
 
-def drive(runner, overlap: bool, script: dict, cache: bool) -> dict:
-    """Run script ({step: [("add", key, prompt, params) | ("abort", key)]}) to the end; every request's output,
-    finish reason and streamed tokens, and the run's counts."""
-    engine = Engine(runner, None, SpecConfig(), {2}, prefix_cache=PrefixCache(runner.kv_cache.allocator, 16)
+def drive(runner, overlap: bool, script: dict, cache: bool, drafter=None, spec: SpecConfig | None = None) -> dict:
+    """Run script ({step: [("add", key, prompt, params[, speculate]) | ("abort", key)]}) to the end; every request's
+    output, finish reason and streamed tokens, and the run's counts."""
+    engine = Engine(runner, drafter, spec or SpecConfig(), {2}, prefix_cache=PrefixCache(runner.kv_cache.allocator, 16)
                     if cache else None, overlap_schedule=overlap)
     requests, streamed, finishes = {}, {}, {}
     steps = deferred = preemptions = 0
     while any(s >= steps for s in script) or engine.has_work:
         for action in script.get(steps, []):
             if action[0] == "add":
-                requests[action[1]] = engine.add_request(action[2], action[3])
+                requests[action[1]] = engine.add_request(action[2], action[3], *action[4:])
             else:
                 engine.abort(requests[action[1]])
         by_id = {r.request_id: key for key, r in requests.items()}
@@ -65,6 +65,7 @@ def drive(runner, overlap: bool, script: dict, cache: bool) -> dict:
         deferred += engine.report.deferred
         preemptions += engine.report.preemptions
     return {"outputs": {k: r.output_ids for k, r in requests.items()}, "finish": {k: r.finish_reason for k, r in requests.items()},
+            "stats": {k: r.stats for k, r in requests.items()},
             "streamed": streamed, "finishes": finishes, "steps": steps, "deferred": deferred, "preemptions": preemptions,
             "engine": engine}
 
@@ -123,6 +124,32 @@ def test_preemption_lands_the_step_in_flight_first_and_keeps_outputs(target, dev
     assert serial["preemptions"] > 0 and overlapped["preemptions"] > 0 and overlapped["deferred"] > 0
     assert overlapped["outputs"] == serial["outputs"] and overlapped["finish"] == serial["finish"]
     assert runner.kv_cache.allocator.num_free == runner.kv_cache.num_pages
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, adaptive):
+    """An NGRAM drafter in the engine, the load-adaptive policy or not: requests that do not speculate are overlapped;
+    a speculating request's arrival lands the step in flight and its trees are verified (speculation happens, no
+    fallback); outputs equal serial steps'."""
+    from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+    from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+
+    runner = runner_for(target, 4096)
+    p = prompts(4, seed=3)
+    repetitive = [13, 290, 351, 13, 290, 351, 13, 290, 351, 13]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=40)
+    script = {0: [("add", f"plain{i}", p[i], greedy, False) for i in range(4)],
+              8: [("add", "spec", repetitive, SamplingParams(temperature=0.0, max_new_tokens=16), True)]}
+    spec = SpecConfig(num_draft_tokens=8, adaptive=adaptive)
+    runs = [drive(runner, overlap, script, cache=False, drafter=InProcessDrafterClient(NgramDrafter(NgramConfig())),
+                  spec=spec) for overlap in (False, True)]
+    serial, overlapped = runs
+    assert overlapped["outputs"] == serial["outputs"] and overlapped["finish"] == serial["finish"]
+    assert serial["deferred"] == 0 and overlapped["deferred"] > 0
+    for run in runs:
+        stats = run["stats"]["spec"]
+        assert stats.draft_tokens > 0 and stats.accepted_tokens > 0 and stats.fallbacks == 0
+        assert all(run["stats"][f"plain{i}"].draft_tokens == 0 for i in range(4))
 
 
 def test_served_with_async_scheduling_equals_plain_generation(target):

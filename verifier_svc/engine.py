@@ -147,7 +147,8 @@ class Engine(Scheduling, OverlapSchedule):
         self._events = []
         self._retire()
         self._timed("ask", self._request_drafts)
-        return self._close(events, prefills, verifies, start)
+        # the policy prices steps it waited for; a step left in flight has only its launch timed
+        return self._close(events, prefills, verifies, start, observe=not self.report.deferred)
 
     def _close(self, events: list[StepEvent], prefills: list[Chunk], verifies: list[Verify], start: float,
                observe: bool = True) -> list[StepEvent]:
@@ -273,9 +274,10 @@ class Engine(Scheduling, OverlapSchedule):
             sequences = self._sequences(prefills, verifies)
         if not sequences:
             return []
+        defer = self._defers(prefills, verifies, masks)  # its tokens land at the next step (overlap.py)
         with device_phase("engine.verify"):
-            batch, logits, features = self._forward(sequences)
-        if self._defers(prefills, verifies, masks):  # its tokens land at the next step (overlap.py)
+            batch, logits, features = self._forward(sequences, sync=not defer)
+        if defer:
             self.in_flight = self._launch(verifies, logits, pending=0)
             return []
         accept_start = self._clock()
@@ -315,9 +317,10 @@ class Engine(Scheduling, OverlapSchedule):
                                            tree_mask(tree) if tree else None, "all", tree))
         return sequences
 
-    def _forward(self, sequences: list[SequenceInput], roots: torch.Tensor | None = None):
+    def _forward(self, sequences: list[SequenceInput], roots: torch.Tensor | None = None, sync: bool = True):
         """One target forward over the step's sequences: (batch, logits [rows, V], the drafter's features).
-        roots: the input ids on the device, one per sequence (the overlap schedule's tokens not landed)."""
+        roots: the input ids on the device, one per sequence (the overlap schedule's tokens not landed). sync: the
+        adaptive policy may wait for the forward to time it (not for a step the overlap schedule leaves in flight)."""
         forward_start = self._clock()
         batch = self.runner.batch(sequences)
         if roots is not None:
@@ -332,7 +335,7 @@ class Engine(Scheduling, OverlapSchedule):
             self.while_forward()
         hidden_work = time.perf_counter() - began
         features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
-        if self._sync_verify and not self.sync_timing:
+        if self._sync_verify and sync and not self.sync_timing:
             torch.cuda.synchronize(self.runner.device)
         self.report.seconds["verify"] = self._clock() - forward_start - hidden_work
         self.report.forward_tokens = sum(batch.attention.q_lens)

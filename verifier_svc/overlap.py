@@ -105,7 +105,7 @@ class OverlapSchedule:
         """Step N+1 of the same batch, its roots the device tokens of step N (not landed)."""
         verifies = [Verify(v.request, v.tree, v.request.table.num_tokens) for v in flight.verifies]
         sequences = [SequenceInput(v.request.table, [0], [v.seq_len], None, "all") for v in verifies]
-        _, logits, _ = self._forward(sequences, roots=flight.tokens)
+        _, logits, _ = self._forward(sequences, roots=flight.tokens, sync=False)
         return self._launch(verifies, logits, pending=1)
 
     def _land(self, flight: InFlight) -> list[StepEvent]:
