@@ -59,7 +59,7 @@ class MultiLayerMtpDrafter(HiddenStateDrafter):
             raise ValueError(f"--enable-multi-layer-eagle runs MTP layer i at step i: --speculative-num-steps "
                              f"{num_steps} needs as many MTP layers, the target ships {num_layers}")
         self.runner, self.num_steps, self.token_map = runner, num_steps, token_map
-        self.max_catch_up = 2048  # verified rows per request per forward when catching up
+        self.max_catch_up = 2048  # verified rows per forward when catching up (all requests together)
         self.states: dict[str, _State] = {}
 
     def _forward_layers(self, work: list[tuple[_State, int, list[int]]], num_layers: int) -> list[list[int]]:
@@ -95,14 +95,22 @@ class MultiLayerMtpDrafter(HiddenStateDrafter):
                  if len(self.states[r].tokens) >= 2]  # a first token alone has no state to draft from yet
         asked = [(i, s, min(self.num_steps, b - 1)) for i, s, b in given if b >= 2]
         steps = self.num_steps
-        # verified rows in rounds, through every layer, committed: all of them for a feed; for an ask only
-        # a long backlog (the rest goes with the draft pass below)
+        # verified rows in rounds of at most max_catch_up rows in all, oldest asks first, through every layer,
+        # committed: all of them for a feed; for the asks, until what is left of their backlogs together fits one
+        # round (it goes with the draft pass below): a wave of prompts asked at once never makes one forward of all
         while True:
-            rounds = []
-            for _, s, b in given:
-                backlog = self._keep(s) - s.table.num_tokens
-                if backlog > (self.max_catch_up if b >= 2 else 0):
-                    rounds.append((s, s.table.num_tokens + min(backlog, self.max_catch_up), []))
+            rounds, room = [], self.max_catch_up
+            backlogs = [(s, self._keep(s) - s.table.num_tokens, b) for _, s, b in given]
+            asks_left = sum(n for _, n, b in backlogs if b >= 2 and n > 0)
+            for s, backlog, b in backlogs:
+                if backlog <= 0 or (b >= 2 and asks_left <= self.max_catch_up):
+                    continue
+                take = min(backlog, room)
+                rounds.append((s, s.table.num_tokens + take, []))
+                room -= take
+                asks_left -= take if b >= 2 else 0
+                if room == 0:
+                    break
             if not rounds:
                 break
             self._forward_layers(rounds, steps)

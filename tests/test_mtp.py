@@ -169,6 +169,39 @@ def test_multi_layer_chain_equals_its_definition_after_every_round(random_mimo):
     assert head.kv_cache.allocator.num_used == 0
 
 
+def test_a_wave_of_prompts_catches_up_in_rounds_bounded_in_all(random_mimo):
+    """Five prompts asked at once: every forward of the head holds at most max_catch_up rows in all (plus each ask's
+    own draft rows), not that many per request (a wave of 64 prompts once asked one 8K-row forward of an EAGLE head),
+    and the drafts equal those of unbounded rounds."""
+    from splitspec.drafter_svc.multi_layer_mtp import MultiLayerMtpDrafter
+
+    path, _ = random_mimo
+    reference = hf_model(demo_model_dirs()["target"])
+    embed, head_w = reference.model.embed_tokens.weight.detach(), reference.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(7)
+    prompts = [[int(t) for t in torch.randint(0, 4096, (9 + 3 * i,), generator=g)] for i in range(5)]
+    states = [torch.randn(len(p) - 1, embed.shape[1], generator=g) for p in prompts]
+    trees, sizes = {}, {}
+    for limit in (4096, 6):
+        head = load_mtp(path)
+        head.model.share_target(embed, head_w)
+        drafter = MultiLayerMtpDrafter(head, num_steps=2)
+        drafter.max_catch_up = limit
+        rows = sizes[limit] = []
+        forward = head.forward
+        head.forward = lambda batch, *a, **k: (rows.append(batch.input_ids.shape[0]), forward(batch, *a, **k))[1]
+        for i, (p, h) in enumerate(zip(prompts, states)):
+            drafter.open(f"r{i}", p[:1])
+            drafter.extend(f"r{i}", p[1:], h)
+        trees[limit] = [(list(t.tokens), list(t.parents)) for t in drafter.draft([f"r{i}" for i in range(5)], [3] * 5)]
+        for i in range(5):
+            drafter.release(f"r{i}")
+        assert head.kv_cache.allocator.num_used == 0
+    assert trees[6] == trees[4096]
+    assert max(sizes[6]) <= 6 + 5 * 3 and len(sizes[6]) > len(sizes[4096]), sizes  # the draft pass: <= 3 rows per ask more
+    assert max(sizes[4096]) > 6 + 5 * 3
+
+
 def test_missing_mtp_pieces_are_refused_by_name(tmp_path):
     layers = random_mtp_layers(1, seed=3)
     layers[0].pop("hidden_layernorm.weight")
