@@ -92,7 +92,9 @@
 #   tests     the GPU equivalence tests: Triton kernels vs their torch twins, FlashInfer vs the torch backend,
 #             CUDA-graph decode and tree verification vs eager (tests/test_gpu_kernels.py), FP8's torch._scaled_mm
 #             path vs its twin (tests/test_fp8.py), the overlap schedule against serial steps (tests/test_overlap_schedule.py),
-#             and the runtime suite with forwards on CUDA; a device call for it
+#             and the runtime suite with forwards on CUDA (GPU_TESTS: the test files or ids to run instead, a share per call: at
+#             88f149d on a fresh H200 the whole list passed 12 tests in the call's first 500 s, each new test shape JIT-compiling
+#             FlashInfer's modules; -v names each test as it ends); a device call for it
 #             carries .fi and a .whl holding only pytest, pluggy, iniconfig, packaging, pyzmq and grpcio-health-checking
 #             (with the gateway's wheels too, the working tree and its carry pass the device's 64 MiB)
 set -uo pipefail
@@ -251,8 +253,11 @@ for stage in "${stages[@]}"; do
                           --output-len 8 --prompt-len 32 --warmup-requests 1 --out "$OUT/jitcache_run.json" >> "$OUT/jitcache.log" 2>&1
                   done
                   (cd "$FLASHINFER_WORKSPACE_BASE" && find . -path '*/cached_ops/*/*.so' | tar cJf "$OUT/flashinfer-$(python3 -c 'import flashinfer; print(flashinfer.__version__)')-jit.txz" -T -) ;;
-        tests) python3 -P -m pytest -p no:cacheprovider -q tests/test_gpu_kernels.py tests/test_tensor_plane.py tests/test_draft_loop.py tests/test_model_equivalence.py \
-                   tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py tests/test_overlap_schedule.py::test_overlapped_plain_steps_give_what_serial_steps_give tests/test_overlap_schedule.py::test_preemption_lands_the_step_in_flight_first_and_keeps_outputs --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
+        tests) python3 -P -m pytest -p no:cacheprovider -v --durations 30 ${GPU_TESTS:-tests/test_gpu_kernels.py tests/test_tensor_plane.py \
+                   tests/test_draft_loop.py tests/test_model_equivalence.py tests/test_paged_attention.py tests/test_rope.py tests/test_fp8.py \
+                   tests/test_overlap_schedule.py::test_overlapped_plain_steps_give_what_serial_steps_give \
+                   tests/test_overlap_schedule.py::test_preemption_lands_the_step_in_flight_first_and_keeps_outputs} \
+                   --junitxml "$OUT/pytest_cuda.xml" > "$OUT/pytest_cuda.log" 2>&1 ;;
         *) echo "unknown stage $stage"; false ;;
     esac
     rc=$?
