@@ -41,11 +41,14 @@ def runner_for(target, max_total_tokens: int, device: str = "cpu") -> ModelRunne
                                           max_total_tokens=max_total_tokens, page_size=16))
 
 
-def drive(runner, overlap: bool, script: dict, cache: bool, drafter=None, spec: SpecConfig | None = None) -> dict:
+def drive(runner, overlap: bool, script: dict, cache: bool, drafter=None, spec: SpecConfig | None = None,
+          policy=None) -> dict:
     """Run script ({step: [("add", key, prompt, params[, speculate]) | ("abort", key)]}) to the end; every request's
     output, finish reason and streamed tokens, and the run's counts."""
     engine = Engine(runner, drafter, spec or SpecConfig(), {2}, prefix_cache=PrefixCache(runner.kv_cache.allocator, 16)
                     if cache else None, overlap_schedule=overlap)
+    if policy is not None:
+        engine.adaptive = policy
     requests, streamed, finishes = {}, {}, {}
     steps = deferred = preemptions = 0
     while any(s >= steps for s in script) or engine.has_work:
@@ -126,11 +129,27 @@ def test_preemption_lands_the_step_in_flight_first_and_keeps_outputs(target, dev
     assert runner.kv_cache.allocator.num_free == runner.kv_cache.num_pages
 
 
-@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+class ScriptedPolicy:
+    """A load-adaptive policy's interface choosing budgets from a script (drafting off for `off` choices, then a tree
+    budget of `on` for `burst` choices, again and again), so that the overlap meets drafting turned off and on."""
+
+    def __init__(self, off: int, burst: int, on: int = 8):
+        self.cycle, self.calls, self.budget, self.predicted = [1] * off + [on] * burst, 0, on, {}
+
+    def choose(self, speculating: int, plain: int = 0, prefill_tokens: int = 0) -> int:
+        self.budget = self.cycle[self.calls % len(self.cycle)]
+        self.calls += 1
+        return self.budget
+
+    def observe(self, step) -> None:
+        pass
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "scripted-policy"])
 def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, adaptive):
-    """An NGRAM drafter in the engine, the load-adaptive policy or not: requests that do not speculate are overlapped;
-    a speculating request's arrival lands the step in flight and its trees are verified (speculation happens, no
-    fallback); outputs equal serial steps'."""
+    """An NGRAM drafter in the engine, fixed trees or a policy's budgets (ScriptedPolicy: the real one follows this
+    machine's timings): requests that do not speculate are overlapped; a speculating request's arrival lands the step
+    in flight and its trees are verified (speculation happens, no fallback); outputs equal serial steps'."""
     from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
@@ -142,7 +161,7 @@ def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, ad
               8: [("add", "spec", repetitive, SamplingParams(temperature=0.0, max_new_tokens=16), True)]}
     spec = SpecConfig(num_draft_tokens=8, adaptive=adaptive)
     runs = [drive(runner, overlap, script, cache=False, drafter=InProcessDrafterClient(NgramDrafter(NgramConfig())),
-                  spec=spec) for overlap in (False, True)]
+                  spec=spec, policy=ScriptedPolicy(0, 1) if adaptive else None) for overlap in (False, True)]
     serial, overlapped = runs
     assert overlapped["outputs"] == serial["outputs"] and overlapped["finish"] == serial["finish"]
     assert serial["deferred"] == 0 and overlapped["deferred"] > 0
@@ -150,6 +169,34 @@ def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, ad
         stats = run["stats"]["spec"]
         assert stats.draft_tokens > 0 and stats.accepted_tokens > 0 and stats.fallbacks == 0
         assert all(run["stats"][f"plain{i}"].draft_tokens == 0 for i in range(4))
+
+
+@pytest.mark.parametrize("script", [(12, 3), (3, 1)], ids=["long-off", "short-off"])
+def test_speculating_requests_overlap_while_drafting_is_off(target, script):
+    """NGRAM drafting from a policy that turns drafting off and on: while it is off the speculating requests' steps
+    overlap (their tokens fed to the trie as they land), when it turns on the step in flight lands and trees are
+    asked from the last token: no fallback, speculation accepted, outputs (greedy and seeded) equal serial steps'."""
+    from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+    from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+
+    runner = runner_for(target, 4096)
+    repetitive = [[13, 290, 351 + i, 13, 290, 351 + i, 13, 290, 351 + i, 13] for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=48), SamplingParams(temperature=0.0, max_new_tokens=40),
+              SamplingParams(temperature=0.8, seed=3, max_new_tokens=44)]
+    script_steps = {0: [("add", f"r{i}", repetitive[i], params[i], True) for i in range(3)]}
+    runs = []
+    for overlap in (False, True):
+        policy = ScriptedPolicy(*script)
+        run = drive(runner, overlap, script_steps, cache=False, drafter=InProcessDrafterClient(NgramDrafter(NgramConfig())),
+                    spec=SpecConfig(num_draft_tokens=8, adaptive=True), policy=policy)
+        runs.append(run)
+    serial, overlapped = runs
+    assert overlapped["outputs"] == serial["outputs"] and overlapped["finish"] == serial["finish"]
+    assert serial["deferred"] == 0 and overlapped["deferred"] > 0
+    for run in runs:
+        assert sum(s.draft_tokens for s in run["stats"].values()) > 0
+        assert sum(s.accepted_tokens for s in run["stats"].values()) > 0
+        assert all(s.fallbacks == 0 for s in run["stats"].values()), run["stats"]
 
 
 def test_served_with_async_scheduling_equals_plain_generation(target):

@@ -135,8 +135,8 @@ class Engine(Scheduling, OverlapSchedule):
         events = []
         if self.in_flight is not None:  # the overlap schedule: the next plain step launched before this one lands
             events, launched = self._step_in_flight()
-            if launched:  # the same batch again: nothing to schedule, draft or ask; the policy observes plain steps only
-                return self._close(events, [], [], start, observe=False)
+            if launched:  # the same batch again: nothing to schedule or draft; observed as a whole cycle (_observe)
+                return self._close(events, [], self.in_flight.verifies, start)
         prefills = self._timed("schedule", self._schedule)
         decode = not prefills or self.mixed  # else the decoding requests wait a step
         trees = self._timed("draft", self._draft) if decode else {}
@@ -146,8 +146,8 @@ class Engine(Scheduling, OverlapSchedule):
         events += self._events + self._forward_and_accept(prefills, verifies, masks)
         self._events = []
         self._retire()
-        self._timed("ask", self._request_drafts)
-        # the policy prices steps it waited for; a step left in flight has only its launch timed
+        self._timed("ask", lambda: self._request_drafts(trees=not self.report.deferred))
+        # a step that only launched (the first the overlap schedule leaves in flight) is no cycle: not observed
         return self._close(events, prefills, verifies, start, observe=not self.report.deferred)
 
     def _close(self, events: list[StepEvent], prefills: list[Chunk], verifies: list[Verify], start: float,
@@ -180,14 +180,20 @@ class Engine(Scheduling, OverlapSchedule):
     def _observe(self, verifies: list[Verify], start: float) -> None:
         """What this step did, for the adaptive policy: fed at the next step's start, when the whole cycle is
         known. Its base is everything but the forward and the speculation phases (schedule, accept, commit,
-        the engine's own bookkeeping, and then the caller's)."""
+        the engine's own bookkeeping, and then the caller's). A step the overlap schedule launched while the one
+        before it was in flight knows only its whole cycle (its forward ran under the host's work): it is a cycle
+        at budget 1 and a base, with no forward timed, so that the policy weighs drafting against plain steps as
+        they now run."""
         seconds = self.report.seconds
         speculating = sum(1 for v in verifies if v.request.speculate)
         verify, spec = seconds.get("verify", 0.0), seconds.get("draft", 0.0) + seconds.get("ask", 0.0)
         own = self._clock() - start
+        deferred = self.report.deferred
+        if deferred:
+            verify = spec = 0.0
         self._unobserved = (StepShape(
             budget=self.report.budget, speculating=speculating, plain=len(verifies) - speculating,
-            forward_tokens=self.report.forward_tokens, verify_seconds=verify, spec_seconds=spec,
+            forward_tokens=0 if deferred else self.report.forward_tokens, verify_seconds=verify, spec_seconds=spec,
             base_seconds=max(own - verify - spec, 0.0),
             accepts=list(zip(self.report.tree_depths, [n - 1 for n in self.report.accept_lengths]))), start, own)
 
@@ -202,12 +208,14 @@ class Engine(Scheduling, OverlapSchedule):
         return self.adaptive.choose(speculating, len(decoding) - speculating, self.report.prefill_tokens)
 
     # draft ---------------------------------------------------------------------------------------
-    def _request_drafts(self, only_missing: bool = False) -> None:
+    def _request_drafts(self, only_missing: bool = False, trees: bool = True) -> None:
         """Ask the drafter for the next tree of every decoding request that speculates, with this step's budget
         (adaptive: the policy's choice; below 2, no tree: its new tokens still reach the drafter every
         FEED_EVERY tokens, so that speculation resumes without a catch-up). A hidden-state drafter also gets
         each prefill chunk's (token, state) pairs as they are computed (a budget of 0: no tree), so it catches
-        up on a long prompt alongside chunked prefill, not all at once."""
+        up on a long prompt alongside chunked prefill, not all at once. trees False (the overlap schedule has a step
+        in flight: a tree asked now would grow from a token that is no longer the last): the budget is chosen and
+        feeds go, but a budget of 2 or more asks nothing; the step in flight lands first and _draft asks then."""
         if not only_missing:
             was = self.adaptive is not None and self.adaptive.budget >= 2
             self.budget = self._choose_budget()
@@ -215,6 +223,11 @@ class Engine(Scheduling, OverlapSchedule):
                 logger.info("adaptive speculation: %s at %d decoding requests (predicted tokens/s by budget: %s)",
                             "drafting again" if self.adaptive.budget >= 2 else "drafting off", len(self.running),
                             {n: round(v) for n, v in self.adaptive.predicted.items()})
+        if not trees and self.budget >= 2:  # asked by _draft once the step in flight has landed
+            for request in self.running:
+                if request.draft_budget < 2:
+                    request.draft_budget = 0
+            return
         asks, states = [], []
         # drafting off: when one request has FEED_EVERY tokens unsent, every request's unsent tokens go in the same
         # feed (one catch-up forward of the drafter for all, not one per request as each reaches the mark)

@@ -13,6 +13,11 @@ schedules N+2. The serial host work between two forwards is only the launch.
     ...       until the batch changes (an arrival to admit, an abort, a request that speculates, penalties,
               logprobs, a grammar, no page for one more slot): N lands first and the step runs as usual
 
+Requests that speculate decode this way too while drafting is off for the whole batch (a tree budget below 2: the
+load-adaptive policy's choice under load) and their drafter wants only tokens (NGRAM): their tokens are fed to it as
+they land, the policy chooses each next budget as it would, and a budget of 2 or more lands the step in flight before
+any tree is asked (a tree must grow from the last token).
+
 A request that stopped at step N (its EOS, a stop token) still computed step N+1's row: that row is dropped when
 N+1 lands (what SGLang's and vLLM's overlap do too). Its slot N+1 holds the KV of its last token, so the prefix
 cache may keep it. Outputs are unchanged: the sampled token of every row is the one the unoverlapped step would
@@ -48,22 +53,32 @@ class InFlight:
         return self.host.tolist()
 
 
-def deferrable(spec, request: Request) -> bool:
+def deferrable(spec, request: Request, drafting_off: bool) -> bool:
     """A request whose next token is the target's own sample of its unmodified logits, and nothing more of it is
-    read: no drafts, penalties, logprobs or grammar."""
+    read: no tree (it does not speculate, or drafting is off for the whole batch and the drafter needs no states of
+    the target's), no penalties, logprobs or grammar."""
     params = request.params
-    return (not request.speculate and by_target(spec, params) and params.logprobs is None and request.matcher is None
-            and not request.wants_prompt_logprobs)
+    return ((not request.speculate or (drafting_off and request.draft_budget < 2)) and by_target(spec, params)
+            and params.logprobs is None and request.matcher is None and not request.wants_prompt_logprobs)
 
 
 class OverlapSchedule:
     """Engine's overlapped plain decoding; the attributes it uses are Engine's (runner, spec, running, waiting,
-    scheduler, eos_ids, report, overlap_schedule, in_flight, _events, _forward, _retire)."""
+    scheduler, eos_ids, report, overlap_schedule, in_flight, budget, needs_hidden, _events, _forward, _retire,
+    _request_drafts)."""
+
+    @property
+    def _drafting_off(self) -> bool:
+        """No request drafts this step (the tree budget is below 2: the load-adaptive policy turned drafting off, or
+        a budget of 1), and the drafter wants only tokens: speculating requests decode plainly and may overlap (their
+        tokens are fed to the drafter as they land)."""
+        return self.budget < 2 and not self.needs_hidden
 
     def _defers(self, prefills, verifies: list[Verify], masks) -> bool:
         """This step may launch without landing: a decode-only step of roots whose tokens nobody but the stream reads."""
+        off = self._drafting_off
         return (self.overlap_schedule and not prefills and bool(verifies) and masks is None and not self._events
-                and all(v.tree.num_nodes == 1 and deferrable(self.spec, v.request) for v in verifies))
+                and all(v.tree.num_nodes == 1 and deferrable(self.spec, v.request, off) for v in verifies))
 
     def _launch(self, verifies: list[Verify], logits: torch.Tensor, pending: int) -> InFlight:
         """Sample every row (row i is verifies[i]'s root) on the device at its output position (pending: tokens the
@@ -85,8 +100,10 @@ class OverlapSchedule:
         return InFlight(verifies, tokens, host, copied)
 
     def _continues(self, flight: InFlight) -> bool:
-        """The next step is the same batch decoding again: nothing to admit, nobody aborted, a page for one more
-        slot each (no preemption: that needs the tokens)."""
+        """The next step is the same batch decoding again: nothing to admit, nobody aborted, drafting still off for
+        speculating requests, a page for one more slot each (no preemption: that needs the tokens)."""
+        if not self._drafting_off and any(v.request.speculate for v in flight.verifies):
+            return False
         limit = self.scheduler.max_running_requests
         if self.waiting and not 0 < limit <= len(self.running):
             return False
@@ -130,4 +147,8 @@ class OverlapSchedule:
         events = self._land(flight)
         self._retire()
         self.report.seconds["accept"] = time.perf_counter() - began
+        if continues and any(v.request.speculate for v in flight.verifies):  # the next budget; the landed tokens fed
+            began = time.perf_counter()
+            self._request_drafts(trees=False)
+            self.report.seconds["ask"] = time.perf_counter() - began
         return events, continues
