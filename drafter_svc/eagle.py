@@ -82,10 +82,11 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         while catch_up:
             taken, room = [], self.max_catch_up  # rows this round, oldest asks first: one bounded forward's activations
             for _, s in catch_up:
+                if room == 0:
+                    break
                 taken.append(min(len(s.pending_tokens), room))
                 room -= taken[-1]
-            held = catch_up[len([n for n in taken if n]):]  # past the round's rows: the next round's
-            catch_up, taken = catch_up[: len(catch_up) - len(held)], [n for n in taken if n]
+            catch_up, held = catch_up[: len(taken)], catch_up[len(taken):]  # held: the next round's
             q = self._padded_round(taken, catch_up[0][1].pending_hidden[0].shape[-1])
             rows = [s.pending_hidden[0] if n == len(s.pending_tokens) else s.pending_hidden[0][:n]
                     for (_, s), n in zip(catch_up, taken)]

@@ -34,7 +34,7 @@ import torch
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.sampling import sample
 from splitspec.verifier_svc.step_types import Request, StepEvent
-from splitspec.verifier_svc.verification import ARGMAX, Verify, by_target
+from splitspec.verifier_svc.verification import Verify, by_target, target_params
 
 
 @dataclass
@@ -83,8 +83,7 @@ class OverlapSchedule:
     def _launch(self, verifies: list[Verify], logits: torch.Tensor, pending: int) -> InFlight:
         """Sample every row (row i is verifies[i]'s root) on the device at its output position (pending: tokens the
         requests have sampled and not yet emitted), start the copy to the host, and commit each root's KV slot."""
-        params = [ARGMAX if v.request.params.is_greedy or self.spec.force_greedy_verify else v.request.params
-                  for v in verifies]
+        params = [target_params(self.spec, v.request.params) for v in verifies]
         tokens = sample(logits, params, [len(v.request.output_ids) + pending for v in verifies])
         if tokens.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -83,6 +83,12 @@ def by_target(spec: SpecConfig, params: SamplingParams) -> bool:
     return not params.has_penalties and (params.is_greedy or spec.force_greedy_verify or spec.lossless)
 
 
+def target_params(spec: SpecConfig, params: SamplingParams) -> SamplingParams:
+    """What the target's token at a row of a request that accepts by it is sampled with: its argmax (greedy, or
+    SGLANG_NGRAM_FORCE_GREEDY_VERIFY), else the request's own keyed sampling."""
+    return ARGMAX if params.is_greedy or spec.force_greedy_verify else params
+
+
 def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[int], prefills: list[Chunk],
                 verifies: list[Verify]) -> list[int] | None:
     """The target's token at every logits row, on the host, when some request decides by it: each row
@@ -100,11 +106,12 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
         if not by_target(spec, request.params):
             continue
         used = True
-        if request.params.is_greedy or spec.force_greedy_verify:
+        row_params = target_params(spec, request.params)
+        if row_params is ARGMAX:
             continue  # argmax rows already
         base = len(request.output_ids)
         for row, depth in zip(range(cu_logits[i], cu_logits[i + 1]), depths(v.tree.parents)):
-            params[row], output_positions[row] = request.params, base + depth
+            params[row], output_positions[row] = row_params, base + depth
     return sample(logits, params, output_positions).tolist() if used else None
 
 

@@ -73,8 +73,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions:
     chosen = [params[i] for i in rows]
     if any(p.seed is None for p in chosen):
         raise ValueError("sampling needs a seed per request (SamplingParams.with_seed())")
-    processed = process_logits(  # every host value goes over without waiting for the device (batch.to_device)
-        logits[to_device(torch.tensor(rows), device)],
+    index = to_device(torch.tensor(rows), device)  # every host value goes over without waiting for the device
+    processed = process_logits(
+        logits[index],
         to_device(torch.tensor([p.temperature for p in chosen]), device),
         to_device(torch.tensor([p.top_k for p in chosen]), device),
         to_device(torch.tensor([p.top_p for p in chosen]), device),
@@ -84,5 +85,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_positions:
                          to_device(torch.tensor([output_positions[i] for i in rows], dtype=torch.long), device))
     from splitspec.kernels import ops
 
-    tokens[to_device(torch.tensor(rows), device)] = ops.gumbel_argmax(processed, keys)  # argmax(processed + keyed Gumbel noise)
+    tokens[index] = ops.gumbel_argmax(processed, keys)  # argmax(processed + keyed Gumbel noise)
     return tokens
