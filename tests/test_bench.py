@@ -329,3 +329,74 @@ print('ok')
                            "assert served_selector() is None; print('off')"], capture_output=True, text=True,
                           timeout=120, env=off, cwd=str(REPO))
     assert result.returncode == 0 and result.stdout.strip() == "off", result.stderr[-2000:]
+
+
+def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed():
+    """`splitspec bench --url`'s client against a real HTTP/1.1 server on a socket: a slot's second request rides
+    the first one's connection; when the server then drops a kept-alive connection without saying so, the next
+    request is sent again on a new one; a server that answers `Connection: close` gets a new connection each time;
+    an error status is reported with its body; every delivery is counted."""
+    import asyncio
+    import threading
+
+    from splitspec.bench_http import Http
+    from splitspec.bench_measure import Timeline
+
+    connections, requests = [], []
+
+    def sse(texts: list[str], tokens: int) -> bytes:
+        events = [json.dumps({"choices": [{"text": t}]}) for t in texts]
+        events.append(json.dumps({"choices": [], "usage": {"completion_tokens": tokens}}))
+        body = "".join(f"data: {e}\n\n" for e in events) + "data: [DONE]\n\n"
+        return b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:7].encode(), body[7:].encode())) + b"0\r\n\r\n"
+
+    async def handle(reader, writer):
+        connections.append(writer)
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+            if not head:
+                break
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            body = json.loads(await reader.readexactly(length))
+            requests.append(body)
+            mode = body["mode"]
+            if mode == "error":
+                payload = b'{"error": {"message": "bad"}}'
+                writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                             + (b"Connection: close\r\n" if mode == "close" else b"") + b"\r\n"
+                             + sse(["a", "b", "c"], 5))
+            await writer.drain()
+            if mode in ("close", "drop"):  # drop: gone without a word (an idle keep-alive timeout)
+                writer.close()
+                break
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        client = Http(f"http://127.0.0.1:{port}", "key")
+
+        async def scenario():
+            connection = client.connection()
+            timelines = [Timeline() for _ in range(6)]
+            results = []
+            for i, mode in enumerate(["keep", "drop", "keep", "close", "keep"]):
+                results.append(await connection.stream({"mode": mode, "i": i}, timelines[i]))
+            with pytest.raises(RuntimeError, match="HTTP 400.*bad"):
+                await connection.stream({"mode": "error", "i": 5}, timelines[5])
+            connection.close()
+            return results, timelines
+
+        results, timelines = asyncio.run(scenario())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    assert [r["usage"]["completion_tokens"] for r in results] == [5] * 5
+    assert [t.tokens for t in timelines[:5]] == [5] * 5 and all(len(t.deliveries) == 3 for t in timelines[:5])
+    assert [b["i"] for b in requests] == [0, 1, 2, 3, 4, 5]  # request 2 went once, on a new connection
+    # connections: 0+1 (kept alive, then dropped), 2+3 (new; 3 answered close), 4+5 (new)
+    assert len(connections) == 3
