@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--url", default=None,
                         help="The gateway's base URL, e.g. http://127.0.0.1:30000: measure it over HTTP instead of "
                         "loading a model here (only --batch-size, --num-prompts, --prompt-len, --output-len, --dataset "
-                        "and --temperature apply).")
+                        "and --temperature apply). The requests stream from one asyncio event loop, each concurrent "
+                        "slot over its own keep-alive connection, as SGLang's and vLLM's serving benchmarks send them.")
     remote.add_argument("--api-key", default=None, help="Bearer token for --url.")
     parser.add_argument("--out", default=None, help="Also write the JSON report here.")
     return parser
