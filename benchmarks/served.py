@@ -107,7 +107,9 @@ def bench_flags(model_flags: list[str]) -> list[str]:
         flag = model_flags[i].split("=", 1)[0]
         inline = "=" in model_flags[i]
         value = None if inline or i + 1 >= len(model_flags) or model_flags[i + 1].startswith("--") else model_flags[i + 1]
-        if flag in BENCH_MODEL_FLAGS:
+        if flag == "--speculative-algorithm" and (value or model_flags[i].split("=", 1)[-1]).lower() == "none":
+            pass  # `up`'s plain serving; `splitspec bench` without an algorithm measures plain decoding only
+        elif flag in BENCH_MODEL_FLAGS:
             name = BENCH_GRID.get(flag, flag)
             out += [f"{name}={model_flags[i].split('=', 1)[1]}"] if inline else [name, *([value] if value else [])]
         i += 1 if inline or value is None else 2
@@ -119,7 +121,8 @@ def server_adaptive(model_flags: list[str]) -> list[str]:
     the target runs on a GPU). The in-process side gets the server's resolved setting, so that both sides run the same
     policy: [] where the flags name it or nothing speculates."""
     names = [f.split("=", 1)[0] for f in model_flags]
-    if "--speculative-adaptive" in names or "--speculative-algorithm" not in names:
+    speculates = "--speculative-algorithm" in [f.split("=", 1)[0] for f in bench_flags(model_flags)]  # not `none`
+    if "--speculative-adaptive" in names or not speculates:
         return []
     from splitspec.engine_args import adaptive_enabled
 

@@ -50,7 +50,8 @@
 #   served    issue 31: what a user gets over HTTP next to the engine, in one run (benchmarks/served.py: `splitspec up` on
 #             the GPU measured by `splitspec bench --url`, then `splitspec bench` in process with the same model flags
 #             and load; one JSON per case with both reports and served/in-process per point). SERVED_CASES picks among
-#             demo-ngram, demo-eagle3 (the demo target, plain and speculative, batch 1 and 16), 8b-plain (the
+#             demo-ngram, demo-eagle3 (the demo target, plain and speculative, batch 1 and 16), demo-plain (the demo
+#             target served without a drafter: `up --speculative-algorithm none`), 8b-plain (the
 #             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64) and 8b-plain-serial (the same served
 #             with --disable-overlap-schedule: publishing between steps), demo-ngram-grpc-here (demo-ngram with
 #             --disable-frontend-multiprocessing: gRPC on the engine's process), demo-ngram-fixed (demo-ngram with
@@ -208,6 +209,7 @@ for stage in "${stages[@]}"; do
         served) for case in ${SERVED_CASES:-demo-ngram demo-eagle3 8b-plain}; do
                     case $case in
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
+                        demo-plain) pre=(); model=(--speculative-algorithm none); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-eagle3-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-eagle3-remote) pre=(--serve=--drafters=1); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;

@@ -306,6 +306,22 @@ def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_r
     assert "follows no reference sequence" not in log
 
 
+def test_served_plain_deployment_measures_plain_decoding_in_process():
+    """benchmarks/served.py with `--speculative-algorithm none` (`up` serving plain decoding): the in-process side gets
+    no algorithm (plain decoding only) and no adaptive policy; a named algorithm reaches both sides."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import served
+    finally:
+        sys.path.pop(0)
+    for flags in (["--speculative-algorithm", "none", "--device", "cuda"], ["--speculative-algorithm=None", "--device", "cuda"]):
+        assert served.bench_flags(flags) == ["--device", "cuda"]
+        assert served.server_adaptive(flags) == []
+    flags = ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3", "--device", "cuda"]
+    assert served.bench_flags(flags) == ["--speculative-algorithm", "NGRAM", "--steps", "3", "--device", "cuda"]
+    assert served.server_adaptive(flags) == ["--speculative-adaptive", "on"]
+
+
 def test_the_served_profile_counts_whole_batch_decode_steps_of_its_kind():
     """SPLITSPEC_TORCH_PROFILE_SERVED=BATCH:KIND: the served verifier's profile counts decode steps of BATCH requests
     that all verified trees (spec) or none (plain); prefill steps and partial batches are not counted; off
