@@ -105,3 +105,60 @@ def test_no_import_cycles_among_the_products_modules():
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert "splitspec.kernels.ops" in graph["splitspec.runtime.sampling"]  # deferred imports are read too
     assert [sorted(c) for c in cycles(graph)] == []
+
+
+# the layers (issue 32): the engine's parts below the services, the services below the command lines ---------------
+ENGINE = ("splitspec.runtime", "splitspec.kernels", "splitspec.protos")
+SERVICES = ("splitspec.drafter_svc", "splitspec.verifier_svc", "splitspec.gateway")
+# process-level utilities every layer may use (no flags, no models, no services)
+UTILITIES = {"splitspec.registry", "splitspec.device_profile", "splitspec.default_model", "splitspec.heap",
+             "splitspec.host_profile", "splitspec.step_log", "splitspec.lifeline", "splitspec.event_loop",
+             "splitspec.metrics_http", "splitspec.model_shapes", "splitspec"}
+# where command-line flags become configuration: only a command line (a service's server.py) imports these
+FLAG_MODULES = {"splitspec.runtime.args", "splitspec.engine_args", "splitspec.draft_models", "splitspec.spec_flags",
+                "splitspec.generate"}
+COMMAND_LINES = {"splitspec.drafter_svc.server", "splitspec.verifier_svc.server", "splitspec.gateway.server",
+                 "splitspec.gateway.worker"}
+
+
+def _in(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def layering_faults(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes up: an engine module importing a service, a command line or a flag module (runtime.args
+    itself may read the default model); a service module importing anything above the engine but the utilities, or, outside
+    its command line, a flag module; any other top-level module (not classified as a utility above)."""
+    faults = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if _in(name, ENGINE):
+                ok = _in(target, ENGINE) and (target not in FLAG_MODULES or name in FLAG_MODULES) or target in UTILITIES
+            elif _in(name, SERVICES):
+                ok = (_in(target, ENGINE + SERVICES) or target in UTILITIES) and (
+                    target not in FLAG_MODULES or name in COMMAND_LINES) or (name in COMMAND_LINES and target in FLAG_MODULES)
+            else:
+                continue  # the command lines and the trainer sit on top
+            if not ok:
+                faults.append(f"{name} -> {target}")
+    return faults
+
+
+def test_the_layering_check_finds_an_upward_import():
+    graph = {"splitspec.runtime.runner": {"splitspec.verifier_svc.engine", "splitspec.heap"},
+             "splitspec.verifier_svc.engine": {"splitspec.engine_args", "splitspec.runtime.runner"},
+             "splitspec.verifier_svc.server": {"splitspec.engine_args"},
+             "splitspec.gateway.app": {"splitspec.bench"}}
+    assert layering_faults(graph) == ["splitspec.gateway.app -> splitspec.bench",
+                                      "splitspec.runtime.runner -> splitspec.verifier_svc.engine",
+                                      "splitspec.verifier_svc.engine -> splitspec.engine_args"]
+
+
+def test_packages_depend_downward_only():
+    """runtime, kernels and protos import no service, command line or flag module; the drafter, the verifier and the
+    gateway import the engine, each other and the utilities, and only their command lines read the flag modules."""
+    modules = product_modules()
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert {"splitspec.engine_args", "splitspec.runtime.args"} <= graph["splitspec.verifier_svc.server"]
+    assert "splitspec.runtime.runner" in graph["splitspec.verifier_svc.engine"]
+    assert layering_faults(graph) == []
