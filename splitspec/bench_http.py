@@ -25,6 +25,8 @@ from splitspec.step_log import StepLog
 
 logger = logging.getLogger("splitspec.bench")
 
+TIMEOUT_S = 600.0  # a connection that cannot open, or a server silent this long, fails the request
+
 
 class Http:
     def __init__(self, url: str, api_key: str | None):
@@ -39,7 +41,7 @@ class Http:
 
     def get(self, path: str) -> dict:
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        conn = cls(self.host, self.port, timeout=600)
+        conn = cls(self.host, self.port, timeout=TIMEOUT_S)
         try:
             conn.request("GET", path, headers=self.headers)
             response = conn.getresponse()
@@ -65,7 +67,8 @@ class Connection:
 
     async def _open(self) -> None:
         context = ssl.create_default_context() if self.http.https else None
-        self.reader, self.writer = await asyncio.open_connection(self.http.host, self.http.port, ssl=context)
+        self.reader, self.writer = await asyncio.wait_for(
+            asyncio.open_connection(self.http.host, self.http.port, ssl=context), TIMEOUT_S)
         self.h11 = h11.Connection(h11.CLIENT)
 
     def close(self) -> None:
@@ -78,7 +81,11 @@ class Connection:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            data = await self.reader.read(65536)
+            try:
+                async with asyncio.timeout(TIMEOUT_S):
+                    data = await self.reader.read(65536)
+            except TimeoutError:
+                raise RuntimeError(f"nothing from the server for {TIMEOUT_S:g} s") from None
             self.h11.receive_data(data)  # b"" = the server closed: h11 raises on a cut message
 
     async def stream(self, body: dict, timeline: Timeline) -> dict:

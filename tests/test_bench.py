@@ -416,3 +416,31 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
     assert [b["i"] for b in requests] == [0, 1, 2, 3, 4, 5]  # request 2 went once, on a new connection
     # connections: 0+1 (kept alive, then dropped), 2+3 (new; 3 answered close), 4+5 (new)
     assert len(connections) == 3
+
+
+def test_bench_client_gives_up_on_a_silent_server(monkeypatch):
+    """A server that takes the request and never answers fails it with a clear error after the client's timeout
+    (600 s; shortened here), instead of hanging the bench."""
+    import asyncio
+    import socket
+
+    from splitspec import bench_http
+    from splitspec.bench_measure import Timeline
+
+    monkeypatch.setattr(bench_http, "TIMEOUT_S", 0.5)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        connection = bench_http.Http(f"http://127.0.0.1:{listener.getsockname()[1]}", None).connection()
+
+        async def ask():
+            try:
+                await connection.stream({"prompt": "x"}, Timeline())
+            finally:
+                connection.close()
+
+        with pytest.raises(RuntimeError, match="nothing from the server for 0.5 s"):
+            asyncio.run(ask())
+    finally:
+        listener.close()
