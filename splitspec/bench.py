@@ -51,7 +51,7 @@ from pathlib import Path
 
 from splitspec import engine_args
 from splitspec.bench_measure import git_commit  # noqa: F401 (the benchmarks' scripts take it from here)
-from splitspec.runtime import args as runtime_args
+from splitspec import model_flags
 
 logger = logging.getLogger("splitspec.bench")
 
@@ -59,7 +59,7 @@ logger = logging.getLogger("splitspec.bench")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    runtime_args.add_model_args(parser)
+    model_flags.add_model_args(parser)
     shapes = parser.add_argument_group("dummy models of known shapes (random weights: profiling only)")
     from splitspec.model_shapes import PRESETS
 
@@ -141,9 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    runtime_args.setup_logging(args.log_level)
+    model_flags.setup_logging(args.log_level)
     try:
-        runtime_args.check_sglang_server_flags(args, "splitspec bench")
+        model_flags.check_sglang_server_flags(args, "splitspec bench")
         if args.url:
             from splitspec.bench_http import run_remote
 

@@ -19,7 +19,7 @@ from splitspec import engine_args, heap
 from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts
 from splitspec.lifeline import spawn
 from splitspec.step_log import StepLog
-from splitspec.runtime import args as runtime_args
+from splitspec import model_flags
 
 logger = logging.getLogger("splitspec.bench")
 
@@ -340,7 +340,7 @@ def run_in_process(args) -> dict:
     from splitspec.runtime.sampling_params import SamplingParams
 
     _resolve_models(args)
-    model_dir = runtime_args.resolve_model(args)
+    model_dir = model_flags.resolve_model(args)
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
     sync = not args.no_phase_sync
     if args.cuda_graph_max_bs is None and not args.disable_cuda_graph:  # target and draft head: no larger graphs
@@ -351,7 +351,7 @@ def run_in_process(args) -> dict:
     max_tree = max((tree_of(p)[2] for p in points), default=1)
     counts = {b: args.num_prompts or max(4, 2 * b) for b in batch_sizes}
     per_request = args.prompt_len + args.output_len + max_tree + 2 * args.page_size
-    runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir,
+    runner = ModelRunner.load(model_flags.runtime_config(args, model_dir,
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
     overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule  # as the served verifier's
     heap.freeze("bench")  # as the served verifier does: the same garbage collection on both sides

@@ -1,7 +1,7 @@
 """The model a command serves when no --model-path is given.
 
 The demo target is the default of `splitspec generate`, `verifier`, `bench` and the drafters. The modules
-that read --model-path (splitspec.runtime.args, splitspec.draft_models) sit below the demo models, whose
+that read --model-path (splitspec.model_flags, splitspec.draft_models) sit below the demo models, whose
 building trains heads and measures them through generation, so they must not import them: the command
 line's entry (splitspec.cli) names the provider once, and they ask this module. Called outside that entry,
 with no provider set, a missing --model-path is an error that says so.

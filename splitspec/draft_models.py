@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from splitspec.spec_flags import MODEL_ALGORITHMS, FlagError, ngram_config, tree_shape
-from splitspec.runtime.args import torch_compile_max_bs
+from splitspec.model_flags import torch_compile_max_bs
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def target_dir(args: argparse.Namespace) -> Path:
     """--model-path (the demo target when none is given: generate and verifier default to it; a drafter
     process asks for it)."""
     if not getattr(args, "model_path", None):
-        from splitspec.runtime.args import resolve_model
+        from splitspec.model_flags import resolve_model
 
         return resolve_model(args)
     return _resolve(args.model_path, getattr(args, "revision", None))

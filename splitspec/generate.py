@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from splitspec.runtime import args as runtime_args
+from splitspec import model_flags
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.hub import ModelNotFoundError
 from splitspec.runtime.kv_cache import OutOfPagesError
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline generation in one process on the splitspec runtime (no services).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    runtime_args.add_model_args(parser)
+    model_flags.add_model_args(parser)
     group = parser.add_argument_group("input")
     group.add_argument("--prompt", action="append", default=[], help="Prompt text; repeat the flag for a batch.")
     group.add_argument(
@@ -138,7 +138,7 @@ def _prompts(args, tokenizer) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    runtime_args.setup_logging(args.log_level)
+    model_flags.setup_logging(args.log_level)
     try:
         return _run(args)
     except (ConfigError, CheckpointError, ModelNotFoundError, OutOfPagesError, ValueError) as exc:  # FlagError too
@@ -147,13 +147,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    runtime_args.check_sglang_server_flags(args, "splitspec generate")
+    model_flags.check_sglang_server_flags(args, "splitspec generate")
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, repetition_penalty=args.repetition_penalty,
     )
-    model_dir = runtime_args.resolve_model(args)
+    model_dir = model_flags.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
     prompts = _prompts(args, tokenizer)
     spec = engine_args.spec_config(args)
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.max_total_tokens is not None and args.max_total_tokens < needed_pages * args.page_size:
         raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small for these prompts: they need "
                           f"{needed_pages} pages of {args.page_size} tokens ({needed_pages * args.page_size} tokens)")
-    runner = ModelRunner.load(runtime_args.runtime_config(
+    runner = ModelRunner.load(model_flags.runtime_config(
         args, model_dir, default_max_total_tokens=needed_pages * args.page_size))
     draft_tokens = needed_pages * args.page_size
     if args.speculative_algorithm in engine_args.MODEL_ALGORITHMS:  # room for each request's beam nodes too

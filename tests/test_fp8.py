@@ -298,7 +298,7 @@ def test_per_tensor_fp8_checkpoint_with_ignored_layers(tiny_llama, tmp_path, con
 # errors --------------------------------------------------------------------------------------------------
 def test_bad_combinations_are_refused(tiny_llama, tmp_path):
     from splitspec.generate import build_parser
-    from splitspec.runtime.args import check_sglang_server_flags
+    from splitspec.model_flags import check_sglang_server_flags
 
     parser = build_parser()
     for method in ("awq", "gptq", "bitsandbytes"):

@@ -115,7 +115,7 @@ UTILITIES = {"splitspec.registry", "splitspec.device_profile", "splitspec.defaul
              "splitspec.host_profile", "splitspec.step_log", "splitspec.lifeline", "splitspec.event_loop",
              "splitspec.metrics_http", "splitspec.model_shapes", "splitspec"}
 # where command-line flags become configuration: only a command line (a service's server.py) imports these
-FLAG_MODULES = {"splitspec.runtime.args", "splitspec.engine_args", "splitspec.draft_models", "splitspec.spec_flags",
+FLAG_MODULES = {"splitspec.model_flags", "splitspec.engine_args", "splitspec.draft_models", "splitspec.spec_flags",
                 "splitspec.generate"}
 COMMAND_LINES = {"splitspec.drafter_svc.server", "splitspec.verifier_svc.server", "splitspec.gateway.server",
                  "splitspec.gateway.worker"}
@@ -126,14 +126,14 @@ def _in(name: str, packages: tuple[str, ...]) -> bool:
 
 
 def layering_faults(graph: dict[str, set[str]]) -> list[str]:
-    """Every import that goes up: an engine module importing a service, a command line or a flag module (runtime.args
-    itself may read the default model); a service module importing anything above the engine but the utilities, or, outside
-    its command line, a flag module; any other top-level module (not classified as a utility above)."""
+    """Every import that goes up: an engine module importing a service, a command line or a flag module; a service
+    module importing anything above the engine but the utilities, or, outside its command line, a flag module; any
+    other top-level module (not classified as a utility above)."""
     faults = []
     for name, targets in sorted(graph.items()):
         for target in sorted(targets):
             if _in(name, ENGINE):
-                ok = _in(target, ENGINE) and (target not in FLAG_MODULES or name in FLAG_MODULES) or target in UTILITIES
+                ok = _in(target, ENGINE) or target in UTILITIES
             elif _in(name, SERVICES):
                 ok = (_in(target, ENGINE + SERVICES) or target in UTILITIES) and (
                     target not in FLAG_MODULES or name in COMMAND_LINES) or (name in COMMAND_LINES and target in FLAG_MODULES)
@@ -159,6 +159,6 @@ def test_packages_depend_downward_only():
     gateway import the engine, each other and the utilities, and only their command lines read the flag modules."""
     modules = product_modules()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
-    assert {"splitspec.engine_args", "splitspec.runtime.args"} <= graph["splitspec.verifier_svc.server"]
+    assert {"splitspec.engine_args", "splitspec.model_flags"} <= graph["splitspec.verifier_svc.server"]
     assert "splitspec.runtime.runner" in graph["splitspec.verifier_svc.engine"]
     assert layering_faults(graph) == []

@@ -9,7 +9,7 @@ from test_speculative import PROMPTS, REPETITIVE, ngram, run
 from transformers import AutoTokenizer
 
 from splitspec.demo import demo_model_dirs
-from splitspec.runtime import args as runtime_args
+from splitspec import model_flags
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.engine import SpecConfig
@@ -19,11 +19,11 @@ from splitspec.verifier_svc.server import build_parser
 def test_flags_set_the_compiled_batch_sizes():
     target = demo_model_dirs()["target"]
     parse = build_parser().parse_args
-    assert runtime_args.runtime_config(parse(["--model-path", str(target)]), target).torch_compile_max_bs == 0
+    assert model_flags.runtime_config(parse(["--model-path", str(target)]), target).torch_compile_max_bs == 0
     on = parse(["--model-path", str(target), "--enable-torch-compile"])
-    assert runtime_args.runtime_config(on, target).torch_compile_max_bs == runtime_args.DEFAULT_TORCH_COMPILE_MAX_BS
+    assert model_flags.runtime_config(on, target).torch_compile_max_bs == model_flags.DEFAULT_TORCH_COMPILE_MAX_BS
     on = parse(["--model-path", str(target), "--enable-torch-compile", "--torch-compile-max-bs", "4"])
-    assert runtime_args.runtime_config(on, target).torch_compile_max_bs == 4
+    assert model_flags.runtime_config(on, target).torch_compile_max_bs == 4
 
 
 def test_compiled_forward_decodes_as_the_eager_one(monkeypatch):
@@ -42,7 +42,7 @@ def test_compiled_forward_decodes_as_the_eager_one(monkeypatch):
     for flags in ([], ["--enable-torch-compile", "--torch-compile-max-bs", "2"]):
         args = parse(["--model-path", str(target), "--device", "cpu", "--dtype", "float32", "--max-total-tokens",
                       "4096", *flags])
-        runner = ModelRunner.load(runtime_args.runtime_config(args, target))
+        runner = ModelRunner.load(model_flags.runtime_config(args, target))
         outputs[bool(flags)] = run(runner, prompts, params, ngram(), SpecConfig(num_draft_tokens=8), batch=2)
         runners[bool(flags)] = runner
     compiled = runners[True].compiled

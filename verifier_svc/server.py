@@ -18,7 +18,7 @@ import sys
 
 from splitspec import engine_args, event_loop, heap
 from splitspec.protos import verifier_pb2 as pb
-from splitspec.runtime import args as runtime_args
+from splitspec import model_flags
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.adaptive import verify_tree_sizes
@@ -77,7 +77,7 @@ class LocalBackend:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitspec verifier", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    runtime_args.add_model_args(parser)
+    model_flags.add_model_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="Address the gRPC server binds.")
     server.add_argument("--port", type=int, default=30001, help="gRPC port.")
@@ -208,8 +208,8 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
     from splitspec.generate import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
 
-    model_dir = runtime_args.resolve_model(args)
-    runner = ModelRunner.load(runtime_args.runtime_config(args, model_dir))
+    model_dir = model_flags.resolve_model(args)
+    runner = ModelRunner.load(model_flags.runtime_config(args, model_dir))
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
     model_id = args.served_model_name or args.model_path or str(model_dir)
     metrics = registry = None
@@ -296,9 +296,9 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
 
 
 def run(args: argparse.Namespace) -> int:
-    runtime_args.setup_logging(args.log_level)
+    model_flags.setup_logging(args.log_level)
     try:
-        runtime_args.check_sglang_server_flags(args, "splitspec verifier")
+        model_flags.check_sglang_server_flags(args, "splitspec verifier")
         engine_args.spec_config(args)  # flag combinations, before anything loads
         curve = curve_keys(args)
         return serve(args, curve)

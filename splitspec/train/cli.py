@@ -10,7 +10,7 @@ import logging
 import sys
 from pathlib import Path
 
-from splitspec.runtime.args import LOG_LEVELS, setup_logging
+from splitspec.model_flags import LOG_LEVELS, setup_logging
 from splitspec.train.presets import DEMO_VOCAB_SIZE, PRESETS
 
 logger = logging.getLogger("splitspec.train")
