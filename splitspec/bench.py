@@ -49,9 +49,8 @@ import logging
 import sys
 from pathlib import Path
 
-from splitspec import engine_args
+from splitspec import engine_args, model_flags
 from splitspec.bench_measure import git_commit  # noqa: F401 (the benchmarks' scripts take it from here)
-from splitspec import model_flags
 
 logger = logging.getLogger("splitspec.bench")
 

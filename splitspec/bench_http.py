@@ -104,16 +104,13 @@ class Connection:
             try:
                 await self.writer.drain()
                 response = await self._next_event()
+                if isinstance(response, h11.ConnectionClosed):
+                    raise ConnectionError
             except (ConnectionError, h11.RemoteProtocolError):
                 self.close()
                 if reused and attempt == 0:
                     continue
                 raise RuntimeError("the server closed the connection") from None
-            if isinstance(response, h11.ConnectionClosed):
-                self.close()
-                if reused and attempt == 0:
-                    continue
-                raise RuntimeError("the server closed the connection")
             break
         try:
             extras = await self._response(response, timeline)

@@ -15,11 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from splitspec import engine_args, heap
+from splitspec import engine_args, heap, model_flags
 from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts
 from splitspec.lifeline import spawn
 from splitspec.step_log import StepLog
-from splitspec import model_flags
 
 logger = logging.getLogger("splitspec.bench")
 

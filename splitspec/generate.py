@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from splitspec import model_flags
+from splitspec import engine_args, model_flags
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.hub import ModelNotFoundError
 from splitspec.runtime.kv_cache import OutOfPagesError
@@ -23,7 +23,6 @@ from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.drafter_client import DrafterClient
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.step_types import Request, SchedulerConfig, SpecConfig
-from splitspec import engine_args
 
 
 logger = logging.getLogger("splitspec.generate")

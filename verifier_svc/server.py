@@ -16,9 +16,8 @@ import logging
 import os
 import sys
 
-from splitspec import engine_args, event_loop, heap
+from splitspec import engine_args, event_loop, heap, model_flags
 from splitspec.protos import verifier_pb2 as pb
-from splitspec import model_flags
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.adaptive import verify_tree_sizes
