@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from splitspec.draft_models import build_drafter
+from splitspec.speculation import resolve
 from splitspec.drafter_svc import server as drafter_server
 from splitspec.model_shapes import dummy_model_dir
 
@@ -92,7 +93,7 @@ def main() -> int:
              "--speculative-num-draft-tokens", str(args.num_draft_tokens), "--max-total-tokens", "65536",
              "--cuda-graph-max-bs", "16", *args.extra.split()]
     ns = drafter_server.build_parser().parse_args(flags)
-    drafter = build_drafter(ns, max_total_tokens=65536)
+    drafter = build_drafter(resolve(ns), max_total_tokens=65536)
     runner = drafter.runner
     feature = len(drafter.hidden_state_layers) * runner.config.hidden_size if args.algorithm == "EAGLE3" \
         else runner.config.hidden_size

@@ -124,10 +124,10 @@ def server_adaptive(model_flags: list[str]) -> list[str]:
     speculates = "--speculative-algorithm" in [f.split("=", 1)[0] for f in bench_flags(model_flags)]  # not `none`
     if "--speculative-adaptive" in names or not speculates:
         return []
-    from splitspec.engine_args import adaptive_enabled
+    from splitspec.speculation import adaptive_enabled
 
     device = model_flags[names.index("--device") + 1] if "--device" in model_flags else "auto"
-    on = adaptive_enabled(argparse.Namespace(speculative_adaptive="auto", device=device))
+    on = adaptive_enabled("auto", device)
     return ["--speculative-adaptive", "on" if on else "off"]
 
 

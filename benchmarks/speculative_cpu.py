@@ -126,19 +126,19 @@ class ZmqDrafter:
     def __init__(self, flags: list[str], runner, target: Path):
         import socket
 
-        from splitspec import draft_models
+        from splitspec import draft_models, speculation
         from splitspec.verifier_svc.drafter_pool import DrafterPool
 
-        ns = parse_flags(flags, target)
+        settings = speculation.resolve(parse_flags(flags, target), runner.config)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         address = f"tcp://127.0.0.1:{port}"
-        layers = draft_models.hidden_state_layers(ns, runner.config)
+        layers = settings.hidden_state_layers
         draft_models.capture_for(runner, layers)
         self.runner = runner
-        self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
-                                draft_model=ns.speculative_draft_model_path or "", timeout=5.0, heartbeat_timeout=10.0,
+        self.pool = DrafterPool(address, settings.algorithm, runner.config.vocab_size,
+                                draft_model=settings.draft_model, timeout=5.0, heartbeat_timeout=10.0,
                                 hidden_state_layers=layers)
         self.process = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address,
                                          *flags, "--model-path", str(target), "--dtype", RUNTIME["dtype"],
@@ -180,19 +180,20 @@ class TimedDrafter:
 def measure(runner, prompts, batch_size: int, new_tokens: int, flags: list[str] | None, target: Path,
             transport: str = "inprocess", temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """flags: the product's --speculative-* flags (None: plain decoding)."""
-    from splitspec import engine_args
+    from splitspec import engine_args, speculation
 
     params = [SamplingParams(temperature=temperature, top_p=top_p, seed=i, max_new_tokens=new_tokens, ignore_eos=True)
               for i in range(len(prompts))]
     decode_s, decode_tokens, draft_s, requests = 0.0, 0, 0.0, []
-    spec = engine_args.spec_config(parse_flags(flags, target)) if flags else None
+    spec = speculation.spec_config(speculation.resolve(parse_flags(flags, target), runner.config)) if flags else None
     for start in range(0, len(prompts), batch_size):
         group = slice(start, start + batch_size)
         remote = ZmqDrafter(flags, runner, target) if flags and transport == "zmq" else None
         if remote is not None:
             drafter = remote.pool
         elif flags:  # the drafter object in this process, as `splitspec generate` builds it (fresh per group)
-            drafter, spec = engine_args.in_process_drafter(parse_flags(flags, target), target=runner)
+            drafter, spec = engine_args.in_process_drafter(speculation.resolve(parse_flags(flags, target), runner.config),
+                                                           target=runner)
             drafter = TimedDrafter(drafter)
         else:
             drafter = None

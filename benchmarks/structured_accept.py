@@ -32,6 +32,7 @@ def drafter(algorithm: str, runner, device: str):
 
     from splitspec import engine_args
     from splitspec.draft_models import build_drafter, capture_for
+    from splitspec.speculation import resolve
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
     parser = ap.ArgumentParser()
@@ -44,7 +45,7 @@ def drafter(algorithm: str, runner, device: str):
     argv = ["--speculative-algorithm", algorithm, "--speculative-num-draft-tokens", "8"]
     if path is not None:
         argv += ["--speculative-draft-model-path", str(path), "--speculative-num-steps", "4", "--speculative-eagle-topk", "2"]
-    built = build_drafter(parser.parse_args(argv), target=runner)
+    built = build_drafter(resolve(parser.parse_args(argv), runner.config), target=runner)
     capture_for(runner, built.hidden_state_layers)
     topk = 1 if algorithm == "NGRAM" else 2
     return InProcessDrafterClient(built), SpecConfig(num_draft_tokens=8, num_steps=7 if algorithm == "NGRAM" else 4, topk=topk)

@@ -268,15 +268,14 @@ class ReplayDrafter(Drafter):
         return DraftTree(tuple(tokens), tuple(parents)), accepted
 
 
-def wrap(drafter: Drafter, args, vocab_size: int, shape: tuple[int, int, int]) -> ReplayDrafter:
-    """The ReplayDrafter the --speculative-replay* flags ask for, around the drafter that pays the cost."""
+def wrap(drafter: Drafter, settings, vocab_size: int, shape: tuple[int, int, int]) -> ReplayDrafter:
+    """The ReplayDrafter the --speculative-replay* flags ask for (settings: splitspec.speculation.Replay), around
+    the drafter that pays the cost."""
     steps, topk, tokens = shape
-    replay = ReplayDrafter(drafter, load_references(args.speculative_replay),
-                           parse_profile(args.speculative_replay_profile, steps), vocab_size, steps, topk, tokens,
-                           seed=args.speculative_replay_seed,
-                           guess_rate=getattr(args, "speculative_replay_guess_rate", None))
+    replay = ReplayDrafter(drafter, load_references(settings.references), parse_profile(settings.profile, steps),
+                           vocab_size, steps, topk, tokens, seed=settings.seed, guess_rate=settings.guess_rate)
     logger.warning("SIMULATED speculation: %s drafts for real but proposes the target's recorded continuation from %s "
                    "(%d sequences), accepted per the profile %s (expected accept length %.2f; overlap's bonus guesses "
-                   "right at rate %.2f)", drafter.name, args.speculative_replay, len(replay.references),
-                   args.speculative_replay_profile, 1 + sum(replay.rates), replay.guess_rate)
+                   "right at rate %.2f)", drafter.name, settings.references, len(replay.references),
+                   settings.profile, 1 + sum(replay.rates), replay.guess_rate)
     return replay

@@ -26,7 +26,7 @@ import secrets
 import socket
 import time
 
-from splitspec import engine_args, heap
+from splitspec import engine_args, heap, speculation
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
 from splitspec.drafter_svc.drafting import Drafting
@@ -418,14 +418,17 @@ def run(args: argparse.Namespace) -> int:
               "--model-path (the draft shares its embedding; MTP layers live in it)", file=__import__("sys").stderr)
         return 2
     try:
-        max_nodes = engine_args.num_draft_tokens(args)
+        from splitspec.draft_models import build_drafter
+
+        settings = speculation.resolve(args)  # the flags' speculation, resolved once
+        max_nodes = settings.num_draft_tokens
         default_tokens = 65536 if args.mem_fraction_static is None else None
-        drafter = engine_args.build_drafter(args, max_total_tokens=default_tokens)
+        drafter = build_drafter(settings, max_total_tokens=default_tokens)
     except (ValueError, OSError) as exc:  # FlagError, a bad checkpoint, a path that is not there
         print(f"splitspec drafter: error: {exc}", file=__import__("sys").stderr)
         return 2
     name = args.drafter_name or f"{socket.gethostname()}:{os.getpid()}"
-    model_drafter = args.speculative_algorithm in engine_args.MODEL_ALGORITHMS
+    model_drafter = settings.kind != "ngram"
     metrics, metrics_port, metrics_host = None, 0, ""
     if args.metrics_port is not None:
         from prometheus_client import CollectorRegistry
@@ -435,8 +438,7 @@ def run(args: argparse.Namespace) -> int:
 
         registry = CollectorRegistry()
         runner = getattr(drafter, "runner", None)
-        metrics = DrafterMetrics(registry, name, args.speculative_algorithm,
-                                 args.speculative_draft_model_path or "" if model_drafter else "",
+        metrics = DrafterMetrics(registry, name, settings.algorithm, settings.draft_model,
                                  runner.device if runner is not None else "cpu")
         try:
             http = start_metrics_server(registry, args.metrics_host, args.metrics_port)
@@ -449,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics_port)
     server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,
                            args.heartbeat_interval, args.verifier_timeout,
-                           draft_model=args.speculative_draft_model_path or "" if model_drafter else "",
+                           draft_model=settings.draft_model,
                            vocab_size=drafter.vocab_size if model_drafter else 0,
                            hidden_state_layers=drafter.hidden_state_layers, metrics=metrics,
                            metrics_port=metrics_port, metrics_host=metrics_host, curve=curve)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import logging
@@ -15,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from splitspec import engine_args, heap, model_flags
+from splitspec import engine_args, heap, model_flags, speculation
 from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts
 from splitspec.lifeline import spawn
 from splitspec.step_log import StepLog
@@ -101,7 +102,8 @@ class RemoteDrafter:
     """A drafter pool on loopback and one `splitspec drafter` process registered to it, drafting what the
     grid point's flags name (the replay included) on --drafter-device: the engine's DrafterClient."""
 
-    def __init__(self, ns, runner, max_total_tokens: int, max_batch: int):
+    def __init__(self, ns, settings, runner, max_total_tokens: int, max_batch: int):
+        """ns: the grid point's flags (the drafter process gets them); settings: what they resolve to."""
         import socket
 
         from splitspec import draft_models
@@ -111,15 +113,14 @@ class RemoteDrafter:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-        layers = draft_models.hidden_state_layers(ns, runner.config) if ns.speculative_algorithm != "NGRAM" else ()
+        layers = settings.hidden_state_layers
         draft_models.capture_for(runner, layers)
-        self.overlap, self.num_bets = engine_args.overlap_mode(ns), engine_args.num_bets(ns)
+        self.overlap, self.num_bets = settings.overlap, settings.num_bets
         self.device = ns.drafter_device or str(runner.device)
-        self.pool = DrafterPool(address, ns.speculative_algorithm, runner.config.vocab_size,
-                                draft_model=(ns.speculative_draft_model_path or "") if ns.speculative_algorithm != "NGRAM" else "",
+        self.pool = DrafterPool(address, settings.algorithm, runner.config.vocab_size, draft_model=settings.draft_model,
                                 timeout=5.0, heartbeat_timeout=30.0, hidden_state_layers=layers, overlap=self.overlap,
                                 num_bets=self.num_bets, device=device_identity(runner.device),
-                                overlap_max_bs=ns.speculative_overlap_max_bs, tensor_device=runner.device,
+                                overlap_max_bs=settings.overlap_max_bs, tensor_device=runner.device,
                                 ipc_buffer_bytes=0 if ns.drafter_plane == "frames" else 64 << 20)
         flags = ["--verifier-drafter-addr", address, "--drafter-name", "bench", "--log-level", "warning",
                  "--speculative-algorithm", ns.speculative_algorithm, "--device", self.device, "--dtype", ns.dtype,
@@ -203,7 +204,7 @@ def spec_fields(requests, drafter) -> dict:
 
 def grid_points(args) -> list[argparse.Namespace]:
     """One namespace per distinct tree shape of the grid (invalid ones logged and skipped)."""
-    from splitspec.engine_args import FlagError, num_draft_tokens
+    from splitspec.speculation import FlagError
 
     points, seen = [], set()
     for steps, topk, tokens in itertools.product(ints(args.steps), ints(args.topk), ints(args.num_draft_tokens)):
@@ -216,7 +217,6 @@ def grid_points(args) -> list[argparse.Namespace]:
             shape = tree_of(ns)
             if shape[2] > 1 + shape[0] * shape[1] + (shape[0] - 1) * shape[1] * (shape[1] - 1):
                 raise FlagError(f"{shape[2]} tree nodes do not fit {shape[0]} steps of top-{shape[1]}")
-            num_draft_tokens(ns)
         except (FlagError, ValueError) as exc:
             logger.warning("grid point steps=%s topk=%s tokens=%s skipped: %s", steps, topk, tokens, exc)
             continue
@@ -227,13 +227,10 @@ def grid_points(args) -> list[argparse.Namespace]:
 
 
 def tree_of(ns) -> tuple[int, int, int]:
-    """(num_steps, topk, num_draft_tokens); NGRAM: (tokens - 1, 1, tokens) (its budget)."""
-    if ns.speculative_algorithm == "NGRAM":
-        tokens = engine_args.num_draft_tokens(ns)
-        return (tokens - 1, 1, tokens)
-    from splitspec.draft_models import draft_tree_shape
+    """(num_steps, topk, num_draft_tokens) the flags resolve to; NGRAM: (tokens - 1, 1, tokens) (its budget)."""
+    from splitspec.speculation import resolve
 
-    return draft_tree_shape(ns)
+    return resolve(ns).tree
 
 
 def _resolve_models(args) -> None:
@@ -378,12 +375,13 @@ def run_in_process(args) -> dict:
             ns = copy.copy(point)
             if reference is not None:
                 ns.speculative_replay, ns.speculative_replay_profile = reference.name, profile
-            drafter = (RemoteDrafter(ns, runner, draft_tokens, max(batch_sizes)) if args.drafter_transport == "zmq"
-                       else engine_args.in_process_drafter(ns, max_total_tokens=draft_tokens, target=runner)[0])
+            settings = speculation.resolve(ns, runner.config)
+            drafter = (RemoteDrafter(ns, settings, runner, draft_tokens, max(batch_sizes)) if args.drafter_transport == "zmq"
+                       else engine_args.in_process_drafter(settings, max_total_tokens=draft_tokens, target=runner)[0])
             try:
                 for adaptive in series:
                     ns.speculative_adaptive = "on" if adaptive else "off"
-                    spec = engine_args.spec_config(ns)
+                    spec = speculation.spec_config(dataclasses.replace(settings, adaptive=adaptive))
                     policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
                     runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec))
                     for batch_size, (prompts, params, warm) in loads.items():

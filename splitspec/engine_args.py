@@ -1,18 +1,19 @@
 """The engine's flags, SGLang's names: scheduling (--max-running-requests, --chunked-prefill-size) and
-speculation (--speculative-*), and what they build: SchedulerConfig, the drafter and SpecConfig.
+speculation (--speculative-*), and what they build: SchedulerConfig, and a drafter in this process.
 
-What the model drafters load and how is splitspec.draft_models.
+What the speculative flags resolve to (the tree, the overlap, the acceptance policy, how a draft loads) is
+splitspec.speculation; building a model drafter from that is splitspec.draft_models.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import TYPE_CHECKING
 
-from splitspec.spec_flags import MODEL_ALGORITHMS, FlagError, ngram_config, tree_shape  # noqa: F401 (used here and by callers)
+from splitspec.speculation import HIDDEN_STATE_ALGORITHMS, MODEL_ALGORITHMS, FlagError  # noqa: F401 (for callers)
 
 if TYPE_CHECKING:  # the drafter service uses these flags too and must not import the verifier
+    from splitspec.speculation import Speculation
     from splitspec.verifier_svc.step_types import SchedulerConfig, SpecStats
 
 
@@ -167,32 +168,7 @@ def add_overlap_args(group) -> None:
                        "multiply its work by --speculative-num-bets; past this it drafts trees alone).")
 
 
-def overlap_mode(args) -> str:
-    """--speculative-overlap, else SGLang's SGLANG_ENABLE_SPEC_V2, else auto."""
-    if getattr(args, "speculative_overlap", None):
-        return args.speculative_overlap
-    env = os.environ.get("SGLANG_ENABLE_SPEC_V2", "").strip().lower()
-    if env in ("1", "true", "yes", "on"):
-        return "on"
-    if env in ("0", "false", "no", "off"):
-        return "off"
-    return "auto"
-
-
-def num_bets(args) -> int:
-    if getattr(args, "speculative_num_bets", None) is not None:
-        if args.speculative_num_bets < 0:
-            raise FlagError(f"--speculative-num-bets {args.speculative_num_bets}: must be >= 0")
-        return args.speculative_num_bets
-    if args.speculative_algorithm == "NGRAM":
-        return 4
-    from splitspec.draft_models import draft_tree_shape
-
-    return draft_tree_shape(args)[0] + 1
-
-
 ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3", "NEXTN")  # NEXTN is read as EAGLE (SGLang's alias)
-HIDDEN_STATE_ALGORITHMS = ("EAGLE", "EAGLE3")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 # SGLang's choices (python/sglang/srt/server_args.py); the drafts served here are dense, so these are parsed,
 # checked and logged as having nothing to do
@@ -206,80 +182,19 @@ def _algorithm(value: str) -> str:
     return "EAGLE" if value == "NEXTN" else value
 
 
-def num_draft_tokens(args: argparse.Namespace) -> int:
-    """The tree budget the flags give (splitspec.draft_models.num_draft_tokens)."""
-    from splitspec.draft_models import num_draft_tokens as of_flags
+def in_process_drafter(speculation: Speculation | None, max_total_tokens: int | None = None, target=None):
+    """(DrafterClient or None, SpecConfig) for a resolved Speculation (splitspec.speculation.resolve): the drafter
+    runs inside this process, beside `target` (a ModelRunner), whose forward is told what to capture for it."""
+    from splitspec.speculation import spec_config
 
-    return of_flags(args)
-
-
-def build_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
-    """The drafter the flags name (splitspec.draft_models.build_drafter)."""
-    from splitspec.draft_models import build_drafter as build
-
-    return build(args, max_total_tokens, target)
-
-
-def spec_config(args: argparse.Namespace):
-    """SpecConfig for the flags (verifier side); speculation off gives the defaults."""
-    from splitspec.verifier_svc.step_types import SpecConfig
-
-    if args.speculative_algorithm is None:
-        return SpecConfig()
-    tokens = num_draft_tokens(args)
-    if args.speculative_algorithm in MODEL_ALGORITHMS:
-        from splitspec.draft_models import draft_tree_shape
-
-        steps, topk = draft_tree_shape(args)[:2]
-    else:
-        steps, topk = tokens - 1, 0
-    if getattr(args, "speculative_adaptive_hysteresis", 0.015) < 0:
-        raise FlagError(f"--speculative-adaptive-hysteresis {args.speculative_adaptive_hysteresis}: must be >= 0")
-    if getattr(args, "speculative_adaptive_probe_interval", 200) < 1:
-        raise FlagError(f"--speculative-adaptive-probe-interval {args.speculative_adaptive_probe_interval}: must be >= 1")
-    return SpecConfig(
-        num_draft_tokens=tokens,
-        accept_threshold_single=args.speculative_accept_threshold_single,
-        accept_threshold_acc=args.speculative_accept_threshold_acc,
-        force_greedy_verify=args.speculative_algorithm == "NGRAM" and args.speculative_ngram_force_greedy_verify,
-        adaptive=adaptive_enabled(args),
-        num_steps=steps,
-        topk=topk,
-        adaptive_hysteresis=getattr(args, "speculative_adaptive_hysteresis", 0.015),
-        adaptive_probe_interval=getattr(args, "speculative_adaptive_probe_interval", 200),
-    )
-
-
-def on_gpu(device: str | None) -> bool:
-    """Whether a --device value (None or auto: cuda when available) names a GPU."""
-    device = str(device or "auto")
-    if device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
-
-
-def adaptive_enabled(args: argparse.Namespace) -> bool:
-    """--speculative-adaptive: on, off, or auto (on when the target runs on a GPU)."""
-    mode = getattr(args, "speculative_adaptive", "auto") or "auto"
-    if mode != "auto":
-        return mode == "on"
-    return on_gpu(getattr(args, "device", None))
-
-
-def in_process_drafter(args: argparse.Namespace, max_total_tokens: int | None = None, target=None):
-    """(DrafterClient or None, SpecConfig) for the flags: the drafter runs inside this process."""
-    if args.speculative_algorithm is None:
-        return None, spec_config(args)
+    if speculation is None:
+        return None, spec_config(None)
+    from splitspec.draft_models import build_drafter, capture_for
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
-    spec = spec_config(args)
-    drafter = build_drafter(args, max_total_tokens, target)
-    from splitspec.draft_models import capture_for
-
+    drafter = build_drafter(speculation, max_total_tokens, target)
     capture_for(target, drafter.hidden_state_layers)
-    return InProcessDrafterClient(drafter), spec
+    return InProcessDrafterClient(drafter), spec_config(speculation)
 
 
 def report(algorithm: str, stats: SpecStats) -> dict:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from splitspec import engine_args, model_flags
+from splitspec import engine_args, model_flags, speculation
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.hub import ModelNotFoundError
 from splitspec.runtime.kv_cache import OutOfPagesError
@@ -155,9 +155,9 @@ def _run(args: argparse.Namespace) -> int:
     model_dir = model_flags.resolve_model(args)
     tokenizer = load_tokenizer(Path(args.tokenizer_path or model_dir), required=bool(args.prompt))
     prompts = _prompts(args, tokenizer)
-    spec = engine_args.spec_config(args)
+    settings = speculation.resolve(args)  # the flags' speculation, resolved once (None: off)
     # every prompt runs at once: each needs pages for its prompt, its new tokens and a full draft tree
-    tree = spec.num_draft_tokens if args.speculative_algorithm else 0
+    tree = settings.num_draft_tokens if settings is not None else 0
     needed_pages = sum(-(-(len(p) + args.max_new_tokens + tree) // args.page_size) for p in prompts)
     if args.max_total_tokens is not None and args.max_total_tokens < needed_pages * args.page_size:
         raise ConfigError(f"--max-total-tokens {args.max_total_tokens} is too small for these prompts: they need "
@@ -165,12 +165,9 @@ def _run(args: argparse.Namespace) -> int:
     runner = ModelRunner.load(model_flags.runtime_config(
         args, model_dir, default_max_total_tokens=needed_pages * args.page_size))
     draft_tokens = needed_pages * args.page_size
-    if args.speculative_algorithm in engine_args.MODEL_ALGORITHMS:  # room for each request's beam nodes too
-        from splitspec.draft_models import draft_tree_shape
-
-        steps, topk, _ = draft_tree_shape(args)
-        draft_tokens += len(prompts) * (steps * topk + args.page_size)
-    drafter, spec = engine_args.in_process_drafter(args, max_total_tokens=draft_tokens, target=runner)
+    if settings is not None and settings.kind != "ngram":  # room for each request's beam nodes too
+        draft_tokens += len(prompts) * (settings.num_steps * settings.topk + args.page_size)
+    drafter, spec = engine_args.in_process_drafter(settings, max_total_tokens=draft_tokens, target=runner)
     vocab = runner.config.vocab_size
     bad = [t for p in prompts for t in p if not 0 <= t < vocab]
     if bad:

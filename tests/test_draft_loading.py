@@ -21,6 +21,7 @@ from splitspec import lifeline
 from splitspec import engine_args
 from splitspec.demo import demo_model_dirs
 from splitspec.draft_models import build_drafter
+from splitspec.speculation import resolve
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.loader import CheckpointError
 
@@ -78,42 +79,42 @@ def test_eagle3_ignores_the_token_map_with_a_warning(tmp_path, caplog):
     token_map = tmp_path / "map.pt"
     torch.save(list(range(100)), token_map)
     with caplog.at_level(logging.WARNING):
-        drafter = build_drafter(eagle3_flags(head, "--speculative-token-map", str(token_map)))
+        drafter = build_drafter(resolve(eagle3_flags(head, "--speculative-token-map", str(token_map))))
     assert f"--speculative-token-map {token_map} ignored: an EAGLE-3 head maps its own draft vocabulary (d2t)" in caplog.text
     assert len(drafter.token_map) == 512 and drafter.hidden_state_layers == (2, 4, 5) and drafter.name == "EAGLE3"
 
 
 def test_draft_load_format_and_revision(tmp_path, caplog):
     head = demo_shaped_head(tmp_path)  # pytorch_model.bin only
-    assert build_drafter(eagle3_flags(head, "--speculative-draft-load-format", "pt")).runner.config.hidden_size == 384
+    assert build_drafter(resolve(eagle3_flags(head, "--speculative-draft-load-format", "pt"))).runner.config.hidden_size == 384
     with pytest.raises(CheckpointError, match=r"no \*\.safetensors weights found \(found: config\.json, pytorch_model\.bin\)"):
-        build_drafter(eagle3_flags(head, "--speculative-draft-load-format", "safetensors"))
+        build_drafter(resolve(eagle3_flags(head, "--speculative-draft-load-format", "safetensors")))
     safetensors_head = demo_shaped_head(tmp_path / "st", fmt="safetensors")
     with pytest.raises(CheckpointError, match=r"--load-format pt needs pytorch_model\.bin \(or its index\), none found"):
-        build_drafter(eagle3_flags(safetensors_head, "--speculative-draft-load-format", "pt"))
-    dummy = build_drafter(eagle3_flags(head, "--speculative-draft-load-format", "dummy"))  # random weights, identity d2t
+        build_drafter(resolve(eagle3_flags(safetensors_head, "--speculative-draft-load-format", "pt")))
+    dummy = build_drafter(resolve(eagle3_flags(head, "--speculative-draft-load-format", "dummy")))  # random weights, identity d2t
     assert torch.equal(dummy.token_map, torch.arange(512))
     with caplog.at_level(logging.INFO):
-        build_drafter(eagle3_flags(head, "--speculative-moe-runner-backend", "triton", "--speculative-moe-a2a-backend", "deepep",
-                                   "--speculative-draft-model-quantization", "unquant"))
+        build_drafter(resolve(eagle3_flags(head, "--speculative-moe-runner-backend", "triton", "--speculative-moe-a2a-backend", "deepep",
+                                   "--speculative-draft-model-quantization", "unquant")))
     assert "--speculative-moe-runner-backend triton: the draft has no MoE layers, nothing to do" in caplog.text
     assert "--speculative-moe-a2a-backend deepep: the draft has no MoE layers, nothing to do" in caplog.text
     from splitspec.runtime.fp8 import Fp8Linear  # fp8: the head's linear layers quantized (tests/test_fp8.py)
 
-    assert isinstance(build_drafter(eagle3_flags(head, "--speculative-draft-model-quantization", "fp8")).runner.model.fc, Fp8Linear)
+    assert isinstance(build_drafter(resolve(eagle3_flags(head, "--speculative-draft-model-quantization", "fp8"))).runner.model.fc, Fp8Linear)
     with pytest.raises(SystemExit):
         eagle3_flags(head, "--speculative-moe-runner-backend", "nonsense")
 
 
 def test_a_hub_draft_defaults_to_revision_main(tmp_path, monkeypatch):
     """A hub id as the draft path resolves at revision main unless one is given (SGLang's default)."""
-    from splitspec import draft_models
+    from splitspec import speculation
 
     seen = []
-    monkeypatch.setattr(draft_models, "_resolve", lambda path, revision, flag: seen.append((path, revision)) or tmp_path)
-    draft_models.draft_dir(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/head"))
-    draft_models.draft_dir(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/head",
-                                 "--speculative-draft-model-revision", "v2"))
+    monkeypatch.setattr(speculation, "_resolve", lambda path, revision, flag: seen.append((path, revision)) or tmp_path)
+    for extra in ((), ("--speculative-draft-model-revision", "v2")):
+        args = flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "org/head", *extra)
+        speculation.checkpoints_of(args).draft_dir()
     assert seen == [("org/head", "main"), ("org/head", "v2")]
 
 
@@ -122,7 +123,7 @@ def test_a_draft_vocabulary_that_is_not_the_targets_is_refused(tmp_path):
                             edit=lambda s: s.update(t2d=torch.zeros(4000, dtype=torch.bool)))
     with pytest.raises(ConfigError, match=rf"the draft's vocabulary \(4000 tokens, vocab_size in {head}/config\.json\) does not "
                                           r"match the target's \(4096\); a draft must use the target's tokenizer"):
-        build_drafter(eagle3_flags(head))
+        build_drafter(resolve(eagle3_flags(head)))
 
 
 def test_a_standalone_draft_with_another_tokenizer_is_refused(tmp_path):
@@ -138,7 +139,7 @@ def test_a_standalone_draft_with_another_tokenizer_is_refused(tmp_path):
                  "--model-path", str(demo_model_dirs()["target"]))
     with pytest.raises(ConfigError, match=rf"the draft's tokenizer \({draft}/tokenizer\.json\) does not match the target's "
                                           r"\(.*/tokenizer\.json\): 2 tokens differ, e\.g\. .* is id \d+ in the draft and \d+ in the target"):
-        build_drafter(args)
+        build_drafter(resolve(args))
 
 
 def test_d2t_out_of_range_or_repeated_is_refused(tmp_path):
@@ -148,7 +149,7 @@ def test_d2t_out_of_range_or_repeated_is_refused(tmp_path):
     head = demo_shaped_head(tmp_path / "a", edit=out_of_range)
     with pytest.raises(CheckpointError, match=rf"{head}: d2t maps draft id 7 to target id \d+, outside the target's vocabulary "
                                               r"of 4096 \(1 draft ids out of range\)"):
-        build_drafter(eagle3_flags(head))
+        build_drafter(resolve(eagle3_flags(head)))
 
     def repeated(state):
         used = state["d2t"] + torch.arange(512)
@@ -156,7 +157,7 @@ def test_d2t_out_of_range_or_repeated_is_refused(tmp_path):
 
     head = demo_shaped_head(tmp_path / "b", edit=repeated)
     with pytest.raises(CheckpointError, match=r"d2t maps draft ids 8 and 9 to the same target id \d+"):
-        build_drafter(eagle3_flags(head))
+        build_drafter(resolve(eagle3_flags(head)))
 
 
 def test_cli_names_the_problem_without_a_traceback(tmp_path):
@@ -207,7 +208,7 @@ def test_an_eagle3_head_for_another_target_width_is_refused(tmp_path):
     head = demo_shaped_head(tmp_path, config_edit=wider, edit=lambda s: s.update({"fc.weight": torch.zeros(384, 1536)}))
     with pytest.raises(ConfigError, match=rf"{head}: the EAGLE-3 head's fc takes 1536 features, the target sends 1152 "
                                           r"\(3 captured layers \[2, 4, 5\] x hidden size 384\)"):
-        build_drafter(eagle3_flags(head))
+        build_drafter(resolve(eagle3_flags(head)))
 
 
 def test_eagle3_head_without_its_own_lm_head_uses_the_targets(tmp_path):
@@ -216,7 +217,7 @@ def test_eagle3_head_without_its_own_lm_head_uses_the_targets(tmp_path):
         state.pop("lm_head.weight"), state.pop("d2t"), state.pop("t2d")
 
     head = demo_shaped_head(tmp_path, edit=drop, config_edit=lambda c: c.pop("draft_vocab_size"))
-    drafter = build_drafter(eagle3_flags(head))
+    drafter = build_drafter(resolve(eagle3_flags(head)))
     target_head = torch.load(head / "pytorch_model.bin")  # nothing of the target's in it
     assert "lm_head.weight" not in target_head and drafter.token_map is None
     from splitspec.runtime.loader import read_embed_and_head

@@ -13,6 +13,7 @@ from test_draft_loading import eagle3_flags
 
 from splitspec.demo import demo_model_dirs
 from splitspec.draft_models import build_drafter
+from splitspec.speculation import resolve
 from splitspec.drafter_svc.standalone import StandaloneDrafter
 from splitspec.runtime.attention.base import AttentionBatch, merge_attention
 from splitspec.runtime.attention.torch_backend import dense_attention
@@ -40,9 +41,9 @@ def compare(drafter, ids: list[str], budgets: list[int]) -> None:
 
 @pytest.mark.parametrize("topk, steps, tokens", SHAPES)
 def test_eagle3_loop_trees_equal_the_host_reference(topk, steps, tokens):
-    drafter = build_drafter(eagle3_flags(demo_model_dirs(heads=True)["eagle3"], "--speculative-num-steps", str(steps),
+    drafter = build_drafter(resolve(eagle3_flags(demo_model_dirs(heads=True)["eagle3"], "--speculative-num-steps", str(steps),
                                          "--speculative-eagle-topk", str(topk),
-                                         "--speculative-num-draft-tokens", str(tokens)))
+                                         "--speculative-num-draft-tokens", str(tokens))))
     assert drafter.token_map is not None and drafter.loop.token_map is not None  # draft ids map through d2t
     width = drafter.runner.model.fc_input_size
     generator = torch.Generator().manual_seed(topk * 100 + steps)

@@ -369,21 +369,22 @@ def draft_flags(algorithm: str, draft: Path, *extra: str) -> argparse.Namespace:
 
 def test_draft_quantization_flag(demo_pair):
     from splitspec.draft_models import build_drafter
+    from splitspec.speculation import resolve
 
     heads = demo_model_dirs(heads=True)
     _, _, fp8_target, _ = demo_pair
-    eagle3 = build_drafter(draft_flags("EAGLE3", heads["eagle3"], "--speculative-draft-model-quantization", "fp8"),
+    eagle3 = build_drafter(resolve(draft_flags("EAGLE3", heads["eagle3"], "--speculative-draft-model-quantization", "fp8")),
                            target=fp8_target).runner.model
     assert isinstance(eagle3.fc, Fp8Linear) and type(eagle3.lm_head) is torch.nn.Linear
     assert all(isinstance(m, Fp8Linear) for m in (eagle3.layers[0].self_attn.qkv_proj, eagle3.layers[0].mlp.down_proj))
-    eagle = build_drafter(draft_flags("EAGLE", heads["eagle"], "--speculative-draft-model-quantization", "fp8")).runner.model
+    eagle = build_drafter(resolve(draft_flags("EAGLE", heads["eagle"], "--speculative-draft-model-quantization", "fp8"))).runner.model
     assert isinstance(eagle.fc, Fp8Linear) and eagle.fc.bias is not None and eagle.embed_weight.dtype == torch.float32
     # default: as the checkpoint is (unquantized), whatever the target; unquant: the same, said explicitly
     for extra in ((), ("--speculative-draft-model-quantization", "unquant")):
-        head = build_drafter(draft_flags("EAGLE3", heads["eagle3"], *extra), target=fp8_target).runner.model
+        head = build_drafter(resolve(draft_flags("EAGLE3", heads["eagle3"], *extra)), target=fp8_target).runner.model
         assert not any(isinstance(m, Fp8Linear) for m in head.modules())
-    standalone = build_drafter(draft_flags("STANDALONE", demo_model_dirs()["draft"], "--speculative-draft-model-quantization",
-                                           "fp8")).runner.model
+    standalone = build_drafter(resolve(draft_flags("STANDALONE", demo_model_dirs()["draft"], "--speculative-draft-model-quantization",
+                                           "fp8"))).runner.model
     assert sum(isinstance(m, Fp8Linear) for m in standalone.modules()) == 4 * standalone.config.num_hidden_layers
     with pytest.raises(SystemExit):  # argparse: the draft takes fp8 or unquant
         draft_flags("EAGLE3", heads["eagle3"], "--speculative-draft-model-quantization", "awq")
@@ -419,6 +420,7 @@ def test_speculation_on_an_fp8_target_is_lossless(demo_pair, algorithm):
     """Greedy speculative decoding with an FP8 target (and an FP8 draft) gives what the same FP8 target gives
     decoding plainly, with drafts accepted."""
     from splitspec.draft_models import build_drafter
+    from splitspec.speculation import resolve
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
     from splitspec.verifier_svc.engine import SpecConfig
 
@@ -426,7 +428,7 @@ def test_speculation_on_an_fp8_target_is_lossless(demo_pair, algorithm):
     draft = demo_model_dirs()["draft"] if algorithm == "STANDALONE" else demo_model_dirs(heads=True)["eagle3"]
     args = draft_flags(algorithm, draft, "--speculative-draft-model-quantization", "fp8", "--speculative-num-steps", "3",
                        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "6")
-    drafter = build_drafter(args, target=fp8)
+    drafter = build_drafter(resolve(args), target=fp8)
     assert any(isinstance(m, Fp8Linear) for m in drafter.runner.model.modules())
     plain = greedy(fp8, prompts, 24)
     for batch in (1, 4):

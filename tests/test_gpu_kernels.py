@@ -275,6 +275,7 @@ def test_head_catch_up_graphs_equal_eager():
     """A draft head's forwards fed features (catch-ups with the target's, overlap's bets with its own) replay
     the graphs capture_feature_graphs captured, chains included, and equal the same forwards run eagerly."""
     from splitspec.draft_models import build_drafter
+    from splitspec.speculation import resolve
     from splitspec.drafter_svc.server import build_parser
     from splitspec.model_shapes import dummy_model_dir
 
@@ -284,7 +285,7 @@ def test_head_catch_up_graphs_equal_eager():
                  "dummy", "--device", "cuda", "--dtype", "bfloat16", "--speculative-num-steps", "3",
                  "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--max-total-tokens", "4096",
                  "--page-size", "4", "--cuda-graph-max-bs", "8"] + ([] if graphs else ["--disable-cuda-graph"])
-        return build_drafter(build_parser().parse_args(flags), max_total_tokens=4096).runner
+        return build_drafter(resolve(build_parser().parse_args(flags)), max_total_tokens=4096).runner
 
     eager, graphed = head(False), head(True)
     assert eager.graphs is None

@@ -115,7 +115,7 @@ UTILITIES = {"splitspec.registry", "splitspec.device_profile", "splitspec.defaul
              "splitspec.host_profile", "splitspec.step_log", "splitspec.lifeline", "splitspec.event_loop",
              "splitspec.metrics_http", "splitspec.model_shapes", "splitspec"}
 # where command-line flags become configuration: only a command line (a service's server.py) imports these
-FLAG_MODULES = {"splitspec.model_flags", "splitspec.engine_args", "splitspec.draft_models", "splitspec.spec_flags",
+FLAG_MODULES = {"splitspec.model_flags", "splitspec.engine_args", "splitspec.draft_models", "splitspec.speculation",
                 "splitspec.generate"}
 COMMAND_LINES = {"splitspec.drafter_svc.server", "splitspec.verifier_svc.server", "splitspec.gateway.server",
                  "splitspec.gateway.worker"}

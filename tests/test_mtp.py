@@ -302,33 +302,33 @@ def test_automatic_shapes_and_captured_states(trained_mimo, trained_mimo_multi):
     multi-layer MTP one step per layer, a chain; a multi-layer tree is refused."""
     import argparse
 
-    from splitspec import engine_args
-    from splitspec.draft_models import draft_tree_shape
+    from splitspec import engine_args, model_flags
+    from splitspec.runtime.config import ModelConfig
+    from splitspec.speculation import FlagError, draft_tree_shape, resolve
 
     def flags(*argv):
         parser = argparse.ArgumentParser()
         engine_args.add_speculative_args(parser)
-        parser.add_argument("--model-path")
+        model_flags.add_model_args(parser)
         return parser.parse_args(list(argv))
 
-    from splitspec.draft_models import hidden_state_layers, target_config
-
-    nextn = flags("--speculative-algorithm", "NEXTN", "--model-path", str(trained_mimo))
-    assert draft_tree_shape(nextn) == (3, 1, 4)
-    assert hidden_state_layers(nextn, target_config(nextn)) == (-1,)  # the final normed state
-    multi = flags("--speculative-algorithm", "nextn", "--model-path", str(trained_mimo_multi), "--enable-multi-layer-eagle")
-    assert draft_tree_shape(multi) == (2, 1, 3)
-    assert hidden_state_layers(multi, target_config(multi)) == (8,)  # the last layer's output, before the norm
+    nextn = resolve(flags("--speculative-algorithm", "NEXTN", "--model-path", str(trained_mimo)))
+    assert nextn.tree == (3, 1, 4)
+    assert nextn.hidden_state_layers == (-1,)  # the final normed state
+    multi = resolve(flags("--speculative-algorithm", "nextn", "--model-path", str(trained_mimo_multi), "--enable-multi-layer-eagle"))
+    assert multi.tree == (2, 1, 3)
+    assert multi.hidden_state_layers == (8,)  # the last layer's output, before the norm
     # the target as its own draft path is MTP too (SGLang's NEXTN sets it so)
-    same = flags("--speculative-algorithm", "EAGLE", "--model-path", str(trained_mimo),
-                 "--speculative-draft-model-path", str(trained_mimo))
-    assert hidden_state_layers(same, target_config(same)) == (-1,) and draft_tree_shape(same) == (3, 1, 4)
+    same = resolve(flags("--speculative-algorithm", "EAGLE", "--model-path", str(trained_mimo),
+                         "--speculative-draft-model-path", str(trained_mimo)))
+    assert same.hidden_state_layers == (-1,) and same.tree == (3, 1, 4)
     with pytest.raises(ConfigError, match="LlamaForCausalLM declares no MTP layers"):
-        draft_tree_shape(flags("--speculative-algorithm", "NEXTN", "--model-path", str(demo_model_dirs()["target"]),
-                               "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-                               "--speculative-num-draft-tokens", "2"))
-    assert draft_tree_shape(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "unused",
-                                  "--model-path", str(demo_model_dirs()["target"]))) == (5, 4, 8)
-    with pytest.raises(engine_args.FlagError, match="--enable-multi-layer-eagle drafts a chain"):
-        draft_tree_shape(flags("--speculative-algorithm", "EAGLE", "--model-path", str(trained_mimo_multi), "--enable-multi-layer-eagle",
-                               "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"))
+        resolve(flags("--speculative-algorithm", "NEXTN", "--model-path", str(demo_model_dirs()["target"]),
+                      "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"))
+    # the tree rule alone (no head to read): a Llama target's automatic tree
+    demo_target = ModelConfig.from_dir(demo_model_dirs()["target"])
+    assert draft_tree_shape(flags("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "unused"), "eagle3",
+                            False, lambda: demo_target) == (5, 4, 8)
+    with pytest.raises(FlagError, match="--enable-multi-layer-eagle drafts a chain"):
+        resolve(flags("--speculative-algorithm", "EAGLE", "--model-path", str(trained_mimo_multi), "--enable-multi-layer-eagle",
+                      "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"))

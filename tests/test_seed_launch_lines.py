@@ -100,7 +100,7 @@ def test_every_flag_the_seed_names_is_a_verifier_flag():
     the ones that cannot be honoured are refused at start with the reason, SGLang's backend names map
     to an implemented backend."""
     from splitspec.cli import load_command
-    from splitspec.draft_models import draft_attention_backend
+    from splitspec.speculation import draft_attention_backend
     from splitspec.model_flags import check_sglang_server_flags
 
     path = next((p / "speculative_decoding.md" for p in SEEDS if (p / "speculative_decoding.md").is_file()), None)

@@ -15,7 +15,7 @@ from test_speculative import PROMPTS, run
 from test_verifier_service import collect, scrape, start_verifier, stop, submit
 
 from splitspec import lifeline
-from splitspec import engine_args
+from splitspec import speculation
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.standalone import StandaloneDrafter
 from splitspec.protos import verifier_pb2 as pb
@@ -106,16 +106,16 @@ def _flags(**values) -> argparse.Namespace:
 
 
 def test_tree_flags_follow_sglangs_rules():
-    assert engine_args.tree_shape(_flags(), (3, 1, 4)) == (3, 1, 4)  # all three unset: the automatic choice
-    assert engine_args.tree_shape(_flags(speculative_num_steps=4, speculative_eagle_topk=2,
+    assert speculation.tree_shape(_flags(), (3, 1, 4)) == (3, 1, 4)  # all three unset: the automatic choice
+    assert speculation.tree_shape(_flags(speculative_num_steps=4, speculative_eagle_topk=2,
                                          speculative_num_draft_tokens=8), (3, 1, 4)) == (4, 2, 8)
     # topk 1: a chain of num_steps + 1 nodes whatever num_draft_tokens says
-    assert engine_args.tree_shape(_flags(speculative_num_steps=5, speculative_eagle_topk=1,
+    assert speculation.tree_shape(_flags(speculative_num_steps=5, speculative_eagle_topk=1,
                                          speculative_num_draft_tokens=3), (3, 1, 4)) == (5, 1, 6)
-    with pytest.raises(engine_args.FlagError, match="--speculative-eagle-topk"):
-        engine_args.tree_shape(_flags(speculative_num_steps=4), (3, 1, 4))
-    with pytest.raises(engine_args.FlagError, match="need at least"):
-        engine_args.tree_shape(_flags(speculative_num_steps=0, speculative_eagle_topk=2, speculative_num_draft_tokens=4),
+    with pytest.raises(speculation.FlagError, match="--speculative-eagle-topk"):
+        speculation.tree_shape(_flags(speculative_num_steps=4), (3, 1, 4))
+    with pytest.raises(speculation.FlagError, match="need at least"):
+        speculation.tree_shape(_flags(speculative_num_steps=0, speculative_eagle_topk=2, speculative_num_draft_tokens=4),
                                (3, 1, 4))
     result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "generate", "--prompt", "x", "--speculative-algorithm",
                              "STANDALONE", "--speculative-draft-model-path", str(demo_model_dirs()["draft"]),

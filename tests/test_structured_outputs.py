@@ -61,13 +61,14 @@ def drafter_for(algorithm: str, runner):
     if algorithm == "NGRAM":
         return ngram(), SpecConfig(num_draft_tokens=8)
     from splitspec.draft_models import build_drafter, capture_for
+    from splitspec.speculation import resolve
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
     heads = demo_model_dirs(heads=True)
     path = {"STANDALONE": demo_model_dirs()["draft"], "EAGLE": heads["eagle"], "EAGLE3": heads["eagle3"]}[algorithm]
     flags = draft_flags(algorithm, path, "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
                         "--speculative-num-draft-tokens", "6")
-    drafter = build_drafter(flags, target=runner)
+    drafter = build_drafter(resolve(flags), target=runner)
     capture_for(runner, drafter.hidden_state_layers)
     return InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=6, num_steps=3, topk=2)
 

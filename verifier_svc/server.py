@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from splitspec import engine_args, event_loop, heap, model_flags
+from splitspec import engine_args, event_loop, heap, model_flags, speculation
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
@@ -164,34 +164,31 @@ def curve_keys(args: argparse.Namespace) -> ServerKeys | None:
     return keys
 
 
-def make_drafter(args: argparse.Namespace, runner, registry, model_id: str, curve: ServerKeys | None):
-    """(drafter client, speculation config): the pool of drafter processes at --drafter-bind-addr, or the
-    algorithm drafting in this process (none without --speculative-algorithm)."""
-    if not (args.drafter_bind_addr and args.speculative_algorithm):
-        return engine_args.in_process_drafter(args, target=runner)
+def make_drafter(args: argparse.Namespace, settings: speculation.Speculation | None, runner, registry, model_id: str,
+                 curve: ServerKeys | None):
+    """(drafter client, speculation config) for the resolved Speculation: the pool of drafter processes at
+    --drafter-bind-addr, or the algorithm drafting in this process (none without --speculative-algorithm)."""
+    if not (args.drafter_bind_addr and settings is not None):
+        return engine_args.in_process_drafter(settings, target=runner)
     from splitspec.verifier_svc.drafter_pool import DrafterPool
     from splitspec.verifier_svc.metrics import PoolMetrics
 
-    from splitspec.draft_models import capture_for, hidden_state_layers
+    from splitspec.draft_models import capture_for
     from splitspec.protos.step_limits import verifier_receive_limit
     from splitspec.runtime.tensor_plane import device_identity
-
-    spec = engine_args.spec_config(args)
-    layers = hidden_state_layers(args, runner.config)
-    capture_for(runner, layers)
+    s = settings
+    capture_for(runner, s.hidden_state_layers)
     # trees for every request that can run at once (each holds a KV page at least)
     max_requests = args.max_running_requests or runner.kv_cache.num_pages
-    max_message = verifier_receive_limit(max_requests, spec.num_draft_tokens, engine_args.num_bets(args))
-    return DrafterPool(args.drafter_bind_addr, args.speculative_algorithm, runner.config.vocab_size,
-                       draft_model=(args.speculative_draft_model_path or "") if args.speculative_algorithm != "NGRAM" else "",
+    max_message = verifier_receive_limit(max_requests, s.num_draft_tokens, s.num_bets)
+    return DrafterPool(args.drafter_bind_addr, s.algorithm, runner.config.vocab_size, draft_model=s.draft_model,
                        timeout=args.drafter_timeout_ms / 1000, heartbeat_timeout=args.drafter_heartbeat_timeout,
-                       hidden_state_layers=layers,
+                       hidden_state_layers=s.hidden_state_layers,
                        metrics=PoolMetrics(registry, model_id) if registry is not None else None,
-                       overlap=engine_args.overlap_mode(args), num_bets=engine_args.num_bets(args),
-                       device=device_identity(runner.device), overlap_max_bs=args.speculative_overlap_max_bs,
-                       tensor_device=runner.device, ipc_buffer_bytes=args.drafter_ipc_buffer_mb << 20,
-                       curve=curve, max_message_bytes=max_message), spec
-
+                       overlap=s.overlap, num_bets=s.num_bets, device=device_identity(runner.device),
+                       overlap_max_bs=s.overlap_max_bs, tensor_device=runner.device,
+                       ipc_buffer_bytes=args.drafter_ipc_buffer_mb << 20, curve=curve,
+                       max_message_bytes=max_message), speculation.spec_config(s)
 
 
 def grammar_compiler(model_dir, vocab_size: int, eos: set[int]):
@@ -221,7 +218,8 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, ... (drift)
         metrics = EngineMetrics(registry, model_id)
-    drafter, spec = make_drafter(args, runner, registry, model_id, curve)
+    settings = speculation.resolve(args, runner.config)  # the flags' speculation, resolved once
+    drafter, spec = make_drafter(args, settings, runner, registry, model_id, curve)
     if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters
         pool = drafter if args.drafter_bind_addr and args.speculative_algorithm else None
         start_metrics_server(registry, args.host, args.metrics_port,
@@ -298,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     model_flags.setup_logging(args.log_level)
     try:
         model_flags.check_sglang_server_flags(args, "splitspec verifier")
-        engine_args.spec_config(args)  # flag combinations, before anything loads
+        speculation.resolve(args)  # flag combinations, before anything loads
         curve = curve_keys(args)
         return serve(args, curve)
     except (ValueError, OSError) as exc:  # FlagError, ConfigError, CheckpointError, CurveError, a path that is not there
