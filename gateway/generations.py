@@ -27,7 +27,7 @@ FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.F
 GRPC_INVALID_ARGUMENT, GRPC_RESOURCE_EXHAUSTED = 3, 8
 
 
-@dataclass
+@dataclass(frozen=True)
 class GatewayConfig:
     verifier: str = "127.0.0.1:30001"
     tokenizer_path: str | None = None

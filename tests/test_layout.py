@@ -31,3 +31,26 @@ def test_modules_and_functions_stay_small():
                     too_long.append(f"{name}.{node.name}: {length} lines")
     assert too_long == []
     assert len(product_modules()) > 100  # the walk saw the product (every mapped package)
+
+
+# the command lines (each parses its own flags) and the flag modules that turn flags into typed configs
+READS_FLAGS = {"splitspec.drafter_svc.server", "splitspec.verifier_svc.server", "splitspec.gateway.server",
+               "splitspec.bench", "splitspec.bench_http", "splitspec.bench_in_process", "splitspec.bench_measure",
+               "splitspec.demo", "splitspec.generate", "splitspec.launcher", "splitspec.train.cli", "splitspec.zmq_keys",
+               "splitspec.model_flags", "splitspec.speculation", "splitspec.engine_args"}
+
+
+def test_only_the_command_lines_and_the_flag_layer_take_parsed_flags():
+    """Flags become typed configs at the edge (RuntimeConfig, SchedulerConfig, Speculation, GatewayConfig): below the
+    command lines no function takes an argparse Namespace (a parameter so annotated, or named args / ns)."""
+    takers = set()
+    for name, path in product_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                    if arg.arg in ("args", "ns") or "Namespace" in annotation:
+                        takers.add(f"{name}.{node.name}")
+    outside = sorted(t for t in takers if not any(t.startswith(m + ".") for m in READS_FLAGS))
+    assert outside == []
+    assert "splitspec.speculation.resolve" in takers  # the walk sees the flag layer's entry
