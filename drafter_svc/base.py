@@ -35,6 +35,7 @@ class Drafter(ABC):
     name: str = ""
     needs_hidden_states = False  # EAGLE-style: extend() also gets the target's hidden state before each token
     supports_bets = False  # draft_bets() returns bets (overlapped drafting)
+    fills_budget = False  # draft() fills a larger budget from more candidates (NGRAM's trie), not a fixed tree shape
 
     @abstractmethod
     def open(self, request_id: str, prompt_ids: list[int]) -> None:

@@ -211,6 +211,7 @@ class NgramDrafter(Drafter):
     name = "NGRAM"
 
     supports_bets = True
+    fills_budget = True
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()

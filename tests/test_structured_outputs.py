@@ -163,3 +163,34 @@ def test_a_grammar_the_engine_cannot_compile_ends_only_its_request(setup):
         events += engine.step()
     assert constrained.finish_reason == "error" and free.finish_reason == "length" and len(free.output_ids) == 4
     assert any(e.request_id == constrained.request_id and "grammar engine" in e.error for e in events)
+
+
+def test_in_process_ngram_never_proposes_what_the_grammar_forbids(setup):
+    """A constrained request's NGRAM trees, drafted in the verifier's process, hold only tokens its grammar allows
+    after each node's path: the client asks the trie for more candidates and cuts the tree to the grammar and the
+    budget before the engine sees it. The output stays constrained plain decoding's, and drafts are accepted."""
+    from splitspec.runtime.tree import DraftTree
+    from splitspec.verifier_svc.grammar_masks import grammar_rows
+
+    runner, _, _, _, _ = setup
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, grammar=("json_schema", json.dumps(SCHEMA)))
+    plain = decode(setup, None, None, params)
+    client, checked = ngram(), []
+    collect = client.collect
+
+    def checked_collect(request_ids):
+        matchers = {r: guide.keywords["matcher"] for r, guide in client._guides.items()}
+        trees = collect(request_ids)
+        for request_id, tree in trees.items():
+            if isinstance(tree, DraftTree) and request_id in matchers:
+                rows = grammar.xgrammar_module().allocate_token_bitmask(tree.num_nodes, runner.config.vocab_size)
+                assert grammar_rows(tree, matchers[request_id], rows)[1] == list(range(tree.num_nodes)), tree
+                checked.append(tree.num_nodes)
+        return trees
+
+    client.collect = checked_collect
+    speculated = decode(setup, client, SpecConfig(num_draft_tokens=8), params)
+    assert [r.output_ids for r in speculated] == [r.output_ids for r in plain]
+    assert len(checked) > 0 and max(checked) > 1 and client.stats.grammar_cut > 0  # candidates were cut, trees remained
+    assert max(checked) <= 8  # within the budget, however many candidates the trie was asked for
+    assert sum(r.stats.accepted_tokens for r in speculated) > 0 and all(r.stats.fallbacks == 0 for r in speculated)

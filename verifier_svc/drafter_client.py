@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitspec.runtime.tree import DraftTree
@@ -26,6 +27,9 @@ class DraftAsk:
     new_tokens: list[int]  # what the sequence grew by since the last call
     max_nodes: int  # tree budget, root included
     hidden: object = None  # hidden-state drafters: [len(new_tokens), H], the target's state before each token
+    # a request whose output a grammar constrains: guide(tree, max_nodes) cuts a tree to what the grammar allows
+    # (grammar_masks.draft_guide). In-process drafting only; a drafter process's trees are pruned by the verifier
+    guide: Callable[[DraftTree, int], DraftTree] | None = None
 
 
 class _Fault:
@@ -34,6 +38,7 @@ class _Fault:
 
 
 DRAFT_FAULT = _Fault()  # collect(): the drafter failed this request this step (late, invalid, gone)
+GUIDED_OVERDRAFT = 4  # InProcessDrafterClient.overdraft for drafters that fill any budget
 
 
 @dataclass
@@ -41,6 +46,7 @@ class DrafterStats:
     trees: int = 0  # trees returned
     empty: int = 0  # no draft for a request (nothing to propose)
     faults: int = 0  # draft calls that failed; the engine decoded plainly instead
+    grammar_cut: int = 0  # drafted nodes a request's grammar forbade (or past its budget), cut before proposing
     extra: dict = field(default_factory=dict)
 
 
@@ -87,7 +93,11 @@ class InProcessDrafterClient(DrafterClient):
         self.drafter = drafter
         self.needs_hidden_states = getattr(drafter, "needs_hidden_states", False)
         self._asked: dict[str, int] = {}  # request id -> tree budget
+        self._guides: dict[str, Callable] = {}  # request id -> its grammar's guide (DraftAsk.guide)
         self._broken: set[str] = set()
+        # a drafter that fills any budget from a larger pool (NGRAM) is asked this many times the budget for a
+        # constrained request, so that the nodes its grammar allows still fill the budget once the rest are cut
+        self.overdraft = GUIDED_OVERDRAFT if getattr(drafter, "fills_budget", False) else 1
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         try:
@@ -100,6 +110,8 @@ class InProcessDrafterClient(DrafterClient):
         for ask in asks:
             if ask.max_nodes:  # 0: a hidden-state drafter's feed during prefill, no tree wanted
                 self._asked[ask.request_id] = ask.max_nodes
+                if ask.guide is not None:
+                    self._guides[ask.request_id] = ask.guide
             if ask.request_id in self._broken:
                 continue
             try:
@@ -118,22 +130,41 @@ class InProcessDrafterClient(DrafterClient):
         asked = [r for r in request_ids if r in self._asked and r not in self._broken]
         trees.update({r: DRAFT_FAULT for r in faulted})
         try:
-            drafted = self.drafter.draft(asked, [self._asked[r] for r in asked]) if asked else []
+            drafted = self.drafter.draft(asked, [self._budget(r) for r in asked]) if asked else []
         except Exception:  # find the request(s) it fails on: the others still get their trees
             logger.exception("drafter %s failed on a batch of %d; drafting them one by one", self.drafter.name, len(asked))
             drafted = [self._draft_alone(r) for r in asked]
         trees.update(zip(asked, drafted))
+        for r in asked:
+            guide = self._guides.get(r)
+            if guide is not None and isinstance(trees[r], DraftTree):
+                trees[r] = self._guided(r, guide, trees[r])
         for r in request_ids:
             self._asked.pop(r, None)
+            self._guides.pop(r, None)
         for tree in trees.values():
             self.stats.trees += isinstance(tree, DraftTree)
             self.stats.empty += tree is None
             self.stats.faults += tree is DRAFT_FAULT
         return trees
 
+    def _budget(self, request_id: str) -> int:
+        return self._asked[request_id] * (self.overdraft if request_id in self._guides else 1)
+
+    def _guided(self, request_id: str, guide: Callable, tree: DraftTree) -> DraftTree | _Fault:
+        """The tree cut to what the request's grammar allows and to its budget (the drafter never proposes a token
+        the grammar forbids); a guide that fails is the drafter's fault for this step, not the request's."""
+        try:
+            cut = guide(tree, self._asked[request_id])
+        except Exception:
+            logger.exception("cutting %s's draft to its grammar failed; it decodes a plain token this step", request_id)
+            return DRAFT_FAULT
+        self.stats.grammar_cut += tree.num_nodes - cut.num_nodes
+        return cut
+
     def _draft_alone(self, request_id: str):
         try:
-            return self.drafter.draft([request_id], [self._asked[request_id]])[0]
+            return self.drafter.draft([request_id], [self._budget(request_id)])[0]
         except Exception:
             logger.exception("drafter %s failed on %s; it decodes a plain token this step", self.drafter.name, request_id)
             return DRAFT_FAULT
@@ -146,6 +177,7 @@ class InProcessDrafterClient(DrafterClient):
 
     def release(self, request_id: str) -> None:
         self._asked.pop(request_id, None)
+        self._guides.pop(request_id, None)
         self._broken.discard(request_id)
         try:
             self.drafter.release(request_id)

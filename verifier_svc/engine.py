@@ -33,7 +33,7 @@ from splitspec.verifier_svc.acceptance import Acceptance
 from splitspec.verifier_svc.adaptive import StepShape, adaptive_policy
 from splitspec.verifier_svc.draft_features import pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
-from splitspec.verifier_svc.grammar_masks import GrammarMasks, no_grammars
+from splitspec.verifier_svc.grammar_masks import GrammarMasks, draft_guide, no_grammars
 from splitspec.verifier_svc.overlap import InFlight, OverlapSchedule
 from splitspec.verifier_svc.scheduling import Scheduling
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
@@ -248,7 +248,8 @@ class Engine(Scheduling, OverlapSchedule):
                 budget = 0  # feed only
             else:
                 continue
-            asks.append(DraftAsk(request.request_id, request.unsent, budget))
+            guide = draft_guide(request, self.runner.config.vocab_size) if budget and self.grammars else None
+            asks.append(DraftAsk(request.request_id, request.unsent, budget, guide=guide))
             states.append(request.unsent_hidden)
             request.unsent, request.unsent_hidden = [], []
         if asks and self.needs_hidden:  # every ask's states cut out together

@@ -12,6 +12,7 @@ it emits (Request.emit).
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future
 
 import torch
@@ -57,24 +58,10 @@ class GrammarMasks:
 
     def _tree(self, verify) -> torch.Tensor:
         """The bitmask of every node of the request's tree, after pruning it to what the grammar allows."""
-        tree, matcher = verify.tree, verify.request.matcher
-        rows = self._rows(tree.num_nodes)
-        if tree.num_nodes == 1:
-            matcher.fill_next_token_bitmask(rows, 0)
-            return rows
-        next_token, next_sibling = child_links(tree.parents)
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-        matcher.traverse_draft_tree(as_tensor(next_token), as_tensor(next_sibling), as_tensor(tree.tokens), rows)
-        keep, index, words = [0], {0: 0}, rows.tolist()
-        for node in range(1, tree.num_nodes):  # parents come before their children
-            parent = tree.parents[node]
-            if parent in index and _allowed(words[parent], tree.tokens[node]):
-                index[node] = len(keep)
-                keep.append(node)
-        if len(keep) < tree.num_nodes:
-            self.pruned_nodes += tree.num_nodes - len(keep)
-            verify.tree = DraftTree(tuple(tree.tokens[n] for n in keep),
-                                    tuple(-1 if n == 0 else index[tree.parents[n]] for n in keep))
+        rows, keep = grammar_rows(verify.tree, verify.request.matcher, self._rows(verify.tree.num_nodes))
+        if len(keep) < verify.tree.num_nodes:
+            self.pruned_nodes += verify.tree.num_nodes - len(keep)
+            verify.tree = subtree(verify.tree, keep)
             rows = rows[keep]
         return rows
 
@@ -89,6 +76,46 @@ class GrammarMasks:
         full[indices] = torch.cat(parts)
         self.xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
                                              vocab_size=min(self.vocab_size, logits.shape[-1]), indices=indices)
+
+
+def grammar_rows(tree: DraftTree, matcher, rows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """(rows filled with the bitmask after the path to each node, the nodes the grammar allows: each one's token
+    allowed after its parent's path, its ancestors kept) for a tree rooted at the matcher's last accepted token.
+    The matcher walks the tree (xgrammar's traverse_draft_tree: advancing and rolling back along each path) and
+    ends where it began."""
+    if tree.num_nodes == 1:
+        matcher.fill_next_token_bitmask(rows, 0)
+        return rows, [0]
+    next_token, next_sibling = child_links(tree.parents)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    matcher.traverse_draft_tree(as_tensor(next_token), as_tensor(next_sibling), as_tensor(tree.tokens), rows)
+    keep, kept, words = [0], {0}, rows.tolist()
+    for node in range(1, tree.num_nodes):  # parents come before their children
+        if tree.parents[node] in kept and _allowed(words[tree.parents[node]], tree.tokens[node]):
+            kept.add(node)
+            keep.append(node)
+    return rows, keep
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The tree of the nodes `keep` (ascending, the root first, every node's parent among them), renumbered."""
+    index = {node: i for i, node in enumerate(keep)}
+    return DraftTree(tuple(tree.tokens[n] for n in keep), tuple(-1 if n == 0 else index[tree.parents[n]] for n in keep))
+
+
+def allowed_tree(tree: DraftTree, max_nodes: int, matcher, vocab_size: int) -> DraftTree:
+    """A drafter's tree cut to what the request's grammar allows, then to its first max_nodes nodes (the drafter's
+    own order: parents first, its likeliest candidates first): what a drafter proposes for a constrained request."""
+    _, keep = grammar_rows(tree, matcher, xgrammar_module().allocate_token_bitmask(tree.num_nodes, vocab_size))
+    return subtree(tree, keep[:max_nodes])
+
+
+def draft_guide(request: Request, vocab_size: int):
+    """For a request whose output a grammar constrains (and not yet complete): the function an in-process drafter
+    client cuts its trees with (allowed_tree bound to the request's matcher); None otherwise."""
+    if not _live(request):
+        return None
+    return functools.partial(allowed_tree, matcher=request.matcher, vocab_size=vocab_size)
 
 
 def _live(request: Request) -> bool:
