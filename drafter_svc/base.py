@@ -36,6 +36,7 @@ class Drafter(ABC):
     needs_hidden_states = False  # EAGLE-style: extend() also gets the target's hidden state before each token
     supports_bets = False  # draft_bets() returns bets (overlapped drafting)
     fills_budget = False  # draft() fills a larger budget from more candidates (NGRAM's trie), not a fixed tree shape
+    takes_guides = False  # draft() takes a third argument: per request a grammar guide (or None) to mask candidates with
 
     @abstractmethod
     def open(self, request_id: str, prompt_ids: list[int]) -> None:

@@ -36,23 +36,72 @@ def draft_loop_for(runner: ModelRunner, topk: int, num_steps: int, num_draft_tok
     return DraftLoop(runner, topk, num_steps, num_draft_tokens, token_map, feature_size)
 
 
+def beam_trees(drafter, request_ids: list[str], roots: list[int], root_logits: torch.Tensor, tables: list[BlockTable],
+               budgets: list[int], root_features: list[torch.Tensor] | None, guides: list | None) -> list[DraftTree]:
+    """One draft call's trees: the device loop for every request (its trees remembered for bets), but requests a
+    grammar guides (DraftAsk.guide in this process), which draft on the host with every step's candidates masked
+    to what their grammar allows after each beam's path; no loop (sliding windows): the host for all."""
+    guided = [k for k, guide in enumerate(guides or []) if guide is not None]
+    free = [k for k in range(len(roots)) if k not in set(guided)] if drafter.loop is not None else []
+    trees: list[DraftTree | None] = [None] * len(roots)
+    if free:
+        pick = lambda items: [items[k] for k in free]  # noqa: E731
+        features = torch.stack(pick(root_features)) if root_features is not None else None
+        ran = drafter.loop.run(pick(roots), root_logits[free] if len(free) < len(roots) else root_logits, features,
+                               pick(tables), pick(budgets))
+        drafter._remember(pick(request_ids), ran, pick(budgets))
+        for k, tree in zip(free, ran):
+            trees[k] = tree
+    host = [k for k in range(len(roots)) if k not in set(free)]
+    if host:
+        pick = lambda items: [items[k] for k in host]  # noqa: E731
+        for k in guided:
+            drafter._forget_bets(request_ids[k])  # its tree is not the loop's: no bets from it
+        ran = host_beam_draft(drafter.runner, pick(roots), root_logits[host] if len(host) < len(roots) else root_logits,
+                              pick(tables), pick(budgets), drafter, pick(root_features) if root_features is not None else None,
+                              pick(guides) if guides else None)
+        for k, tree in zip(host, ran):
+            trees[k] = tree
+    return trees
+
+
 def host_beam_draft(runner: ModelRunner, roots: list[int], root_logits: torch.Tensor, tables: list[BlockTable],
-                    budgets: list[int], shape, root_features: list[torch.Tensor] | None = None) -> list[DraftTree]:
-    """BeamDraft for each request (shape: its topk, num_steps, num_draft_tokens, token_map)."""
+                    budgets: list[int], shape, root_features: list[torch.Tensor] | None = None,
+                    guides: list | None = None) -> list[DraftTree]:
+    """BeamDraft for each request (shape: its topk, num_steps, num_draft_tokens, token_map); guides (a request's
+    grammar_masks.GrammarGuide, or None): that request's candidates masked to its grammar at every step."""
+    if guides and any(g is not None for g in guides):
+        root_logits = root_logits.clone()
+        for row, (root, guide) in enumerate(zip(roots, guides)):
+            if guide is not None:
+                allowed = guide.node_masks(DraftTree((root,), (-1,)))[0]
+                _mask(root_logits, [row], allowed[None], shape.token_map)
     top_p, top_idx = batched_topk(root_logits, shape.topk)
     beams = []
     for row, (root, budget) in enumerate(zip(roots, budgets)):
         beam = BeamDraft(root, shape.topk, shape.num_steps, budget, shape.token_map)
         beam.first_topk(top_p[row], top_idx[row])
         beams.append(beam)
-    expand_beams(runner, beams, tables, root_features)
+    expand_beams(runner, beams, tables, root_features, guides)
     return [beam.tree() for beam in beams]
 
 
+def _mask(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor, token_map: torch.Tensor | None) -> None:
+    """-inf in logits' rows [R, V_draft] where the target ids allowed [R, V_target] (bool) are not allowed."""
+    if token_map is not None:
+        allowed = allowed[:, token_map.cpu()]
+    width = logits.shape[-1]
+    if allowed.shape[-1] < width:  # a draft vocabulary padded past the target's: the padding is never allowed
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[-1])], dim=-1)
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :width].to(logits.device), float("-inf"))
+
+
 def expand_beams(runner: ModelRunner, beams: list[BeamDraft], tables: list[BlockTable],
-                 root_features: list[torch.Tensor] | None = None) -> None:
+                 root_features: list[torch.Tensor] | None = None, guides: list | None = None) -> None:
     """Run every beam search to its last step. root_features (EAGLE heads): each request's feature for
-    the root's children; a deeper node gets its parent's output, so the head's outputs are kept."""
+    the root's children; a deeper node gets its parent's output, so the head's outputs are kept. guides: as
+    host_beam_draft's."""
     kv = runner.kv_cache
     outputs: list[list[torch.Tensor]] = [[] for _ in beams]
     while beams[0].beams() is not None:  # every request has the same number of steps
@@ -69,8 +118,15 @@ def expand_beams(runner: ModelRunner, beams: list[BeamDraft], tables: list[Block
                                 features=torch.stack(features) if root_features is not None else None)
         # every request's frontier rows: one softmax + top-k and one transfer for the whole batch
         picked = [batch.cu_logits[k] + f for k, frontier in enumerate(frontiers) for f in frontier]
-        top_p, top_idx = batched_topk(output.logits[torch.tensor(picked, device=output.logits.device)],
-                                      beams[0].topk)
+        rows = output.logits[torch.tensor(picked, device=output.logits.device)]
+        first = 0
+        for k, (beam, frontier) in enumerate(zip(beams, frontiers)):
+            if guides and guides[k] is not None:  # the grammar after each frontier node's path (node f + 1: the root is 0)
+                tree = DraftTree((beam.root, *beam.beam_tokens), (-1, *(p + 1 for p in beam.beam_parents)))
+                allowed = guides[k].node_masks(tree)[[f + 1 for f in frontier]]
+                _mask(rows, list(range(first, first + len(frontier))), allowed, beam.token_map)
+            first += len(frontier)
+        top_p, top_idx = batched_topk(rows, beams[0].topk)
         start, row = 0, 0
         for k, (beam, table) in enumerate(zip(beams, tables)):
             n = len(beam.beam_tokens)

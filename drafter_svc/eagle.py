@@ -19,7 +19,7 @@ import torch
 
 from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
-from splitspec.drafter_svc.beam_steps import ModelBets, draft_loop_for, host_beam_draft
+from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
@@ -46,6 +46,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
     name = "EAGLE"
     state_class = _State
     feeds_features = True
+    takes_guides = True  # a constrained request drafts on the host, its candidates masked to its grammar
 
     def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int,
                  token_map: torch.Tensor | None = None):
@@ -148,7 +149,9 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         return [(s.table, logits, s.root_feature) for s, logits in zip(states, self._root_logits(states))]
 
     @torch.inference_mode()
-    def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
+    def draft(self, request_ids: list[str], max_nodes: list[int], guides: list | None = None) -> list[DraftTree | None]:
+        """guides: per request a grammar guide or None (takes_guides): a guided request drafts on the host, its
+        candidates masked to its grammar at every step (beam_steps.beam_trees)."""
         out: list[DraftTree | None] = [None] * len(request_ids)
         asked = [(i, self.states[r], min(self.num_draft_tokens, b)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
                  if self.states[r].pending_tokens or (b >= 2 and self.states[r].root_feature is not None)]
@@ -164,14 +167,10 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                                   for _, s, _, lg in asked])
         asked = [(i, s, b) for i, s, b, _ in asked]
         budgets = [b for _, _, b in asked]
-        if self.loop is not None:
-            with device_phase("draft.loop"):
-                trees = self.loop.run([s.last_token for s in states], logits, torch.stack([s.root_feature for s in states]),
-                                      [s.table for s in states], budgets)
-            self._remember([request_ids[i] for i, _, _ in asked], trees, budgets)
-        else:
-            trees = host_beam_draft(self.runner, [s.last_token for s in states], logits, [s.table for s in states],
-                                    budgets, self, [s.root_feature for s in states])
+        with device_phase("draft.loop"):
+            trees = beam_trees(self, [request_ids[i] for i, _, _ in asked], [s.last_token for s in states], logits,
+                               [s.table for s in states], budgets, [s.root_feature for s in states],
+                               [guides[i] for i, _, _ in asked] if guides else None)
         for (i, _, _), tree in zip(asked, trees):
             out[i] = tree
         return out

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from splitspec.drafter_svc.base import Drafter
-from splitspec.drafter_svc.beam_steps import ModelBets, draft_loop_for, host_beam_draft
+from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 class StandaloneDrafter(ModelBets, Drafter):
     name = "STANDALONE"
+    takes_guides = True  # a constrained request drafts on the host, its candidates masked to its grammar
 
     def __init__(self, runner: ModelRunner, topk: int, num_steps: int, num_draft_tokens: int,
                  token_map: torch.Tensor | None = None):
@@ -77,7 +78,8 @@ class StandaloneDrafter(ModelBets, Drafter):
         return [(self.tables[r], logits[k], None) for k, r in enumerate(request_ids)]
 
     @torch.inference_mode()
-    def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
+    def draft(self, request_ids: list[str], max_nodes: list[int], guides: list | None = None) -> list[DraftTree | None]:
+        """guides: as EagleDrafter.draft's."""
         asked = [(i, r, min(self.num_draft_tokens, budget)) for i, (r, budget) in enumerate(zip(request_ids, max_nodes))
                  if budget >= 2]
         out: list[DraftTree | None] = [None] * len(request_ids)
@@ -88,11 +90,7 @@ class StandaloneDrafter(ModelBets, Drafter):
         roots = [self.sequences[r][-1] for r in ids]
         tables = [self.tables[r] for r in ids]
         budgets = [b for _, _, b in asked]
-        if self.loop is not None:
-            trees = self.loop.run(roots, logits, None, tables, budgets)
-            self._remember(ids, trees, budgets)
-        else:
-            trees = host_beam_draft(self.runner, roots, logits, tables, budgets, self)
+        trees = beam_trees(self, ids, roots, logits, tables, budgets, None, [guides[i] for i, _, _ in asked] if guides else None)
         for (i, _, _), tree in zip(asked, trees):
             out[i] = tree
         return out

@@ -69,6 +69,7 @@ def drafter_for(algorithm: str, runner):
     flags = draft_flags(algorithm, path, "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
                         "--speculative-num-draft-tokens", "6")
     drafter = build_drafter(resolve(flags), target=runner)
+    runner.set_capture_layers(())  # the shared target: what an earlier test's drafter had it capture is not this one's
     capture_for(runner, drafter.hidden_state_layers)
     return InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=6, num_steps=3, topk=2)
 
@@ -165,21 +166,23 @@ def test_a_grammar_the_engine_cannot_compile_ends_only_its_request(setup):
     assert any(e.request_id == constrained.request_id and "grammar engine" in e.error for e in events)
 
 
-def test_in_process_ngram_never_proposes_what_the_grammar_forbids(setup):
-    """A constrained request's NGRAM trees, drafted in the verifier's process, hold only tokens its grammar allows
-    after each node's path: the client asks the trie for more candidates and cuts the tree to the grammar and the
-    budget before the engine sees it. The output stays constrained plain decoding's, and drafts are accepted."""
+@pytest.mark.parametrize("algorithm", ["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"])
+def test_in_process_drafters_never_propose_what_the_grammar_forbids(setup, algorithm):
+    """A constrained request's trees, drafted in the verifier's process, hold only tokens its grammar allows after
+    each node's path: the beam drafters mask every step's candidates to the grammar (drafting it on the host), NGRAM
+    is asked for more candidates and its tree cut to the grammar and the budget, before the engine sees them. The
+    output stays constrained plain decoding's, and drafts are accepted."""
     from splitspec.runtime.tree import DraftTree
     from splitspec.verifier_svc.grammar_masks import grammar_rows
 
     runner, _, _, _, _ = setup
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, grammar=("json_schema", json.dumps(SCHEMA)))
     plain = decode(setup, None, None, params)
-    client, checked = ngram(), []
-    collect = client.collect
+    client, spec = drafter_for(algorithm, runner)
+    checked, collect = [], client.collect
 
     def checked_collect(request_ids):
-        matchers = {r: guide.keywords["matcher"] for r, guide in client._guides.items()}
+        matchers = {r: guide.matcher for r, guide in client._guides.items()}
         trees = collect(request_ids)
         for request_id, tree in trees.items():
             if isinstance(tree, DraftTree) and request_id in matchers:
@@ -188,9 +191,25 @@ def test_in_process_ngram_never_proposes_what_the_grammar_forbids(setup):
                 checked.append(tree.num_nodes)
         return trees
 
-    client.collect = checked_collect
-    speculated = decode(setup, client, SpecConfig(num_draft_tokens=8), params)
+    raw, draft = [], client.drafter.draft
+
+    def masked_draft(request_ids, budgets, guides=None):  # a beam drafter's own trees, before the client's cut
+        trees = draft(request_ids, budgets, guides) if guides is not None else draft(request_ids, budgets)
+        for tree, guide in zip(trees, guides or []):
+            if tree is not None and guide is not None:
+                allowed = guide.node_masks(tree)
+                # every candidate the drafter scored is one the grammar allows after its parent's path (a candidate
+                # of probability 0, past what the grammar allows, is cut by the client)
+                scored = [n for n in range(1, tree.num_nodes) if tree.scores[n] > 0]
+                assert all(bool(allowed[tree.parents[n], tree.tokens[n]]) for n in scored), tree
+                raw.append(len(scored))
+        return trees
+
+    client.collect, client.drafter.draft = checked_collect, masked_draft
+    speculated = decode(setup, client, spec, params)
     assert [r.output_ids for r in speculated] == [r.output_ids for r in plain]
-    assert len(checked) > 0 and max(checked) > 1 and client.stats.grammar_cut > 0  # candidates were cut, trees remained
-    assert max(checked) <= 8  # within the budget, however many candidates the trie was asked for
+    assert len(checked) > 0 and max(checked) > 1 and max(checked) <= spec.num_draft_tokens  # within the budget
+    assert (sum(raw) > 0) == (algorithm != "NGRAM")  # the beam drafters were handed the guides and scored candidates
+    if algorithm == "NGRAM":  # asked for 4x the budget: candidates were cut and the trees still filled
+        assert client.stats.grammar_cut > 0
     assert sum(r.stats.accepted_tokens for r in speculated) > 0 and all(r.stats.fallbacks == 0 for r in speculated)

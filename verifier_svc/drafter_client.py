@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitspec.runtime.tree import DraftTree
@@ -27,9 +26,9 @@ class DraftAsk:
     new_tokens: list[int]  # what the sequence grew by since the last call
     max_nodes: int  # tree budget, root included
     hidden: object = None  # hidden-state drafters: [len(new_tokens), H], the target's state before each token
-    # a request whose output a grammar constrains: guide(tree, max_nodes) cuts a tree to what the grammar allows
-    # (grammar_masks.draft_guide). In-process drafting only; a drafter process's trees are pruned by the verifier
-    guide: Callable[[DraftTree, int], DraftTree] | None = None
+    # a request whose output a grammar constrains: its grammar_masks.GrammarGuide (masks a beam drafter's candidates,
+    # cuts any tree to the grammar). In-process drafting only; a drafter process's trees are pruned by the verifier
+    guide: object = None
 
 
 class _Fault:
@@ -93,11 +92,12 @@ class InProcessDrafterClient(DrafterClient):
         self.drafter = drafter
         self.needs_hidden_states = getattr(drafter, "needs_hidden_states", False)
         self._asked: dict[str, int] = {}  # request id -> tree budget
-        self._guides: dict[str, Callable] = {}  # request id -> its grammar's guide (DraftAsk.guide)
+        self._guides: dict[str, object] = {}  # request id -> its grammar's guide (DraftAsk.guide)
         self._broken: set[str] = set()
         # a drafter that fills any budget from a larger pool (NGRAM) is asked this many times the budget for a
         # constrained request, so that the nodes its grammar allows still fill the budget once the rest are cut
         self.overdraft = GUIDED_OVERDRAFT if getattr(drafter, "fills_budget", False) else 1
+        self.takes_guides = getattr(drafter, "takes_guides", False)  # masks its own candidates (the beam drafters)
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         try:
@@ -130,7 +130,7 @@ class InProcessDrafterClient(DrafterClient):
         asked = [r for r in request_ids if r in self._asked and r not in self._broken]
         trees.update({r: DRAFT_FAULT for r in faulted})
         try:
-            drafted = self.drafter.draft(asked, [self._budget(r) for r in asked]) if asked else []
+            drafted = self._draft(asked) if asked else []
         except Exception:  # find the request(s) it fails on: the others still get their trees
             logger.exception("drafter %s failed on a batch of %d; drafting them one by one", self.drafter.name, len(asked))
             drafted = [self._draft_alone(r) for r in asked]
@@ -148,14 +148,20 @@ class InProcessDrafterClient(DrafterClient):
             self.stats.faults += tree is DRAFT_FAULT
         return trees
 
+    def _draft(self, request_ids: list[str]) -> list:
+        budgets = [self._budget(r) for r in request_ids]
+        if self.takes_guides and any(r in self._guides for r in request_ids):
+            return self.drafter.draft(request_ids, budgets, [self._guides.get(r) for r in request_ids])
+        return self.drafter.draft(request_ids, budgets)
+
     def _budget(self, request_id: str) -> int:
         return self._asked[request_id] * (self.overdraft if request_id in self._guides else 1)
 
-    def _guided(self, request_id: str, guide: Callable, tree: DraftTree) -> DraftTree | _Fault:
+    def _guided(self, request_id: str, guide, tree: DraftTree) -> DraftTree | _Fault:
         """The tree cut to what the request's grammar allows and to its budget (the drafter never proposes a token
         the grammar forbids); a guide that fails is the drafter's fault for this step, not the request's."""
         try:
-            cut = guide(tree, self._asked[request_id])
+            cut = guide.cut(tree, self._asked[request_id])
         except Exception:
             logger.exception("cutting %s's draft to its grammar failed; it decodes a plain token this step", request_id)
             return DRAFT_FAULT
@@ -164,7 +170,7 @@ class InProcessDrafterClient(DrafterClient):
 
     def _draft_alone(self, request_id: str):
         try:
-            return self.drafter.draft([request_id], [self._budget(request_id)])[0]
+            return self._draft([request_id])[0]
         except Exception:
             logger.exception("drafter %s failed on %s; it decodes a plain token this step", self.drafter.name, request_id)
             return DRAFT_FAULT

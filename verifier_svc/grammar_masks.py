@@ -12,7 +12,6 @@ it emits (Request.emit).
 
 from __future__ import annotations
 
-import functools
 from concurrent.futures import Future
 
 import torch
@@ -103,19 +102,37 @@ def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
     return DraftTree(tuple(tree.tokens[n] for n in keep), tuple(-1 if n == 0 else index[tree.parents[n]] for n in keep))
 
 
-def allowed_tree(tree: DraftTree, max_nodes: int, matcher, vocab_size: int) -> DraftTree:
-    """A drafter's tree cut to what the request's grammar allows, then to its first max_nodes nodes (the drafter's
-    own order: parents first, its likeliest candidates first): what a drafter proposes for a constrained request."""
-    _, keep = grammar_rows(tree, matcher, xgrammar_module().allocate_token_bitmask(tree.num_nodes, vocab_size))
-    return subtree(tree, keep[:max_nodes])
+class GrammarGuide:
+    """What a drafter in the verifier's process sees of a constrained request's grammar: its matcher, standing after
+    the request's last token (every tree's root). node_masks guides a beam drafter's candidates at each step; cut
+    cuts any drafter's tree to what the grammar allows and to its budget. The matcher ends where it began."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.xgr = xgrammar_module()
+
+    def node_masks(self, tree: DraftTree) -> torch.Tensor:
+        """[nodes, vocab] bool: the tokens the grammar allows after the path to each node (none after a node whose
+        path it forbids)."""
+        rows, keep = grammar_rows(tree, self.matcher, self.xgr.allocate_token_bitmask(tree.num_nodes, self.vocab_size))
+        bits = (rows[:, :, None] >> torch.arange(32, dtype=rows.dtype)) & 1
+        allowed = bits.bool().flatten(1)[:, : self.vocab_size]
+        if len(keep) < tree.num_nodes:
+            forbidden = torch.ones(tree.num_nodes, dtype=torch.bool)
+            forbidden[keep] = False
+            allowed[forbidden] = False
+        return allowed
+
+    def cut(self, tree: DraftTree, max_nodes: int) -> DraftTree:
+        """The tree cut to what the grammar allows, then to its first max_nodes nodes (the drafter's own order:
+        parents first, its likeliest candidates first): what a drafter proposes for a constrained request."""
+        _, keep = grammar_rows(tree, self.matcher, self.xgr.allocate_token_bitmask(tree.num_nodes, self.vocab_size))
+        return subtree(tree, keep[:max_nodes])
 
 
-def draft_guide(request: Request, vocab_size: int):
-    """For a request whose output a grammar constrains (and not yet complete): the function an in-process drafter
-    client cuts its trees with (allowed_tree bound to the request's matcher); None otherwise."""
-    if not _live(request):
-        return None
-    return functools.partial(allowed_tree, matcher=request.matcher, vocab_size=vocab_size)
+def draft_guide(request: Request, vocab_size: int) -> GrammarGuide | None:
+    """The guide of a request whose output a grammar constrains (and is not yet complete); None otherwise."""
+    return GrammarGuide(request.matcher, vocab_size) if _live(request) else None
 
 
 def _live(request: Request) -> bool:
