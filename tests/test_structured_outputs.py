@@ -213,3 +213,29 @@ def test_in_process_drafters_never_propose_what_the_grammar_forbids(setup, algor
     if algorithm == "NGRAM":  # asked for 4x the budget: candidates were cut and the trees still filled
         assert client.stats.grammar_cut > 0
     assert sum(r.stats.accepted_tokens for r in speculated) > 0 and all(r.stats.fallbacks == 0 for r in speculated)
+
+
+def test_pruned_drafts_are_counted_and_none_are_left_to_prune_when_drafting_to_the_grammar(setup):
+    """The verifier's pruning (spec_grammar_pruned_tokens) is what a drafter that drafts without the grammar (a drafter
+    process: no matcher there) wastes; the in-process client, drafting to the grammar, leaves it nothing."""
+    from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+
+    class WithoutGrammar(InProcessDrafterClient):  # as a drafter process sees the asks: no guide
+        def request(self, asks):
+            for ask in asks:
+                ask.guide = None
+            super().request(asks)
+
+    runner, prompts, _, eos, compiler = setup
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, grammar=("json_schema", json.dumps(SCHEMA)))
+    pruned, outputs = {}, {}
+    for name, client in (("without", WithoutGrammar(ngram().drafter)), ("to the grammar", ngram())):
+        engine = Engine(runner, client, SpecConfig(num_draft_tokens=8), eos, grammars=compiler)
+        requests = [engine.add_request(p, params) for p in prompts]
+        pruned[name] = 0
+        while engine.has_work:
+            engine.step()
+            pruned[name] += engine.report.grammar_pruned
+        outputs[name] = [r.output_ids for r in requests]
+    assert pruned["without"] > 0 and pruned["to the grammar"] == 0
+    assert outputs["without"] == outputs["to the grammar"]

@@ -143,6 +143,7 @@ class Engine(Scheduling, OverlapSchedule):
         verifies = [Verify(r, trees.get(r.request_id) or DraftTree.root(r.output_ids[-1]), r.table.num_tokens)
                     for r in self.running if r.decoding] if decode else []
         masks = GrammarMasks.build(prefills, verifies, self.runner.config.vocab_size) if self.grammars else None
+        self.report.grammar_pruned = masks.pruned_nodes if masks is not None else 0
         events += self._events + self._forward_and_accept(prefills, verifies, masks)
         self._events = []
         self._retire()

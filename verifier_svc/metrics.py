@@ -29,6 +29,8 @@ class EngineMetrics:
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Drafts accepted at each depth.", ("position",))
         self.fallbacks = counter("spec_decode_fallbacks", "Delivered drafts that were unusable (plain decode instead).")
+        self.grammar_pruned = counter("spec_grammar_pruned_tokens", "Draft tokens a constrained request's grammar forbids, "
+                                      "pruned before verification (drafted without the grammar: in a drafter process).")
         self.padding_tokens = counter("spec_verify_padding_tokens", "Filler tree nodes verified so that a batch of trees "
                                       "of different sizes replays one captured CUDA graph (their rows are not read).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token (cached included).")
@@ -104,6 +106,7 @@ class EngineMetrics:
             self._child(self.accepted_per_pos, position=str(position)).inc(count)
         self._child(self.fallbacks).inc(report.fallbacks)
         self._child(self.padding_tokens).inc(report.padding_tokens)
+        self._child(self.grammar_pruned).inc(report.grammar_pruned)
         self._child(self.prompt_tokens).inc(report.prompt_tokens)
         self._child(self.prefill_tokens).inc(report.prefill_tokens)
         self._child(self.preemptions).inc(report.preemptions)
