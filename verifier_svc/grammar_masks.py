@@ -97,9 +97,11 @@ def grammar_rows(tree: DraftTree, matcher, rows: torch.Tensor) -> tuple[torch.Te
 
 
 def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
-    """The tree of the nodes `keep` (ascending, the root first, every node's parent among them), renumbered."""
+    """The tree of the nodes `keep` (ascending, the root first, every node's parent among them), renumbered; the
+    drafter's scores kept with their nodes."""
     index = {node: i for i, node in enumerate(keep)}
-    return DraftTree(tuple(tree.tokens[n] for n in keep), tuple(-1 if n == 0 else index[tree.parents[n]] for n in keep))
+    return DraftTree(tuple(tree.tokens[n] for n in keep), tuple(-1 if n == 0 else index[tree.parents[n]] for n in keep),
+                     None if tree.scores is None else tuple(tree.scores[n] for n in keep))
 
 
 class GrammarGuide:
