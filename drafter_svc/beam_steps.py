@@ -42,7 +42,7 @@ def beam_trees(drafter, request_ids: list[str], roots: list[int], root_logits: t
     grammar guides (DraftAsk.guide in this process), which draft on the host with every step's candidates masked
     to what their grammar allows after each beam's path; no loop (sliding windows): the host for all."""
     guided = [k for k, guide in enumerate(guides or []) if guide is not None]
-    free = [k for k in range(len(roots)) if k not in set(guided)] if drafter.loop is not None else []
+    free = sorted(set(range(len(roots))) - set(guided)) if drafter.loop is not None else []
     trees: list[DraftTree | None] = [None] * len(roots)
     if free:
         pick = lambda items: [items[k] for k in free]  # noqa: E731
@@ -52,7 +52,7 @@ def beam_trees(drafter, request_ids: list[str], roots: list[int], root_logits: t
         drafter._remember(pick(request_ids), ran, pick(budgets))
         for k, tree in zip(free, ran):
             trees[k] = tree
-    host = [k for k in range(len(roots)) if k not in set(free)]
+    host = sorted(set(range(len(roots))) - set(free))
     if host:
         pick = lambda items: [items[k] for k in host]  # noqa: E731
         for k in guided:

@@ -51,6 +51,7 @@ class DrafterStats:
 
 class DrafterClient(ABC):
     needs_hidden_states = False  # the engine then opens with the first prompt token and pairs every later one
+    uses_guides = False  # reads DraftAsk.guide (drafting in this process); the engine makes none for other clients
 
     def __init__(self):
         self.stats = DrafterStats()
@@ -86,6 +87,8 @@ class DrafterClient(ABC):
 
 class InProcessDrafterClient(DrafterClient):
     """Calls a drafter object in this process: request() hands it the new tokens, collect() drafts."""
+
+    uses_guides = True
 
     def __init__(self, drafter):
         super().__init__()

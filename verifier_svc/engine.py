@@ -249,7 +249,8 @@ class Engine(Scheduling, OverlapSchedule):
                 budget = 0  # feed only
             else:
                 continue
-            guide = draft_guide(request, self.runner.config.vocab_size) if budget and self.grammars else None
+            guide = (draft_guide(request, self.runner.config.vocab_size)
+                     if budget and self.grammars and self.drafter.uses_guides else None)
             asks.append(DraftAsk(request.request_id, request.unsent, budget, guide=guide))
             states.append(request.unsent_hidden)
             request.unsent, request.unsent_hidden = [], []

@@ -200,7 +200,7 @@ def grammar_compiler(model_dir, vocab_size: int, eos: set[int]):
     return Compiler.for_model(str(model_dir), vocab_size, eos)
 
 
-def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
+def serve(args: argparse.Namespace, settings: speculation.Speculation | None, curve: ServerKeys | None = None) -> int:
     from splitspec.generate import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
 
@@ -218,7 +218,6 @@ def serve(args: argparse.Namespace, curve: ServerKeys | None = None) -> int:
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, ... (drift)
         metrics = EngineMetrics(registry, model_id)
-    settings = speculation.resolve(args, runner.config)  # the flags' speculation, resolved once
     drafter, spec = make_drafter(args, settings, runner, registry, model_id, curve)
     if registry is not None:  # Prometheus finds the drafters' own endpoints through GET /sd/drafters
         pool = drafter if args.drafter_bind_addr and args.speculative_algorithm else None
@@ -296,9 +295,9 @@ def run(args: argparse.Namespace) -> int:
     model_flags.setup_logging(args.log_level)
     try:
         model_flags.check_sglang_server_flags(args, "splitspec verifier")
-        speculation.resolve(args)  # flag combinations, before anything loads
+        settings = speculation.resolve(args)  # the flags' speculation, resolved once, before anything loads
         curve = curve_keys(args)
-        return serve(args, curve)
+        return serve(args, settings, curve)
     except (ValueError, OSError) as exc:  # FlagError, ConfigError, CheckpointError, CurveError, a path that is not there
         print(f"splitspec verifier: error: {exc}", file=sys.stderr)
         return 2
