@@ -241,7 +241,8 @@ def test_a_service_refused_at_start_stops_the_launch_with_its_reason():
 
 def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
     """On a CPU verifier with OMP_NUM_THREADS unset, `up` gives the verifier every core but one and the gateway and
-    drafters one thread each; a GPU verifier, or a user's OMP_NUM_THREADS, leaves torch's defaults alone."""
+    drafters one thread each; a GPU verifier, or a user's OMP_NUM_THREADS, gets no plan (on a GPU the model's own
+    process takes one thread: the next test)."""
     from splitspec.launcher import _flag_value, _thread_env, cpu_thread_plan
 
     assert cpu_thread_plan("cpu", 2, {}) == {"verifier": 1, "other": 1}
@@ -255,6 +256,24 @@ def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
     assert _flag_value(["--dtype", "float32", "--device", "cpu"], "--device") == "cpu"
     assert _flag_value(["--device=cuda:0", "--max-total-tokens", "64"], "--device") == "cuda:0"
     assert _flag_value(["--devices", "x"], "--device") is None
+
+
+def test_a_model_on_a_gpu_computes_on_one_host_thread_unless_the_user_chose():
+    """ModelRunner.load's rule (runtime/host_threads.py): a CUDA model's process sets torch to one host thread,
+    a CPU model's keeps its threads, and a user's OMP_NUM_THREADS is kept."""
+    import torch
+
+    from splitspec.runtime.host_threads import one_thread_for_gpu
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not one_thread_for_gpu(torch.device("cpu"), {}) and torch.get_num_threads() == 2
+        assert not one_thread_for_gpu(torch.device("cuda", 0), {"OMP_NUM_THREADS": "2"}) and torch.get_num_threads() == 2
+        assert one_thread_for_gpu(torch.device("cuda", 0), {}) and torch.get_num_threads() == 1
+        assert not one_thread_for_gpu(torch.device("cuda"), {})  # already one
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_ngram_drafts_in_the_verifiers_process_unless_drafters_are_asked_for():

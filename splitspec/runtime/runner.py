@@ -19,6 +19,7 @@ import torch
 from splitspec.runtime.attention import AttentionBackend, get_attention_backend
 from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_batch
 from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
+from splitspec.runtime.host_threads import one_thread_for_gpu
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.kv_cache import KVCache
 from splitspec.runtime import quantization
@@ -298,6 +299,7 @@ class ModelRunner:
         if rc.torch_compile_max_bs:
             logger.info("torch.compile for uniform batches of up to %d requests (each new token count compiles "
                         "once, at its first use)", rc.torch_compile_max_bs)
+        one_thread_for_gpu(device)  # after the load, whose host work may use the pool
         return cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs,
                    torch_compile_max_bs=rc.torch_compile_max_bs, piecewise_max_tokens=rc.piecewise_cuda_graph_max_tokens)
 
