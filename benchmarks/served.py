@@ -179,9 +179,18 @@ def traced(side: str) -> dict[str, str] | None:
 def bench(argv: list[str], out: Path, timeout: float, log, env: dict[str, str] | None = None) -> dict:
     command = [sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", *argv, "--out", str(out)]
     print("$ " + shlex.join(command[2:]), file=log, flush=True)
-    result = lifeline.run(command, stdout=subprocess.DEVNULL, stderr=log, timeout=timeout, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"splitspec bench exited with {result.returncode} (see the log)")
+    client = lifeline.spawn(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    try:
+        code = client.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # the client's own stacks first (cli's SIGUSR1), then the services'
+        print(f"the bench client timed out after {timeout} s: its stacks follow", file=log, flush=True)
+        client.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        client.kill()
+        client.wait()
+        raise
+    if code != 0:
+        raise RuntimeError(f"splitspec bench exited with {code} (see the log)")
     return json.loads(out.read_text())
 
 
@@ -282,11 +291,12 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
         return served
     except subprocess.TimeoutExpired:  # stuck: every service prints its threads' stacks (cli's SIGUSR1) to the log
         print(f"served bench timed out after {args.timeout} s: the services' stacks follow", file=log, flush=True)
-        for pid in descendants(up.pid):
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+        for pid in descendants(up.pid):  # threads (faulthandler), then the event loops' tasks
+            for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
         time.sleep(3)
         raise
     finally:

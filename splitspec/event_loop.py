@@ -35,3 +35,20 @@ def run(main: Coroutine):
     """asyncio.run(main) on the services' loop."""
     with asyncio.Runner(loop_factory=factory()) as runner:
         return runner.run(main)
+
+
+def print_tasks_on_sigusr2() -> None:
+    """In a running loop: `kill -USR2 <pid>` prints every task and where it waits (SIGUSR1's faulthandler shows
+    only the threads, and an event loop's thread waits in its selector whatever its tasks wait for)."""
+    import signal
+    import sys
+
+    def dump() -> None:
+        tasks = asyncio.all_tasks()
+        print(f"{len(tasks)} asyncio tasks:", file=sys.stderr)
+        for task in tasks:
+            task.print_stack(limit=8, file=sys.stderr)
+        sys.stderr.flush()
+
+    if hasattr(signal, "SIGUSR2"):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump)

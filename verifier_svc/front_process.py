@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import signal
 import sys
 import time
 
@@ -70,6 +72,7 @@ class LinkBackend:
 
 
 async def serve(engine_address: str, commands_address: str, address: str) -> int:
+    event_loop.print_tasks_on_sigusr2()
     context = zmq.asyncio.Context()
     inbound = context.socket(zmq.PULL)
     inbound.setsockopt(zmq.LINGER, 0)
@@ -129,6 +132,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # as every service: `kill -USR1` prints the stacks
     return event_loop.run(serve(args.engine, args.commands, args.address))
 
 
