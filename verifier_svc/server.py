@@ -1,6 +1,6 @@
 """`splitspec verifier`: the target model and the step loop behind the splitspec.v1.Verifier gRPC API.
 
-Two processes: this one (the engine: the model, the step loop (worker.EngineWorker) on the main thread,
+Two processes: this one (the engine: the model, the step loop on its own thread (worker.EngineWorker),
 the drafter pool, the metrics) and the front it starts (front_process.py: the gRPC server, the streams
 and their protobuf), so that gRPC's work never takes the engine's GIL; each step's deltas cross in one
 message (engine_link.py). --disable-frontend-multiprocessing serves gRPC on this process's event loop
@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import sys
-import threading
 
 from splitspec import engine_args, event_loop, heap, model_flags, speculation
 from splitspec.protos import verifier_pb2 as pb
@@ -268,18 +267,11 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
         worker = EngineWorker(engine, metrics, publish=front.publish, overlap=overlap)
         if metrics is not None:
             metrics.observe_state(engine)
-        front.start(worker, metrics, info, limits)  # commands queue in the worker's inbox until its loop runs
+        worker.start()
+        front.start(worker, metrics, info, limits)
         ready()
         front.serving()
-        exit_code = []
-
-        def watch_front() -> None:
-            exit_code.append(front.run())
-            worker.stop()
-
-        threading.Thread(target=watch_front, name="front-watch", daemon=True).start()
-        worker.run()  # the engine loop on this, the main, thread, until the front exits
-        return exit_code[0] if exit_code else 1
+        return front.run()
     finally:
         front.close()
 

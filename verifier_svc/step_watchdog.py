@@ -18,7 +18,7 @@ STALL_SECONDS = 20.0
 
 class StepWatchdog(threading.Thread):
     """Watches a worker whose `step_began` is the perf_counter() time its current step began (None between
-    steps) and whose `loop_ident` is the ident of the thread running its loop."""
+    steps) and whose `ident` is its thread's."""
 
     def __init__(self, worker, threshold_s: float = STALL_SECONDS, interval_s: float | None = None):
         super().__init__(name="engine-watchdog", daemon=True)
@@ -36,7 +36,7 @@ class StepWatchdog(threading.Thread):
             elapsed = time.perf_counter() - began
             if elapsed < self.threshold:
                 continue
-            frame = sys._current_frames().get(self.worker.loop_ident)
+            frame = sys._current_frames().get(self.worker.ident)
             stack = "".join(traceback.format_stack(frame)[-16:]) if frame is not None else "(the thread is gone)\n"
             logger.warning("an engine step has run for %.0f s (every stream waits for it); the engine thread is at:\n%s",
                            elapsed, stack.rstrip())

@@ -1,4 +1,4 @@
-"""The engine's loop (on a thread of its own, or a served verifier's main thread): it owns the Engine, takes submissions and aborts from a queue, steps while
+"""The engine's thread: it owns the Engine, takes submissions and aborts from a queue, steps while
 there is work, and hands each step's deltas to the streams that asked for them: all of a step's deltas in
 one hand-off (`publish`), so the engine thread pays one call per step, not one per request (the server's
 publish crosses to the event loop once; the protobuf and the streams' writes happen there).
@@ -54,9 +54,6 @@ def deliver_each(deliveries: list[Delivery]) -> None:
         submission.deliver(submission.request, event)
 
 
-_STOP = object()  # the inbox's last item: the loop returns
-
-
 @dataclass
 class _Abort:
     submission: Submission
@@ -93,8 +90,6 @@ class EngineWorker(threading.Thread):
         self.step_began: float | None = None  # perf_counter() at the running step's start, None between steps
         self.watchdog = StepWatchdog(self, stall_seconds)
         self.step_log = StepLog.from_env("verifier")  # SPLITSPEC_STEP_LOG
-        self.loop_ident: int | None = None  # the thread running the loop: this one started, or a served verifier's main
-        self._stopping = False
         if overlap:
             engine.while_forward = self._flush
 
@@ -106,10 +101,6 @@ class EngineWorker(threading.Thread):
         """Abort without waiting: the request's last delta (abort) is published when the engine takes it."""
         self.inbox.put(_Abort(submission))
 
-    def stop(self) -> None:
-        """The loop returns once it has taken what is queued before this (the served verifier's, when its front exits)."""
-        self.inbox.put(_STOP)
-
     def abort(self, submission: Submission, timeout: float = 30.0) -> bool:
         command = _Abort(submission)
         self.inbox.put(command)
@@ -117,16 +108,13 @@ class EngineWorker(threading.Thread):
         return command.found
 
     def run(self) -> None:
-        """The loop: on this thread once started, or called on the caller's (a served verifier runs it on its main
-        thread, the way a plain `splitspec bench` steps, alone on its CPUs when pinned) until stop()."""
-        self.loop_ident = threading.get_ident()
         clock = time.perf_counter
         profile = HostProfile("verifier")  # SPLITSPEC_PROFILE_HOST
         profile.start()
         device_profile = served_selector()  # SPLITSPEC_TORCH_PROFILE with SPLITSPEC_TORCH_PROFILE_SERVED
-        self.watchdog.start()  # before pinning: a thread inherits its creator's CPUs
         pin_engine_thread()
-        while not self._stopping:
+        self.watchdog.start()
+        while True:
             busy = self.engine.has_work
             profile.tick(idle=not busy)
             start = clock()
@@ -162,7 +150,6 @@ class EngineWorker(threading.Thread):
                                                **self._take_flushed(), "hidden": hidden})
                 if device_profile is not None and device_profile[1](self.engine.report):  # outside the loop's timings
                     device_profile[0].step()
-        self.watchdog.stop()
 
     def _take_flushed(self) -> dict[str, float]:
         """Seconds spent publishing (metrics, publish) since the last call."""
@@ -198,9 +185,6 @@ class EngineWorker(threading.Thread):
             return
 
     def _handle(self, item) -> None:
-        if item is _STOP:
-            self._stopping = True
-            return
         if isinstance(item, Submission):
             if self.step_log is not None:
                 self.step_log.arrived(item.received, time.perf_counter())
