@@ -69,7 +69,7 @@ def host_beam_draft(runner: ModelRunner, roots: list[int], root_logits: torch.Te
                     budgets: list[int], shape, root_features: list[torch.Tensor] | None = None,
                     guides: list | None = None) -> list[DraftTree]:
     """BeamDraft for each request (shape: its topk, num_steps, num_draft_tokens, token_map); guides (a request's
-    grammar_masks.GrammarGuide, or None): that request's candidates masked to its grammar at every step."""
+    runtime.grammar_guide.GrammarGuide, or None): that request's candidates masked to its grammar at every step."""
     if guides and any(g is not None for g in guides):
         root_logits = root_logits.clone()
         for row, (root, guide) in enumerate(zip(roots, guides)):

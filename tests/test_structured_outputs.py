@@ -173,7 +173,7 @@ def test_in_process_drafters_never_propose_what_the_grammar_forbids(setup, algor
     is asked for more candidates and its tree cut to the grammar and the budget, before the engine sees them. The
     output stays constrained plain decoding's, and drafts are accepted."""
     from splitspec.runtime.tree import DraftTree
-    from splitspec.verifier_svc.grammar_masks import grammar_rows
+    from splitspec.runtime.grammar_guide import grammar_rows
 
     runner, _, _, _, _ = setup
     params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, grammar=("json_schema", json.dumps(SCHEMA)))

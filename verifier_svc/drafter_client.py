@@ -13,6 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from splitspec.runtime.grammar_guide import draft_to_grammar
 from splitspec.runtime.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class DraftAsk:
     new_tokens: list[int]  # what the sequence grew by since the last call
     max_nodes: int  # tree budget, root included
     hidden: object = None  # hidden-state drafters: [len(new_tokens), H], the target's state before each token
-    # a request whose output a grammar constrains: its grammar_masks.GrammarGuide (masks a beam drafter's candidates,
+    # a request whose output a grammar constrains: its runtime.grammar_guide.GrammarGuide (masks a beam drafter's candidates,
     # cuts any tree to the grammar). In-process drafting only; a drafter process's trees are pruned by the verifier
     guide: object = None
 
@@ -37,7 +38,6 @@ class _Fault:
 
 
 DRAFT_FAULT = _Fault()  # collect(): the drafter failed this request this step (late, invalid, gone)
-GUIDED_OVERDRAFT = 4  # InProcessDrafterClient.overdraft for drafters that fill any budget
 
 
 @dataclass
@@ -97,10 +97,6 @@ class InProcessDrafterClient(DrafterClient):
         self._asked: dict[str, int] = {}  # request id -> tree budget
         self._guides: dict[str, object] = {}  # request id -> its grammar's guide (DraftAsk.guide)
         self._broken: set[str] = set()
-        # a drafter that fills any budget from a larger pool (NGRAM) is asked this many times the budget for a
-        # constrained request, so that the nodes its grammar allows still fill the budget once the rest are cut
-        self.overdraft = GUIDED_OVERDRAFT if getattr(drafter, "fills_budget", False) else 1
-        self.takes_guides = getattr(drafter, "takes_guides", False)  # masks its own candidates (the beam drafters)
 
     def open(self, request_id: str, prompt_ids: list[int]) -> None:
         try:
@@ -138,10 +134,6 @@ class InProcessDrafterClient(DrafterClient):
             logger.exception("drafter %s failed on a batch of %d; drafting them one by one", self.drafter.name, len(asked))
             drafted = [self._draft_alone(r) for r in asked]
         trees.update(zip(asked, drafted))
-        for r in asked:
-            guide = self._guides.get(r)
-            if guide is not None and isinstance(trees[r], DraftTree):
-                trees[r] = self._guided(r, guide, trees[r])
         for r in request_ids:
             self._asked.pop(r, None)
             self._guides.pop(r, None)
@@ -152,24 +144,12 @@ class InProcessDrafterClient(DrafterClient):
         return trees
 
     def _draft(self, request_ids: list[str]) -> list:
-        budgets = [self._budget(r) for r in request_ids]
-        if self.takes_guides and any(r in self._guides for r in request_ids):
-            return self.drafter.draft(request_ids, budgets, [self._guides.get(r) for r in request_ids])
-        return self.drafter.draft(request_ids, budgets)
-
-    def _budget(self, request_id: str) -> int:
-        return self._asked[request_id] * (self.overdraft if request_id in self._guides else 1)
-
-    def _guided(self, request_id: str, guide, tree: DraftTree) -> DraftTree | _Fault:
-        """The tree cut to what the request's grammar allows and to its budget (the drafter never proposes a token
-        the grammar forbids); a guide that fails is the drafter's fault for this step, not the request's."""
-        try:
-            cut = guide.cut(tree, self._asked[request_id])
-        except Exception:
-            logger.exception("cutting %s's draft to its grammar failed; it decodes a plain token this step", request_id)
-            return DRAFT_FAULT
-        self.stats.grammar_cut += tree.num_nodes - cut.num_nodes
-        return cut
+        """Their trees, a constrained request's holding only what its grammar allows (grammar_guide.draft_to_grammar:
+        the drafter never proposes a token the grammar forbids)."""
+        trees, cut = draft_to_grammar(self.drafter, request_ids, [self._asked[r] for r in request_ids],
+                                      [self._guides.get(r) for r in request_ids])
+        self.stats.grammar_cut += cut
+        return trees
 
     def _draft_alone(self, request_id: str):
         try:

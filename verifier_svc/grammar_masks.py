@@ -17,13 +17,8 @@ from concurrent.futures import Future
 import torch
 
 from splitspec.runtime.grammar import xgrammar_module
-from splitspec.runtime.tree import DraftTree, child_links
+from splitspec.runtime.grammar_guide import GrammarGuide, grammar_rows, subtree
 from splitspec.verifier_svc.step_types import Chunk, Request
-
-
-def _allowed(words: list[int], token: int) -> bool:
-    """Whether a bitmask row (as Python ints: one read of the tensor, not one per node) allows the token."""
-    return bool((words[token >> 5] >> (token & 31)) & 1)
 
 
 class GrammarMasks:
@@ -75,61 +70,6 @@ class GrammarMasks:
         full[indices] = torch.cat(parts)
         self.xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
                                              vocab_size=min(self.vocab_size, logits.shape[-1]), indices=indices)
-
-
-def grammar_rows(tree: DraftTree, matcher, rows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """(rows filled with the bitmask after the path to each node, the nodes the grammar allows: each one's token
-    allowed after its parent's path, its ancestors kept) for a tree rooted at the matcher's last accepted token.
-    The matcher walks the tree (xgrammar's traverse_draft_tree: advancing and rolling back along each path) and
-    ends where it began."""
-    if tree.num_nodes == 1:
-        matcher.fill_next_token_bitmask(rows, 0)
-        return rows, [0]
-    next_token, next_sibling = child_links(tree.parents)
-    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-    matcher.traverse_draft_tree(as_tensor(next_token), as_tensor(next_sibling), as_tensor(tree.tokens), rows)
-    keep, kept, words = [0], {0}, rows.tolist()
-    for node in range(1, tree.num_nodes):  # parents come before their children
-        if tree.parents[node] in kept and _allowed(words[tree.parents[node]], tree.tokens[node]):
-            kept.add(node)
-            keep.append(node)
-    return rows, keep
-
-
-def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
-    """The tree of the nodes `keep` (ascending, the root first, every node's parent among them), renumbered; the
-    drafter's scores kept with their nodes."""
-    index = {node: i for i, node in enumerate(keep)}
-    return DraftTree(tuple(tree.tokens[n] for n in keep), tuple(-1 if n == 0 else index[tree.parents[n]] for n in keep),
-                     None if tree.scores is None else tuple(tree.scores[n] for n in keep))
-
-
-class GrammarGuide:
-    """What a drafter in the verifier's process sees of a constrained request's grammar: its matcher, standing after
-    the request's last token (every tree's root). node_masks guides a beam drafter's candidates at each step; cut
-    cuts any drafter's tree to what the grammar allows and to its budget. The matcher ends where it began."""
-
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
-        self.xgr = xgrammar_module()
-
-    def node_masks(self, tree: DraftTree) -> torch.Tensor:
-        """[nodes, vocab] bool: the tokens the grammar allows after the path to each node (none after a node whose
-        path it forbids)."""
-        rows, keep = grammar_rows(tree, self.matcher, self.xgr.allocate_token_bitmask(tree.num_nodes, self.vocab_size))
-        bits = (rows[:, :, None] >> torch.arange(32, dtype=rows.dtype)) & 1
-        allowed = bits.bool().flatten(1)[:, : self.vocab_size]
-        if len(keep) < tree.num_nodes:
-            forbidden = torch.ones(tree.num_nodes, dtype=torch.bool)
-            forbidden[keep] = False
-            allowed[forbidden] = False
-        return allowed
-
-    def cut(self, tree: DraftTree, max_nodes: int) -> DraftTree:
-        """The tree cut to what the grammar allows, then to its first max_nodes nodes (the drafter's own order:
-        parents first, its likeliest candidates first): what a drafter proposes for a constrained request."""
-        _, keep = grammar_rows(tree, self.matcher, self.xgr.allocate_token_bitmask(tree.num_nodes, self.vocab_size))
-        return subtree(tree, keep[:max_nodes])
 
 
 def draft_guide(request: Request, vocab_size: int) -> GrammarGuide | None:
