@@ -8,6 +8,7 @@ import logging
 import time
 
 from splitspec.drafter_svc import convert
+from splitspec.runtime.grammar_guide import draft_to_grammar
 from splitspec.runtime.tensor_plane import TensorError
 
 logger = logging.getLogger("splitspec.drafter")
@@ -44,6 +45,8 @@ class Drafting:
         if request_id in self.requests:
             self.drafter.release(request_id)
             self.requests.discard(request_id)
+        grammar = (message.open.grammar_kind, message.open.grammar) if message.open.grammar_kind else None
+        self.grammars.open(request_id, tokens, grammar, message.open.prompt_tokens)
         if not self.drafter.needs_hidden_states:
             self.drafter.open(request_id, tokens)
             self.requests.add(request_id)
@@ -85,6 +88,7 @@ class Drafting:
                     self.drafter.extend(ask.request_id, list(ask.new_token_ids), rows.to(self.device))
                 elif ask.new_token_ids:
                     self.drafter.extend(ask.request_id, list(ask.new_token_ids))
+                self.grammars.extend(ask.request_id, list(ask.new_token_ids))
             except (ValueError, KeyError, IndexError) as exc:  # its state cannot follow: the verifier opens it again
                 self._drop(f"draft {step_id}: {ask.request_id}: {exc}; reopening it", "request_state")
                 self._forget(ask.request_id)
@@ -111,14 +115,15 @@ class Drafting:
             logger.exception("the drafter's idle work failed after step %d", step_id)
 
     def _draft_trees(self, asks, budgets: list[int], unknown: list[str]) -> list:
+        """The asks' trees; a constrained request's only what its grammar allows (grammars.py)."""
         try:
-            return self.drafter.draft([a.request_id for a in asks], budgets) if asks else []
+            return self._draft_guided([a.request_id for a in asks], budgets) if asks else []
         except Exception:  # find the request(s) it fails on; the others still get their trees
             logger.exception("drafting a batch of %d failed; drafting them one by one", len(asks))
             trees = []
             for ask, budget in zip(asks, budgets):
                 try:
-                    trees.append(self.drafter.draft([ask.request_id], [budget])[0])
+                    trees.append(self._draft_guided([ask.request_id], [budget])[0])
                 except Exception:  # its state may be broken: drop it, the verifier opens it again
                     logger.exception("drafting %s failed; dropping it", ask.request_id)
                     self._forget(ask.request_id)
@@ -126,11 +131,24 @@ class Drafting:
                     trees.append(None)
             return trees
 
+    def _draft_guided(self, request_ids: list[str], budgets: list[int]) -> list:
+        guides = [self.grammars.guide(r) for r in request_ids]
+        trees, cut = draft_to_grammar(self.drafter, request_ids, budgets, guides)
+        self.grammar_cut += cut
+        if self.metrics is not None:
+            guided = sum(g is not None for g in guides)
+            unguided = sum(g is None and self.grammars.constrained(r) for r, g in zip(request_ids, guides))
+            self.metrics.constrained_trees.labels(guided="yes").inc(guided)
+            self.metrics.constrained_trees.labels(guided="no").inc(unguided)
+            self.metrics.grammar_cut.inc(cut)
+        return trees
+
     def _bets(self, step_id: int, asks) -> None:
         """Overlap: bets on the outcomes of the trees the verifier is verifying now (always answered, empty
         when this drafter has none, so that the verifier never waits for them in vain)."""
         start = time.perf_counter()
         bets = []
+        asks = [a for a in asks if self.grammars.guide(a.request_id) is None]  # bets are not drafted to a grammar
         if asks and self.drafter.supports_bets:
             try:
                 drafted = self.drafter.draft_bets([a.request_id for a in asks], max(a.num_bets for a in asks))
@@ -143,6 +161,7 @@ class Drafting:
             self.metrics.bets.inc(len(bets))
 
     def _forget(self, request_id: str) -> None:
+        self.grammars.release(request_id)
         if request_id in self.requests:
             self.drafter.release(request_id)
             self.requests.discard(request_id)

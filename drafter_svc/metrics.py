@@ -51,6 +51,16 @@ class DrafterMetrics:
         self.superseded = make(Counter, "drafter_superseded_asks",
                                "Asks answered without a tree because a newer ask for the same request was already "
                                "waiting (this drafter fell behind; the verifier had stopped waiting for them).")
+        self.grammar_compiles = make(Counter, "drafter_grammar_compiles",
+                                     "Constrained requests' grammars compiled here, by outcome (ok, error): each opened "
+                                     "request's once (xgrammar's cache makes a repeated grammar a lookup).",
+                                     extra=("outcome",))
+        self.constrained_trees = make(Counter, "drafter_constrained_trees",
+                                      "Trees of constrained requests (structured outputs), by guided: yes (drafted to the "
+                                      "grammar), no (its grammar still compiling here, or not usable here).",
+                                      extra=("guided",))
+        self.grammar_cut = make(Counter, "drafter_grammar_cut_tokens",
+                                "Drafted tokens cut from constrained requests' trees because their grammar forbids them.")
         self.kv_usage = make(Gauge, "drafter_kv_cache_usage", "Share of the draft model's KV pages in use (0 without a draft model).")
         self.bytes = make(Counter, "drafter_wire_bytes", "Bytes on the step channel, by direction (received, sent).",
                           extra=("direction",))

@@ -30,6 +30,7 @@ from splitspec import engine_args, heap, speculation
 from splitspec.drafter_svc import convert
 from splitspec.drafter_svc.base import Drafter
 from splitspec.drafter_svc.drafting import Drafting
+from splitspec.drafter_svc.grammars import RequestGrammars
 from splitspec.host_profile import HostProfile
 from splitspec.protos.step_limits import drafter_receive_limit
 from splitspec.model_flags import LOG_LEVELS, setup_logging
@@ -63,8 +64,9 @@ class DrafterServer(Drafting):
                  heartbeat_interval: float = 0.25, verifier_timeout: float = 5.0, draft_model: str = "",
                  vocab_size: int = 0, hidden_state_layers: tuple[int, ...] = (), metrics=None,
                  metrics_port: int = 0, metrics_host: str = "", curve: ClientKeys | None = None,
-                 max_message_bytes: int | None = None):
+                 max_message_bytes: int | None = None, grammars: RequestGrammars | None = None):
         """curve: this drafter's CURVE keys and the verifier's public key (None: no CURVE).
+        grammars: its constrained requests' grammars (grammars.py; None: drafted without them).
         max_message_bytes: the largest frame the verifier may send (default: protos.step_limits.receive_limit for
         this drafter's model); a verifier sending more is disconnected before the frame is allocated."""
         import zmq
@@ -88,6 +90,8 @@ class DrafterServer(Drafting):
         runner = getattr(drafter, "runner", None)
         self.device = runner.device if runner is not None else "cpu"
         self.bet_steps = 0  # steps whose bets were drafted (overlap)
+        self.grammars = grammars or RequestGrammars(None, 0)
+        self.grammar_cut = 0  # drafted nodes cut because a constrained request's grammar forbids them
         self.received_ns = 0  # wall clock when the message being handled arrived (stamped on replies)
         self.curve = curve
         self.context = zmq.Context.instance()
@@ -154,6 +158,7 @@ class DrafterServer(Drafting):
         for request_id in self.requests:
             self.drafter.release(request_id)
         self.requests.clear()
+        self.grammars.clear()
         self.session = 0
         self.ipc = None  # the next session is offered a buffer of its own
 
@@ -337,9 +342,7 @@ class DrafterServer(Drafting):
             self._draft(message, frames[1:], superseded)
         elif kind == "release":
             for request_id in message.release.request_ids:
-                if request_id in self.requests:
-                    self.drafter.release(request_id)
-                    self.requests.discard(request_id)
+                self._forget(request_id)
         else:
             self._drop(f"unexpected message kind {kind!r}", "unexpected_kind")
 
@@ -378,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model-path", "--model", dest="model_path", default=None,
                        help="The target model (HF directory or hub id), required for EAGLE/EAGLE3/NEXTN. Their drafts share its "
                        "embedding (and lm_head), and its config says which states EAGLE3 needs; MTP loads its MTP "
-                       "layers from it; STANDALONE checks that the draft speaks its vocabulary.")
+                       "layers from it; STANDALONE checks that the draft speaks its vocabulary. Every drafter uses its tokenizer to draft "
+                       "constrained requests (structured outputs) to their grammars; without it they draft unguided.")
     model.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path.")
     model.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "pt", "dummy", "dummy-decisive"),
                        help="The target's (`splitspec up` passes the verifier's on). dummy or dummy-decisive: --model-path is "
@@ -400,6 +404,19 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--disable-cuda-graph", action="store_true", help="GPU: run every draft step eagerly.")
     engine_args.add_speculative_args(parser, side="drafter")
     return parser
+
+
+def grammar_compiler(model_path: str, revision: str | None):
+    """(compiler, vocab size) for the target's grammars: its tokenizer, vocabulary and stop tokens, as the verifier
+    compiles them (nothing loads until a constrained request comes)."""
+    from splitspec.generate import eos_token_ids
+    from splitspec.runtime.config import ModelConfig
+    from splitspec.runtime.grammar import Compiler
+    from splitspec.runtime.hub import resolve_model_dir
+
+    model_dir = resolve_model_dir(model_path, revision)
+    config = ModelConfig.from_dir(model_dir)
+    return Compiler.for_model(str(model_dir), config.vocab_size, eos_token_ids(model_dir, config.eos_token_ids, None)), config.vocab_size
 
 
 def run(args: argparse.Namespace) -> int:
@@ -449,12 +466,18 @@ def run(args: argparse.Namespace) -> int:
         metrics_port = http.server_address[1]
         metrics_host = "" if args.metrics_host in ("0.0.0.0", "::", "") else args.metrics_host
         logger.info("metrics on http://%s:%d/metrics", args.metrics_host, metrics_port)
+    grammars = None
+    if args.model_path:
+        try:
+            grammars = RequestGrammars(*grammar_compiler(args.model_path, args.revision), metrics=metrics)
+        except (ValueError, OSError) as exc:  # no config to read: constrained requests draft without their grammars
+            logger.warning("no grammars for constrained requests (%s): they draft unguided", exc)
     server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,
                            args.heartbeat_interval, args.verifier_timeout,
                            draft_model=settings.draft_model,
                            vocab_size=drafter.vocab_size if model_drafter else 0,
                            hidden_state_layers=drafter.hidden_state_layers, metrics=metrics,
-                           metrics_port=metrics_port, metrics_host=metrics_host, curve=curve)
+                           metrics_port=metrics_port, metrics_host=metrics_host, curve=curve, grammars=grammars)
     heap.freeze("drafter")
     try:
         server.serve()

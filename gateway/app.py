@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from splitspec import event_loop
 from splitspec.gateway.body import BodyError, parse_body
 from splitspec.gateway.protocol import (APIError, invalid, parse_chat, parse_completion, request_schemas,
                                         template_messages)
@@ -208,7 +207,6 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(_app):
-        event_loop.print_tasks_on_sigusr2()
         await gateway.start()
         if config.serve_when_ready:  # uvicorn accepts once this returns: meanwhile connections wait in the backlog
             await gateway.until_ready()

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from splitspec import heap
+from splitspec import event_loop, heap
 from splitspec.step_log import StepLog
 from splitspec.gateway.client import StreamBroken, VerifierClient
 from splitspec.gateway.metrics import GatewayMetrics
@@ -102,6 +102,7 @@ class Gateway:
 
     # lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
+        event_loop.print_tasks_on_sigusr2()
         self.client = VerifierClient(self.config.verifier, on_grpc_error=self._grpc_error, step_log=self.step_log)
         self._connector = asyncio.get_running_loop().create_task(self._connect())
 

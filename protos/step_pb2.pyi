@@ -183,12 +183,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids")
+    __slots__ = ("request_id", "token_ids", "grammar_kind", "grammar", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_KIND_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar_kind: str
+    grammar: str
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., grammar_kind: _Optional[str] = ..., grammar: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftAsk(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "max_nodes", "bet_taken", "num_bets")

@@ -51,4 +51,7 @@ def print_tasks_on_sigusr2() -> None:
         sys.stderr.flush()
 
     if hasattr(signal, "SIGUSR2"):
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump)
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, dump)
+        except (RuntimeError, ValueError):  # not the main thread's loop (an app under a test client): no dump
+            pass

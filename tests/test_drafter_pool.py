@@ -26,10 +26,10 @@ from splitspec.runtime.sampling_params import SamplingParams
 PROMPTS = [[13, 290, 350 + i, 13, 290, 350 + i, 13, 600 + i] for i in range(8)]
 
 
-def start_drafter(address: str, name: str) -> subprocess.Popen:
+def start_drafter(address: str, name: str, *flags: str) -> subprocess.Popen:
     return spawn_service(
         [sys.executable, "-P", "-m", "splitspec", "drafter", "--verifier-drafter-addr", address, "--drafter-name", name,
-         "--speculative-algorithm", "NGRAM", "--heartbeat-interval", "0.1", "--log-level", "warning"])
+         "--speculative-algorithm", "NGRAM", "--heartbeat-interval", "0.1", "--log-level", "warning", *flags])
 
 
 class Split:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import test_penalties
@@ -239,3 +240,98 @@ def test_pruned_drafts_are_counted_and_none_are_left_to_prune_when_drafting_to_t
         outputs[name] = [r.output_ids for r in requests]
     assert pruned["without"] > 0 and pruned["to the grammar"] == 0
     assert outputs["without"] == outputs["to the grammar"]
+
+
+def test_a_drafter_process_drafts_to_the_grammar_the_verifier_sends(setup):
+    """Over the step channel: the verifier opens a constrained request at a drafter process with its grammar and
+    prompt length; a drafter that knows the target's tokenizer (--model-path) compiles it, follows the output with
+    a matcher and cuts its NGRAM trees to the grammar, so the verifier has nothing left to prune once the grammar is
+    compiled there (the second wave, other prompts; the first compiles it); one without a tokenizer drafts as before and leaves
+    some. Outputs equal constrained plain decoding's either way, drafts are accepted, nothing falls back."""
+    from test_drafter_pool import start_drafter
+    from test_verifier_service import free_port
+
+    from splitspec.verifier_svc.drafter_pool import DrafterPool
+
+    runner, prompts, _, eos, compiler = setup
+    params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, grammar=("json_schema", json.dumps(SCHEMA)))
+    plain = [r.output_ids for r in decode(setup, None, None, params)]
+    pruned, guided, cut = {}, {}, {}
+    for name, flags in (("knows the grammar", ("--model-path", str(demo_model_dirs()["target"]))), ("no tokenizer", ())):
+        pool = DrafterPool(f"tcp://127.0.0.1:{free_port()}", "NGRAM", runner.config.vocab_size, timeout=5.0,
+                           heartbeat_timeout=30.0)
+        process = start_drafter(pool.address, "grammar", "--speculative-num-draft-tokens", "8", "--metrics-port", "0",
+                                *flags)
+        try:
+            assert pool.wait_for_drafters(1, 60.0)
+            metrics_url = f"http://{pool.scrape_targets()[0]['targets'][0]}/metrics"
+            engine = Engine(runner, pool, SpecConfig(num_draft_tokens=8), eos, grammars=compiler)
+            for wave, (first, last) in enumerate(((0, 2), (2, 4))):  # other prompts: NGRAM's cache holds wave 0's outputs
+                if wave == 1 and flags:  # the drafter's first compile (its tokenizer loads) may outlast wave 0
+                    deadline = time.monotonic() + 60
+                    while not drafter_metric(metrics_url, "splitspec:drafter_grammar_compiles_total", outcome="ok"):
+                        assert time.monotonic() < deadline, "the drafter never compiled the grammar"
+                        time.sleep(0.2)
+                requests = [engine.add_request(p, params) for p in prompts[first:last]]
+                pruned[name, wave] = 0
+                while engine.has_work:
+                    engine.step()
+                    pruned[name, wave] += engine.report.grammar_pruned
+                assert [r.output_ids for r in requests] == plain[first:last]
+                assert all(r.stats.fallbacks == 0 for r in requests) and sum(r.stats.accepted_tokens for r in requests) > 0
+            assert pool.stats.faults == 0
+            guided[name] = drafter_metric(metrics_url, "splitspec:drafter_constrained_trees_total", guided="yes")
+            cut[name] = drafter_metric(metrics_url, "splitspec:drafter_grammar_cut_tokens_total")
+        finally:
+            pool.close()
+            process.kill()
+            process.wait(timeout=30)
+    assert pruned["knows the grammar", 1] == 0 and pruned["no tokenizer", 1] > 0, pruned
+    assert guided["knows the grammar"] > 0 and cut["knows the grammar"] > 0  # NGRAM asked for more, cut to the grammar
+    assert guided["no tokenizer"] == 0 and cut["no tokenizer"] == 0
+
+
+def drafter_metric(url: str, name: str, **labels) -> float:
+    """One sample of a drafter's /metrics (summed over the series with these labels)."""
+    from test_verifier_service import scrape
+
+    return sum(v for (n, ls), v in scrape(url).items() if n == name and all(dict(ls).get(k) == w for k, w in labels.items()))
+
+
+def test_a_drafter_follows_the_output_however_the_request_was_opened(setup):
+    """drafter_svc.grammars: a drafter of hidden states is opened with the prompt's first token (the rest of the prompt
+    comes in its asks), NGRAM with the prompt, a re-pinned request with prompt and output so far; each way its matcher
+    stands where the verifier's stands (after the same output tokens). A token the grammar refuses (another
+    tokenizer) leaves the request unguided, not failed."""
+    from splitspec.drafter_svc.grammars import RequestGrammars
+
+    runner, prompts, _, _, compiler = setup
+    spec = ("json_schema", json.dumps(SCHEMA))
+    prompt = prompts[0]
+    output = decode(setup, None, None, SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, grammar=spec))[0].output_ids
+    head = output[:7]
+    grammars = RequestGrammars(compiler, runner.config.vocab_size)
+    grammars.open("hidden", prompt[:1], spec, len(prompt))
+    grammars.extend("hidden", prompt[1:5])
+    grammars.extend("hidden", prompt[5:] + head[:3])
+    grammars.extend("hidden", head[3:])
+    grammars.open("ngram", prompt, spec, len(prompt))
+    grammars.extend("ngram", head)
+    grammars.open("repinned", prompt + head, spec, len(prompt))
+    grammars.open("refused", prompt, spec, len(prompt))
+    grammars.extend("refused", [head[1]])  # not a JSON object's first token
+    grammars.open("plain", prompt, None, len(prompt))
+    grammars.tracked["ngram"].compiled.result(timeout=60)
+    reference = compiler.matcher(compiler.compile(spec).result(timeout=60))
+    for token in head:
+        assert reference.accept_token(token)
+    xgr = grammar.xgrammar_module()
+    expected = xgr.allocate_token_bitmask(1, runner.config.vocab_size)
+    reference.fill_next_token_bitmask(expected, 0)
+    for request_id in ("hidden", "ngram", "repinned"):
+        guide = grammars.guide(request_id)
+        rows = xgr.allocate_token_bitmask(1, runner.config.vocab_size)
+        guide.matcher.fill_next_token_bitmask(rows, 0)
+        assert rows.equal(expected), request_id
+    assert grammars.guide("refused") is None and grammars.guide("plain") is None
+    assert grammars.constrained("refused") and not grammars.constrained("plain")

@@ -139,8 +139,13 @@ def _tensor_metas(infos) -> list:
             for t in infos]
 
 
-def open_request(epoch: int, session: int, request_id: str, token_ids: list[int], tensors=()):
-    message = _verifier_message(epoch, session, open=step_pb.OpenRequest(request_id=request_id, token_ids=token_ids))
+def open_request(epoch: int, session: int, request_id: str, token_ids: list[int], tensors=(),
+                 grammar: tuple[str, str] | None = None, prompt_tokens: int = 0):
+    """grammar: a constrained request's (kind, text), which the drafter follows; prompt_tokens: how many of the
+    sequence's tokens are its prompt."""
+    kind, text = grammar or ("", "")
+    message = _verifier_message(epoch, session, open=step_pb.OpenRequest(
+        request_id=request_id, token_ids=token_ids, grammar_kind=kind, grammar=text, prompt_tokens=prompt_tokens))
     message.tensors.extend(_tensor_metas(tensors))
     return message
 

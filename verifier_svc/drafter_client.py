@@ -57,7 +57,11 @@ class DrafterClient(ABC):
         self.stats = DrafterStats()
 
     @abstractmethod
-    def open(self, request_id: str, prompt_ids: list[int]) -> None: ...
+    def open(self, request_id: str, prompt_ids: list[int], grammar: tuple[str, str] | None = None,
+             prompt_tokens: int = 0) -> None:
+        """Start tracking a request: its first tokens (the prompt, or its first token for a drafter of hidden
+        states), and a constrained request's grammar and prompt length (for a drafter that follows the grammar
+        itself: a drafter process; in this process the engine's own matcher guides the drafts instead)."""
 
     @abstractmethod
     def request(self, asks: list[DraftAsk]) -> None:
@@ -98,7 +102,8 @@ class InProcessDrafterClient(DrafterClient):
         self._guides: dict[str, object] = {}  # request id -> its grammar's guide (DraftAsk.guide)
         self._broken: set[str] = set()
 
-    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+    def open(self, request_id: str, prompt_ids: list[int], grammar: tuple[str, str] | None = None,
+             prompt_tokens: int = 0) -> None:
         try:
             self.drafter.open(request_id, prompt_ids)
         except Exception:  # a drafter fault must not fail a request: it decodes unspeculated

@@ -68,8 +68,9 @@ class DrafterMembership:
 
             tensors = [("hidden_states", request_id, torch.cat(self._hidden_history[request_id]))]
         infos, frames = self._plane(drafter).pack(tensors)
-        self._send(drafter, convert.open_request(self.epoch, drafter.session, request_id, self._history[request_id], infos),
-                   frames)
+        grammar, prompt_tokens = self._grammars.get(request_id, (None, 0))
+        self._send(drafter, convert.open_request(self.epoch, drafter.session, request_id, self._history[request_id], infos,
+                                                 grammar, prompt_tokens), frames)
         return drafter
 
     def _plane(self, drafter: Drafter):

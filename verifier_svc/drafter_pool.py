@@ -108,6 +108,7 @@ class DrafterPool(DrafterMembership, OverlapBets, DraftReplies, DrafterClient):
         self._step_ids = itertools.count(1)
         self._pins: dict[str, Drafter | None] = {}
         self._history: dict[str, list[int]] = {}
+        self._grammars: dict[str, tuple[tuple[str, str], int]] = {}  # a constrained request's grammar, prompt length
         self._pending: dict[int, Step] = {}
         self._step_of: dict[str, int] = {}
         self._results: dict[str, object] = {}
@@ -176,9 +177,12 @@ class DrafterPool(DrafterMembership, OverlapBets, DraftReplies, DrafterClient):
                 self._cond.wait(remaining)
             return True
 
-    def open(self, request_id: str, prompt_ids: list[int]) -> None:
+    def open(self, request_id: str, prompt_ids: list[int], grammar: tuple[str, str] | None = None,
+             prompt_tokens: int = 0) -> None:
         with self._cond:
             self._history[request_id] = list(prompt_ids)
+            if grammar is not None:  # sent with every (re)open: the drafter follows the output with its matcher
+                self._grammars[request_id] = (grammar, prompt_tokens)
             if self.needs_hidden_states:
                 self._hidden_history[request_id] = []
             self._pins[request_id] = None
@@ -306,6 +310,7 @@ class DrafterPool(DrafterMembership, OverlapBets, DraftReplies, DrafterClient):
         with self._cond:
             drafter = self._pins.pop(request_id, None)
             self._history.pop(request_id, None)
+            self._grammars.pop(request_id, None)
             self._hidden_history.pop(request_id, None)
             self._results.pop(request_id, None)
             self._forget_ask(request_id, self._step_of.pop(request_id, None))

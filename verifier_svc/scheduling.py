@@ -132,7 +132,8 @@ class Scheduling:
             if evictable:  # counted in: the cached pages it now holds are no longer evictable
                 available -= sum(1 for page in cached if kv.allocator.refcount(page) == 1)
             if request.speculate and not request.num_preemptions:  # a hidden-state drafter gets the rest paired, later
-                self.drafter.open(request.request_id, request.prompt_ids[:1] if self.needs_hidden else request.prompt_ids)
+                self.drafter.open(request.request_id, request.prompt_ids[:1] if self.needs_hidden else request.prompt_ids,
+                                  request.params.grammar, len(request.prompt_ids))
             if cached:
                 kv.allocator.incref(cached)
                 request.table.pages = list(cached)
