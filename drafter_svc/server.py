@@ -201,7 +201,7 @@ class DrafterServer(Drafting):
 
     def _serve(self, profile: HostProfile) -> None:
         last_register = last_heartbeat = -1e9
-        last_heard = time.monotonic()
+        last_heard = connected = time.monotonic()
         logger.info("drafter %s (%s) connecting to %s%s", self.name, self.drafter.name, self.address,
                     " (CURVE)" if self.curve is not None else "")
         while not self.stopping:
@@ -215,7 +215,14 @@ class DrafterServer(Drafting):
             if self.session and now - last_heard > self.verifier_timeout:
                 self._reset(f"no word from the verifier for {self.verifier_timeout:.1f} s", "verifier_silent")
                 self._connect()
-                last_heard = now
+                last_heard = connected = now
+            if not self.session and now - connected > self.verifier_timeout:
+                # registrations unanswered: the connection may be held by a peer that is not the verifier (a process
+                # that had the address before it, keeping its accepted connections); a fresh one finds who binds it now
+                logger.debug("no answer to registration on %s for %.1f s; connecting again", self.address,
+                             self.verifier_timeout)
+                self._connect()
+                connected = now
             profile.tick()
             events = dict(self.poller.poll(timeout=int(self.heartbeat_interval * 1000) or 1))
             if self.handshakes.socket in events and self._check_handshakes() and self.session == 0:

@@ -309,6 +309,41 @@ def test_a_hostile_drafter_is_dropped_and_counted_while_requests_run_unchanged()
         split.close()
 
 
+def test_a_drafter_held_by_a_silent_peer_finds_the_verifier_that_binds_its_address():
+    """The drafter's address was held by another process that accepted its connection and never answers (it stopped
+    listening but kept the connection, as a process going away may); a verifier then binds the address. Registrations
+    that go unanswered for --verifier-timeout make the drafter connect again, so it registers within seconds, not
+    after ZeroMQ's 30 s handshake timeout (a CI run once waited 10 minutes for a drafter that connected while its
+    verifier's first bind failed, the port held by another process)."""
+    import socket
+
+    from splitspec.verifier_svc.drafter_pool import DrafterPool
+
+    port = free_port()
+    silent = socket.socket()
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    silent.bind(("127.0.0.1", port))
+    silent.listen()
+    address = f"tcp://127.0.0.1:{port}"
+    process = start_drafter(address, "held", "--verifier-timeout", "2")
+    held = None
+    pool = None
+    try:
+        silent.settimeout(60)
+        held, _ = silent.accept()  # the drafter's connection: its greeting is never answered
+        silent.close()
+        pool = DrafterPool(address, "NGRAM", 1000, timeout=5.0, heartbeat_timeout=30.0)
+        assert pool.wait_for_drafters(1, 20.0), "the drafter stayed on the silent connection"
+    finally:
+        if pool is not None:
+            pool.close()
+        if held is not None:
+            held.close()
+        silent.close()
+        process.kill()
+        process.wait(timeout=30)
+
+
 def test_a_drafter_reregisters_after_a_verifier_restart():
     """The verifier goes away and a new one binds the same address: the drafter notices (unknown
     session, new epoch), drops the old requests and registers again, and the new verifier drafts with it."""
