@@ -91,6 +91,7 @@ class DrafterServer(Drafting):
         self.device = runner.device if runner is not None else "cpu"
         self.bet_steps = 0  # steps whose bets were drafted (overlap)
         self.grammars = grammars or RequestGrammars(None, 0)
+        self.grammar_cut = 0  # drafted nodes cut because a constrained request's grammar forbids them
         self.received_ns = 0  # wall clock when the message being handled arrived (stamped on replies)
         self.curve = curve
         self.context = zmq.Context.instance()
@@ -412,6 +413,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def grammar_compiler(model_path: str, revision: str | None):
+    """(compiler, vocab size) for the target's grammars: its tokenizer, vocabulary and stop tokens, as the verifier
+    compiles them (nothing loads until a constrained request comes)."""
+    from splitspec.generate import eos_token_ids
+    from splitspec.runtime.config import ModelConfig
+    from splitspec.runtime.grammar import Compiler
+    from splitspec.runtime.hub import resolve_model_dir
+
+    model_dir = resolve_model_dir(model_path, revision)
+    config = ModelConfig.from_dir(model_dir)
+    return Compiler.for_model(str(model_dir), config.vocab_size, eos_token_ids(model_dir, config.eos_token_ids, None)), config.vocab_size
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
@@ -462,7 +476,7 @@ def run(args: argparse.Namespace) -> int:
     grammars = None
     if args.model_path:
         try:
-            grammars = RequestGrammars.for_model(args.model_path, args.revision, metrics)
+            grammars = RequestGrammars(*grammar_compiler(args.model_path, args.revision), metrics=metrics)
         except (ValueError, OSError) as exc:  # no config to read: constrained requests draft without their grammars
             logger.warning("no grammars for constrained requests (%s): they draft unguided", exc)
     server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,
