@@ -182,9 +182,11 @@ def bench(argv: list[str], out: Path, timeout: float, log, env: dict[str, str] |
     client = lifeline.spawn(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
     try:
         code = client.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:  # the client's own stacks first (cli's SIGUSR1), then the services'
-        print(f"the bench client timed out after {timeout} s: its stacks follow", file=log, flush=True)
+    except subprocess.TimeoutExpired:  # the client's own stacks and tasks first (cli's SIGUSR1, SIGUSR2), then the services'
+        print(f"the bench client timed out after {timeout} s: its stacks and tasks follow", file=log, flush=True)
         client.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        client.send_signal(signal.SIGUSR2)
         time.sleep(2)
         client.kill()
         client.wait()

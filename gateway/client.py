@@ -91,6 +91,10 @@ class VerifierClient:
     def done(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
+    def open_requests(self) -> dict[str, int]:
+        """Each request open on the stream, with how many deltas wait in its queue unread."""
+        return {request_id: queue.qsize() for request_id, queue in self._queues.items()}
+
     def _ensure_stream(self) -> None:
         if self._reader is not None and not self._reader.done():
             return

@@ -102,7 +102,7 @@ class Gateway:
 
     # lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
-        event_loop.print_tasks_on_sigusr2()
+        event_loop.print_tasks_on_sigusr2(self._held)
         self.client = VerifierClient(self.config.verifier, on_grpc_error=self._grpc_error, step_log=self.step_log)
         self._connector = asyncio.get_running_loop().create_task(self._connect())
 
@@ -139,6 +139,12 @@ class Gateway:
             self._connector.cancel()
         if self.client is not None:
             await self.client.close()
+
+    def _held(self) -> list[str]:
+        """What `kill -USR2` prints after the tasks: the choices admitted and the requests open on the stream."""
+        open_ = self.client.open_requests() if self.client is not None else {}
+        return [f"gateway: {self.admitted} choice(s) admitted, {len(open_)} open on the verifier stream: "
+                + " ".join(f"{r} ({n} queued)" for r, n in sorted(open_.items())[:64])]
 
     def _grpc_error(self, code: str) -> None:
         if self.metrics is not None:

@@ -15,17 +15,20 @@ import logging
 import ssl
 import statistics
 import time
+import weakref
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import h11
 
+from splitspec import event_loop
 from splitspec.bench_measure import Timeline, latency_fields, make_prompts
 from splitspec.step_log import StepLog
 
 logger = logging.getLogger("splitspec.bench")
 
 TIMEOUT_S = 600.0  # a connection that cannot open, or a server silent this long, fails the request
+CONNECTIONS: weakref.WeakSet = weakref.WeakSet()  # what `kill -USR2` reports on (where a stuck point waits)
 
 
 class Http:
@@ -64,12 +67,23 @@ class Connection:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.h11: h11.Connection | None = None
+        self.request: int | None = None  # the body's seed (its index in the point) while a request is out
+        self.opened = self.received = 0  # connections opened, bytes received on this one
+        self.last_read = time.perf_counter()
+        CONNECTIONS.add(self)
+
+    def state(self) -> str:
+        h = "closed" if self.h11 is None else f"ours {self.h11.our_state.__name__}, theirs {self.h11.their_state.__name__}"
+        return (f"request {self.request}: {h}, opened {self.opened}x, {self.received} bytes in, last read "
+                f"{time.perf_counter() - self.last_read:.1f} s ago")
 
     async def _open(self) -> None:
         context = ssl.create_default_context() if self.http.https else None
         self.reader, self.writer = await asyncio.wait_for(
             asyncio.open_connection(self.http.host, self.http.port, ssl=context), TIMEOUT_S)
         self.h11 = h11.Connection(h11.CLIENT)
+        self.opened += 1
+        self.received = 0
 
     def close(self) -> None:
         if self.writer is not None:
@@ -86,6 +100,8 @@ class Connection:
                     data = await self.reader.read(65536)
             except TimeoutError:
                 raise RuntimeError(f"nothing from the server for {TIMEOUT_S:g} s") from None
+            self.received += len(data)
+            self.last_read = time.perf_counter()
             self.h11.receive_data(data)  # b"" = the server closed: h11 raises on a cut message
 
     async def stream(self, body: dict, timeline: Timeline) -> dict:
@@ -95,6 +111,7 @@ class Connection:
         headers = [("Host", f"{self.http.host}:{self.http.port}"), ("Content-Length", str(len(payload))),
                    *self.http.headers.items()]
         timeline.sent = time.perf_counter()
+        self.request = body.get("seed")
         for attempt in (0, 1):
             reused = self.h11 is not None
             if not reused:
@@ -121,6 +138,7 @@ class Connection:
             self.h11.start_next_cycle()  # keep-alive: the slot's next request reuses the connection
         else:
             self.close()
+        self.request = None
         return extras
 
     async def _response(self, response: h11.Response, timeline: Timeline) -> dict:
@@ -175,12 +193,14 @@ async def _point(client: Http, bodies: list[dict], concurrency: int, timelines: 
         finally:
             connection.close()
 
+    event_loop.print_tasks_on_sigusr2(lambda: [c.state() for c in CONNECTIONS])
     start = time.perf_counter()
     await asyncio.gather(*(slot() for _ in range(concurrency)))
     return start, time.perf_counter()
 
 
 async def _warm(client: Http, bodies: list[dict]) -> None:
+    event_loop.print_tasks_on_sigusr2(lambda: [c.state() for c in CONNECTIONS])
     connection = client.connection()
     try:
         for body in bodies:

@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     set_provider(_demo_target)
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 <pid>` prints every thread's stack: where a stuck service waits
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-        # `kill -USR2`: the gateway and the gRPC front print their event loops' tasks (event_loop.print_tasks_on_sigusr2);
-        # every other service ignores it rather than die of it
+        # `kill -USR2`: the gateway, the gRPC front and `bench --url` print their event loops' tasks
+        # (event_loop.print_tasks_on_sigusr2); every other command ignores it rather than die of it
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     module = load_command(name)
     parser = module.build_parser()

@@ -37,18 +37,40 @@ def run(main: Coroutine):
         return runner.run(main)
 
 
-def print_tasks_on_sigusr2() -> None:
+def task_lines(task: asyncio.Task) -> list[str]:
+    """A task and the chain of awaits it waits in, innermost last (Task.print_stack shows one frame of a coroutine
+    task and fails on a frame without a line number)."""
+    lines = [repr(task)]
+    awaited, depth = task.get_coro(), 0
+    while awaited is not None and depth < 32:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None) or getattr(awaited, "ag_frame", None)
+        if frame is None:
+            lines.append(f"    awaits {awaited!r}")
+            break
+        lines.append(f"    {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None) or getattr(awaited, "ag_await", None)
+        depth += 1
+    return lines
+
+
+def print_tasks_on_sigusr2(state: Callable[[], list[str]] | None = None) -> None:
     """In a running loop: `kill -USR2 <pid>` prints every task and where it waits (SIGUSR1's faulthandler shows
-    only the threads, and an event loop's thread waits in its selector whatever its tasks wait for)."""
+    only the threads, and an event loop's thread waits in its selector whatever its tasks wait for), then the
+    lines `state` gives (what the service holds open)."""
     import signal
     import sys
 
     def dump() -> None:
         tasks = asyncio.all_tasks()
-        print(f"{len(tasks)} asyncio tasks:", file=sys.stderr)
+        lines = [f"{len(tasks)} asyncio tasks:"]
         for task in tasks:
-            task.print_stack(limit=8, file=sys.stderr)
-        sys.stderr.flush()
+            lines += task_lines(task)
+        if state is not None:
+            try:
+                lines += state()
+            except Exception as exc:  # noqa: BLE001 (a diagnostic: say so and go on serving)
+                lines.append(f"state unavailable: {exc!r}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
 
     if hasattr(signal, "SIGUSR2"):
         try:

@@ -72,7 +72,6 @@ class LinkBackend:
 
 
 async def serve(engine_address: str, commands_address: str, address: str) -> int:
-    event_loop.print_tasks_on_sigusr2()
     context = zmq.asyncio.Context()
     inbound = context.socket(zmq.PULL)
     inbound.setsockopt(zmq.LINGER, 0)
@@ -82,6 +81,8 @@ async def serve(engine_address: str, commands_address: str, address: str) -> int
     commands.setsockopt(zmq.LINGER, 2000)
     commands.connect(commands_address)
     backend = LinkBackend(commands)
+    event_loop.print_tasks_on_sigusr2(lambda: [f"front: {len(backend.routes)} request(s) routed: "
+                                               + " ".join(sorted(backend.routes)[:64])])
     first = link.EngineMessage.FromString(await inbound.recv())
     if first.WhichOneof("kind") != "hello":
         logger.error("the engine's first message was %s, not its hello", first.WhichOneof("kind"))
