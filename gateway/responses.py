@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from splitspec.gateway.client import StreamBroken
 from splitspec.gateway.generations import Choice, Gateway, LatencyClock
 from splitspec.gateway.protocol import Generation
 from splitspec.protos import verifier_pb2 as pb
+
+logger = logging.getLogger("splitspec.gateway")
 
 
 async def collect(gateway: Gateway, choices: list[Choice], arrival: float) -> None:
@@ -125,7 +128,7 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
         def ready() -> bool:
             return not queue.empty()
 
-    clock, sent_done = LatencyClock(gateway.metrics, arrival), False
+    clock, sent_done, ended = LatencyClock(gateway.metrics, arrival), False, None
     out: list[str] = []  # events not yet written
     try:
         if chat:
@@ -166,10 +169,16 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
         out.append("data: [DONE]\n\n")
         yield "".join(out)
         sent_done = True
+    except BaseException as exc:  # the client went away (the response's task cancelled), or a failure
+        ended = exc
+        raise
     finally:
         for task in pumps:
             task.cancel()
         if not sent_done:
+            logger.info("stream %s ended before its last event (%s) after %s tokens: requests %s are aborted", rid,
+                        type(ended).__name__ if ended is not None else "closed", [c.tokens for c in choices],
+                        [c.request_id for c in choices])
             gateway.abort_unfinished(choices, "disconnect")
         gateway.release(admitted)
         gateway.metrics.in_flight.labels(**gateway.metrics.model).dec()

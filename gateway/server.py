@@ -95,8 +95,10 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     logging.getLogger("splitspec.gateway").info("gateway%s on http://%s:%d, verifier at %s (event loop %s, HTTP parser %s)",
                                                 "" if sock is None else f" worker {os.getpid()}", args.host, args.port,
                                                 args.verifier, loop, http)
+    app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5, loop=loop, http=http))
+    app.state.gateway.http_connections = lambda: server.server_state.connections  # what `kill -USR2` lists
     server.run(sockets=None if sock is None else [sock])
     return 0

@@ -74,7 +74,8 @@ class Connection:
 
     def state(self) -> str:
         h = "closed" if self.h11 is None else f"ours {self.h11.our_state.__name__}, theirs {self.h11.their_state.__name__}"
-        return (f"request {self.request}: {h}, opened {self.opened}x, {self.received} bytes in, last read "
+        local = self.writer.get_extra_info("sockname") if self.writer is not None else None
+        return (f"request {self.request} on {local}: {h}, opened {self.opened}x, {self.received} bytes in, last read "
                 f"{time.perf_counter() - self.last_read:.1f} s ago")
 
     async def _open(self) -> None:
