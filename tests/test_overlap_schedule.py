@@ -226,3 +226,54 @@ def test_served_with_async_scheduling_equals_plain_generation(target):
         assert deferred > 0, "no step was deferred"
     finally:
         stop(process, stub)
+
+
+@pytest.mark.parametrize("script", [(3, 1), (2, 2)], ids=["off-3-on-1", "off-2-on-2"])
+def test_the_engine_thread_delivers_both_events_of_a_request_in_one_step(target, script):
+    """The engine's thread as a served verifier runs it (EngineWorker, overlap on): when drafting turns back on, a step
+    lands the step in flight and then runs its own forward, so a request can have two events in that step (the landed
+    token, then its next tokens and perhaps its end). Every event reaches the request's stream: on a GPU, a served
+    warm-up lost such requests' last delta, and their streams waited for it forever."""
+    import threading
+    import time
+
+    from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+    from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+    from splitspec.verifier_svc.worker import EngineWorker, Submission
+
+    runner = runner_for(target, 4096)
+    repetitive = [[13, 290, 351 + i, 13, 290, 351 + i, 13, 290, 351 + i, 13] for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=14 + 3 * i, ignore_eos=True) for i in range(8)]
+    reference = drive(runner, False, {0: [("add", f"r{i}", repetitive[i], params[i], True) for i in range(8)]},
+                      cache=False, drafter=InProcessDrafterClient(NgramDrafter(NgramConfig())),
+                      spec=SpecConfig(num_draft_tokens=8, adaptive=True), policy=ScriptedPolicy(*script))
+    engine = Engine(runner, InProcessDrafterClient(NgramDrafter(NgramConfig())), SpecConfig(num_draft_tokens=8, adaptive=True),
+                    {2}, overlap_schedule=True)
+    engine.adaptive = ScriptedPolicy(*script)
+    lock, streams = threading.Lock(), {f"r{i}": [] for i in range(8)}
+    ended = {name: threading.Event() for name in streams}
+    twice = {"steps": 0}  # steps that delivered two events of one request
+
+    def publish(deliveries):
+        names = [s.client_id for s, _ in deliveries]
+        with lock:
+            twice["steps"] += len(names) != len(set(names))
+            for submission, event in deliveries:
+                streams[submission.client_id].append(event)
+                if event.finish_reason is not None:
+                    ended[submission.client_id].set()
+
+    worker = EngineWorker(engine, publish=publish, overlap=True)
+    worker.start()
+    submissions = [Submission(name, repetitive[i], params[i], True) for i, name in enumerate(streams)]
+    for submission in submissions:
+        worker.submit(submission)
+    deadline = time.monotonic() + 120
+    missing = [name for name, event in ended.items() if not event.wait(max(deadline - time.monotonic(), 0.01))]
+    assert not missing, (missing, {n: sum(len(e.new_token_ids) for e in streams[n]) for n in missing})
+    assert twice["steps"] > 0  # the case this test is for happened
+    for name, events in streams.items():
+        tokens = [t for e in events for t in e.new_token_ids]
+        assert tokens == reference["outputs"][name] and [e.finish_reason for e in events if e.finish_reason] == ["length"]
+    stats = [s.request.stats for s in submissions]  # speculation happened on the thread too
+    assert sum(s.accepted_tokens for s in stats) > 0 and all(s.fallbacks == 0 for s in stats)

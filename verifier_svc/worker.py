@@ -83,7 +83,6 @@ class EngineWorker(threading.Thread):
         self.engine, self.metrics, self.publish = engine, metrics, publish
         self.inbox: queue.Queue = queue.Queue()
         self.live: dict[str, Submission] = {}  # engine request id -> submission
-        self.finished: dict[str, Submission] = {}  # ended this step, delta not yet delivered
         self.overlap = overlap
         self._pending: tuple[object, list[Delivery]] | None = None  # the last step's (report, deliveries), unpublished
         self._flushed = {"metrics": 0.0, "publish": 0.0}  # seconds spent publishing since the loop last looked
@@ -139,9 +138,7 @@ class EngineWorker(threading.Thread):
                     self.step_log.step(stepped, observed, self.engine.report, len(self.engine.running),
                                        len(self.engine.waiting))
                 self._flush()  # the last step's, if this step ran no forward to hide it under
-                for event in events:
-                    self._settle(event)
-                self._pending = (self.engine.report, [d for d in map(self._delivery, events) if d is not None])
+                self._pending = (self.engine.report, self._deliveries(events))
                 # the overlap schedule's step in flight hides it now; else the next step's forward will
                 if not (self.overlap and self.engine.has_work) or self.engine.in_flight is not None:
                     self._flush()
@@ -213,16 +210,19 @@ class EngineWorker(threading.Thread):
         if deliveries:
             self.publish(deliveries)
 
-    def _settle(self, event: StepEvent) -> None:
-        """Move a finished request out of the live set (before anyone hears it finished)."""
-        submission = self.live.get(event.request_id)
-        if submission is not None and event.finish_reason is not None:
-            self._finish(submission)
-            self.finished[event.request_id] = submission
-
-    def _delivery(self, event: StepEvent) -> Delivery | None:
-        submission = self.live.get(event.request_id) or self.finished.pop(event.request_id, None)
-        return None if submission is None else (submission, event)
+    def _deliveries(self, events: list[StepEvent]) -> list[Delivery]:
+        """Each event with its submission, in order; a finished request leaves the live set (before anyone hears it
+        finished). A request may have two events in one step (the step in flight landed, then the step's own
+        forward's tokens and perhaps its end): both go out."""
+        deliveries = []
+        for event in events:
+            submission = self.live.get(event.request_id)
+            if submission is None:
+                continue
+            if event.finish_reason is not None:
+                self._finish(submission)
+            deliveries.append((submission, event))
+        return deliveries
 
     def _finish(self, submission: Submission) -> None:
         self.live.pop(submission.request.request_id, None)
