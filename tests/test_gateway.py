@@ -777,6 +777,39 @@ def test_queue_limit_answers_429_with_retry_after(stack, validate):
         process.wait(timeout=30)
 
 
+def test_sigusr2_prints_the_gateways_tasks_open_requests_and_connections(stack):
+    """`kill -USR2 <gateway>` while a stream is open: its asyncio tasks with their chains of awaits, the request open on
+    the verifier stream and the HTTP connection's state go to its log (a stuck served bench's first evidence); the
+    stream then ends as usual and a client that goes away is logged with its verifier request."""
+    process, url = start_gateway(stack["stub"].port, "--log-level", "info")
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "def f(x):", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGUSR2)
+            deadline = time.time() + 30
+            while "http connection from" not in process.stderr.read() and time.time() < deadline:
+                time.sleep(0.1)
+        # the client left after one chunk: the gateway aborts the request and says so
+        while "ended before its last event" not in process.stderr.read() and time.time() < deadline:
+            time.sleep(0.1)
+        log = process.stderr.read()
+        assert re.search(r"\d+ asyncio tasks:", log) and "in run_asgi" in log, log[-3000:]  # the stream's handler
+        assert re.search(r"gateway/client\.py:\d+ in _run", log), log[-3000:]  # the verifier stream's reader
+        open_ = re.search(r"gateway: 1 choice\(s\) admitted, 1 open on the verifier stream: (\S+) \(\d+ queued\)", log)
+        assert open_ is not None, log[-3000:]
+        assert "response started True, complete False, disconnected False" in log
+        assert re.search(r"ended before its last event \(CancelledError\) after \[\d+\] tokens: requests \['"
+                         + re.escape(open_.group(1)), log), log[-3000:]
+        after = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)
+        assert after.status_code == 200 and process.poll() is None  # still serving
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
 def test_verifier_down_is_503_and_a_dying_verifier_ends_requests_with_503(validate):
     process, url = None, None
     port = free_port()
