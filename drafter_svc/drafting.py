@@ -134,7 +134,6 @@ class Drafting:
     def _draft_guided(self, request_ids: list[str], budgets: list[int]) -> list:
         guides = [self.grammars.guide(r) for r in request_ids]
         trees, cut = draft_to_grammar(self.drafter, request_ids, budgets, guides)
-        self.grammar_cut += cut
         if self.metrics is not None:
             guided = sum(g is not None for g in guides)
             unguided = sum(g is None and self.grammars.constrained(r) for r, g in zip(request_ids, guides))

@@ -91,7 +91,6 @@ class DrafterServer(Drafting):
         self.device = runner.device if runner is not None else "cpu"
         self.bet_steps = 0  # steps whose bets were drafted (overlap)
         self.grammars = grammars or RequestGrammars(None, 0)
-        self.grammar_cut = 0  # drafted nodes cut because a constrained request's grammar forbids them
         self.received_ns = 0  # wall clock when the message being handled arrived (stamped on replies)
         self.curve = curve
         self.context = zmq.Context.instance()

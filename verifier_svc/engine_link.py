@@ -91,13 +91,14 @@ class FrontLink:
                 raise OSError(f"the gRPC front process did not start in {timeout:.0f} s")
         if self.start_error:
             raise OSError(self.start_error)
+        threading.Thread(target=self._beat, name="front-beat", daemon=True).start()
 
     def serving(self) -> None:
         self._send(link.EngineMessage(serving=True))
-        threading.Thread(target=self._beat, name="front-beat", daemon=True).start()
 
     def _beat(self) -> None:
-        """A stopped or wedged process sends nothing, so the front can tell it from an idle one."""
+        """A stopped or wedged process sends nothing, so the front can tell it from an idle one. It beats from the
+        front's start: while the verifier waits for its drafters (--wait-for-drafters) or warms up it is alive too."""
         while True:
             time.sleep(BEAT_SECONDS)
             self._send(link.EngineMessage(alive=True))
