@@ -109,13 +109,17 @@ class Gateway:
 
     async def _connect(self) -> None:
         """Wait for the verifier's model info (it may start after the gateway), then serve."""
-        delay = 0.2
+        delay, began, said = 0.2, time.monotonic(), -1.0
         while True:
             try:
                 info = await self.client.model_info()
                 break
             except Exception as exc:  # noqa: BLE001 (grpc.aio raises several kinds while the verifier is down)
-                logger.info("waiting for the verifier at %s (%s)", self.config.verifier, type(exc).__name__)
+                waited = time.monotonic() - began
+                if said < 0 or waited - said >= 30:  # once, then every 30 s (a GPU verifier warms up for minutes)
+                    logger.info("waiting for the verifier at %s (%s; %.0f s so far)", self.config.verifier,
+                                type(exc).__name__, waited)
+                    said = waited
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         self.model_name = self.model_name or info.model_id
