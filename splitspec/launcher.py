@@ -146,9 +146,10 @@ class Launcher:
                 f.write(prometheus_config("local", args.port, self.url.split("//", 1)[1].rsplit(":", 1)[0]))
         plan = cpu_thread_plan(_flag_value(extra, "--device"), os.cpu_count() or 1, os.environ)
         if plan:
-            self.say(f"the verifier computes on the CPU: {plan['verifier']} torch thread(s), one core left to the gateway "
-                     "and the drafters (one thread each); set OMP_NUM_THREADS to choose")
-        return [Service(name, python + argv[1:], env=_thread_env(plan, name)) for name, argv in commands]
+            self.say(f"the verifier computes on the CPU: {plan['verifier']} torch thread(s) ({plan['wide']} for prompt "
+                     "chunks), one core left to the gateway and the drafters (one thread each); set OMP_NUM_THREADS to choose")
+        return [Service(name, python + _wide_forwards(plan, name, argv[1:], extra), env=_thread_env(plan, name))
+                for name, argv in commands]
 
     # processes ---------------------------------------------------------------------------------------
     def start(self, service: Service) -> None:
@@ -290,7 +291,8 @@ def make_curve_keys(keys_dir: str) -> None:
 def cpu_thread_plan(device: str | None, cpus: int, environ) -> dict[str, int]:
     """Torch threads per service when the verifier computes on this machine's CPU and the user has not set
     OMP_NUM_THREADS: the verifier takes every core but one, the gateway and each drafter one thread (as vLLM's
-    CPU backend keeps a core for its API server). torch's default, a thread per core in every process,
+    CPU backend keeps a core for its API server), and the verifier's wide forwards (prompt chunks) every core
+    ("wide": its --cpu-wide-forward-threads). torch's default, a thread per core in every process,
     oversubscribes the cores: on 2 cores the served demo target ran at 0.40-0.61 of in process, 0.86-1.0 with
     this plan. Empty (nothing set) on a GPU or when OMP_NUM_THREADS is set. device: the --device flag (None or
     auto: CPU when this machine shows no NVIDIA device)."""
@@ -302,13 +304,21 @@ def cpu_thread_plan(device: str | None, cpus: int, environ) -> dict[str, int]:
         on_cpu = not glob.glob("/dev/nvidia[0-9]*")
     else:
         on_cpu = device == "cpu"
-    return {"verifier": max(1, cpus - 1), "other": 1} if on_cpu else {}
+    return {"verifier": max(1, cpus - 1), "other": 1, "wide": cpus} if on_cpu else {}
 
 
 def _thread_env(plan: dict[str, int], service: str) -> dict[str, str] | None:
     if not plan:
         return None
     return {"OMP_NUM_THREADS": str(plan["verifier"] if service == "verifier" else plan["other"])}
+
+
+def _wide_forwards(plan: dict[str, int], service: str, argv: list[str], extra: list[str]) -> list[str]:
+    """The verifier's argv with --cpu-wide-forward-threads from the plan (unless the user gave it, or it adds nothing)."""
+    if service != "verifier" or not plan or plan["wide"] <= plan["verifier"] \
+            or _flag_value(extra, "--cpu-wide-forward-threads") is not None:
+        return argv
+    return [*argv, "--cpu-wide-forward-threads", str(plan["wide"])]
 
 
 def _flag_value(flags: list[str], name: str) -> str | None:

@@ -46,6 +46,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Weight and activation dtype; auto = the checkpoint's (fp32 checkpoints run in bf16 on GPU).",
     )
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
+    group.add_argument("--cpu-wide-forward-threads", type=int, default=0,
+                       help="On a CPU device: torch threads for a forward of 64 tokens or more (prompt chunks, a batch of "
+                       "wide trees); narrower forwards (decode steps) keep the process's count (OMP_NUM_THREADS). 0: one "
+                       "count for all. `splitspec up` sets it to the machine's cores when it plans the services' threads "
+                       "(the verifier's own count leaves a core to the gateway and the drafters, who work while tokens "
+                       "stream; a wide forward is compute that gains from every core).")
     group.add_argument("--random-seed", type=int, default=0, help="Seed of --load-format dummy weights.")
     group.add_argument("--quantization", default=None,
                        help="Weight quantization of the target (SGLang's flag). fp8: the linear layers of every decoder "
@@ -126,6 +132,8 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
                              "turns graphs off)")
         if on_cpu:
             logger.info("%s: --cuda-graph-max-bs %d is a no-op on CPU", command, args.cuda_graph_max_bs)
+    if getattr(args, "cpu_wide_forward_threads", 0) < 0:
+        raise ValueError(f"--cpu-wide-forward-threads {args.cpu_wide_forward_threads}: must be 0 (off) or more")
     if getattr(args, "piecewise_cuda_graph_max_tokens", None) is not None and args.piecewise_cuda_graph_max_tokens < 1:
         raise ValueError(f"--piecewise-cuda-graph-max-tokens {args.piecewise_cuda_graph_max_tokens}: must be at least 1 "
                          "(--disable-piecewise-cuda-graph turns the graphs off)")
@@ -183,6 +191,7 @@ def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_
         torch_compile_max_bs=torch_compile_max_bs(args),
         quantization=getattr(args, "quantization", None),
         piecewise_cuda_graph_max_tokens=piecewise_max_tokens(args),
+        cpu_wide_forward_threads=getattr(args, "cpu_wide_forward_threads", 0),
     )
 
 

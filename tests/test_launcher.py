@@ -243,11 +243,18 @@ def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
     """On a CPU verifier with OMP_NUM_THREADS unset, `up` gives the verifier every core but one and the gateway and
     drafters one thread each; a GPU verifier, or a user's OMP_NUM_THREADS, gets no plan (on a GPU the model's own
     process takes one thread: the next test)."""
-    from splitspec.launcher import _flag_value, _thread_env, cpu_thread_plan
+    from splitspec.launcher import _flag_value, _thread_env, _wide_forwards, cpu_thread_plan
 
-    assert cpu_thread_plan("cpu", 2, {}) == {"verifier": 1, "other": 1}
-    assert cpu_thread_plan("cpu", 16, {"PATH": "/bin"}) == {"verifier": 15, "other": 1}
-    assert cpu_thread_plan("cpu", 1, {}) == {"verifier": 1, "other": 1}
+    assert cpu_thread_plan("cpu", 2, {}) == {"verifier": 1, "other": 1, "wide": 2}
+    assert cpu_thread_plan("cpu", 16, {"PATH": "/bin"}) == {"verifier": 15, "other": 1, "wide": 16}
+    assert cpu_thread_plan("cpu", 1, {}) == {"verifier": 1, "other": 1, "wide": 1}
+    two = cpu_thread_plan("cpu", 2, {})  # wide forwards (prompt chunks) take both cores
+    assert _wide_forwards(two, "verifier", ["verifier", "--port", "1"], []) == ["verifier", "--port", "1",
+                                                                               "--cpu-wide-forward-threads", "2"]
+    assert _wide_forwards(two, "gateway", ["gateway"], []) == ["gateway"]
+    assert _wide_forwards(two, "verifier", ["verifier"], ["--cpu-wide-forward-threads", "1"]) == ["verifier"]
+    assert _wide_forwards(cpu_thread_plan("cpu", 1, {}), "verifier", ["verifier"], []) == ["verifier"]
+    assert _wide_forwards({}, "verifier", ["verifier"], []) == ["verifier"]
     assert cpu_thread_plan("cpu", 16, {"OMP_NUM_THREADS": "4"}) == {}
     assert cpu_thread_plan("cuda:1", 16, {}) == {}
     assert _thread_env(cpu_thread_plan("cpu", 8, {}), "verifier") == {"OMP_NUM_THREADS": "7"}
@@ -256,6 +263,46 @@ def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
     assert _flag_value(["--dtype", "float32", "--device", "cpu"], "--device") == "cpu"
     assert _flag_value(["--device=cuda:0", "--max-total-tokens", "64"], "--device") == "cuda:0"
     assert _flag_value(["--devices", "x"], "--device") is None
+
+
+def test_a_cpu_model_computes_wide_forwards_on_more_threads():
+    """--cpu-wide-forward-threads (up sets it to the machine's cores): a CPU model's forward of WIDE_FORWARD_TOKENS
+    tokens or more runs on that many torch threads, a narrower one on the process's count, restored after either;
+    a real ModelRunner's prompt-sized forward sees the wide count inside the model."""
+    import torch
+
+    from splitspec.demo import demo_model_dirs
+    from splitspec.runtime.batch import SequenceInput
+    from splitspec.runtime.host_threads import WIDE_FORWARD_TOKENS, wide_forwards
+    from splitspec.runtime.kv_cache import BlockTable
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        wide = wide_forwards(torch.device("cpu"), 2)
+        seen = []
+        for tokens in (WIDE_FORWARD_TOKENS, WIDE_FORWARD_TOKENS - 1):
+            with wide.around(tokens):
+                seen.append(torch.get_num_threads())
+        assert seen == [2, 1] and torch.get_num_threads() == 1
+        assert wide_forwards(torch.device("cuda", 0), 2) is None and wide_forwards(torch.device("cpu"), 0) is None
+        runner = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["target"]), dtype="float32", device="cpu",
+                                                max_total_tokens=512, cpu_wide_forward_threads=2))
+        inside, call = [], runner.model_call
+
+        def counting(*args, **kwargs):
+            inside.append(torch.get_num_threads())
+            return call(*args, **kwargs)
+
+        runner.model_call = counting
+        for length in (WIDE_FORWARD_TOKENS + 8, 8):
+            table = BlockTable()
+            runner.forward(runner.batch([SequenceInput(table, list(range(3, 3 + length)))]))
+            runner.kv_cache.release(table)
+        assert inside == [2, 1] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_model_on_a_gpu_computes_on_one_host_thread_unless_the_user_chose():

@@ -19,7 +19,7 @@ import torch
 from splitspec.runtime.attention import AttentionBackend, get_attention_backend
 from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_batch
 from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
-from splitspec.runtime.host_threads import one_thread_for_gpu
+from splitspec.runtime.host_threads import one_thread_for_gpu, wide_forwards
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.kv_cache import KVCache
 from splitspec.runtime import quantization
@@ -61,6 +61,7 @@ class RuntimeConfig:
     torch_compile_max_bs: int = 0  # > 0: uniform batches of up to this many requests run torch.compile'd (runtime.compile)
     quantization: str | None = None  # None, "fp8" or "unquant" (runtime.quantization; an FP8 checkpoint is detected)
     piecewise_cuda_graph_max_tokens: int = 0  # > 0 (with CUDA graphs): prompt chunks and mixed steps of up to this many tokens replay piecewise graphs
+    cpu_wide_forward_threads: int = 0  # > 0 on a CPU device: torch threads of a wide forward (host_threads.WideForwards)
     # a draft model in its target's process on the same GPU (the target took --mem-fraction-static first): its KV
     # cache holds as many tokens as the target's, or as many as fit in the memory the target left less a reserve
     kv_tokens_beside_target: int | None = None
@@ -189,6 +190,7 @@ class ModelRunner:
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
+        self.wide = None  # host_threads.WideForwards: a CPU model's threads for wide forwards (load() sets it)
         self.weight_bytes = weight_bytes_of(model)  # {"total", "fp8_layers"}: the model's own weights (shared ones not counted)
         self.cuda_graph_max_bs = cuda_graph_max_bs if _graphs_supported(backend) and self.device.type == "cuda" else 0
         self.graphs = None
@@ -300,8 +302,10 @@ class ModelRunner:
             logger.info("torch.compile for uniform batches of up to %d requests (each new token count compiles "
                         "once, at its first use)", rc.torch_compile_max_bs)
         one_thread_for_gpu(device)  # after the load, whose host work may use the pool
-        return cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs,
-                   torch_compile_max_bs=rc.torch_compile_max_bs, piecewise_max_tokens=rc.piecewise_cuda_graph_max_tokens)
+        runner = cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs,
+                     torch_compile_max_bs=rc.torch_compile_max_bs, piecewise_max_tokens=rc.piecewise_cuda_graph_max_tokens)
+        runner.wide = wide_forwards(device, rc.cpu_wide_forward_threads)
+        return runner
 
     def model_call(self, num_requests: int | None, input_ids: torch.Tensor, positions: torch.Tensor, backend, plan,
                    capture_layers: tuple[int, ...] = (), **extra):
@@ -318,7 +322,14 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None,
                 draft_layer: int | None = None) -> ForwardOutput:
         """features [T, F]: one per new token, for models that take them (draft heads); draft_layer: which
-        of a multi-layer MTP head's layers runs."""
+        of a multi-layer MTP head's layers runs. A wide forward on a CPU may take more threads (self.wide)."""
+        if self.wide is None:
+            return self._forward(batch, return_hidden, features, draft_layer)
+        with self.wide.around(batch.input_ids.shape[0]):
+            return self._forward(batch, return_hidden, features, draft_layer)
+
+    def _forward(self, batch: ForwardBatch, return_hidden: bool, features: torch.Tensor | None,
+                 draft_layer: int | None) -> ForwardOutput:
         self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
         if self.cuda_graph_max_bs and draft_layer is None:
             if self.graphs is None and features is None:
