@@ -96,6 +96,29 @@ class _Events:
         return self.delta(c, {}, self.held.pop(c.index, []), c.tools.finish_reason(reason, c.tools.calls))
 
 
+def _deltas(choices: list[Choice]):
+    """(next_delta, ready, pumps) of a streamed answer: the next (choice, delta) to absorb, whether one waits, and the
+    tasks that merge several choices' queues into one in arrival order (none for one choice: its own queue)."""
+    if len(choices) == 1:
+        only = choices[0]
+
+        async def next_delta():
+            return only, await only.queue.get()
+
+        return next_delta, lambda: not only.queue.empty(), []
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice):
+        while True:
+            delta = await c.queue.get()
+            await queue.put((c, delta))
+            if isinstance(delta, StreamBroken) or delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                return
+
+    pumps = [asyncio.get_running_loop().create_task(pump(c)) for c in choices]
+    return queue.get, lambda: not queue.empty(), pumps
+
+
 async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choices: list[Choice], rid: str, chat: bool, arrival: float,
                  admitted: int):
     """The server-sent events of a streamed answer. What is ready goes out in one write: the events of every delta
@@ -103,31 +126,7 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
     stream waits for the next delta, so a request costs the event loop and the socket a write per step, not one
     per event."""
     events = _Events(gateway, g, rid, chat)
-    if len(choices) == 1:  # one choice: its own queue, no merging task
-        only = choices[0]
-        pumps = []
-
-        async def next_delta():
-            return only, await only.queue.get()
-
-        def ready() -> bool:
-            return not only.queue.empty()
-    else:
-        queue: asyncio.Queue = asyncio.Queue()  # (choice, delta) from every choice, in arrival order
-
-        async def pump(c: Choice):
-            while True:
-                delta = await c.queue.get()
-                await queue.put((c, delta))
-                if isinstance(delta, StreamBroken) or delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    return
-
-        pumps = [asyncio.get_running_loop().create_task(pump(c)) for c in choices]
-        next_delta = queue.get
-
-        def ready() -> bool:
-            return not queue.empty()
-
+    next_delta, ready, pumps = _deltas(choices)
     clock, sent_done, ended = LatencyClock(gateway.metrics, arrival), False, None
     out: list[str] = []  # events not yet written
     try:
@@ -169,13 +168,13 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
         out.append("data: [DONE]\n\n")
         yield "".join(out)
         sent_done = True
-    except BaseException as exc:  # the client went away (the response's task cancelled), or a failure
+    except BaseException as exc:
         ended = exc
         raise
     finally:
         for task in pumps:
             task.cancel()
-        if not sent_done:
+        if not sent_done:  # the client left (the response's task cancelled), or a failure: said, and aborted
             logger.info("stream %s ended before its last event (%s) after %s tokens: requests %s are aborted", rid,
                         type(ended).__name__ if ended is not None else "closed", [c.tokens for c in choices],
                         [c.request_id for c in choices])
