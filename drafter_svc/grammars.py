@@ -43,6 +43,19 @@ class RequestGrammars:
         self.tracked: dict[str, _Tracked] = {}
         self.warned_no_compiler = False
 
+    @classmethod
+    def for_model(cls, model_path: str, revision: str | None, metrics=None) -> RequestGrammars:
+        """The target's grammars: compiled over its tokenizer, vocabulary and stop tokens, as the verifier compiles
+        them (nothing loads until a constrained request comes)."""
+        from splitspec.runtime.config import ModelConfig, eos_token_ids
+        from splitspec.runtime.grammar import Compiler
+        from splitspec.runtime.hub import resolve_model_dir
+
+        model_dir = resolve_model_dir(model_path, revision)
+        config = ModelConfig.from_dir(model_dir)
+        eos = eos_token_ids(model_dir, config.eos_token_ids, None)
+        return cls(Compiler.for_model(str(model_dir), config.vocab_size, eos), config.vocab_size, metrics)
+
     def open(self, request_id: str, token_ids: list[int], grammar: tuple[str, str] | None, prompt_tokens: int) -> None:
         self.tracked.pop(request_id, None)
         if grammar is None:

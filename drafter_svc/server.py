@@ -412,19 +412,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def grammar_compiler(model_path: str, revision: str | None):
-    """(compiler, vocab size) for the target's grammars: its tokenizer, vocabulary and stop tokens, as the verifier
-    compiles them (nothing loads until a constrained request comes)."""
-    from splitspec.generate import eos_token_ids
-    from splitspec.runtime.config import ModelConfig
-    from splitspec.runtime.grammar import Compiler
-    from splitspec.runtime.hub import resolve_model_dir
-
-    model_dir = resolve_model_dir(model_path, revision)
-    config = ModelConfig.from_dir(model_dir)
-    return Compiler.for_model(str(model_dir), config.vocab_size, eos_token_ids(model_dir, config.eos_token_ids, None)), config.vocab_size
-
-
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
@@ -475,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
     grammars = None
     if args.model_path:
         try:
-            grammars = RequestGrammars(*grammar_compiler(args.model_path, args.revision), metrics=metrics)
+            grammars = RequestGrammars.for_model(args.model_path, args.revision, metrics=metrics)
         except (ValueError, OSError) as exc:  # no config to read: constrained requests draft without their grammars
             logger.warning("no grammars for constrained requests (%s): they draft unguided", exc)
     server = DrafterServer(drafter, args.verifier_drafter_addr, name, args.max_running_requests, max_nodes,

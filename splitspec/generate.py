@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from splitspec import engine_args, model_flags, speculation
-from splitspec.runtime.config import ConfigError
+from splitspec.runtime.config import ConfigError, eos_token_ids
 from splitspec.runtime.hub import ModelNotFoundError
 from splitspec.runtime.kv_cache import OutOfPagesError
 from splitspec.runtime.loader import CheckpointError
@@ -48,18 +48,6 @@ def generate_ids(
         if on_step is not None:
             on_step(sum(len(e.new_token_ids) for e in events))
     return requests
-
-
-def eos_token_ids(model_dir: Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer (as transformers does)."""
-    ids = set(config_eos)
-    gen_config = model_dir / "generation_config.json"
-    if gen_config.is_file():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def load_tokenizer(path: Path, required: bool):

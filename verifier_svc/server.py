@@ -201,7 +201,7 @@ def grammar_compiler(model_dir, vocab_size: int, eos: set[int]):
 
 
 def serve(args: argparse.Namespace, settings: speculation.Speculation | None, curve: ServerKeys | None = None) -> int:
-    from splitspec.generate import eos_token_ids
+    from splitspec.runtime.config import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
 
     model_dir = model_flags.resolve_model(args)

@@ -1,4 +1,5 @@
-"""ModelConfig: the frozen view of an HF `config.json` that the runtime needs.
+"""ModelConfig: the frozen view of an HF `config.json` that the runtime needs; `eos_token_ids`: a model
+directory's stop tokens, read as transformers reads them.
 
 Both config dialects are read:
 - transformers >= 5 writes `rope_parameters` = {"rope_type", "rope_theta", ...};
@@ -239,3 +240,15 @@ def _sliding_windows(raw: dict, architecture: str, num_layers: int, source: str)
     if architecture == "MistralForCausalLM" and window is not None:
         return (int(window),) * num_layers
     return (None,) * num_layers
+
+
+def eos_token_ids(model_dir: Path, config_eos: tuple[int, ...], tokenizer) -> set[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer (as transformers does)."""
+    ids = set(config_eos)
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.is_file():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
