@@ -38,7 +38,7 @@ class WideForwards:
     tokens stream, and more threads only contend with them); a forward of WIDE_FORWARD_TOKENS tokens or more (prompt
     chunks, a batch of wide trees) is compute that gains from every core: it runs on `threads`. On this project's
     2-core machine (the demo target, NGRAM, `python -P benchmarks/served.py`), served tokens/s at batch 8 went from
-    374-402 to 487-495 and at batch 1 from 185-193 to 223 (docs/performance.md)."""
+    374-402 to 471-505 and at batch 1 from 185-193 to 198-206 (docs/performance.md)."""
 
     def __init__(self, threads: int):
         self.threads = threads
