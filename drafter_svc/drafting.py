@@ -134,7 +134,7 @@ class Drafting:
     def _draft_guided(self, request_ids: list[str], budgets: list[int]) -> list:
         guides = [self.grammars.guide(r) for r in request_ids]
         trees, cut = draft_to_grammar(self.drafter, request_ids, budgets, guides)
-        if self.metrics is not None:
+        if self.metrics is not None and self.grammars.tracked:  # counted only while some request is constrained
             guided = sum(g is not None for g in guides)
             unguided = sum(g is None and self.grammars.constrained(r) for r, g in zip(request_ids, guides))
             self.metrics.constrained_trees.labels(guided="yes").inc(guided)
@@ -147,7 +147,7 @@ class Drafting:
         when this drafter has none, so that the verifier never waits for them in vain)."""
         start = time.perf_counter()
         bets = []
-        asks = [a for a in asks if self.grammars.guide(a.request_id) is None]  # bets are not drafted to a grammar
+        asks = [a for a in asks if not self.grammars.guided(a.request_id)]  # bets are not drafted to a grammar
         if asks and self.drafter.supports_bets:
             try:
                 drafted = self.drafter.draft_bets([a.request_id for a in asks], max(a.num_bets for a in asks))

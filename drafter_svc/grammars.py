@@ -94,6 +94,15 @@ class RequestGrammars:
         self.metrics.grammar_compiles.labels(outcome="ok" if compiled.exception() is None else "error").inc()
 
     def guide(self, request_id: str) -> GrammarGuide | None:
+        matcher = self._matcher(request_id)
+        return None if matcher is None else GrammarGuide(matcher, self.vocab_size)
+
+    def guided(self, request_id: str) -> bool:
+        """Whether the request drafts to its grammar now (guide() would give one)."""
+        return self._matcher(request_id) is not None
+
+    def _matcher(self, request_id: str):
+        """The request's matcher where it stands now, or None (no grammar, still compiling, broken, complete)."""
         tracked = self.tracked.get(request_id)
         if tracked is None or tracked.broken:
             return None
@@ -109,9 +118,7 @@ class RequestGrammars:
             backlog, tracked.backlog = tracked.backlog, []
             if not self._accept(request_id, tracked, backlog):
                 return None
-        if tracked.matcher.is_terminated():
-            return None
-        return GrammarGuide(tracked.matcher, self.vocab_size)
+        return None if tracked.matcher.is_terminated() else tracked.matcher
 
     def release(self, request_id: str) -> None:
         self.tracked.pop(request_id, None)

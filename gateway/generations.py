@@ -98,7 +98,7 @@ class Gateway:
         self.admitted = 0  # choices admitted and not yet finished (the --max-queued-requests budget)
         self.verify_steps = self.accepted_tokens = 0  # over every finished choice: /get_server_info's accept length
         self._connector: asyncio.Task | None = None
-        self.http_connections = None  # set by gateway/server.py: uvicorn's open connections (for `kill -USR2`)
+        self.http_state = None  # set by gateway/server.py: a line per open HTTP connection (for `kill -USR2`)
         self.step_log = StepLog.from_env("gateway")  # SPLITSPEC_STEP_LOG: each submission's way in
 
     # lifecycle ---------------------------------------------------------------------------------------
@@ -150,15 +150,8 @@ class Gateway:
         open_ = self.client.open_requests() if self.client is not None else {}
         lines = [f"gateway: {self.admitted} choice(s) admitted, {len(open_)} open on the verifier stream: "
                  + " ".join(f"{r} ({n} queued)" for r, n in sorted(open_.items())[:64])]
-        for protocol in list(self.http_connections() if self.http_connections is not None else [])[:64]:
-            cycle, transport = getattr(protocol, "cycle", None), getattr(protocol, "transport", None)
-            peer = transport.get_extra_info("peername") if transport is not None else None
-            state = "no request yet" if cycle is None else (
-                f"response started {cycle.response_started}, complete {cycle.response_complete}, "
-                f"disconnected {cycle.disconnected}")
-            closing = transport.is_closing() if transport is not None else None
-            buffered = transport.get_write_buffer_size() if transport is not None and not closing else None
-            lines.append(f"http connection from {peer}: {state}; closing {closing}, {buffered} bytes unsent")
+        if self.http_state is not None:
+            lines += self.http_state()
         return lines
 
     def _grpc_error(self, code: str) -> None:

@@ -99,6 +99,21 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5, loop=loop, http=http))
-    app.state.gateway.http_connections = lambda: server.server_state.connections  # what `kill -USR2` lists
+    app.state.gateway.http_state = lambda: connection_lines(server.server_state.connections)  # `kill -USR2` lists them
     server.run(sockets=None if sock is None else [sock])
     return 0
+
+
+def connection_lines(connections) -> list[str]:
+    """A line per open HTTP connection (uvicorn's protocols): its peer, its request's state, its transport's."""
+    lines = []
+    for protocol in list(connections)[:64]:
+        cycle, transport = getattr(protocol, "cycle", None), getattr(protocol, "transport", None)
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        state = "no request yet" if cycle is None else (
+            f"response started {cycle.response_started}, complete {cycle.response_complete}, "
+            f"disconnected {cycle.disconnected}")
+        closing = transport.is_closing() if transport is not None else None
+        buffered = transport.get_write_buffer_size() if transport is not None and not closing else None
+        lines.append(f"http connection from {peer}: {state}; closing {closing}, {buffered} bytes unsent")
+    return lines
