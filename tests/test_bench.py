@@ -369,8 +369,9 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
     async def handle(reader, writer):
         connections.append(writer)
         while True:
-            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
-            if not head:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:  # the client closed its connection between requests
                 break
             length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
             body = json.loads(await reader.readexactly(length))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 
-from test_import_graph import product_modules
+from test_import_graph import parse, product_modules
 
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
@@ -24,7 +24,7 @@ def test_modules_and_functions_stay_small():
         lines = source.count("\n")
         if lines > MAX_FILE_LINES:
             too_long.append(f"{name}: {lines} lines (split it by concept)")
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(parse(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not argument_table(node.name):
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
@@ -45,7 +45,7 @@ def test_only_the_command_lines_and_the_flag_layer_take_parsed_flags():
     command lines no function takes an argparse Namespace (a parameter so annotated, or named args / ns)."""
     takers = set()
     for name, path in product_modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for arg in node.args.args + node.args.kwonlyargs:
                     annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
