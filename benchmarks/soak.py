@@ -29,6 +29,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -58,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=24, help="Distinct prompts (fewer: more repeated keys).")
     parser.add_argument("--timeout", type=float, default=180.0, help="Seconds a request may take before it counts lost.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of arrivals, prompts and faults.")
+    parser.add_argument("--up-args", default="", help="More `splitspec up` flags for every deployment, one string "
+                        "(e.g. '--async-scheduling --speculative-adaptive on': a CPU verifier then schedules as a GPU one does).")
     parser.add_argument("--out", default=None, help="Write the JSON report here as well as to stdout.")
     return parser.parse_args(argv)
 
@@ -94,7 +97,7 @@ def free_port_block(count: int) -> int:
 class Deployment:
     """One `splitspec up` (gateway, verifier, drafters), its log kept in memory."""
 
-    def __init__(self, algorithm: str, drafters: int):
+    def __init__(self, algorithm: str, drafters: int, up_args: list[str] = ()):
         self.algorithm = algorithm
         self.port = free_port_block(4)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -102,7 +105,7 @@ class Deployment:
         self.process = lifeline.spawn(
             [sys.executable, "-P", "-m", "splitspec", "up", "--port", str(self.port), "--drafters", str(drafters),
              "--speculative-algorithm", algorithm, "--log-level", "warning", "--max-restarts", "3",
-             "--max-total-tokens", "65536"],
+             "--max-total-tokens", "65536", *up_args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -178,15 +181,33 @@ def resources(deployments: list[Deployment]) -> dict:
     return sample
 
 
+def verifier_metrics(deployment: Deployment, names: tuple[str, ...]) -> dict[str, float]:
+    """The verifier's metrics of these names (without splitspec:), each summed over its labels."""
+    text = httpx.get(deployment.metrics_url, timeout=10).text
+    values = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        match = re.match(r"splitspec:(\w+)(?:\{[^}]*\})? (\S+)", line)
+        if match and match.group(1) in values:
+            values[match.group(1)] += float(match.group(2))
+    return values
+
+
 def held_kv_pages(deployment: Deployment) -> float:
     """KV pages the verifier holds for requests (its prefix cache's pages left out)."""
-    text = httpx.get(deployment.metrics_url, timeout=10).text
-    values = {}
-    for line in text.splitlines():
-        match = re.match(r"(splitspec:(?:kv_pages_used|prefix_cache_pages))(?:\{[^}]*\})? (\S+)", line)
-        if match:
-            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
-    return values.get("splitspec:kv_pages_used", 0.0) - values.get("splitspec:prefix_cache_pages", 0.0)
+    values = verifier_metrics(deployment, ("kv_pages_used", "prefix_cache_pages"))
+    return values["kv_pages_used"] - values["prefix_cache_pages"]
+
+
+# what the verifier speculated through the run: verify steps with drafts, draft tokens proposed and accepted,
+# unusable drafts (a killed drafter's), and the load-adaptive policy's budget changes and probes
+SPECULATION = {"verify_steps_with_drafts": "spec_decode_num_drafts_total", "draft_tokens": "spec_decode_num_draft_tokens_total",
+               "accepted_tokens": "spec_decode_num_accepted_tokens_total", "fallbacks": "spec_decode_fallbacks_total",
+               "adaptive_switches": "spec_adaptive_switches_total", "adaptive_probes": "spec_adaptive_probes_total"}
+
+
+def speculation(deployment: Deployment) -> dict[str, int]:
+    values = verifier_metrics(deployment, tuple(SPECULATION.values()))
+    return {key: int(values[name]) for key, name in SPECULATION.items()}
 
 
 async def one_request(http: httpx.AsyncClient, deployment: Deployment, body: dict, timeout: float) -> dict:
@@ -257,7 +278,7 @@ async def soak(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     prompts = prompt_pool(args.prompts, args.seed)
     max_tokens = [int(m) for m in args.max_tokens.split(",")]
-    deployments = [Deployment(a.strip(), args.drafters) for a in args.algorithms.split(",") if a.strip()]
+    deployments = [Deployment(a.strip(), args.drafters, shlex.split(args.up_args)) for a in args.algorithms.split(",") if a.strip()]
     try:
         await asyncio.gather(*(d.ready() for d in deployments))
         for d in deployments:
@@ -311,13 +332,15 @@ async def soak(args: argparse.Namespace) -> dict:
             held = {d.algorithm: held_kv_pages(d) for d in deployments}
         await asyncio.sleep(2.0)
         drained = resources(deployments)
+        speculated = {d.algorithm: speculation(d) for d in deployments}
         restarted = {d.algorithm: sum("restarting it" in line for line in d.lines) for d in deployments}
         alive = {d.algorithm: len(d.services()["drafter"]) for d in deployments}
     finally:
         for d in deployments:
             d.stop()
-    return _report(args, results, kills, start, load_end, drained_at, held, restarted, alive,
-                   {"warm": warm, "end_of_load": loaded, "drained": drained, "series": samples})
+    report = _report(args, results, kills, start, load_end, drained_at, held, restarted, alive,
+                     {"warm": warm, "end_of_load": loaded, "drained": drained, "series": samples})
+    return {**report, "speculation": speculated}
 
 def _report(args: argparse.Namespace, results: list[dict], kills: list[dict], start: float, load_end: float,
             drained_at: float, held: dict, restarted: dict, alive: dict, resources_seen: dict) -> dict:
@@ -343,7 +366,7 @@ def _report(args: argparse.Namespace, results: list[dict], kills: list[dict], st
         "benchmark": "soak: open-loop load on `splitspec up` deployments with drafters killed on a schedule",
         "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
         "settings": {k: getattr(args, k) for k in ("duration", "rate", "algorithms", "drafters", "kill_every",
-                                                  "fault_window", "warmup", "max_tokens", "prompts", "timeout", "seed")},
+                                                  "fault_window", "warmup", "max_tokens", "prompts", "timeout", "seed", "up_args")},
         "sent": len(results), **outcomes, "reasons": reasons,
         "peak_in_flight": _peak_in_flight(results),
         "repeated_keys": len(repeated), "mismatched_keys": len(mismatched), "mismatches": mismatched[:5],
@@ -377,7 +400,9 @@ def main(argv=None) -> int:
         Path(args.out).write_text(text + "\n")
     print(f"soak: sent {report['sent']}, completed {report['completed']}, failed with a clear error "
           f"{report['failed_clear']}, lost {report['lost']}, mismatched keys {report['mismatched_keys']} of "
-          f"{report['repeated_keys']} repeated; {report['faults']['drafter_kills']} drafter kills", file=sys.stderr)
+          f"{report['repeated_keys']} repeated; {report['faults']['drafter_kills']} drafter kills; accepted draft tokens "
+          + ", ".join(f"{a} {s['accepted_tokens']} of {s['draft_tokens']}" for a, s in report["speculation"].items()),
+          file=sys.stderr)
     return 0 if report["lost"] == 0 and report["mismatched_keys"] == 0 else 1
 
 
