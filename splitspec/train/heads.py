@@ -37,10 +37,10 @@ from torch import nn
 from tqdm import tqdm
 
 from splitspec.train.lm import learning_rate  # the same warm-up + cosine schedule (reads lr, warmup_steps, steps)
+from splitspec.train.resume import clear_state, load_state, save_state
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "train_state.pt"
 REPORT_FILE = "training.json"
 EAGLE3_STEP_WEIGHT = 0.8
 
@@ -275,15 +275,12 @@ class HeadTrainer:
     def _save_state(self) -> None:
         state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                  "best_loss": self.best_loss, "best_state": self.best_state, "history": self.history, "cfg": asdict(self.cfg)}
-        tmp = self.out_dir / (STATE_FILE + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.out_dir / STATE_FILE)
+        save_state(self.out_dir, state)
 
     def _load_state(self) -> bool:
-        path = self.out_dir / STATE_FILE
-        if not path.is_file():
+        state = load_state(self.out_dir, self.device)
+        if state is None:
             return False
-        state = torch.load(path, map_location=self.device, weights_only=True)
         self.head.load_state_dict(state["head"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.best_loss, self.history, self.best_state = (state["step"], state["best_loss"], state["history"],
@@ -335,7 +332,7 @@ class HeadTrainer:
             report["held_out_accept"] = self.accept_estimate()
             logger.info("held-out mean accept length %.3f", report["held_out_accept"]["mean_accept_length"])
         (self.out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
-        (self.out_dir / STATE_FILE).unlink(missing_ok=True)
+        clear_state(self.out_dir)
         return report
 
     def export_state(self) -> dict[str, torch.Tensor]:

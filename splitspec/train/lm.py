@@ -20,10 +20,10 @@ import torch
 from tqdm import tqdm
 
 from splitspec.train.dataset import EOS_TOKEN, load_tokens, vocab_size_of
+from splitspec.train.resume import clear_state, load_state, save_state
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "train_state.pt"
 REPORT_FILE = "training.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -140,15 +140,12 @@ class LMTrainer:
     def _save_state(self) -> None:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
                  "best_loss": self.best_loss, "best_state": self.best_state, "history": self.history}
-        tmp = self.out_dir / (STATE_FILE + ".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.out_dir / STATE_FILE)
+        save_state(self.out_dir, state)
 
     def _load_state(self) -> bool:
-        path = self.out_dir / STATE_FILE
-        if not path.is_file():
+        state = load_state(self.out_dir, self.device)
+        if state is None:
             return False
-        state = torch.load(path, map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.best_loss, self.history = state["step"], state["best_loss"], state["history"]
@@ -216,7 +213,7 @@ class LMTrainer:
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
         }
         (self.out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
-        (self.out_dir / STATE_FILE).unlink(missing_ok=True)
+        clear_state(self.out_dir)
         logger.info("saved %s: held-out loss %.4f (bigram baseline %.4f)", self.out_dir,
                     report["best_held_out_loss"], report["bigram_held_out_loss"])
         return report
