@@ -171,14 +171,42 @@ def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, ad
         assert all(run["stats"][f"plain{i}"].draft_tokens == 0 for i in range(4))
 
 
-@pytest.mark.parametrize("script", [(12, 3), (3, 1)], ids=["long-off", "short-off"])
-def test_speculating_requests_overlap_while_drafting_is_off(target, script):
-    """NGRAM drafting from a policy that turns drafting off and on: while it is off the speculating requests' steps
-    overlap (their tokens fed to the trie as they land), when it turns on the step in flight lands and trees are
-    asked from the last token: no fallback, speculation accepted, outputs (greedy and seeded) equal serial steps'."""
-    from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+def in_process_drafter(kind: str, runner, target):
+    """An NGRAM drafter, or the shipped demo EAGLE-3 head (a hidden-state drafter: the runner captures its layers),
+    in the engine's process."""
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
+    if kind == "NGRAM":
+        from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
+
+        return InProcessDrafterClient(NgramDrafter(NgramConfig()))
+    import argparse
+
+    from splitspec import engine_args
+    from splitspec.draft_models import build_drafter, capture_for
+    from splitspec.speculation import resolve
+
+    parser = argparse.ArgumentParser()
+    engine_args.add_speculative_args(parser, side="drafter")
+    for flag, default in (("--model-path", None), ("--dtype", "float32"), ("--device", "cpu"), ("--page-size", 16),
+                          ("--max-total-tokens", 4096), ("--attention-backend", "torch")):
+        parser.add_argument(flag, default=default, type=type(default) if default is not None else None)
+    flags = parser.parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                               str(SHIPPED_ROOT / "eagle3"), "--model-path", str(target), "--speculative-num-steps", "3",
+                               "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"])
+    drafter = build_drafter(resolve(flags), target=runner)
+    capture_for(runner, drafter.hidden_state_layers)
+    return InProcessDrafterClient(drafter)
+
+
+@pytest.mark.parametrize("kind", ["NGRAM", pytest.param("EAGLE3", marks=pytest.mark.skipif(
+    not (SHIPPED_ROOT / "eagle3" / "config.json").exists(), reason="the demo EAGLE-3 head is not in this tree"))])
+@pytest.mark.parametrize("script", [(12, 3), (3, 1)], ids=["long-off", "short-off"])
+def test_speculating_requests_overlap_while_drafting_is_off(target, script, kind):
+    """A drafter (NGRAM; the demo EAGLE-3 head, which needs the target's states) and a policy that turns drafting off
+    and on: while it is off the speculating requests' steps overlap (their tokens, and the head's states of the steps
+    that sampled them, fed as they land), when it turns on the step in flight lands and trees are asked from the last
+    token: no fallback, speculation accepted, outputs (greedy and seeded) equal serial steps'."""
     runner = runner_for(target, 4096)
     repetitive = [[13, 290, 351 + i, 13, 290, 351 + i, 13, 290, 351 + i, 13] for i in range(3)]
     params = [SamplingParams(temperature=0.0, max_new_tokens=48), SamplingParams(temperature=0.0, max_new_tokens=40),
@@ -187,7 +215,7 @@ def test_speculating_requests_overlap_while_drafting_is_off(target, script):
     runs = []
     for overlap in (False, True):
         policy = ScriptedPolicy(*script)
-        run = drive(runner, overlap, script_steps, cache=False, drafter=InProcessDrafterClient(NgramDrafter(NgramConfig())),
+        run = drive(runner, overlap, script_steps, cache=False, drafter=in_process_drafter(kind, runner, target),
                     spec=SpecConfig(num_draft_tokens=8, adaptive=True), policy=policy)
         runs.append(run)
     serial, overlapped = runs
@@ -197,6 +225,9 @@ def test_speculating_requests_overlap_while_drafting_is_off(target, script):
         assert sum(s.draft_tokens for s in run["stats"].values()) > 0
         assert sum(s.accepted_tokens for s in run["stats"].values()) > 0
         assert all(s.fallbacks == 0 for s in run["stats"].values()), run["stats"]
+    # the same trees either way: the drafter was fed the same tokens (and the head the same states of the target's)
+    drafted = [{k: (s.draft_tokens, s.accepted_tokens) for k, s in run["stats"].items()} for run in runs]
+    assert drafted[0] == drafted[1], drafted
 
 
 def test_served_with_async_scheduling_equals_plain_generation(target):

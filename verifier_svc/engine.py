@@ -294,7 +294,7 @@ class Engine(Scheduling, OverlapSchedule):
         with device_phase("engine.verify"):
             batch, logits, features = self._forward(sequences, sync=not defer)
         if defer:
-            self.in_flight = self._launch(verifies, logits, pending=0)
+            self.in_flight = self._launch(verifies, logits, pending=0, features=features)
             return []
         accept_start = self._clock()
         if masks is not None:  # structured outputs: what each constrained row's grammar forbids is -inf

@@ -14,9 +14,10 @@ schedules N+2. The serial host work between two forwards is only the launch.
               logprobs, a grammar, no page for one more slot): N lands first and the step runs as usual
 
 Requests that speculate decode this way too while drafting is off for the whole batch (a tree budget below 2: the
-load-adaptive policy's choice under load) and their drafter wants only tokens (NGRAM): their tokens are fed to it as
-they land, the policy chooses each next budget as it would, and a budget of 2 or more lands the step in flight before
-any tree is asked (a tree must grow from the last token).
+load-adaptive policy's choice under load): their tokens are fed to the drafter as they land (a hidden-state drafter's,
+EAGLE's and MTP's, with the target's states of the step that sampled them: its forward's own rows, one per request,
+kept on the device until a feed sends them), the policy chooses each next budget as it would, and a budget of 2 or
+more lands the step in flight before any tree is asked (a tree must grow from the last token).
 
 A request that stopped at step N (its EOS, a stop token) still computed step N+1's row: that row is dropped when
 N+1 lands (what SGLang's and vLLM's overlap do too). Its slot N+1 holds the KV of its last token, so the prefix
@@ -33,6 +34,7 @@ import torch
 
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.sampling import sample
+from splitspec.verifier_svc.draft_features import StateRows
 from splitspec.verifier_svc.step_types import Request, StepEvent
 from splitspec.verifier_svc.verification import Verify, by_target, target_params
 
@@ -40,12 +42,14 @@ from splitspec.verifier_svc.verification import Verify, by_target, target_params
 @dataclass
 class InFlight:
     """A launched plain step whose tokens the host has not read: its requests in row order, the tokens on the
-    device (the next step's roots), their host copy and the event after which that copy is complete."""
+    device (the next step's roots), their host copy, the event after which that copy is complete, and the
+    forward's states for a hidden-state drafter (row i: request i's, which pairs with the token it sampled)."""
 
     verifies: list[Verify]
     tokens: torch.Tensor
     host: torch.Tensor
     copied: torch.cuda.Event | None
+    features: torch.Tensor | None = None
 
     def land(self) -> list[int]:
         if self.copied is not None:
@@ -55,8 +59,8 @@ class InFlight:
 
 def deferrable(spec, request: Request, drafting_off: bool) -> bool:
     """A request whose next token is the target's own sample of its unmodified logits, and nothing more of it is
-    read: no tree (it does not speculate, or drafting is off for the whole batch and the drafter needs no states of
-    the target's), no penalties, logprobs or grammar."""
+    read: no tree (it does not speculate, or drafting is off for the whole batch), no penalties, logprobs or
+    grammar."""
     params = request.params
     return ((not request.speculate or (drafting_off and request.draft_budget < 2)) and by_target(spec, params)
             and params.logprobs is None and request.matcher is None and not request.wants_prompt_logprobs)
@@ -70,9 +74,9 @@ class OverlapSchedule:
     @property
     def _drafting_off(self) -> bool:
         """No request drafts this step (the tree budget is below 2: the load-adaptive policy turned drafting off, or
-        a budget of 1), and the drafter wants only tokens: speculating requests decode plainly and may overlap (their
-        tokens are fed to the drafter as they land)."""
-        return self.budget < 2 and not self.needs_hidden
+        a budget of 1): speculating requests decode plainly and may overlap (their tokens, and a hidden-state
+        drafter's states, are fed to the drafter as they land)."""
+        return self.budget < 2
 
     def _defers(self, prefills, verifies: list[Verify], masks) -> bool:
         """This step may launch without landing: a decode-only step of roots whose tokens nobody but the stream reads."""
@@ -80,9 +84,10 @@ class OverlapSchedule:
         return (self.overlap_schedule and not prefills and bool(verifies) and masks is None and not self._events
                 and all(v.tree.num_nodes == 1 and deferrable(self.spec, v.request, off) for v in verifies))
 
-    def _launch(self, verifies: list[Verify], logits: torch.Tensor, pending: int) -> InFlight:
+    def _launch(self, verifies: list[Verify], logits: torch.Tensor, pending: int, features: torch.Tensor | None) -> InFlight:
         """Sample every row (row i is verifies[i]'s root) on the device at its output position (pending: tokens the
-        requests have sampled and not yet emitted), start the copy to the host, and commit each root's KV slot."""
+        requests have sampled and not yet emitted), start the copy to the host, and commit each root's KV slot.
+        features: the forward's states (a hidden-state drafter's; None for others)."""
         params = [target_params(self.spec, v.request.params) for v in verifies]
         tokens = sample(logits, params, [len(v.request.output_ids) + pending for v in verifies])
         if tokens.device.type == "cuda":
@@ -96,7 +101,7 @@ class OverlapSchedule:
         for v in verifies:
             kv.set_length(v.request.table, v.seq_len + 1)
         self.report.deferred = True
-        return InFlight(verifies, tokens, host, copied)
+        return InFlight(verifies, tokens, host, copied, features if self.needs_hidden else None)
 
     def _continues(self, flight: InFlight) -> bool:
         """The next step is the same batch decoding again: nothing to admit, nobody aborted, drafting still off for
@@ -121,16 +126,17 @@ class OverlapSchedule:
         """Step N+1 of the same batch, its roots the device tokens of step N (not landed)."""
         verifies = [Verify(v.request, v.tree, v.request.table.num_tokens) for v in flight.verifies]
         sequences = [SequenceInput(v.request.table, [0], [v.seq_len], None, "all") for v in verifies]
-        _, logits, _ = self._forward(sequences, roots=flight.tokens, sync=False)
-        return self._launch(verifies, logits, pending=1)
+        _, logits, features = self._forward(sequences, roots=flight.tokens, sync=False)
+        return self._launch(verifies, logits, pending=1, features=features)
 
     def _land(self, flight: InFlight) -> list[StepEvent]:
-        """Step N's tokens emitted; the rows of requests that ended since its launch (a stop in the step before,
-        an abort) dropped."""
-        events = []
-        for v, token in zip(flight.verifies, flight.land()):
+        """Step N's tokens emitted (a speculating request's with its state of step N, for a hidden-state drafter);
+        the rows of requests that ended since its launch (a stop in the step before, an abort) dropped."""
+        events, features = [], flight.features
+        for i, (v, token) in enumerate(zip(flight.verifies, flight.land())):
             if v.request.finish_reason is None:
-                events.append(v.request.emit([token], self.eos_ids))
+                hidden = StateRows(features, i, 1) if features is not None and v.request.speculate else None
+                events.append(v.request.emit([token], self.eos_ids, hidden))
         return events
 
     def _step_in_flight(self) -> tuple[list[StepEvent], bool]:
