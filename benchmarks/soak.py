@@ -199,10 +199,12 @@ def held_kv_pages(deployment: Deployment) -> float:
 
 
 # what the verifier speculated through the run: verify steps with drafts, draft tokens proposed and accepted,
-# unusable drafts (a killed drafter's), and the load-adaptive policy's budget changes and probes
+# unusable drafts (a killed drafter's), the load-adaptive policy's budget changes and probes, and the steps the
+# overlap schedule launched before the last one landed
 SPECULATION = {"verify_steps_with_drafts": "spec_decode_num_drafts_total", "draft_tokens": "spec_decode_num_draft_tokens_total",
                "accepted_tokens": "spec_decode_num_accepted_tokens_total", "fallbacks": "spec_decode_fallbacks_total",
-               "adaptive_switches": "spec_adaptive_switches_total", "adaptive_probes": "spec_adaptive_probes_total"}
+               "adaptive_switches": "spec_adaptive_switches_total", "adaptive_probes": "spec_adaptive_probes_total",
+               "overlapped_steps": "overlap_deferred_steps_total"}
 
 
 def speculation(deployment: Deployment) -> dict[str, int]:
