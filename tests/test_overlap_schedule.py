@@ -172,8 +172,8 @@ def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, ad
 
 
 def in_process_drafter(kind: str, runner, target):
-    """An NGRAM drafter, or the shipped demo EAGLE-3 head (a hidden-state drafter: the runner captures its layers),
-    in the engine's process."""
+    """An NGRAM drafter, or a shipped demo head (hidden-state drafters: EAGLE reads the target's last state, EAGLE3
+    the inputs of three layers, which the runner captures), in the engine's process."""
     from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
 
     if kind == "NGRAM":
@@ -191,19 +191,20 @@ def in_process_drafter(kind: str, runner, target):
     for flag, default in (("--model-path", None), ("--dtype", "float32"), ("--device", "cpu"), ("--page-size", 16),
                           ("--max-total-tokens", 4096), ("--attention-backend", "torch")):
         parser.add_argument(flag, default=default, type=type(default) if default is not None else None)
-    flags = parser.parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
-                               str(SHIPPED_ROOT / "eagle3"), "--model-path", str(target), "--speculative-num-steps", "3",
+    flags = parser.parse_args(["--speculative-algorithm", kind, "--speculative-draft-model-path",
+                               str(SHIPPED_ROOT / kind.lower()), "--model-path", str(target), "--speculative-num-steps", "3",
                                "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"])
     drafter = build_drafter(resolve(flags), target=runner)
     capture_for(runner, drafter.hidden_state_layers)
     return InProcessDrafterClient(drafter)
 
 
-@pytest.mark.parametrize("kind", ["NGRAM", pytest.param("EAGLE3", marks=pytest.mark.skipif(
-    not (SHIPPED_ROOT / "eagle3" / "config.json").exists(), reason="the demo EAGLE-3 head is not in this tree"))])
+@pytest.mark.parametrize("kind", ["NGRAM"] + [pytest.param(head, marks=pytest.mark.skipif(
+    not (SHIPPED_ROOT / head.lower() / "config.json").exists(), reason=f"the demo {head} head is not in this tree"))
+    for head in ("EAGLE", "EAGLE3")])
 @pytest.mark.parametrize("script", [(12, 3), (3, 1)], ids=["long-off", "short-off"])
 def test_speculating_requests_overlap_while_drafting_is_off(target, script, kind):
-    """A drafter (NGRAM; the demo EAGLE-3 head, which needs the target's states) and a policy that turns drafting off
+    """A drafter (NGRAM; the demo EAGLE and EAGLE-3 heads, which need the target's states) and a policy that turns drafting off
     and on: while it is off the speculating requests' steps overlap (their tokens, and the head's states of the steps
     that sampled them, fed as they land), when it turns on the step in flight lands and trees are asked from the last
     token: no fallback, speculation accepted, outputs (greedy and seeded) equal serial steps'."""
