@@ -8,6 +8,8 @@ import os
 import socket
 import sys
 
+from splitspec.log_format import setup_logging
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -61,8 +63,7 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    setup_logging(args.log_level)
     if (args.max_queued_requests < 1 or args.max_request_body_bytes < 1024 or args.timeout_keep_alive <= 0
             or args.tokenizer_worker_num < 1):
         print("splitspec gateway: error: --max-queued-requests must be >= 1, --max-request-body-bytes >= 1024, "

@@ -22,10 +22,9 @@ def main() -> int:
                         help="Accept connections only once connected to the verifier (a worker started again while "
                         "its siblings serve: the connections its socket queued wait for it, none gets a 503).")
     args = parser.parse_args()
-    import logging
+    from splitspec.log_format import setup_logging
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    setup_logging(args.log_level)
     return serve(args, socket.socket(fileno=args.fd))
 
 

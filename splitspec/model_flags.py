@@ -10,6 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from splitspec.log_format import setup_logging  # noqa: F401 (the commands take it from here with their flags)
 from splitspec.runtime.attention import ATTENTION_BACKENDS
 from splitspec.runtime.config import DTYPES
 from splitspec.runtime.hub import resolve_model_dir
@@ -151,14 +152,6 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
         logger.warning("%s: --attention-backend %s is not implemented yet; serving with auto (flashinfer on CUDA, "
                        "torch on CPU)", command, args.attention_backend)
         args.attention_backend = "auto"
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
 
 
 def resolve_model(args: argparse.Namespace) -> Path:

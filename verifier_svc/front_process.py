@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from splitspec import event_loop, heap
+from splitspec.log_format import setup_logging
 from splitspec.protos import engine_link_pb2 as link
 from splitspec.protos.channel import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from splitspec.protos import verifier_pb2 as pb
@@ -131,8 +132,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--address", required=True, help="Where the gRPC server listens (HOST:PORT).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    setup_logging(args.log_level)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # as every service: `kill -USR1` prints the stacks
     return event_loop.run(serve(args.engine, args.commands, args.address))
 
