@@ -99,6 +99,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        log_config=None,  # uvicorn's lines go through the root logger: the services' one format (log_format.py)
         timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5, loop=loop, http=http))
     app.state.gateway.http_state = lambda: connection_lines(server.server_state.connections)  # `kill -USR2` lists them
     server.run(sockets=None if sock is None else [sock])
