@@ -231,6 +231,27 @@ def test_speculating_requests_overlap_while_drafting_is_off(target, script, kind
     assert drafted[0] == drafted[1], drafted
 
 
+@pytest.mark.parametrize("kind", ["NGRAM", pytest.param("EAGLE3", marks=pytest.mark.skipif(
+    not (SHIPPED_ROOT / "eagle3" / "config.json").exists(), reason="the demo EAGLE3 head is not in this tree"))])
+def test_drafting_off_overlap_through_a_preemption(target, kind):
+    """A KV cache too small for four speculating requests (256 tokens): one is preempted and readmitted while the
+    policy turns drafting off and on, overlapped or not; outputs and each request's drafted and accepted counts are
+    the same either way (the head's unsent states survive the preemption's landing of the step in flight)."""
+    runner = runner_for(target, 256)
+    prompts_ = [[13, 290, 351 + i, 13, 290, 351 + i, 13, 290, 351 + i, 13] * 3 for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=48 + 4 * i, ignore_eos=True) for i in range(4)]
+    script = {0: [("add", f"r{i}", prompts_[i], params[i], True) for i in range(4)]}
+    serial, overlapped = [drive(runner, overlap, script, cache=False, drafter=in_process_drafter(kind, runner, target),
+                                spec=SpecConfig(num_draft_tokens=8, adaptive=True), policy=ScriptedPolicy(5, 2))
+                          for overlap in (False, True)]
+    assert serial["preemptions"] >= 1 and overlapped["preemptions"] >= 1
+    assert overlapped["deferred"] > 0 and overlapped["outputs"] == serial["outputs"]
+    drafted = [{k: (s.draft_tokens, s.accepted_tokens, s.fallbacks) for k, s in run["stats"].items()}
+               for run in (serial, overlapped)]
+    assert drafted[0] == drafted[1] and all(d[1] > 0 and d[2] == 0 for d in drafted[0].values()), drafted
+    assert runner.kv_cache.allocator.num_free == runner.kv_cache.num_pages  # no page left behind
+
+
 def test_served_with_async_scheduling_equals_plain_generation(target):
     """A verifier process with --async-scheduling: plain (speculate off) greedy, seeded and stopping requests over
     gRPC equal offline generation; its /metrics count deferred steps."""
