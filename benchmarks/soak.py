@@ -366,7 +366,7 @@ def _report(args: argparse.Namespace, results: list[dict], kills: list[dict], st
     completed = [r for r in results if r["outcome"] == "completed"]
     return {
         "benchmark": "soak: open-loop load on `splitspec up` deployments with drafters killed on a schedule",
-        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["python", "benchmarks/soak.py", *sys.argv[1:]]),
         "settings": {k: getattr(args, k) for k in ("duration", "rate", "algorithms", "drafters", "kill_every",
                                                   "fault_window", "warmup", "max_tokens", "prompts", "timeout", "seed", "up_args")},
         "sent": len(results), **outcomes, "reasons": reasons,
