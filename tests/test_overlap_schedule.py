@@ -180,21 +180,15 @@ def in_process_drafter(kind: str, runner, target):
         from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
 
         return InProcessDrafterClient(NgramDrafter(NgramConfig()))
-    import argparse
+    from test_draft_loading import flags
 
-    from splitspec import engine_args
     from splitspec.draft_models import build_drafter, capture_for
     from splitspec.speculation import resolve
 
-    parser = argparse.ArgumentParser()
-    engine_args.add_speculative_args(parser, side="drafter")
-    for flag, default in (("--model-path", None), ("--dtype", "float32"), ("--device", "cpu"), ("--page-size", 16),
-                          ("--max-total-tokens", 4096), ("--attention-backend", "torch")):
-        parser.add_argument(flag, default=default, type=type(default) if default is not None else None)
-    flags = parser.parse_args(["--speculative-algorithm", kind, "--speculative-draft-model-path",
-                               str(SHIPPED_ROOT / kind.lower()), "--model-path", str(target), "--speculative-num-steps", "3",
-                               "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8"])
-    drafter = build_drafter(resolve(flags), target=runner)
+    drafter = build_drafter(resolve(flags(
+        "--speculative-algorithm", kind, "--speculative-draft-model-path", str(SHIPPED_ROOT / kind.lower()),
+        "--model-path", str(target), "--max-total-tokens", "4096", "--speculative-num-steps", "3",
+        "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "8")), target=runner)
     capture_for(runner, drafter.hidden_state_layers)
     return InProcessDrafterClient(drafter)
 
