@@ -41,7 +41,8 @@
 #             batch 1 for its per-position acceptance profile, then the 8B-shaped dummy target with a dummy EAGLE-3 head
 #             drafting for real, plain vs steps 5 top-1 (6 tokens) fixed and load-adaptive, at SWEEP_BS (default
 #             1,2,4,8,16,32,64,128; 128-token prompts, 256 new tokens), under that profile replayed and under accept length 6; benchmarks/plot_sweep.py
-#             then sums up sweep_summary.json and draws sweep.png where matplotlib imports (SWEEP_EXTRA adds bench flags;
+#             then sums up sweep_summary.json and draws sweep.png where matplotlib imports (SWEEP_EXTRA adds bench flags,
+#             e.g. --no-phase-sync: steps overlapped as a server runs them, not phase-timed;
 #             SWEEP_PROFILE=P1,P2,... replays a profile measured before instead of measuring it)
 #   fp8       issue 15's FP8 weights: benchmarks/fp8_accuracy.py on the 8B-shaped dummy model, bf16 against
 #             --quantization fp8 (W8A8 torch._scaled_mm): batch-1 decode tok/s with CUDA graphs, weight bytes and the
