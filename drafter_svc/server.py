@@ -33,7 +33,8 @@ from splitspec.drafter_svc.drafting import Drafting
 from splitspec.drafter_svc.grammars import RequestGrammars
 from splitspec.host_profile import HostProfile
 from splitspec.protos.step_limits import drafter_receive_limit
-from splitspec.model_flags import LOG_LEVELS, setup_logging
+from splitspec.log_format import setup_logging
+from splitspec.model_flags import LOG_LEVELS
 from splitspec.runtime.curve import ClientKeys, CurveError, HandshakeMonitor, Throttle, client_keys, make_client
 from splitspec.runtime.tensor_plane import FramePlane, device_identity, visible_gpus
 

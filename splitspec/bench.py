@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 
 from splitspec import engine_args, model_flags
+from splitspec.log_format import setup_logging
 from splitspec.bench_measure import git_commit  # noqa: F401 (the benchmarks' scripts take it from here)
 
 logger = logging.getLogger("splitspec.bench")
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_flags.setup_logging(args.log_level)
+    setup_logging(args.log_level)
     try:
         model_flags.check_sglang_server_flags(args, "splitspec bench")
         if args.url:

@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitspec.model_flags import setup_logging
+    from splitspec.log_format import setup_logging
 
     setup_logging(args.log_level)
     if args.build:

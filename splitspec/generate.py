@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from splitspec import engine_args, model_flags, speculation
+from splitspec.log_format import setup_logging
 from splitspec.runtime.config import ConfigError, eos_token_ids
 from splitspec.runtime.hub import ModelNotFoundError
 from splitspec.runtime.kv_cache import OutOfPagesError
@@ -125,7 +126,7 @@ def _prompts(args, tokenizer) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    model_flags.setup_logging(args.log_level)
+    setup_logging(args.log_level)
     try:
         return _run(args)
     except (ConfigError, CheckpointError, ModelNotFoundError, OutOfPagesError, ValueError) as exc:  # FlagError too

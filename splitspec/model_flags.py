@@ -10,7 +10,6 @@ import argparse
 import logging
 from pathlib import Path
 
-from splitspec.log_format import setup_logging  # noqa: F401 (the commands take it from here with their flags)
 from splitspec.runtime.attention import ATTENTION_BACKENDS
 from splitspec.runtime.config import DTYPES
 from splitspec.runtime.hub import resolve_model_dir

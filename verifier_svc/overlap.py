@@ -101,7 +101,7 @@ class OverlapSchedule:
         for v in verifies:
             kv.set_length(v.request.table, v.seq_len + 1)
         self.report.deferred = True
-        return InFlight(verifies, tokens, host, copied, features if self.needs_hidden else None)
+        return InFlight(verifies, tokens, host, copied, features)
 
     def _continues(self, flight: InFlight) -> bool:
         """The next step is the same batch decoding again: nothing to admit, nobody aborted, drafting still off for

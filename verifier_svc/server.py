@@ -17,6 +17,7 @@ import os
 import sys
 
 from splitspec import engine_args, event_loop, heap, model_flags, speculation
+from splitspec.log_format import setup_logging
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
 from splitspec.verifier_svc import convert
@@ -292,7 +293,7 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
 
 
 def run(args: argparse.Namespace) -> int:
-    model_flags.setup_logging(args.log_level)
+    setup_logging(args.log_level)
     try:
         model_flags.check_sglang_server_flags(args, "splitspec verifier")
         settings = speculation.resolve(args)  # the flags' speculation, resolved once, before anything loads

@@ -10,7 +10,8 @@ import logging
 import sys
 from pathlib import Path
 
-from splitspec.model_flags import LOG_LEVELS, setup_logging
+from splitspec.log_format import setup_logging
+from splitspec.model_flags import LOG_LEVELS
 from splitspec.train.presets import DEMO_VOCAB_SIZE, PRESETS
 
 logger = logging.getLogger("splitspec.train")
