@@ -78,7 +78,8 @@
 #             benchmarks/step_timeline.py); SERVED_THREADS=1 samples which threads use which CPUs meanwhile
 #             (benchmarks/thread_sampler.py: threads_<case>.txt); SERVED_PIN_ENGINE=1 runs the served engine thread
 #             alone on CPU 0's physical core (SPLITSPEC_ENGINE_CPUS) and every other process on the other CPUs
-#             (taskset); SERVED_TAG suffixes the case's file names (two runs of one case in one call); SERVED_UP adds
+#             (taskset); SERVED_SYNCS=1 counts each side's synchronizing CUDA calls by call site (splitspec/sync_debug.py:
+#             syncs_<case>.jsonl; a counted run's speeds are not figures); SERVED_TAG suffixes the case's file names (two runs of one case in one call); SERVED_UP adds
 #             `splitspec up` flags to every case (e.g. SERVED_UP='--tokenizer-worker-num 4')
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
@@ -241,7 +242,7 @@ for stage in "${stages[@]}"; do
                         echo "$case: engine thread on CPUs $engine_cpus, every other process on $others" >> "$OUT/served.log"
                     fi
                     SPLITSPEC_TORCH_PROFILE=${SERVED_TORCH_PROFILE:+$OUT/tprof_$tag} SPLITSPEC_TORCH_PROFILE_SERVED=${SERVED_TORCH_PROFILE:-} \
-                    SPLITSPEC_STEP_LOG=${SERVED_STEP_LOG:+$OUT/steps_$tag} \
+                    SPLITSPEC_STEP_LOG=${SERVED_STEP_LOG:+$OUT/steps_$tag} SPLITSPEC_SYNC_DEBUG=${SERVED_SYNCS:+$OUT/syncs_$tag.jsonl} \
                     SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$tag" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$tag} timeout "${SERVED_TIMEOUT:-540}" "${pin[@]}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$tag.json" \
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
                         -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || stop=1
@@ -271,7 +272,7 @@ done
 # the device tool brings back only a few files per call: step logs (SERVED_STEP_LOG), thread samples (SERVED_THREADS)
 # and the adaptive policy's traces travel as one archive
 [[ -f "$OUT/steps.tgz" ]] && (cd "$OUT" && tar xzf steps.tgz && rm steps.tgz)  # an earlier run's in this call: kept
-packed=$(cd "$OUT" && compgen -G "steps_*.jsonl"; compgen -G "threads_*.txt"; compgen -G "adaptive_*.jsonl")
+packed=$(cd "$OUT" && compgen -G "steps_*.jsonl"; compgen -G "threads_*.txt"; compgen -G "adaptive_*.jsonl"; compgen -G "syncs_*.jsonl")
 if [[ -n "$packed" ]]; then
     (cd "$OUT" && tar czf steps.tgz $packed && rm -f $packed)
 fi

@@ -32,6 +32,7 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
     runs ahead of the device; off, the phases are host time and only the step total is the device's). overlap: the
     overlap schedule (a server's default on a GPU; not with sync_phases)."""
     from splitspec.device_profile import StepProfiler
+    from splitspec.sync_debug import SyncCounter
     from splitspec.verifier_svc.engine import Engine, SpecConfig
 
     log = StepLog.from_env("in_process")  # SPLITSPEC_STEP_LOG
@@ -47,6 +48,9 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
     requests, index = [None] * len(prompts), {}
     phases: dict[str, float] = {}
     decode_steps, decode_seconds = 0, 0.0
+    syncs = SyncCounter.from_env(f"in_process_bs{batch_size}_{'spec' if drafter is not None else 'plain'}")  # SPLITSPEC_SYNC_DEBUG
+    if syncs is not None:
+        syncs.start()
     start = time.perf_counter()
     while waiting or engine.has_work:
         while waiting and len(index) < batch_size:
@@ -74,6 +78,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
             if drafter is not None:
                 budgets[report.budget] = budgets.get(report.budget, 0) + 1
             profiler.step()
+            if syncs is not None:
+                syncs.step()
         for event in events:
             i = index[event.request_id]
             if event.new_token_ids:
@@ -83,6 +89,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
                 if event.finish_reason == "error":
                     logger.error("request %d failed: %s", i, event.error)
     row = latency_fields(timelines, time.perf_counter() - start)
+    if syncs is not None:
+        syncs.stop()
     if log is not None:
         log.point(batch_size, drafter is not None, start, time.perf_counter(), timelines)
         log.close()

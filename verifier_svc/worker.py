@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 from splitspec.device_profile import served_selector
 from splitspec.host_profile import HostProfile
 from splitspec.step_log import StepLog
+from splitspec.sync_debug import SyncCounter
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.step_watchdog import STALL_SECONDS, StepWatchdog
 from splitspec.verifier_svc.step_types import Request, StepEvent
+
+SYNC_REPORT_EVERY = 256  # decode steps between two lines of a served verifier's sync counts (cumulative)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,9 @@ class EngineWorker(threading.Thread):
         profile.start()
         device_profile = served_selector()  # SPLITSPEC_TORCH_PROFILE with SPLITSPEC_TORCH_PROFILE_SERVED
         pin_engine_thread()
+        syncs = SyncCounter.from_env("served")  # SPLITSPEC_SYNC_DEBUG: a line every SYNC_REPORT_EVERY steps
+        if syncs is not None:
+            syncs.start()
         self.watchdog.start()
         while True:
             busy = self.engine.has_work
@@ -134,6 +140,10 @@ class EngineWorker(threading.Thread):
                     self.step_began = None
                 hidden = sum(self._take_flushed().values())
                 observed = clock()
+                if syncs is not None and self.engine.report.generated_tokens and not self.engine.report.prefill_tokens:
+                    syncs.step()
+                    if syncs.steps % SYNC_REPORT_EVERY == 0:
+                        syncs.write()
                 if self.step_log is not None:
                     self.step_log.step(stepped, observed, self.engine.report, len(self.engine.running),
                                        len(self.engine.waiting))
