@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.draft_loop import DraftLoop
 from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.runner import ModelRunner
@@ -93,7 +93,7 @@ def _mask(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor, token_ma
     width = logits.shape[-1]
     if allowed.shape[-1] < width:  # a draft vocabulary padded past the target's: the padding is never allowed
         allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], width - allowed.shape[-1])], dim=-1)
-    index = torch.tensor(rows, device=logits.device)
+    index = device_tensor(rows, logits.device)
     logits[index] = logits[index].masked_fill(~allowed[:, :width].to(logits.device), float("-inf"))
 
 
@@ -118,7 +118,7 @@ def expand_beams(runner: ModelRunner, beams: list[BeamDraft], tables: list[Block
                                 features=torch.stack(features) if root_features is not None else None)
         # every request's frontier rows: one softmax + top-k and one transfer for the whole batch
         picked = [batch.cu_logits[k] + f for k, frontier in enumerate(frontiers) for f in frontier]
-        rows = output.logits[torch.tensor(picked, device=output.logits.device)]
+        rows = output.logits[device_tensor(picked, output.logits.device)]
         first = 0
         for k, (beam, frontier) in enumerate(zip(beams, frontiers)):
             if guides and guides[k] is not None:  # the grammar after each frontier node's path (node f + 1: the root is 0)

@@ -20,7 +20,7 @@ import torch
 from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for
-from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.tree import DraftTree
@@ -95,7 +95,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             starts = list(itertools.accumulate(taken, initial=0))
             if q:  # each shorter request repeats its last row up to q rows: one gather
                 index = [start + min(j, n - 1) for start, n in zip(starts, taken) for j in range(q)]
-                features = flat.index_select(0, torch.tensor(index, device=flat.device))
+                features = flat.index_select(0, device_tensor(index, flat.device))
                 last_rows = [k * q + n - 1 for k, n in enumerate(taken)]
             else:
                 features = flat
@@ -109,9 +109,9 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             finished = {}  # k -> (root feature, root logits) of the requests whose last row this round held
             if done:  # the roots' features and logits, gathered together (new tensors: no graph buffer is kept)
                 device = output.hidden_states.device
-                roots = torch.tensor([last_rows[k] for k in done], device=device)
+                roots = device_tensor([last_rows[k] for k in done], device)
                 feats = output.hidden_states.index_select(0, roots).unbind(0)
-                logits = output.logits.index_select(0, roots if q else torch.tensor(done, device=device)).unbind(0)
+                logits = output.logits.index_select(0, roots if q else device_tensor(done, device)).unbind(0)
                 finished = dict(zip(done, zip(feats, logits)))
             for k, ((i, s), n) in enumerate(zip(catch_up, taken)):
                 kv.set_length(s.table, s.table.num_tokens + n)

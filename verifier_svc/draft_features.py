@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitspec.runtime.batch import device_tensor
 from splitspec.verifier_svc.step_types import Chunk, Request
 
 
@@ -43,7 +44,7 @@ def unsent_states(blocks: list[list[StateRows]]) -> list[torch.Tensor | None]:
     if not index:
         return [None] * len(blocks)
     joined = sources[0] if len(sources) == 1 else torch.cat(sources)
-    picked = joined.index_select(0, torch.tensor(index, device=joined.device))
+    picked = joined.index_select(0, device_tensor(index, joined.device))
     parts = iter(torch.split(picked, [c for c in counts if c]))
     return [next(parts) if c else None for c in counts]
 
@@ -75,7 +76,7 @@ def path_states(accepted: list, features) -> dict:
     if len(flat) == features.shape[0] and flat == list(range(len(flat))):
         gathered = features  # every row, in order (decoding alone, each request a root or its accepted chain)
     else:
-        gathered = features.index_select(0, torch.tensor(flat, device=features.device))
+        gathered = features.index_select(0, device_tensor(flat, features.device))
     states, start = {}, 0
     for request_id, request_rows in picks:
         states[request_id] = StateRows(gathered, start, len(request_rows))

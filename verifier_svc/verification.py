@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from splitspec import kernels
+from splitspec.runtime.batch import device_tensor
 from splitspec.runtime.penalties import apply_penalties, path_tokens
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_logits, sample
@@ -142,8 +143,8 @@ def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor | None = 
     final_coins = keyed_uniform(params.seed, output_positions, salt=FINAL_COIN_SALT)
     # the walk and the bonus draw in one kernel on a GPU (the host reference: acceptance.accept_with_coins)
     device = node_logits.device
-    links = torch.tensor([list(tree.tokens), next_token, next_sibling], dtype=torch.long, device=device)
-    coin_rows = torch.tensor([coins, final_coins], dtype=torch.float32, device=device)
+    links = device_tensor([list(tree.tokens), next_token, next_sibling], device, torch.long)
+    coin_rows = device_tensor([coins, final_coins], device, torch.float32)
     index, length, bonus = kernels.accept_tree_coins(
         links[0:1], links[1:2], links[2:3], probs[None], coin_rows[0:1], coin_rows[1:2],
         spec.accept_threshold_single, spec.accept_threshold_acc, max(node_depths))

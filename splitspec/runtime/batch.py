@@ -110,6 +110,12 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
     )
 
 
+def device_tensor(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.tensor(data) on the device without waiting for the work queued there (torch.tensor(data, device=...)
+    copies from pageable memory and waits for the stream to drain: SPLITSPEC_SYNC_DEBUG counts such waits)."""
+    return to_device(torch.tensor(data, dtype=dtype), device)
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on the device without waiting for the work already queued there (a blocking copy waits for the
     stream to drain: the overlap schedule builds a step's batch while the step before it runs). The source is staged

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from splitspec.runtime.batch import device_tensor
 from splitspec.runtime.sampling_params import SamplingParams
 
 
@@ -39,28 +40,28 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     logits = logits.float().clone()
     counts = torch.zeros(rows, vocab, device=device)
     if output_ids:
-        counts += torch.bincount(torch.tensor(output_ids, device=device), minlength=vocab)[:vocab].float()
+        counts += torch.bincount(device_tensor(output_ids, device), minlength=vocab)[:vocab].float()
     if paths and any(paths):
         index = [(r, t) for r, path in enumerate(paths) for t in path]
-        r, t = torch.tensor(index, device=device).T
+        r, t = device_tensor(index, device).T
         counts.index_put_((r, t), torch.ones(len(index), device=device), accumulate=True)
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         if prompt_ids:
-            seen |= (torch.bincount(torch.tensor(prompt_ids, device=device), minlength=vocab)[:vocab] > 0)[None, :]
-        factor = torch.where(seen, torch.tensor(params.repetition_penalty, device=device), torch.tensor(1.0, device=device))
+            seen |= (torch.bincount(device_tensor(prompt_ids, device), minlength=vocab)[:vocab] > 0)[None, :]
+        factor = torch.where(seen, params.repetition_penalty, 1.0)
         logits = torch.where(logits > 0, logits / factor, logits * factor)
     if params.frequency_penalty:
         logits -= params.frequency_penalty * counts
     if params.presence_penalty:
         logits -= params.presence_penalty * (counts > 0).float()
     if params.logit_bias:  # OpenAI's logit_bias, after the penalties (ids past this vocabulary are the verifier's to refuse)
-        ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
-        logits[:, ids] += torch.tensor([b for _, b in params.logit_bias], device=device)
+        ids = device_tensor([t for t, _ in params.logit_bias], device)
+        logits[:, ids] += device_tensor([b for _, b in params.logit_bias], device, logits.dtype)
     if params.min_tokens and params.min_tokens_ban:  # rows at output positions before min_tokens: no stop token
         positions = [len(output_ids) + (len(paths[r]) if paths else 0) for r in range(rows)]
         early = [r for r, position in enumerate(positions) if position < params.min_tokens]
         if early:
-            ban = torch.tensor([t for t in params.min_tokens_ban if t < vocab], device=device, dtype=torch.long)
-            logits[torch.tensor(early, device=device)[:, None], ban[None, :]] = float("-inf")
+            ban = device_tensor([t for t in params.min_tokens_ban if t < vocab], device, torch.long)
+            logits[device_tensor(early, device)[:, None], ban[None, :]] = float("-inf")
     return logits
