@@ -76,3 +76,24 @@ class SyncCounter:
         if self._previous is not None:
             warnings.showwarning = self._previous
         self.write()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m splitspec.sync_debug FILE...: each line's steps, waits and most frequent call sites."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--sites", type=int, default=8, help="Call sites shown per line (the most frequent).")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        with open(path) as f:
+            for line in f:
+                record = json.loads(line)
+                print(f"{record['name']}: {record['syncs']} waits in {record['steps']} decode steps")
+                for site, count in list(record["sites"].items())[: args.sites]:
+                    print(f"  {count:6d}  {site or '(outside this project)'}")
+
+
+if __name__ == "__main__":
+    main()
