@@ -210,6 +210,35 @@ def test_a_tree_measured_slower_than_plain_is_left_though_its_phases_look_cheap(
     assert chosen[-200:].count(1) < 100, chosen[-200:]  # the sum of the parts alone keeps drafting
 
 
+def test_an_overlapped_plain_step_is_priced_at_its_whole_cycle_not_a_forward_on_top():
+    """Under the overlap schedule a plain step's forward runs under the host's work, so the engine reports it as one
+    whole cycle with no forward timed (engine._observe). At a large batch where every tree loses to plain decoding
+    (0.83x here), the policy must not price a plain step as a forward from the curve plus that whole cycle (the
+    forward twice: plain decoding would look half as fast as it is and the trees would keep running, as a batch-128
+    sweep point with --no-phase-sync did on an H200 at ad3b90d). It settles on plain decoding."""
+
+    class OverlappedGpu(ModelGpu):
+        def step(self, budget, batch):
+            if budget > 1:
+                return super().step(budget, batch)
+            return StepShape(1, batch, 0, 0, 0.0, 0.0, (self.verify(batch) + 0.0003) * (1 + 0.02 * (self.random.random() - 0.5)))
+
+        def true_throughput(self, budget, batch):
+            return batch / (self.verify(batch) + 0.0003) if budget == 1 else self.throughput(budget, batch)
+
+    gpu = OverlappedGpu(q=0.95, flat=0.007)
+    batch = 128
+    best_tree = max(gpu.true_throughput(n, batch) for n in range(2, 7))
+    assert best_tree < 0.9 * gpu.true_throughput(1, batch)
+    policy = chain_policy()
+    for warm in (1, 6, 6, 6):  # a plain step, then trees: too few plain cycles timed for the cycles to correct the model
+        policy.observe(gpu.step(warm, batch))
+    chosen = run_policy(policy, gpu, batch, 400)
+    tail = chosen[-200:]
+    assert tail.count(1) >= 190, tail
+    assert sum(gpu.true_throughput(b, batch) for b in tail) / len(tail) >= 0.97 * gpu.true_throughput(1, batch)
+
+
 # the engine ----------------------------------------------------------------------------------------------
 PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n", "import os\nimport sys\n\n",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n", "class Config:\n    def __init__(self, path):\n",

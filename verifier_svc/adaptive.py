@@ -22,7 +22,9 @@ tokens, the one with the largest expected throughput
                asking for them
     base(B,s)  the rest of a step's whole cycle, until the next step starts (schedule, accept, commit, the
                engine's bookkeeping and its caller's handling of the new tokens), measured apart for steps that
-               speculate (s) and steps that do not: it grows with the tokens a step emits
+               speculate (s) and steps that do not: it grows with the tokens a step emits. A plain step the overlap
+               schedule ran (its forward under the host's work, so not timed apart) is priced at its whole cycle
+               instead of verify + base: added to a forward from the curve, it would count the forward twice
 
 The sum of those parts is checked against whole decode cycles as they ran (their mean per budget and load, timed
 at min_timings steps or more): a tree is predicted at the lower of the two, plain decoding at the higher, so a
@@ -164,6 +166,8 @@ class AdaptiveSpeculation:
         self._verify: dict[int, tuple[_Recent, _Recent]] = {}  # token bucket -> (mean tokens, mean seconds)
         self._spec: dict[tuple[int, int], _Recent] = {}  # (budget, batch bucket) -> seconds outside the forward
         self._base: dict[tuple[bool, int], _Recent] = {}  # (drafted?, batch bucket) -> seconds
+        # (False, batch bucket) -> whole cycles of plain steps the overlap schedule ran (forward under the host's work)
+        self._whole: dict[tuple[bool, int], _Recent] = {}
         # (budget, batch quarter-octave) -> whole decode cycles; plain decoding's never go stale (they do not depend
         # on the traffic), a budget's do, as its timings do
         self._cycles: dict[tuple[int, int], _Cycle] = {}
@@ -215,7 +219,10 @@ class AdaptiveSpeculation:
         steady, self._previous_budget = step.budget == self._previous_budget or self._previous_budget == 0, step.budget
         if batch and decode_only and steady:
             drafted = step.budget > 1 and step.speculating > 0
-            self._base.setdefault((drafted, _batch_bucket(batch)), _Recent()).add(step.base_seconds, now, stale)
+            # an overlapped plain step (no forward timed: it ran under the host's work) is a whole cycle, not a base
+            # to add a forward to
+            base = self._whole if not (drafted or step.forward_tokens) else self._base
+            base.setdefault((drafted, _batch_bucket(batch)), _Recent()).add(step.base_seconds, now, stale)
             if step.speculating:
                 self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Recent()).add(
                     step.spec_seconds, now, stale)
@@ -357,12 +364,18 @@ class AdaptiveSpeculation:
             return None
         bucket = _batch_bucket(speculating + plain)
         drafted = budget > 1 and speculating > 0
+        whole = 0.0 if drafted or prefill_tokens else self._nearest(self._whole, bucket, False)
+        if whole:  # plain steps as the overlap schedule runs them: their whole cycle (the forward is in it)
+            return (speculating + plain) / whole
         base = self._nearest(self._base, bucket, drafted)
         own = self._base.get((True, bucket))
         if drafted and (own is None or len(own.values) < self.config.min_timings):
             # drafted steps timed too few times at this load: no dearer than the steps without drafts (optimistic,
             # so tried and measured; another load's base, or one odd step, must not keep drafting off here)
             undrafted = self._nearest(self._base, bucket, False)
+            whole = 0.0 if undrafted else self._nearest(self._whole, bucket, False)
+            if whole:  # only overlapped plain steps known here: their cycle less the forward's predicted time
+                undrafted = max(whole - (self.verify_seconds(speculating + plain) or 0.0), 0.0)
             base = min(base, undrafted) if base else undrafted
         seconds = verify + base
         if speculating:
