@@ -21,9 +21,16 @@ ENV = "SPLITSPEC_SYNC_DEBUG"
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (or site-packages) above splitspec/
 
 
+def _own(filename: str, roots: tuple[str, ...]) -> bool:
+    """A frame of this project (or of the code run from the working directory: a test, a benchmark), not a library's."""
+    return filename.startswith(roots) and "site-packages" not in filename and not filename.endswith("sync_debug.py")
+
+
 def _site(stack: list[traceback.FrameSummary]) -> str:
-    own = [f for f in stack if f.filename.startswith(_ROOT) and not f.filename.endswith("sync_debug.py")]
-    return " <- ".join(f"{os.path.relpath(f.filename, _ROOT)}:{f.lineno}:{f.name}" for f in reversed(own[-3:]))
+    roots = (_ROOT + os.sep, os.getcwd() + os.sep)
+    own = [f for f in stack if _own(f.filename, roots)]
+    return " <- ".join(f"{os.path.relpath(f.filename, next(r for r in roots if f.filename.startswith(r)))}:{f.lineno}:"
+                       f"{f.name}" for f in reversed(own[-3:]))
 
 
 class SyncCounter:

@@ -220,7 +220,6 @@ class AdaptiveSpeculation:
         if batch and decode_only and steady:
             drafted = step.budget > 1 and step.speculating > 0
             # an overlapped plain step (no forward timed: it ran under the host's work) is a whole cycle, not a base
-            # to add a forward to
             base = self._whole if not (drafted or step.forward_tokens) else self._base
             base.setdefault((drafted, _batch_bucket(batch)), _Recent()).add(step.base_seconds, now, stale)
             if step.speculating:
