@@ -36,21 +36,21 @@ def _site(stack: list[traceback.FrameSummary]) -> str:
 class SyncCounter:
     """Counts the synchronizing CUDA calls made while it is on (start .. stop), per call site; step() counts steps."""
 
-    def __init__(self, name: str, path: str):
-        self.name, self.path = name, path
+    def __init__(self, name: str, path: str, report_every: int = 0):
+        self.name, self.path, self.report_every = name, path, report_every  # report_every: steps between two lines
         self.sites: Counter = Counter()
         self.steps = 0
         self._previous = None
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls, name: str) -> "SyncCounter | None":
+    def from_env(cls, name: str, report_every: int = 0) -> "SyncCounter | None":
         path = os.environ.get(ENV)
         if not path:
             return None
         import torch
 
-        return cls(name, path) if torch.cuda.is_available() else None
+        return cls(name, path, report_every) if torch.cuda.is_available() else None
 
     def start(self) -> None:
         import torch
@@ -68,6 +68,8 @@ class SyncCounter:
 
     def step(self) -> None:
         self.steps += 1
+        if self.report_every and self.steps % self.report_every == 0:  # a loop that never stops: cumulative lines
+            self.write()
 
     def write(self) -> None:
         with self._lock:

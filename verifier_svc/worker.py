@@ -30,8 +30,6 @@ from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.step_watchdog import STALL_SECONDS, StepWatchdog
 from splitspec.verifier_svc.step_types import Request, StepEvent
 
-SYNC_REPORT_EVERY = 256  # decode steps between two lines of a served verifier's sync counts (cumulative)
-
 logger = logging.getLogger(__name__)
 
 
@@ -115,7 +113,7 @@ class EngineWorker(threading.Thread):
         profile.start()
         device_profile = served_selector()  # SPLITSPEC_TORCH_PROFILE with SPLITSPEC_TORCH_PROFILE_SERVED
         pin_engine_thread()
-        syncs = SyncCounter.from_env("served")  # SPLITSPEC_SYNC_DEBUG: a line every SYNC_REPORT_EVERY steps
+        syncs = SyncCounter.from_env("served", report_every=256)  # SPLITSPEC_SYNC_DEBUG: a line every 256 decode steps
         if syncs is not None:
             syncs.start()
         self.watchdog.start()
@@ -142,8 +140,6 @@ class EngineWorker(threading.Thread):
                 observed = clock()
                 if syncs is not None and self.engine.report.generated_tokens and not self.engine.report.prefill_tokens:
                     syncs.step()
-                    if syncs.steps % SYNC_REPORT_EVERY == 0:
-                        syncs.write()
                 if self.step_log is not None:
                     self.step_log.step(stepped, observed, self.engine.report, len(self.engine.running),
                                        len(self.engine.waiting))
