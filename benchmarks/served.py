@@ -196,6 +196,42 @@ def bench(argv: list[str], out: Path, timeout: float, log, env: dict[str, str] |
     return json.loads(out.read_text())
 
 
+class HostSpeed:
+    """The machine's CPU speed while a side runs: a thread of this (otherwise waiting) process times a fixed
+    plain-Python loop (splitspec.step_log.calibration_us) every `period` seconds. On a lent VM it moved by 2x within a
+    minute, between runs and within one (docs/performance.md, 2026-12-02), so a host-bound point's served/in-process
+    ratio compares CPUs as much as code unless both sides' speeds are alike; the report carries both."""
+
+    def __init__(self, period: float = 0.25):
+        import threading
+
+        self.period, self.samples, self.stop = period, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, name="host-speed", daemon=True)
+
+    def _run(self) -> None:
+        from splitspec.step_log import calibration_us
+
+        while not self.stop.wait(self.period):
+            self.samples.append(calibration_us())
+
+    def __enter__(self) -> "HostSpeed":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def report(self) -> dict:
+        import statistics
+
+        if not self.samples:
+            return {"samples": 0}
+        q = statistics.quantiles(self.samples, n=10) if len(self.samples) > 1 else [self.samples[0]] * 9
+        return {"samples": len(self.samples), "median_us": round(statistics.median(self.samples), 1),
+                "p10_us": round(q[0], 1), "p90_us": round(q[-1], 1)}
+
+
 def loop_totals(metrics_url: str) -> dict[str, float]:
     """The verifier's engine-loop and step-phase histograms' sums and counts, by part and phase."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -288,8 +324,10 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
         bench(["--url", url, "--model-path", model_path, *load, "--output-len", "16"], work / "warmup.json", args.timeout,
               log)
         before = loop_totals(metrics_url)
-        served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
+        with HostSpeed() as speed:
+            served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
+        served["host_speed"] = speed.report()
         return served
     except subprocess.TimeoutExpired:  # stuck: every service prints its threads' stacks (cli's SIGUSR1) to the log
         print(f"served bench timed out after {args.timeout} s: the services' stacks follow", file=log, flush=True)
@@ -325,21 +363,29 @@ def main(argv: list[str]) -> int:
     # the engine as the server runs it: no device synchronisation at every phase boundary
     in_process_argv = [*bench_flags(model_flags), *server_adaptive(model_flags), "--no-phase-sync", *load]
     replay = None
+    speed = HostSpeed()
     if args.simulate_acceptance:  # in process first: its plain outputs are the reference the server replays
         replay = work / "reference.jsonl"
         in_process_argv += ["--simulate-acceptance", args.simulate_acceptance, "--simulate-reference-out", str(replay)]
-        in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
+        with speed:
+            in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
         served = serve_and_bench(args, model_flags, model_path, load, work, log, replay)
     else:
         served = serve_and_bench(args, model_flags, model_path, load, work, log, None)
-        in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
+        with speed:
+            in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
+    in_process["host_speed"] = speed.report()  # the whole in-process run (its model load included)
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
               "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
               "simulated": args.simulate_acceptance,
               "points": ratios(served, in_process), "served_engine_loop": served.get("engine_loop"),
+              # a fixed plain-Python loop's time on this machine while each side ran (HostSpeed): compare ratios of
+              # host-bound points only where the two are alike
+              "host_speed": {"served": served.get("host_speed"), "in_process": in_process.get("host_speed")},
               "served": served, "in_process": in_process}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"served engine loop: {report['served_engine_loop']}")
+    print(f"host speed (plain-Python loop, us): {report['host_speed']}")
     for point in report["points"]:
         print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
               f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}"

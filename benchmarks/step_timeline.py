@@ -75,6 +75,14 @@ def point_report(point: dict, clients: list[dict], engine: list[dict]) -> dict:
             ("cpu_ms", lambda s: s["cpu_ms"]), ("gc_ms", lambda s: s["gc_ms"]),
             ("involuntary_switches", lambda s: s["switches"][1]))} if decodes and "cpu_ms" in decodes[0] else None,
     }
+    probes = [e for e in inside if e["kind"] == "probe"]
+    if probes:  # the loop thread's speed at plain Python, the CPUs it ran on, the VM's steal time (step_log.py)
+        steal = [e["steal_ticks"] for e in probes if e.get("steal_ticks") is not None]
+        cpus = [e["cpu"] for e in probes]
+        report["probes"] = {"count": len(probes), "calib_us_median": round(statistics.median(e["calib_us"] for e in probes), 1),
+                            "cpus": sorted({c for c in cpus if c is not None}),
+                            "moves": sum(1 for a, b in zip(cpus, cpus[1:]) if a != b),
+                            "steal_ticks": steal[-1] - steal[0] if len(steal) > 1 else None}
     hops: dict[str, list[float]] = {}
     for e in inside:
         if e["kind"] == "hop":
@@ -114,7 +122,7 @@ def analyse(paths: list[Path]) -> list[dict]:
         if client_name not in by_name:
             continue
         hops = [e for name in ("gateway", "front") for e in by_name.get(name, [])] if side == "served" else []
-        engine = sorted([e for e in by_name.get(engine_name, []) if e["kind"] in ("arrive", "step", "publish")] + hops,
+        engine = sorted([e for e in by_name.get(engine_name, []) if e["kind"] in ("arrive", "step", "publish", "probe")] + hops,
                         key=_time)
         for point, clients in points_of(by_name[client_name]):
             rows.append({"side": side, **point_report(point, clients, engine)})
@@ -139,6 +147,10 @@ def line(row: dict) -> str:
         host = row["decode_step_host"]
         text += (f"; its thread's CPU {host['cpu_ms']:.2f} ms, GC {host['gc_ms']:.2f} ms, "
                  f"{host['involuntary_switches']:.2f} involuntary switches")
+    if row.get("probes"):
+        p = row["probes"]
+        text += (f"\n    thread probes: {p['count']}, plain-Python calibration {p['calib_us_median']:.1f} us (median), "
+                 f"CPUs {p['cpus']} ({p['moves']} moves), steal {p['steal_ticks']} ticks")
     return text
 
 

@@ -14,13 +14,18 @@ event, timed on the system's monotonic clock (time.perf_counter, the same in eve
 - {"kind": "point", "batch_size": n, "speculative": bool, "began": t, "ended": t}: one bench point's measured run;
 - {"kind": "hop", "name": name, "at": t}: a submission passing a named point on its way in (the gateway's
   "gateway_handler" and "gateway_submitted", the verifier front's "front_received"), so that the way from the
-  client to the engine can be split leg by leg.
+  client to the engine can be split leg by leg;
+- {"kind": "probe", "at": t, "calib_us": us, "cpu": n, "steal_ticks": n}: every PROBE_EVERY steps, how fast the loop's
+  thread runs plain Python (a fixed loop of CALIBRATION_ITERATIONS additions, timed), the CPU it is on and the
+  machine's steal time so far (/proc/stat, clock ticks: a VM's vCPUs waiting for the host), so that a slow step can be
+  told apart as a slow CPU (the loop slower too) or slower work (the loop as fast).
 
 `python benchmarks/step_timeline.py FILE...` reads them back wave by wave. Off unless the variable is set; a
 write per event costs microseconds, but the figures of a logged run are the log's, not speeds to quote."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -28,6 +33,30 @@ import resource
 import time
 
 ENV = "SPLITSPEC_STEP_LOG"
+PROBE_EVERY = 64
+CALIBRATION_ITERATIONS = 5000
+
+try:
+    _sched_getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+except (OSError, AttributeError):  # not glibc / not Linux
+    _sched_getcpu = None
+
+
+def _steal_ticks() -> int | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) if fields[0] == "cpu" and len(fields) > 8 else None
+    except OSError:
+        return None
+
+
+def calibration_us() -> float:
+    """A fixed loop of plain Python additions, timed (us): the thread's CPU speed as Python sees it."""
+    began, total = time.perf_counter(), 0
+    for i in range(CALIBRATION_ITERATIONS):
+        total += i
+    return (time.perf_counter() - began) * 1e6
 
 
 def _device_memory() -> dict:
@@ -46,6 +75,7 @@ class StepLog:
         self.path = path
         self.file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (open for the loop's life; flushed per step)
         self.gc_seconds, self._gc_began = 0.0, 0.0  # the collector is timed once a step is (begin): hops need not
+        self.steps = 0
         self._began = self._counters()
 
     def _gc(self, phase: str, info: dict) -> None:
@@ -84,7 +114,15 @@ class StepLog:
                      "generated": report.generated_tokens, "finished": len(report.finished), "budget": report.budget,
                      "ms": {k: round(v * 1e3, 3) for k, v in report.seconds.items()}, "cpu_ms": round(cpu * 1e3, 3),
                      "gc_ms": round(gc_seconds * 1e3, 3), "switches": [voluntary, involuntary], **_device_memory()})
+        self.steps += 1
+        if self.steps % PROBE_EVERY == 1:
+            self.probe()
         self.file.flush()
+
+    def probe(self) -> None:
+        at = time.perf_counter()
+        self._write({"kind": "probe", "at": at, "calib_us": round(calibration_us(), 1),
+                     "cpu": _sched_getcpu() if _sched_getcpu is not None else None, "steal_ticks": _steal_ticks()})
 
     def published(self, at: float, deltas: int, first: int, finished: int) -> None:
         self._write({"kind": "publish", "at": at, "deltas": deltas, "first": first, "finished": finished})

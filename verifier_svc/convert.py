@@ -31,10 +31,10 @@ def sampling_params(wire: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def speculation(stats: SpecStats) -> pb.SpeculationCounts:
-    return pb.SpeculationCounts(verify_steps=stats.verify_steps, draft_tokens=stats.draft_tokens,
-                                accepted_tokens=stats.accepted_tokens,
-                                accepted_per_position=stats.accepted_per_position, fallbacks=stats.fallbacks)
+def fill_speculation(message: pb.SpeculationCounts, stats: SpecStats) -> None:
+    message.verify_steps, message.draft_tokens = stats.verify_steps, stats.draft_tokens
+    message.accepted_tokens, message.fallbacks = stats.accepted_tokens, stats.fallbacks
+    message.accepted_per_position[:] = stats.accepted_per_position
 
 
 def status_code(message: str) -> int:
@@ -53,21 +53,33 @@ def _logprobs(entries) -> list[pb.TokenLogprob]:
 
 def delta(client_id: str, request: Request | None, token_ids: list[int], finish_reason: str | None,
           first: bool, error: str = "", logprobs=None, prompt_logprobs=None) -> pb.TokenDelta:
-    message = pb.TokenDelta(request_id=client_id, token_ids=token_ids, finish_reason=FINISH_REASONS[finish_reason],
-                            error=error, error_code=status_code(error) if error else 0)
+    message = pb.TokenDelta()
+    fill_delta(message, client_id, request, token_ids, finish_reason, first, error, logprobs, prompt_logprobs)
+    return message
+
+
+def fill_delta(message: pb.TokenDelta, client_id: str, request: Request | None, token_ids: list[int],
+               finish_reason: str | None, first: bool, error: str = "", logprobs=None, prompt_logprobs=None) -> None:
+    """A step's delta for one request, written into message in place (a step's deltas are built inside the one
+    message that carries them: no per-delta message to copy in, at every step of every request)."""
+    message.request_id = client_id
+    message.token_ids.extend(token_ids)
+    if finish_reason is not None:
+        message.finish_reason = FINISH_REASONS[finish_reason]
+    if error:
+        message.error, message.error_code = error, status_code(error)
     if logprobs:
         message.logprobs.extend(_logprobs(logprobs))
     if prompt_logprobs:
         message.prompt_logprobs.extend(_logprobs(prompt_logprobs))
     if request is not None:
-        message.speculation.CopyFrom(speculation(request.stats))
+        fill_speculation(message.speculation, request.stats)
         message.num_preemptions = request.num_preemptions
         if first or finish_reason is not None:
             message.prompt_tokens = len(request.prompt_ids)
             message.cached_prompt_tokens = request.cached_tokens
         if first:
             message.seed = request.params.seed or 0
-    return message
 
 
 def error(client_id: str, message: str) -> pb.TokenDelta:

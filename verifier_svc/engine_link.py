@@ -65,15 +65,15 @@ class FrontLink:
     # the engine thread ----------------------------------------------------------------------------
 
     def publish(self, deliveries: list[Delivery]) -> None:
-        step = pb.GenerateServerMessage()
+        message = link.EngineMessage()
+        deltas = message.step.deltas  # built in place: one message per step, nothing copied into it
         for submission, event in deliveries:
-            step.deltas.append(convert.delta(submission.client_id, submission.request, event.new_token_ids,
-                                             event.finish_reason, submission.first, event.error, event.logprobs,
-                                             event.prompt_logprobs))
+            convert.fill_delta(deltas.add(), submission.client_id, submission.request, event.new_token_ids,
+                               event.finish_reason, submission.first, event.error, event.logprobs, event.prompt_logprobs)
             submission.first = False
             if event.finish_reason is not None:
                 self.submissions.pop(submission.client_id, None)
-        self._send(link.EngineMessage(step=step))
+        self._send(message)
 
     # the main thread ------------------------------------------------------------------------------
 

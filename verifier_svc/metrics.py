@@ -99,21 +99,17 @@ class EngineMetrics:
     def observe(self, engine: Engine, report=None) -> None:
         """One step: its report (default the engine's last), then the engine's state as it is now."""
         report = engine.report if report is None else report
-        self._child(self.num_drafts).inc(len(report.accept_lengths))
-        self._child(self.draft_tokens).inc(report.draft_tokens)
-        self._child(self.accepted_tokens).inc(report.accepted_tokens)
+        for metric, amount in ((self.num_drafts, len(report.accept_lengths)), (self.draft_tokens, report.draft_tokens),
+                               (self.accepted_tokens, report.accepted_tokens), (self.fallbacks, report.fallbacks),
+                               (self.padding_tokens, report.padding_tokens), (self.grammar_pruned, report.grammar_pruned),
+                               (self.prompt_tokens, report.prompt_tokens), (self.prefill_tokens, report.prefill_tokens),
+                               (self.preemptions, report.preemptions), (self.deferred_steps, int(report.deferred)),
+                               (self.generation_tokens, report.generated_tokens), (self.prefix_hit_tokens, report.cached_tokens)):
+            child = self._child(metric)  # exported (at 0) from the first step on, incremented only when it moved
+            if amount:
+                child.inc(amount)
         for position, count in enumerate(report.accepted_per_position):
             self._child(self.accepted_per_pos, position=str(position)).inc(count)
-        self._child(self.fallbacks).inc(report.fallbacks)
-        self._child(self.padding_tokens).inc(report.padding_tokens)
-        self._child(self.grammar_pruned).inc(report.grammar_pruned)
-        self._child(self.prompt_tokens).inc(report.prompt_tokens)
-        self._child(self.prefill_tokens).inc(report.prefill_tokens)
-        self._child(self.preemptions).inc(report.preemptions)
-        if report.deferred:
-            self._child(self.deferred_steps).inc()
-        self._child(self.generation_tokens).inc(report.generated_tokens)
-        self._child(self.prefix_hit_tokens).inc(report.cached_tokens)
         for reason in report.finished:
             self._child(self.finished, finished_reason=reason).inc()
         for length in report.accept_lengths:
