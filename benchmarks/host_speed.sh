@@ -14,8 +14,10 @@ flags=(--device cuda --dtype bfloat16 --no-phase-sync $load)
 summary=$OUT/host_speed.txt
 { nproc; lscpu | grep -i -E "model name|^CPU\(s\)|thread|mhz|hypervisor"; grep -m1 "^cpu " /proc/stat; } > "$summary" 2>&1
 cat > "$W/thread_main.py" <<'PY'
-import sys, threading
+import signal, sys, threading
 from splitspec.cli import main
+_signal = signal.signal  # the CLI's handlers: only the main thread may set them; on the engine's thread, skipped
+signal.signal = lambda *a: _signal(*a) if threading.current_thread() is threading.main_thread() else None
 codes = []
 worker = threading.Thread(target=lambda: codes.append(main(sys.argv[1:])), name="engine")
 worker.start(); worker.join()

@@ -18,7 +18,7 @@ from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import APIError, Generation, invalid
 from splitspec.gateway.text import IncrementalDecoder, StopMatcher, TextCodec
 from splitspec.gateway.tools import ToolOutput
-from splitspec.gateway.tokenizing import Tokenizing
+from splitspec.gateway.tokenizing import Tokenizing, is_token_ids
 from splitspec.protos import verifier_pb2 as pb
 
 logger = logging.getLogger("splitspec.gateway")
@@ -195,7 +195,10 @@ class Gateway:
     async def prepare(self, g: Generation) -> list[list[int]]:
         """The request's prompts as token ids, each checked against the context."""
         jobs = [g.messages] if g.messages is not None else g.prompts
-        prompts = await asyncio.gather(*(self.tokenizing.prompt_ids(job) for job in jobs))
+        if all(is_token_ids(job) for job in jobs):  # nothing to tokenize: no turn of the event loop before submission
+            prompts = jobs
+        else:
+            prompts = await asyncio.gather(*(self.tokenizing.prompt_ids(job) for job in jobs))
         context = self.client.info.max_context_tokens
         for i, prompt in enumerate(prompts):
             where = "messages" if g.messages is not None else "prompt" if len(prompts) == 1 else f"prompt[{i}]"

@@ -10,6 +10,11 @@ from splitspec.gateway.protocol import invalid
 from splitspec.gateway.text import TemplateError, TextCodec
 
 
+def is_token_ids(job) -> bool:
+    """A prompt given as token ids (a list of ints, or empty): it needs no tokenizer."""
+    return isinstance(job, list) and (not job or isinstance(job[0], int))
+
+
 class Tokenizing:
     """Requests are rendered and encoded in batches, in a worker thread (the event loop never runs the
     tokenizer): those that arrive in the same event-loop turn, and those that arrive while a batch is
@@ -49,7 +54,7 @@ class Tokenizing:
 
     async def prompt_ids(self, job: list[dict] | str | list[int]) -> list[int]:
         """job: chat messages, a completion text, or token ids (returned as they are)."""
-        if isinstance(job, list) and (not job or isinstance(job[0], int)):
+        if is_token_ids(job):
             return job
         loop = asyncio.get_running_loop()
         future = loop.create_future()
