@@ -66,6 +66,7 @@ class FrontLink:
 
     def publish(self, deliveries: list[Delivery]) -> None:
         message = link.EngineMessage()
+        message.step.SetInParent()  # the oneof's kind, whatever follows
         deltas = message.step.deltas  # built in place: one message per step, nothing copied into it
         for submission, event in deliveries:
             convert.fill_delta(deltas.add(), submission.client_id, submission.request, event.new_token_ids,
