@@ -291,8 +291,8 @@ def make_curve_keys(keys_dir: str) -> None:
 def cpu_thread_plan(device: str | None, cpus: int, environ) -> dict[str, int]:
     """Torch threads per service when the verifier computes on this machine's CPU and the user has not set
     OMP_NUM_THREADS: the verifier takes every core but one, the gateway and each drafter one thread (as vLLM's
-    CPU backend keeps a core for its API server), and the verifier's wide forwards (prompt chunks) every core
-    ("wide": its --cpu-wide-forward-threads). torch's default, a thread per core in every process,
+    CPU backend keeps a core for its API server), and the verifier's forwards every core ("wide": its
+    --cpu-wide-forward-threads). torch's default, a thread per core in every process,
     oversubscribes the cores: on 2 cores the served demo target ran at 0.40-0.61 of in process, 0.86-1.0 with
     this plan. Empty (nothing set) on a GPU or when OMP_NUM_THREADS is set. device: the --device flag (None or
     auto: CPU when this machine shows no NVIDIA device)."""

@@ -47,11 +47,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N; auto = cuda when available.")
     group.add_argument("--cpu-wide-forward-threads", type=int, default=0,
-                       help="On a CPU device: torch threads for a forward of 64 tokens or more (prompt chunks, a batch of "
-                       "wide trees); narrower forwards (decode steps) keep the process's count (OMP_NUM_THREADS). 0: one "
-                       "count for all. `splitspec up` sets it to the machine's cores when it plans the services' threads "
-                       "(the verifier's own count leaves a core to the gateway and the drafters, who work while tokens "
-                       "stream; a wide forward is compute that gains from every core).")
+                       help="On a CPU device: torch threads for the model's forwards (prompt chunks and decode steps); the "
+                       "process's other torch work keeps its count (OMP_NUM_THREADS). 0: one count for all. `splitspec up` "
+                       "sets it to the machine's cores when it plans the services' threads (the verifier's own count "
+                       "leaves a core to the gateway and the drafters; a forward is compute that gains from every core).")
     group.add_argument("--random-seed", type=int, default=0, help="Seed of --load-format dummy weights.")
     group.add_argument("--quantization", default=None,
                        help="Weight quantization of the target (SGLang's flag). fp8: the linear layers of every decoder "

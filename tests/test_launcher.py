@@ -248,7 +248,7 @@ def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
     assert cpu_thread_plan("cpu", 2, {}) == {"verifier": 1, "other": 1, "wide": 2}
     assert cpu_thread_plan("cpu", 16, {"PATH": "/bin"}) == {"verifier": 15, "other": 1, "wide": 16}
     assert cpu_thread_plan("cpu", 1, {}) == {"verifier": 1, "other": 1, "wide": 1}
-    two = cpu_thread_plan("cpu", 2, {})  # wide forwards (prompt chunks) take both cores
+    two = cpu_thread_plan("cpu", 2, {})  # the verifier's forwards take both cores
     assert _wide_forwards(two, "verifier", ["verifier", "--port", "1"], []) == ["verifier", "--port", "1",
                                                                                "--cpu-wide-forward-threads", "2"]
     assert _wide_forwards(two, "gateway", ["gateway"], []) == ["gateway"]
@@ -266,9 +266,9 @@ def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
 
 
 def test_a_cpu_model_computes_wide_forwards_on_more_threads():
-    """--cpu-wide-forward-threads (up sets it to the machine's cores): a CPU model's forward of WIDE_FORWARD_TOKENS
-    tokens or more runs on that many torch threads, a narrower one on the process's count, restored after either;
-    a real ModelRunner's prompt-sized forward sees the wide count inside the model."""
+    """--cpu-wide-forward-threads (up sets it to the machine's cores): a CPU model's forward (WIDE_FORWARD_TOKENS, one
+    token, or more) runs on that many torch threads, the rest on the process's count, restored after; a real
+    ModelRunner's prompt chunk and decode step both see the wide count inside the model."""
     import torch
 
     from splitspec.demo import demo_model_dirs
@@ -282,10 +282,10 @@ def test_a_cpu_model_computes_wide_forwards_on_more_threads():
         torch.set_num_threads(1)
         wide = wide_forwards(torch.device("cpu"), 2)
         seen = []
-        for tokens in (WIDE_FORWARD_TOKENS, WIDE_FORWARD_TOKENS - 1):
+        for tokens in (WIDE_FORWARD_TOKENS + 63, WIDE_FORWARD_TOKENS, WIDE_FORWARD_TOKENS - 1):
             with wide.around(tokens):
                 seen.append(torch.get_num_threads())
-        assert seen == [2, 1] and torch.get_num_threads() == 1
+        assert seen == [2, 2, 1] and torch.get_num_threads() == 1
         assert wide_forwards(torch.device("cuda", 0), 2) is None and wide_forwards(torch.device("cpu"), 0) is None
         runner = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["target"]), dtype="float32", device="cpu",
                                                 max_total_tokens=512, cpu_wide_forward_threads=2))
@@ -296,11 +296,11 @@ def test_a_cpu_model_computes_wide_forwards_on_more_threads():
             return call(*args, **kwargs)
 
         runner.model_call = counting
-        for length in (WIDE_FORWARD_TOKENS + 8, 8):
+        for length in (72, 1):  # a prompt chunk, a decode step's one token
             table = BlockTable()
             runner.forward(runner.batch([SequenceInput(table, list(range(3, 3 + length)))]))
             runner.kv_cache.release(table)
-        assert inside == [2, 1] and torch.get_num_threads() == 1
+        assert inside == [2, 2] and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

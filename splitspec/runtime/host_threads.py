@@ -29,16 +29,18 @@ def one_thread_for_gpu(device: torch.device, environ=os.environ) -> bool:
     return True
 
 
-WIDE_FORWARD_TOKENS = 64  # a forward of this many tokens or more is compute, not per-step overhead
+WIDE_FORWARD_TOKENS = 1  # a forward of this many tokens or more computes on `threads`: every forward (see below)
 
 
 class WideForwards:
-    """On a CPU device beside other services (`splitspec up`): torch threads per forward. A narrow forward (a decode
-    step) keeps the process's count (OMP_NUM_THREADS: up leaves a core to the gateway and the drafters, who work while
-    tokens stream, and more threads only contend with them); a forward of WIDE_FORWARD_TOKENS tokens or more (prompt
-    chunks, a batch of wide trees) is compute that gains from every core: it runs on `threads`. On this project's
-    2-core machine (the demo target, NGRAM, `python -P benchmarks/served.py`), served tokens/s at batch 8 went from
-    374-402 to 471-505 and at batch 1 from 185-193 to 198-206 (docs/performance.md)."""
+    """On a CPU device beside other services (`splitspec up`): the model's forwards compute on `threads` (every core),
+    the process's other torch work (sampling, index arithmetic) on its own count (OMP_NUM_THREADS: up leaves a core to
+    the gateway and the drafters). On this project's 2-core machine (the demo target, NGRAM, `python -P
+    benchmarks/served.py`) prompt chunks and wide trees on both cores took served tokens/s at batch 8 from 374-402 to
+    471-505 (2026-11-29, forwards of 64 tokens or more); on the faster 2-core machine of 2026-12-02, where a second
+    thread buys 1.4-1.5x on a decode step, decode steps on both cores too took served NGRAM from 0.70-0.71 to 0.91-0.92
+    of in process at batch 1 and from 0.85-0.88 to 0.98-1.00 at batch 8 (plain decoding 0.66 -> 0.74-0.76 and 0.59-0.61
+    -> 0.83), and on the earlier machine they changed nothing beyond its runs' noise (docs/performance.md)."""
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -60,6 +62,6 @@ def wide_forwards(device: torch.device, threads: int) -> WideForwards | None:
     """WideForwards for a CPU model given --cpu-wide-forward-threads (> 0), else None."""
     if device.type != "cpu" or threads <= 0:
         return None
-    logger.info("forwards of %d tokens or more compute on %d torch threads, narrower ones on %d", WIDE_FORWARD_TOKENS,
-                threads, torch.get_num_threads())
+    logger.info("forwards compute on %d torch threads, the process's other torch work on %d", threads,
+                torch.get_num_threads())
     return WideForwards(threads)
