@@ -35,6 +35,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
     from splitspec.sync_debug import SyncCounter
     from splitspec.verifier_svc.engine import Engine, SpecConfig
 
+    if not prompts:  # e.g. the warm-up of --warmup-requests 0
+        return {}, []
     log = StepLog.from_env("in_process")  # SPLITSPEC_STEP_LOG
     profiler = StepProfiler(f"bs{batch_size}_{len(prompts)}x{params[0].max_new_tokens}_"
                             f"{getattr(getattr(drafter, 'drafter', None), 'name', 'spec') if drafter is not None else 'plain'}")

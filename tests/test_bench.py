@@ -124,6 +124,13 @@ def test_grid_in_process_with_a_real_eagle3_head():
         assert len(row["accepted_per_position"]) <= row["steps"] and row["speedup"] > 0
 
 
+def test_in_process_without_a_warm_up():
+    """--warmup-requests 0: no warm-up load (it crashed on the empty load's parameters), the points measured as asked."""
+    report = bench("--speculative-algorithm", "NGRAM", "--batch-size", "1", "--num-prompts", "1", "--prompt-len", "16",
+                   "--output-len", "8", "--warmup-requests", "0")
+    assert [(r["speculative"], r["completed"], r["output_tokens"]) for r in report["rows"]] == [(None, 1, 8), ("NGRAM", 1, 8)]
+
+
 def test_simulated_acceptance_on_a_dummy_target_with_a_dummy_eagle3_head(tmp_path):
     """--preset/--draft-preset: random-weight target and head; the head drafts for real (its time is in
     step_ms.draft), the replay proposes plain decoding's own continuation at accept length 3."""
