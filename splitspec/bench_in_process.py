@@ -42,13 +42,11 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
                             f"{getattr(getattr(drafter, 'drafter', None), 'name', 'spec') if drafter is not None else 'plain'}")
     engine = Engine(runner, drafter, spec or SpecConfig(), set(), scheduler, sync_timing=sync_phases,
                     overlap_schedule=overlap)
-    if policy is not None:
-        engine.adaptive = policy
-    budgets: dict[int, int] = {}
+    engine.adaptive = engine.adaptive if policy is None else policy
+    budgets: dict[int, int] = {}  # decode steps per tree budget
     waiting = list(range(len(prompts)))
     timelines = [Timeline() for _ in prompts]
-    requests, index = [None] * len(prompts), {}
-    phases: dict[str, float] = {}
+    requests, index, phases = [None] * len(prompts), {}, {}
     decode_steps, decode_seconds = 0, 0.0
     syncs = SyncCounter.from_env(f"in_process_bs{batch_size}_{'spec' if drafter is not None else 'plain'}")  # SPLITSPEC_SYNC_DEBUG
     if syncs is not None:
