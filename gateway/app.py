@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,7 +31,7 @@ from splitspec.gateway.protocol import (APIError, invalid, parse_chat, parse_com
                                         template_messages)
 from splitspec.gateway.tokenize_models import parse_detokenize, parse_tokenize
 from splitspec.gateway.generations import Gateway, GatewayConfig
-from splitspec.gateway.responses import collect, stream, whole_response
+from splitspec.gateway.responses import EventStream, collect, stream, whole_response
 from splitspec.gateway.text import TextCodec
 
 logger = logging.getLogger("splitspec.gateway")
@@ -102,8 +102,8 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if g.stream:
         gateway.metrics.http.labels(endpoint, "200").inc()
-        return StreamingResponse(stream(gateway, g, prompts, choices, rid, chat, arrival, admitted), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(stream(gateway, g, prompts, choices, rid, chat, arrival, admitted),
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     task, gone = asyncio.current_task(), asyncio.Event()
     watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, task, gone))
     try:
@@ -202,6 +202,39 @@ def read_only(gateway: Gateway, request: Request, path: str, answer, model_id: s
     return answer()
 
 
+def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "server_error", code="internal_error")
+                        .body(), status_code=500)
+
+
+COMPLETION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # path -> chat
+
+
+class CompletionRoutes:
+    """The ASGI app the server runs: a POST to a completion route goes straight to its handler, everything else
+    (the other routes, other methods, 404s, the lifespan) to the FastAPI app. The handler is the same either way; the
+    way past FastAPI's router and Starlette's middleware stack (six layers, each a coroutine per request and per
+    write) is most of what the gateway spends per request beside the handler's own work, and a burst of requests
+    reaches the verifier only once the gateway has taken all of it (docs/performance.md, 2026-12-02)."""
+
+    def __init__(self, app: FastAPI):
+        self.app, self.state = app, app.state
+        self.gateway: Gateway = app.state.gateway
+
+    async def __call__(self, scope, receive, send) -> None:
+        chat = COMPLETION_ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if chat is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await generate(self.gateway, request, scope["path"], chat)
+        except Exception as exc:  # noqa: BLE001 (what the app's handler of every exception answers)
+            response = internal_error(request, exc)
+        await response(scope, receive, send)
+
+
 def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI:
     gateway = Gateway(config, codec)
 
@@ -229,9 +262,7 @@ def create_app(config: GatewayConfig, codec: TextCodec | None = None) -> FastAPI
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        logger.exception("internal error on %s %s", request.method, request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", "server_error", code="internal_error")
-                            .body(), status_code=500)
+        return internal_error(request, exc)
 
     @app.post("/v1/chat/completions", **documented("ChatCompletionRequest"))
     async def chat_completions(request: Request):

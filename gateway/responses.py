@@ -8,12 +8,51 @@ import json
 import logging
 import time
 
+from starlette.responses import StreamingResponse
+
 from splitspec.gateway.client import StreamBroken
 from splitspec.gateway.generations import Choice, Gateway, LatencyClock
 from splitspec.gateway.protocol import Generation
 from splitspec.protos import verifier_pb2 as pb
 
 logger = logging.getLogger("splitspec.gateway")
+
+
+class EventStream(StreamingResponse):
+    """A streamed answer's server-sent events: Starlette's StreamingResponse without its task group per request (an
+    anyio task group, two tasks and their cancel scopes, to hear a disconnect; uvicorn's send is silent once the
+    client is gone). Here one plain task waits on the connection and cancels the writing task when the client leaves
+    before the last event; the events' generator is closed either way, so its cleanup (the requests aborted) runs at
+    once."""
+
+    def __init__(self, events, headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope, receive, send) -> None:
+        task, state = asyncio.current_task(), {"finished": False, "gone": False}
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not state["finished"]:  # after the last event uvicorn's receive says disconnect too: not a leaving client
+                state["gone"] = True
+                task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": True})
+            state["finished"] = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:  # the server is shutting down: the cancellation is not ours to swallow
+                raise
+            task.uncancel()  # the client went away: an ordinary end, answered to no one
+        finally:
+            state["finished"] = True
+            watcher.cancel()
+            await self.body_iterator.aclose()
 
 
 async def collect(gateway: Gateway, choices: list[Choice], arrival: float) -> None:

@@ -84,7 +84,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
     import uvicorn
 
     from splitspec import event_loop
-    from splitspec.gateway.app import GatewayConfig, create_app
+    from splitspec.gateway.app import CompletionRoutes, GatewayConfig, create_app
 
     config = GatewayConfig(verifier=args.verifier, tokenizer_path=args.tokenizer_path,
                            served_model_name=args.served_model_name, api_key=args.api_key,
@@ -98,7 +98,7 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
                                                 args.verifier, loop, http)
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        CompletionRoutes(app), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         log_config=None,  # uvicorn's lines go through the root logger: the services' one format (log_format.py)
         timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=5, loop=loop, http=http))
     app.state.gateway.http_state = lambda: connection_lines(server.server_state.connections)  # `kill -USR2` lists them

@@ -294,6 +294,9 @@ def test_hostile_bodies_get_openai_errors_never_5xx(stack, validate):
     r = httpx.get(stack["url"] + "/v1/nothing", timeout=10)
     assert r.status_code == 404
     validate(r.json(), "ErrorResponse")
+    r = httpx.get(completions, timeout=10)  # only a POST takes the completion routes' way past the app's router
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    validate(r.json(), "ErrorResponse")
     ok = httpx.post(url, json={**good, "logit_bias": {}, "response_format": {"type": "text"}, "store": False}, timeout=60)
     assert ok.status_code == 200  # OpenAI parameters at their neutral values are accepted
 
@@ -697,6 +700,10 @@ def test_api_key(stack):
 
         with pytest.raises(AuthenticationError):
             OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        for stream in (False, True):  # the completion routes check the key too
+            with pytest.raises(AuthenticationError):
+                OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(
+                    model=MODEL, prompt="x = ", max_tokens=2, stream=stream)
         ok = OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
         assert ok.completions.create(model=MODEL, prompt="x = ", max_tokens=2).choices[0].finish_reason == "length"
     finally:
