@@ -17,7 +17,6 @@ import asyncio
 import hmac
 import logging
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -31,6 +30,7 @@ from splitspec.gateway.protocol import (APIError, invalid, parse_chat, parse_com
                                         template_messages)
 from splitspec.gateway.tokenize_models import parse_detokenize, parse_tokenize
 from splitspec.gateway.generations import Gateway, GatewayConfig
+from splitspec.gateway.ids import unique_hex
 from splitspec.gateway.responses import EventStream, collect, stream, whole_response
 from splitspec.gateway.text import TextCodec
 
@@ -99,7 +99,7 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
     if gateway.step_log is not None:
         gateway.step_log.hop("gateway_handler", arrival)
     gateway.metrics.in_flight.labels(**gateway.metrics.model).inc()
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    rid = ("chatcmpl-" if chat else "cmpl-") + unique_hex()
     if g.stream:
         gateway.metrics.http.labels(endpoint, "200").inc()
         return EventStream(stream(gateway, g, prompts, choices, rid, chat, arrival, admitted),

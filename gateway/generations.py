@@ -8,12 +8,12 @@ import asyncio
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from splitspec import event_loop, heap
 from splitspec.step_log import StepLog
 from splitspec.gateway.client import StreamBroken, VerifierClient
+from splitspec.gateway.ids import process_tag
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import APIError, Generation, invalid
 from splitspec.gateway.text import IncrementalDecoder, StopMatcher, TextCodec
@@ -218,7 +218,7 @@ class Gateway:
 
     def submit(self, g: Generation, prompts: list[list[int]]) -> list[Choice]:
         """n choices per prompt, indexed prompt by prompt (OpenAI's order for a batch)."""
-        base = self.client.new_id(uuid.uuid4().hex[:12])
+        base = self.client.new_id(process_tag()[:12])  # unique: a random tag per gateway process, a counter
         choices = []
         context = self.client.info.max_context_tokens
         for index in range(len(prompts) * g.n):

@@ -18,6 +18,9 @@ from splitspec.protos import verifier_pb2 as pb
 logger = logging.getLogger("splitspec.gateway")
 
 
+DONE = b"data: [DONE]\n\n"  # a stream's last event
+
+
 class EventStream(StreamingResponse):
     """A streamed answer's server-sent events: Starlette's StreamingResponse without its task group per request (an
     anyio task group, two tasks and their cancel scopes, to hear a disconnect; uvicorn's send is silent once the
@@ -42,9 +45,14 @@ class EventStream(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk.encode(self.charset), "more_body": True})
-            state["finished"] = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if state["finished"]:  # nothing follows [DONE] (the generator only ends after it)
+                    continue
+                body = chunk.encode(self.charset)
+                state["finished"] = body.endswith(DONE)  # the last event ends the body in the same write
+                await send({"type": "http.response.body", "body": body, "more_body": not state["finished"]})
+            if not state["finished"]:
+                state["finished"] = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not state["gone"]:  # the server is shutting down: the cancellation is not ours to swallow
                 raise
@@ -204,7 +212,7 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
                 body = {"id": rid, "object": events.kind, "created": events.created, "model": gateway.model_name,
                         "choices": [], "usage": gateway.usage(choices, prompts)}
                 out.append(f"data: {json.dumps(body)}\n\n")
-        out.append("data: [DONE]\n\n")
+        out.append(DONE.decode())
         yield "".join(out)
         sent_done = True
     except BaseException as exc:
