@@ -84,6 +84,7 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
     arrival = time.perf_counter()
     admitted = 0
     try:
+        await gateway.client.turn()  # a burst's first submissions go out before the rest of it is taken
         body = await read_body(gateway.config, request)
         gateway.check_ready()
         g = parse_chat(body, gateway.client.info.vocab_size) if chat else parse_completion(body, gateway.client.info.vocab_size)

@@ -58,6 +58,8 @@ class VerifierClient:
         self._ids = itertools.count()
         self._on_grpc_error = on_grpc_error or (lambda code: None)
         self._step_log = step_log  # splitspec.step_log: when each submission goes to the stream
+        self._unwritten_since: float | None = None  # loop time of the oldest submission the writer has not taken
+        self._taken: asyncio.Event | None = None  # set (and replaced) each time the writer takes what is queued
 
     async def model_info(self, timeout: float = 5.0) -> pb.ModelInfo:
         self.info = await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
@@ -73,9 +75,33 @@ class VerifierClient:
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
+    async def turn(self) -> None:
+        """Wait, before a new request's work, while a submission has waited more than GATHER_SECONDS for the writer.
+
+        asyncio runs every ready handler of a burst before the writer's next turn (its wake-up joins the back of the
+        loop's queue), so without this the first request of a 64-request wave reached the verifier only once the
+        gateway had taken all 64 (~45 ms on the H200's host; docs/performance.md, 2026-12-02), and the engine waited
+        for a prefill it could have begun. Handlers arriving later than GATHER_SECONDS after a queued submission
+        park here: the writer sends what is queued, and they go on (re-checking) in the next pass. A burst then
+        reaches the verifier as a SubmitBatch every ~GATHER_SECONDS of the gateway's work while the rest is taken."""
+        loop = asyncio.get_running_loop()
+        while self._unwritten_since is not None and loop.time() - self._unwritten_since > GATHER_SECONDS:
+            if self._taken is None:
+                self._taken = asyncio.Event()
+            await self._taken.wait()
+
+    def _writer_took(self) -> None:
+        """What was queued is the writer's (or the stream is gone): parked handlers go on."""
+        self._unwritten_since = None
+        if self._taken is not None:
+            self._taken.set()
+            self._taken = None
+
     def submit(self, request_id: str, prompt_ids: list[int], sampling: pb.SamplingParams, speculate: bool) -> asyncio.Queue:
         """Queue a submission; returns the queue its deltas (and a StreamBroken on failure) arrive on."""
         self._ensure_stream()
+        if self._unwritten_since is None:
+            self._unwritten_since = asyncio.get_running_loop().time()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._outbox.put_nowait(pb.GenerateClientMessage(submit=pb.SubmitRequest(
@@ -123,6 +149,7 @@ class VerifierClient:
                     await asyncio.sleep(0)
                 while not outbox.empty():
                     queued.append(outbox.get_nowait())
+                self._writer_took()
                 submits, size = [], 0
                 for message in queued:
                     if message.WhichOneof("kind") == "submit":
@@ -159,6 +186,7 @@ class VerifierClient:
         finally:
             if self._outbox is outbox:
                 self._outbox = None
+                self._writer_took()  # nothing parked waits on a stream that is gone
         broken = StreamBroken(code, details)
         for queue in self._queues.values():
             queue.put_nowait(broken)

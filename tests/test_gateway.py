@@ -581,6 +581,56 @@ def test_sixty_four_concurrent_streams_equal_their_twins(stack):
     assert requests > batches  # requests that arrived together were tokenized together
 
 
+def test_a_burst_reaches_the_verifier_while_the_gateway_still_takes_it(stack):
+    """A burst of requests whose handlers are ready together: the first submissions are written to the verifier's
+    stream while the later handlers have not yet run (client.turn parks them once a submission has waited
+    GATHER_SECONDS), not all at once after the last handler; every request is still answered. Each stand-in handler
+    does 1 ms of work (a wall-clock spin), so 24 of them take 24 ms, well past GATHER_SECONDS, on any machine."""
+    from splitspec.gateway.client import GATHER_SECONDS, VerifierClient
+    from splitspec.protos import verifier_pb2 as pb
+
+    assert GATHER_SECONDS < 0.024
+
+    async def burst() -> tuple[list[int], list[int]]:
+        client = VerifierClient(f"127.0.0.1:{stack['stub'].port}")
+        writes, made = [], []
+        real = client._submissions
+
+        def submissions(submits):  # the real client's writes, observed
+            writes.append(len(submits))
+            return real(submits)
+
+        client._submissions = submissions
+        sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+
+        async def handler(k: int) -> int:
+            await client.turn()
+            made.append(len(writes))  # how many writes had gone out when this handler began its work
+            end = time.perf_counter() + 0.001
+            while time.perf_counter() < end:
+                pass
+            queue = client.submit(f"burst-{k}", [5 + k, 6, 7, 8], sampling, speculate=False)
+            tokens = 0
+            while True:
+                delta = await asyncio.wait_for(queue.get(), 120)
+                tokens += len(delta.token_ids)
+                if delta.finish_reason:
+                    client.done(f"burst-{k}")
+                    return tokens
+
+        try:
+            await client.model_info(timeout=30)
+            tokens = await asyncio.gather(*(handler(k) for k in range(24)))
+        finally:
+            await client.close()
+        assert tokens == [2] * 24
+        return writes, made
+
+    writes, made = asyncio.run(burst())
+    assert sum(writes) == 24 and len(writes) >= 2, writes
+    assert writes[0] < 24 and made[-1] >= 1, (writes, made)  # the last handler ran after the first write
+
+
 def test_disconnect_mid_stream_frees_the_kv_pages(stack):
     metrics_url = stack["stub"].metrics_url
 
