@@ -2,8 +2,8 @@
 submission and abort one way and the per-step token deltas the other (grpc.aio).
 
 Submissions queued while the stream was writing, or while the handlers the event loop had ready ran (up to
-GATHER_YIELDS passes of the loop, no new pass after GATHER_SECONDS; one pass under a burst runs every ready handler
-and stream, so the first write can wait longer: docs/performance.md, 2026-12-02), go out together as one SubmitBatch
+GATHER_YIELDS passes of the loop, no new pass after GATHER_SECONDS; a handler that begins once a submission has
+waited GATHER_SECONDS first lets the writer send it: VerifierClient.turn), go out together as one SubmitBatch
 message, so the verifier sees requests that arrived together as one batch (gRPC writes a stream's messages one at a
 time, each costing the gateway's CPU: a message per request would spread a burst over its own writes). Deltas are
 routed to each request's queue by id. When the stream breaks (the verifier died or restarted), every request on it
