@@ -3,7 +3,7 @@ submission and abort one way and the per-step token deltas the other (grpc.aio).
 
 Submissions queued while the stream was writing, or while the handlers the event loop had ready ran (up to
 GATHER_YIELDS passes of the loop, no new pass after GATHER_SECONDS; a handler that begins once a submission has
-waited GATHER_SECONDS first lets the writer send it: VerifierClient.turn), go out together as one SubmitBatch
+waited TURN_SECONDS first lets the writer send it: VerifierClient.turn), go out together as one SubmitBatch
 message, so the verifier sees requests that arrived together as one batch (gRPC writes a stream's messages one at a
 time, each costing the gateway's CPU: a message per request would spread a burst over its own writes). Deltas are
 routed to each request's queue by id. When the stream breaks (the verifier died or restarted), every request on it
@@ -31,6 +31,10 @@ BATCH_BYTES = channel.MAX_MESSAGE_BYTES // 4  # submissions sent as one SubmitBa
 # CPU, 20 bursts of 32: 596 writes -> 141-154, the burst reaching the engine 1.0-1.3 -> 0.8-0.9 ms a request); an idle
 # gateway's passes are empty (~10 us each)
 GATHER_YIELDS, GATHER_SECONDS = 8, 0.002
+# a handler that begins once a submission has waited this long lets the writer send it first (VerifierClient.turn): a
+# burst the gateway takes within it goes as one batch (splitting it would cost the engine a step of its own), a longer
+# one reaches the engine while the gateway still takes the rest (a 64-request wave took ~25-45 ms on the H200's host)
+TURN_SECONDS = 0.008
 
 
 class VerifierUnavailable(Exception):
@@ -76,16 +80,16 @@ class VerifierClient:
         return f"{prefix}-{next(self._ids)}"
 
     async def turn(self) -> None:
-        """Wait, before a new request's work, while a submission has waited more than GATHER_SECONDS for the writer.
+        """Wait, before a new request's work, while a submission has waited more than TURN_SECONDS for the writer.
 
         asyncio runs every ready handler of a burst before the writer's next turn (its wake-up joins the back of the
         loop's queue), so without this the first request of a 64-request wave reached the verifier only once the
         gateway had taken all 64 (~45 ms on the H200's host; docs/performance.md, 2026-12-02), and the engine waited
-        for a prefill it could have begun. Handlers arriving later than GATHER_SECONDS after a queued submission
-        park here: the writer sends what is queued, and they go on (re-checking) in the next pass. A burst then
-        reaches the verifier as a SubmitBatch every ~GATHER_SECONDS of the gateway's work while the rest is taken."""
+        for a prefill it could have begun. Handlers beginning later than TURN_SECONDS after a queued submission
+        park here: the writer sends what is queued, and they go on (re-checking) in the next pass. A long burst then
+        reaches the verifier as a SubmitBatch every ~TURN_SECONDS of the gateway's work while the rest is taken."""
         loop = asyncio.get_running_loop()
-        while self._unwritten_since is not None and loop.time() - self._unwritten_since > GATHER_SECONDS:
+        while self._unwritten_since is not None and loop.time() - self._unwritten_since > TURN_SECONDS:
             if self._taken is None:
                 self._taken = asyncio.Event()
             await self._taken.wait()
