@@ -214,13 +214,13 @@ COMPLETION_ROUTES = {"/v1/completions": False, "/v1/chat/completions": True}  # 
 
 class CompletionRoutes:
     """The ASGI app the server runs: a POST to a completion route goes straight to its handler, everything else
-    (the other routes, other methods, 404s, the lifespan) to the FastAPI app. The handler is the same either way; the
-    way past FastAPI's router and Starlette's middleware stack (six layers, each a coroutine per request and per
-    write) is most of what the gateway spends per request beside the handler's own work, and a burst of requests
-    reaches the verifier only once the gateway has taken all of it (docs/performance.md, 2026-12-02)."""
+    (the other routes, other methods, 404s, the lifespan) to the FastAPI app. The handler is the same either way;
+    FastAPI's router and Starlette's middleware stack (six layers, each a coroutine per request and per write) took,
+    with the streamed answer's task group, ~30% of the gateway's CPU per request (py-spy; docs/performance.md,
+    2026-12-02), and a burst reaches the engine only as fast as the gateway takes it."""
 
     def __init__(self, app: FastAPI):
-        self.app, self.state = app, app.state
+        self.app = app
         self.gateway: Gateway = app.state.gateway
 
     async def __call__(self, scope, receive, send) -> None:
