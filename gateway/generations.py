@@ -74,15 +74,14 @@ class LatencyClock:
         if isinstance(delta, StreamBroken) or not delta.token_ids:
             return
         now = time.perf_counter()
-        model = self.metrics.model
         if self.last is None:
-            self.metrics.ttft.labels(**model).observe(now - self.arrival)
+            self.metrics.ttft_served.observe(now - self.arrival)
         else:
-            self.metrics.itl.labels(**model).observe(now - self.last)
+            self.metrics.itl_served.observe(now - self.last)
         self.last = now
 
     def done(self) -> None:
-        self.metrics.e2e.labels(**self.metrics.model).observe(time.perf_counter() - self.arrival)
+        self.metrics.e2e_served.observe(time.perf_counter() - self.arrival)
 
 
 class Gateway:

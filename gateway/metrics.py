@@ -51,3 +51,5 @@ class GatewayMetrics:
                                         labels, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=reg)
         self.aborts = Counter(PREFIX + "gateway_aborts", "Verifier requests aborted by the gateway, by cause.",
                               ["cause"], registry=reg)
+        # the served model's children of the per-token histograms, looked up once rather than per delta
+        self.ttft_served, self.itl_served, self.e2e_served = (h.labels(**self.model) for h in (self.ttft, self.itl, self.e2e))

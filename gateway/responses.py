@@ -104,14 +104,18 @@ class _Events:
         self.created = int(time.time())
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         self.held: dict[int, list] = {}  # tool calls: logprob entries of text held back, sent with the next delta
+        # every chunk's fields before its choices, encoded once per stream, not per delta; the chunks are the same bytes
+        # as json.dumps of the whole body (no gain measurable above this CPU's noise: docs/performance.md, 2026-12-02)
+        head = {"id": rid, "object": self.kind, "created": self.created, "model": gateway.model_name}
+        self.head = "data: " + json.dumps(head, ensure_ascii=False)[:-1] + ', "choices": '
+        self.usage_null = g.include_usage and chat  # chat chunks carry usage null until the last (completions: absent)
 
     def event(self, choice_body: dict | None, **extra) -> str:
-        body = {"id": self.rid, "object": self.kind, "created": self.created, "model": self.gateway.model_name,
-                "choices": [choice_body] if choice_body is not None else []}
-        if self.g.include_usage and self.chat:  # chat chunks carry usage null until the last (completions: absent)
-            body["usage"] = None
-        body.update(extra)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        choices = "[]" if choice_body is None else "[" + json.dumps(choice_body, ensure_ascii=False) + "]"
+        tail = ', "usage": null' if self.usage_null and "usage" not in extra else ""
+        if extra:
+            tail += ", " + json.dumps(extra, ensure_ascii=False)[1:-1]
+        return self.head + choices + tail + "}\n\n"
 
     def _logprobs(self, entries: list, chat: bool):
         if not (self.g.logprobs and entries):
