@@ -147,6 +147,45 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def service_name(argv: list[str]) -> str:
+    """A service's name from its command line: `python -m splitspec gateway ...` -> gateway, `python -m
+    splitspec.verifier_svc.front_process ...` -> front_process."""
+    if "-m" in argv[:-1]:
+        module = argv[argv.index("-m") + 1]
+        rest = argv[argv.index("-m") + 2:]
+        return rest[0] if module == "splitspec" and rest else module.rsplit(".", 1)[-1]
+    return Path(argv[0]).name if argv else "?"
+
+
+def process_cpu(pids: list[int]) -> dict[int, tuple[str, float]]:
+    """{pid: (service name, CPU seconds so far: user + system)} of these processes (Linux /proc)."""
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+        except OSError:
+            continue
+        out[pid] = (service_name(argv), (int(fields[11]) + int(fields[12])) / ticks)
+    return out
+
+
+def cpu_report(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float,
+               requests: int) -> dict:
+    """Each service's CPU over the timed served run, summed over its processes: seconds, the share of the run's wall
+    time (near 1.0 per process: that process was the queue) and per request."""
+    out: dict[str, dict] = {}
+    for pid, (name, seconds) in after.items():
+        entry = out.setdefault(name, {"processes": 0, "cpu_s": 0.0})
+        entry["processes"] += 1
+        entry["cpu_s"] += seconds - before.get(pid, (name, 0.0))[1]
+    for entry in out.values():
+        entry["cpu_s"] = round(entry["cpu_s"], 2)
+        entry["share_of_wall"] = round(entry["cpu_s"] / wall, 3) if wall else None
+        entry["per_request_ms"] = round(1e3 * entry["cpu_s"] / requests, 3) if requests else None
+    return out
+
+
 def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -323,9 +362,12 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
         # shapes) is neither in the served figures nor in the engine-loop means below
         bench(["--url", url, "--model-path", model_path, *load, "--output-len", "16"], work / "warmup.json", args.timeout,
               log)
-        before = loop_totals(metrics_url)
+        before, pids = loop_totals(metrics_url), descendants(up.pid)
+        cpu_before, started = process_cpu(pids), time.perf_counter()
         with HostSpeed() as speed:
             served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
+        wall, requests = time.perf_counter() - started, sum(row.get("requests", 0) for row in served.get("rows", []))
+        served["process_cpu"] = cpu_report(cpu_before, process_cpu(pids), wall, requests)  # is one process the queue?
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
         served["host_speed"] = speed.report()
         return served
@@ -382,10 +424,12 @@ def main(argv: list[str]) -> int:
               # a fixed plain-Python loop's time on this machine while each side ran (HostSpeed): compare ratios of
               # host-bound points only where the two are alike
               "host_speed": {"served": served.get("host_speed"), "in_process": in_process.get("host_speed")},
+              "served_process_cpu": served.get("process_cpu"),
               "served": served, "in_process": in_process}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"served engine loop: {report['served_engine_loop']}")
     print(f"host speed (plain-Python loop, us): {report['host_speed']}")
+    print(f"served services' CPU over the timed run: {report['served_process_cpu']}")
     for point in report["points"]:
         print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
               f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}"
