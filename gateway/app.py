@@ -31,7 +31,7 @@ from splitspec.gateway.protocol import (APIError, invalid, parse_chat, parse_com
 from splitspec.gateway.tokenize_models import parse_detokenize, parse_tokenize
 from splitspec.gateway.generations import Gateway, GatewayConfig
 from splitspec.gateway.ids import unique_hex
-from splitspec.gateway.responses import EventStream, collect, stream, whole_response
+from splitspec.gateway.responses import EventStream, collect, stream, watch_disconnect, whole_response
 from splitspec.gateway.text import TextCodec
 
 logger = logging.getLogger("splitspec.gateway")
@@ -70,15 +70,6 @@ async def read_body(config: GatewayConfig, request: Request):
         raise invalid(None, str(exc), "invalid_json") from None
 
 
-async def watch_disconnect(request: Request, task: asyncio.Task, gone: asyncio.Event) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            gone.set()
-            task.cancel()
-            return
-
-
 async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool):
     """A completion request from its body to its answer (whole, or a stream of events)."""
     arrival = time.perf_counter()
@@ -106,7 +97,7 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
         return EventStream(stream(gateway, g, prompts, choices, rid, chat, arrival, admitted),
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     task, gone = asyncio.current_task(), asyncio.Event()
-    watcher = asyncio.get_running_loop().create_task(watch_disconnect(request, task, gone))
+    watcher = asyncio.get_running_loop().create_task(watch_disconnect(request.receive, task, gone))
     try:
         await collect(gateway, choices, arrival)
     except asyncio.CancelledError:

@@ -21,44 +21,45 @@ logger = logging.getLogger("splitspec.gateway")
 DONE = b"data: [DONE]\n\n"  # a stream's last event
 
 
+async def watch_disconnect(receive, task: asyncio.Task, gone: asyncio.Event, answered=lambda: False) -> None:
+    """Wait for the client to leave (ASGI's http.disconnect); then, unless the answer was already complete (uvicorn's
+    receive says disconnect after the last write too), mark it gone and cancel the task answering it."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if not answered():
+        gone.set()
+        task.cancel()
+
+
 class EventStream(StreamingResponse):
     """A streamed answer's server-sent events: Starlette's StreamingResponse without its task group per request (an
     anyio task group, two tasks and their cancel scopes, to hear a disconnect; uvicorn's send is silent once the
-    client is gone). Here one plain task waits on the connection and cancels the writing task when the client leaves
-    before the last event; the events' generator is closed either way, so its cleanup (the requests aborted) runs at
-    once."""
+    client is gone). Here one plain task (watch_disconnect) cancels the writing task when the client leaves before the
+    last event; the events' generator is closed either way, so its cleanup (the requests aborted) runs at once."""
 
     def __init__(self, events, headers: dict[str, str]):
         super().__init__(events, media_type="text/event-stream", headers=headers)
 
     async def __call__(self, scope, receive, send) -> None:
-        task, state = asyncio.current_task(), {"finished": False, "gone": False}
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if not state["finished"]:  # after the last event uvicorn's receive says disconnect too: not a leaving client
-                state["gone"] = True
-                task.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
+        task, gone, finished = asyncio.current_task(), asyncio.Event(), False
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, gone, lambda: finished))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.body_iterator:
-                if state["finished"]:  # nothing follows [DONE] (the generator only ends after it)
+                if finished:  # nothing follows [DONE] (the generator only ends after it)
                     continue
                 body = chunk.encode(self.charset)
-                state["finished"] = body.endswith(DONE)  # the last event ends the body in the same write
-                await send({"type": "http.response.body", "body": body, "more_body": not state["finished"]})
-            if not state["finished"]:
-                state["finished"] = True
+                finished = body.endswith(DONE)  # the last event ends the body in the same write
+                await send({"type": "http.response.body", "body": body, "more_body": not finished})
+            if not finished:
+                finished = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if not state["gone"]:  # the server is shutting down: the cancellation is not ours to swallow
+            if not gone.is_set():  # the server is shutting down: the cancellation is not ours to swallow
                 raise
             task.uncancel()  # the client went away: an ordinary end, answered to no one
         finally:
-            state["finished"] = True
+            finished = True
             watcher.cancel()
             await self.body_iterator.aclose()
 
