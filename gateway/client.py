@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,8 +34,10 @@ BATCH_BYTES = channel.MAX_MESSAGE_BYTES // 4  # submissions sent as one SubmitBa
 GATHER_YIELDS, GATHER_SECONDS = 8, 0.002
 # a handler that begins once a submission has waited this long lets the writer send it first (VerifierClient.turn): a
 # burst the gateway takes within it goes as one batch (splitting it would cost the engine a step of its own), a longer
-# one reaches the engine while the gateway still takes the rest (a 64-request wave took ~25-45 ms on the H200's host)
-TURN_SECONDS = 0.008
+# one reaches the engine while the gateway still takes the rest (a 64-request wave took ~25-45 ms on the H200's host).
+# SPLITSPEC_GATEWAY_TURN_MS sets it (0: no turn, a burst goes once the gateway has taken it all), for measuring how a
+# deployment's bursts are best split (docs/performance.md)
+TURN_SECONDS = float(os.environ.get("SPLITSPEC_GATEWAY_TURN_MS", "8")) / 1000
 
 
 class VerifierUnavailable(Exception):
@@ -88,6 +91,8 @@ class VerifierClient:
         for a prefill it could have begun. Handlers beginning later than TURN_SECONDS after a queued submission
         park here: the writer sends what is queued, and they go on (re-checking) in the next pass. A long burst then
         reaches the verifier as a SubmitBatch every ~TURN_SECONDS of the gateway's work while the rest is taken."""
+        if TURN_SECONDS <= 0:
+            return
         loop = asyncio.get_running_loop()
         while self._unwritten_since is not None and loop.time() - self._unwritten_since > TURN_SECONDS:
             if self._taken is None:
