@@ -241,10 +241,10 @@ class HostSpeed:
     minute, between runs and within one (docs/performance.md, 2026-12-02), so a host-bound point's served/in-process
     ratio compares CPUs as much as code unless both sides' speeds are alike; the report carries both."""
 
-    def __init__(self, period: float = 0.25):
+    def __init__(self, period: float = 0.1):
         import threading
 
-        self.period, self.samples, self.stop = period, [], threading.Event()
+        self.period, self.samples, self.times, self.stop = period, [], [], threading.Event()
         self.thread = threading.Thread(target=self._run, name="host-speed", daemon=True)
 
     def _run(self) -> None:
@@ -252,6 +252,7 @@ class HostSpeed:
 
         while not self.stop.wait(self.period):
             self.samples.append(calibration_us())
+            self.times.append(time.perf_counter())
 
     def __enter__(self) -> "HostSpeed":
         self.thread.start()
@@ -260,6 +261,19 @@ class HostSpeed:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join()
+
+    def during(self, window: list[float] | None) -> float | None:
+        """The median sample taken within a bench row's window_s (perf_counter is the system's monotonic clock, the
+        same in the bench's process as in this one); None without samples there."""
+        import statistics
+
+        inside = [us for us, at in zip(self.samples, self.times) if window and window[0] <= at <= window[1]]
+        return round(statistics.median(inside), 1) if inside else None
+
+    def mark_rows(self, report: dict) -> None:
+        """Each row of a bench report gets host_us: the machine's speed while that point ran."""
+        for row in report.get("rows", []):
+            row["host_us"] = self.during(row.get("window_s"))
 
     def report(self) -> dict:
         import statistics
@@ -313,7 +327,9 @@ def ratios(served: dict, in_process: dict) -> list[dict]:
                     "served_over_in_process": round(row["output_tok_s"] / twin["output_tok_s"], 3)
                     if twin["output_tok_s"] else None,
                     "served_accept_length": row.get("accept_length"), "in_process_accept_length": twin.get("accept_length"),
-                    "served_errors": len(row.get("errors") or [])})
+                    "served_errors": len(row.get("errors") or []),
+                    # the host's speed during each side's point (HostSpeed, median us of its loop; lower is faster)
+                    "host_us": {"served": row.get("host_us"), "in_process": twin.get("host_us")}})
     for row in out:  # speculation's gain as each side sees it
         plain = next((r for r in out if r["batch_size"] == row["batch_size"] and r["speculative"] is None), None)
         if row["speculative"] is not None and plain is not None:
@@ -370,6 +386,7 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
         served["process_cpu"] = cpu_report(cpu_before, process_cpu(pids), wall, requests)  # is one process the queue?
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
         served["host_speed"] = speed.report()
+        speed.mark_rows(served)
         return served
     except subprocess.TimeoutExpired:  # stuck: every service prints its threads' stacks (cli's SIGUSR1) to the log
         print(f"served bench timed out after {args.timeout} s: the services' stacks follow", file=log, flush=True)
@@ -417,6 +434,7 @@ def main(argv: list[str]) -> int:
         with speed:
             in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
     in_process["host_speed"] = speed.report()  # the whole in-process run (its model load included)
+    speed.mark_rows(in_process)
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
               "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
               "simulated": args.simulate_acceptance,
@@ -434,7 +452,8 @@ def main(argv: list[str]) -> int:
         print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
               f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}"
               + (f"  accept length served {point['served_accept_length']} in process {point['in_process_accept_length']}"
-                 if point["speculative"] else ""))
+                 if point["speculative"] else "")
+              + f"  host us served {point['host_us']['served']} in process {point['host_us']['in_process']}")
     return 0
 
 

@@ -236,7 +236,7 @@ def run_remote(args) -> dict:
         if log is not None:
             log.point(batch_size, speculative, start, ended, timelines)
         row = {"batch_size": batch_size, "speculative": None, **latency_fields(timelines, ended - start),
-               "errors": errors}
+               "window_s": [round(start, 3), round(ended, 3)], "errors": errors}
         row["prompt_tokens_mean"] = round(statistics.fmean(
             [e["usage"]["prompt_tokens"] for e in extras if e.get("usage")] or [0]), 1)
         counts_ = [e["speculative"] for e in extras if e.get("speculative")]

@@ -88,7 +88,7 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
                 del index[event.request_id]
                 if event.finish_reason == "error":
                     logger.error("request %d failed: %s", i, event.error)
-    row = latency_fields(timelines, time.perf_counter() - start)
+    row = {**latency_fields(timelines, time.perf_counter() - start), "window_s": [round(start, 3), round(time.perf_counter(), 3)]}
     if syncs is not None:
         syncs.stop()
     if log is not None:

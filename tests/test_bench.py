@@ -249,6 +249,13 @@ def test_served_against_in_process_in_one_command(tmp_path):
     for point in points.values():
         assert point["served_errors"] == 0 and point["served_tok_s"] > 0 and point["in_process_tok_s"] > 0
         assert point["served_over_in_process"] == round(point["served_tok_s"] / point["in_process_tok_s"], 3)
+        # each side's host speed while the point ran (None where no sample fell in a point this short)
+        assert set(point["host_us"]) == {"served", "in_process"}, point
+        assert all(us is None or us > 0 for us in point["host_us"].values()), point
+    for side in ("served", "in_process"):
+        for row in report[side]["rows"]:
+            began, ended = row["window_s"]
+            assert 0 < ended - began and abs((ended - began) - row["wall_s"]) < 0.5, row
     assert points[(2, "NGRAM")]["served_accept_length"] > 1 and points[(2, "NGRAM")]["in_process_accept_length"] > 1
     assert report["served"]["url"] == f"http://127.0.0.1:{port}" and "served.py" in report["command"]
     loop = report["served_engine_loop"]  # the served verifier's loop, from its /metrics around the served bench
@@ -456,3 +463,19 @@ def test_bench_client_gives_up_on_a_silent_server(monkeypatch):
             asyncio.run(ask())
     finally:
         listener.close()
+
+
+def test_host_speed_per_point_takes_the_samples_inside_its_window():
+    """benchmarks/served.py HostSpeed.during: a point's host speed is the median of the samples taken while it ran."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from served import HostSpeed
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    speed = HostSpeed()
+    speed.samples, speed.times = [100.0, 300.0, 200.0, 250.0, 90.0], [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert speed.during([1.5, 4.5]) == 250.0  # 300, 200, 250
+    assert speed.during([5.5, 6.0]) is None and speed.during(None) is None
+    report = {"rows": [{"window_s": [0.0, 1.2]}, {"window_s": [2.5, 4.5]}, {}]}
+    speed.mark_rows(report)
+    assert [row["host_us"] for row in report["rows"]] == [100.0, 225.0, None]
