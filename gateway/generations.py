@@ -49,7 +49,8 @@ class Choice:
     stop: StopMatcher
     queue: asyncio.Queue | None = None
     tokens: int = 0
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text released so far (joined once: `text`)
+    text_length: int = 0
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)  # (token_id, logprob, top [(id, lp)], text_offset)
     speculation: pb.SpeculationCounts | None = None
@@ -61,6 +62,13 @@ class Choice:
     prompt_logprobs: list = field(default_factory=list)  # with echo and logprobs: entries as logprobs', the first None
     grammar_field: str | None = None  # structured outputs: the field of the request's grammar
     tools: ToolOutput | None = None  # chat with tools: the output's calls (gateway/tools.py)
+
+    @property
+    def text(self) -> str:
+        """The output text released so far (a stop string and what follows it never are)."""
+        if len(self.pieces) > 1:
+            self.pieces[:] = ["".join(self.pieces)]
+        return self.pieces[0] if self.pieces else ""
 
 
 class LatencyClock:
@@ -269,7 +277,7 @@ class Gateway:
         for j, token in enumerate(delta.token_ids):
             if choice.stop.hit is not None:
                 break
-            offset = len(choice.text) + sum(len(p) for p in out)
+            offset = choice.text_length + sum(len(p) for p in out)
             choice.tokens += 1
             if j < len(delta.logprobs):
                 lp = delta.logprobs[j]
@@ -297,7 +305,9 @@ class Gateway:
                 out.append(choice.stop.finish())
             self.client.done(choice.request_id)
         piece = "".join(out)
-        choice.text += piece
+        if piece:
+            choice.pieces.append(piece)
+            choice.text_length += len(piece)
         return piece
 
     def finished(self, choice: Choice) -> None:

@@ -138,22 +138,26 @@ class IncrementalDecoder:
 
 class StopMatcher:
     """Feeds text; returns what may be sent now and whether a stop string was hit (the stop string and
-    whatever follows it are never sent)."""
+    whatever follows it are never sent).
+
+    It keeps only the text a later match can need: what it holds back (a tail that may begin a stop string) and
+    the last len(longest stop) - 1 characters before it, so a long output costs time in proportion to its length,
+    not to its square (a whole-text buffer copied itself at every token)."""
 
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
-        self.text = ""
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.text = ""  # the kept text: some already-sent characters, then the unsent ones from self.sent on
         self.sent = 0
         self.hit: str | None = None
 
     def feed(self, piece: str) -> str:
         if self.hit is not None:
             return ""
-        self.text += piece
         if not self.stops:
-            return self._release(len(self.text))
-        longest = max(len(s) for s in self.stops)
-        window = max(0, self.sent - longest + 1)
+            return piece
+        self.text += piece
+        window = max(0, self.sent - self.longest + 1)
         found = [(self.text.find(s, window), s) for s in self.stops]
         found = [(at, s) for at, s in found if at >= 0]
         if found:
@@ -168,7 +172,7 @@ class StopMatcher:
     def _held_tail(self) -> int:
         """Length of the longest suffix of the unsent text that begins some stop string."""
         unsent = self.text[self.sent :]
-        for n in range(min(len(unsent), max(len(s) for s in self.stops) - 1), 0, -1):
+        for n in range(min(len(unsent), self.longest - 1), 0, -1):
             tail = unsent[-n:]
             if any(s.startswith(tail) for s in self.stops):
                 return n
@@ -177,7 +181,8 @@ class StopMatcher:
     def _release(self, end: int) -> str:
         end = max(end, self.sent)
         piece = self.text[self.sent : end]
-        self.sent = end
+        keep = max(0, end - self.longest + 1)  # the next search starts there at the earliest
+        self.text, self.sent = self.text[keep:], end - keep
         return piece
 
 

@@ -5,6 +5,7 @@ and never sent."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -69,6 +70,63 @@ def test_incremental_decoding_never_splits_a_character(codec):
     partial = [i for i in ids if codec.token_bytes(i) and codec.token_bytes(i)[0] >= 0xE0 and len(codec.token_bytes(i)) == 1]
     assert partial, "expected a token holding a lone leading byte"
     assert broken.step(partial[0]) == "" and broken.flush() == "\ufffd"
+
+
+class WholeTextStopMatcher:
+    """The reference: StopMatcher as it was, searching the whole text it was fed (quadratic in the output's length)."""
+
+    def __init__(self, stops):
+        self.stops, self.text, self.sent, self.hit = [s for s in stops if s], "", 0, None
+
+    def feed(self, piece):
+        if self.hit is not None:
+            return ""
+        self.text += piece
+        if not self.stops:
+            return self._release(len(self.text))
+        window = max(0, self.sent - max(len(s) for s in self.stops) + 1)
+        found = [(at, s) for at, s in ((self.text.find(s, window), s) for s in self.stops) if at >= 0]
+        if found:
+            at, self.hit = min(found)
+            return self._release(at)
+        unsent, held = self.text[self.sent:], 0
+        for n in range(min(len(unsent), max(len(s) for s in self.stops) - 1), 0, -1):
+            if any(s.startswith(unsent[-n:]) for s in self.stops):
+                held = n
+                break
+        return self._release(len(self.text) - held)
+
+    def finish(self):
+        return "" if self.hit is not None else self._release(len(self.text))
+
+    def _release(self, end):
+        end = max(end, self.sent)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
+
+
+def test_stop_matching_keeps_only_what_a_match_can_need_and_releases_what_the_whole_text_search_did():
+    """Random texts over a small alphabet (so stop strings recur, straddle pieces and overlap each other): every
+    release and hit equals the whole-text reference's, and the kept text stays within the longest stop string
+    plus what is held back, however long the output grows."""
+    rng = random.Random(7)
+    for trial in range(400):
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))]
+        if rng.random() < 0.2:
+            stops.append("")  # an empty stop string is ignored
+        ours, reference = StopMatcher(stops), WholeTextStopMatcher(stops)
+        for _ in range(rng.randint(1, 60)):
+            piece = "".join(rng.choice("abc\n") for _ in range(rng.randint(0, 5)))
+            assert ours.feed(piece) == reference.feed(piece), (trial, stops)
+            assert ours.hit == reference.hit
+            longest = max((len(s) for s in stops), default=0)
+            assert len(ours.text) <= max(0, longest - 1) + (len(ours.text) - ours.sent), (ours.text, ours.sent)
+            assert len(ours.text) - ours.sent <= max(0, longest - 1) or ours.hit is not None
+        assert ours.finish() == reference.finish()
+    many = StopMatcher(["STOP"])
+    for _ in range(10000):
+        many.feed("tokens ")
+    assert len(many.text) <= 3  # not the 70000 characters fed
 
 
 def test_stop_strings_across_token_boundaries():
