@@ -208,10 +208,15 @@ class DraftLoop:
 
     def _trees(self, roots: list[int], rows: list[list[float]], budgets: list[int], parents_width: int) -> list[DraftTree]:
         keep = self.keep
+        chain = list(range(keep)) if self.topk == 1 else None
         trees = []
         for i, root in enumerate(roots):
             row = rows[i]
             order = [int(x) for x in row[:keep]]
+            if order == chain:  # top-1 ranked in its own order (each score a product of the last): the first nodes
+                n = min(budgets[i] - 1, keep)
+                trees.append(DraftTree.chain(root, [int(x) for x in row[keep : keep + n]], row[2 * keep : 2 * keep + n]))
+                continue
             tokens, scores = [int(x) for x in row[keep : 2 * keep]], row[2 * keep : 3 * keep]
             parent_list = [NO_NODE, *range(self.topk), *(int(x) for x in row[3 * keep : 3 * keep + parents_width])]
             take = sorted(range(min(budgets[i] - 1, keep)), key=lambda j: order[j])  # by flat index
