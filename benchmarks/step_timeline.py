@@ -7,7 +7,8 @@ A served point pairs the bench client's log ("client": its requests and the poin
 ("verifier": arrivals, steps, publications in that window); an in-process point is one log ("in_process"). For
 each point:
 - steps by kind (decode: no prompt tokens; mixed: prompt chunks and decoding requests; prefill: prompt chunks
-  alone), their count and mean duration, and how long the engine sat idle between steps while the point ran;
+  alone), their count and mean duration, a decode cycle (one decode step's start to the next's: the step and the
+  loop's turn after it), and how long the engine sat idle (over 1 ms at a time) between steps while the point ran;
 - the mean time to first token split into its legs: in (sent by the client -> reached the engine's process),
   engine (-> the first token's publication) and out (-> the client has it); with the gateway's and the front's logs,
   the way in by the mean time from the send to each point it passes. Means of differences are differences
@@ -60,14 +61,17 @@ def point_report(point: dict, clients: list[dict], engine: list[dict]) -> dict:
     decodes = [s for s in steps if not s["prefill_tokens"]]
     phases = sorted({k for s in decodes for k in s["ms"]})
     gaps = [b["began"] - a["ended"] for a, b in zip(steps, steps[1:])]
-    idle = [g for g in gaps if g > 1e-3]  # the loop's own turn between two steps is microseconds
+    idle = [g for g in gaps if g > 1e-3]  # longer than the loop's own turn between two steps
+    # a decode step's start to the next's, both decoding: the step and the loop's turn after it (a served verifier
+    # publishes the step's deltas there, ~1 ms at batch 64 on an H200), so what sets a decode's throughput
+    cycles = [b["began"] - a["began"] for a, b in zip(steps, steps[1:]) if not a["prefill_tokens"] and not b["prefill_tokens"]]
     sent = [c["sent"] for c in clients]
     first = [c["first"] for c in clients if c["first"] is not None]
     report = {
         "batch_size": point["batch_size"], "speculative": point["speculative"], "requests": len(clients),
         "wall_ms": _ms(ended - began),
         "steps": {k: {"count": len(v), "mean_ms": _ms(_mean(v)), "total_ms": _ms(sum(v))} for k, v in kinds.items()},
-        "idle_between_steps_ms": _ms(sum(idle)), "idle_gaps": len(idle),
+        "idle_between_steps_ms": _ms(sum(idle)), "idle_gaps": len(idle), "decode_cycle_ms": _ms(_mean(cycles)),
         "ttft_ms": _ms(_mean(first) - _mean(sent)) if first and len(first) == len(sent) else None,
         # a decode step's phases and what its thread got meanwhile (older logs: no cpu_ms, gc_ms, switches)
         "decode_step_ms": {k: round(statistics.fmean(s["ms"].get(k, 0.0) for s in decodes), 3) for k in phases},
@@ -131,6 +135,7 @@ def analyse(paths: list[Path]) -> list[dict]:
 
 def line(row: dict) -> str:
     steps = "; ".join(f"{k} {v['count']}" + (f" x {v['mean_ms']:.2f} ms" if v["count"] else "")
+                      + (f" (a cycle {row['decode_cycle_ms']:.2f} ms)" if k == "decode" and row.get("decode_cycle_ms") else "")
                       for k, v in row["steps"].items())
     legs = row["ttft_legs_ms"]
     ttft = "n/a" if row["ttft_ms"] is None else f"{row['ttft_ms']:.1f} ms"

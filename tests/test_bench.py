@@ -479,3 +479,26 @@ def test_host_speed_per_point_takes_the_samples_inside_its_window():
     report = {"rows": [{"window_s": [0.0, 1.2]}, {"window_s": [2.5, 4.5]}, {}]}
     speed.mark_rows(report)
     assert [row["host_us"] for row in report["rows"]] == [100.0, 225.0, None]
+
+
+def test_step_timeline_times_a_decode_cycle_from_one_decode_step_to_the_next():
+    """benchmarks/step_timeline.py: a decode cycle is a decode step's start to the next decode step's start (the loop's
+    turn after a step counts; a prefill between two decode steps does not make a cycle), idle is only gaps over 1 ms."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from step_timeline import point_report
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def step(began, ended, prefill=0):
+        return {"kind": "step", "began": began, "ended": ended, "prefill_tokens": prefill, "forward_tokens": prefill + 4,
+                "ms": {"verify": 1.0}}
+
+    engine = [step(1.000, 1.004), step(1.0049, 1.009), step(1.0099, 1.0139),  # cycles 4.9 and 5.0 ms; turns under 1 ms
+              step(1.020, 1.050, prefill=128), step(1.0505, 1.0545)]  # idle 6.1 ms before the prefill
+    engine += [{"kind": "arrive", "received": 0.95}, {"kind": "publish", "at": 1.004, "first": 1}]
+    client = {"sent": 0.94, "first": 1.005}
+    report = point_report({"batch_size": 4, "speculative": None, "began": 0.9, "ended": 1.1}, [client], engine)
+    assert report["ttft_legs_ms"] == {"in": 10.0, "engine": 54.0, "out": 1.0}
+    assert report["decode_cycle_ms"] == 4.95 and report["steps"]["decode"]["count"] == 4
+    assert report["idle_between_steps_ms"] == 6.1 and report["idle_gaps"] == 1
