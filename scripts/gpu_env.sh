@@ -6,6 +6,9 @@
 wheels=$(compgen -G ".whl/*.whl"; compgen -G ".fi/*.whl")
 if [[ -n "$wheels" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || return 1
+else  # git ignores them: the device tool copies them only when its call names them (a call without them ran, slowly, into import errors)
+    echo "gpu_env.sh: no wheels in .whl/ or .fi/: call the device tool with carry [\".fi\", \".whl\", \".ficache\"]" >&2
+    return 1
 fi
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}"
 # FlashInfer modules compiled on an earlier machine (.ficache/*.txz: its JIT cache's .so files, same version and arch,
