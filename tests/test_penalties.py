@@ -18,7 +18,7 @@ from helpers import hf_model
 from test_speculative import PROMPTS, ngram, run
 
 from splitspec.demo import demo_model_dirs
-from splitspec.runtime.penalties import apply_penalties, path_tokens
+from splitspec.runtime.penalties import PenaltyCounts, apply_penalties, path_tokens
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import child_links
@@ -77,6 +77,25 @@ def test_tree_penalties_equal_per_position_reference():
     for node, path in enumerate(path_tokens(parents, tokens)):
         assert torch.allclose(got[node], reference_penalties(logits[node], prompt, output + path, params), atol=1e-5), node
     assert apply_penalties(logits, SamplingParams(), prompt, output) is logits  # off: untouched
+
+
+def test_running_counts_penalise_as_counting_the_whole_output_each_step():
+    """A request's PenaltyCounts, kept across its steps (the verifier's), gives every step's penalised tree the
+    logits that counting its whole output (and prompt) afresh gives, as the output grows by several tokens a step."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, prompt = 40, [1, 2, 3, 4, 4, 39]
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.4)
+    running, output = PenaltyCounts(), []
+    parents = [-1, 0, 0, 1, 3]
+    for step in range(12):
+        tokens = torch.randint(0, vocab, (len(parents),), generator=generator).tolist()
+        logits = torch.randn(len(parents), vocab, generator=generator) * 3
+        paths = path_tokens(parents, tokens)
+        fresh = apply_penalties(logits, params, prompt, output, paths)
+        assert torch.equal(apply_penalties(logits, params, prompt, output, paths, running), fresh), step
+        output += torch.randint(0, vocab, (1 + step % 3,), generator=generator).tolist()  # the step's accepted tokens
+    assert running.counted == len(output) - (1 + 11 % 3)  # brought up to date at each call, not recounted
+    assert torch.equal(running.output_counts(output, vocab, "cpu"), torch.bincount(torch.tensor(output), minlength=vocab).float())
 
 
 @pytest.fixture(scope="module")

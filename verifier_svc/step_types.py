@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.penalties import PenaltyCounts
 from splitspec.runtime.sampling_params import SamplingParams
 
 
@@ -77,6 +78,7 @@ class Request:
     arrival: int = 0  # admission priority: lower runs first and is preempted last
     num_preemptions: int = 0
     draft_budget: int = 0  # the next verify's tree budget, once decided (asked for when >= 2); 0: not yet
+    penalties: PenaltyCounts | None = None  # with penalties: its output's counts, kept across steps (runtime.penalties)
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token after the first, when asked
     grammar: object = None  # structured outputs: the Future of its compiled grammar, until admitted

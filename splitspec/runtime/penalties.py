@@ -29,18 +29,50 @@ def path_tokens(parents: list[int], tokens: list[int]) -> list[list[int]]:
     return paths
 
 
+def _bincount(ids: list[int], vocab: int, device) -> torch.Tensor:
+    return torch.bincount(device_tensor(ids, device), minlength=vocab)[:vocab]
+
+
+class PenaltyCounts:
+    """One request's output-token counts and prompt-token presence on the device, brought up to date with the
+    tokens appended since the last step: a step then costs its new tokens, not the whole output (and prompt) again,
+    which grew with every step of a long request. Outputs only ever grow (a preempted request keeps its own)."""
+
+    def __init__(self):
+        self.output: torch.Tensor | None = None  # [V] float: how often each token is in the output so far
+        self.counted = 0  # output tokens in it
+        self.prompt: torch.Tensor | None = None  # [V] bool: the tokens in the prompt
+
+    def output_counts(self, output_ids: list[int], vocab: int, device) -> torch.Tensor:
+        if self.output is None or self.output.shape[0] != vocab or self.output.device != torch.device(device):
+            self.output, self.counted = torch.zeros(vocab, device=device), 0
+        if len(output_ids) > self.counted:
+            self.output += _bincount(output_ids[self.counted :], vocab, device).float()
+            self.counted = len(output_ids)
+        return self.output
+
+    def prompt_seen(self, prompt_ids: list[int], vocab: int, device) -> torch.Tensor:
+        if self.prompt is None or self.prompt.shape[0] != vocab or self.prompt.device != torch.device(device):
+            self.prompt = _bincount(prompt_ids, vocab, device) > 0
+        return self.prompt
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                    paths: list[list[int]] | None = None) -> torch.Tensor:
+                    paths: list[list[int]] | None = None, running: PenaltyCounts | None = None) -> torch.Tensor:
     """logits [N, V] for N positions of one request -> penalised copy (float32). paths[i]: tokens
-    after output_ids in row i's context (None: none for every row)."""
+    after output_ids in row i's context (None: none for every row). running: the request's counts kept across its
+    steps (else counted here from the ids)."""
     if not params.has_penalties:
         return logits
     rows, vocab = logits.shape
     device = logits.device
     logits = logits.float().clone()
-    counts = torch.zeros(rows, vocab, device=device)
-    if output_ids:
-        counts += torch.bincount(device_tensor(output_ids, device), minlength=vocab)[:vocab].float()
+    if running is not None:
+        counts = running.output_counts(output_ids, vocab, device)[None, :].repeat(rows, 1)
+    else:
+        counts = torch.zeros(rows, vocab, device=device)
+        if output_ids:
+            counts += _bincount(output_ids, vocab, device).float()
     if paths and any(paths):
         index = [(r, t) for r, path in enumerate(paths) for t in path]
         r, t = device_tensor(index, device).T
@@ -48,7 +80,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         if prompt_ids:
-            seen |= (torch.bincount(device_tensor(prompt_ids, device), minlength=vocab)[:vocab] > 0)[None, :]
+            seen |= (running.prompt_seen(prompt_ids, vocab, device) if running is not None
+                     else _bincount(prompt_ids, vocab, device) > 0)[None, :]
         factor = torch.where(seen, params.repetition_penalty, 1.0)
         logits = torch.where(logits > 0, logits / factor, logits * factor)
     if params.frequency_penalty:
