@@ -78,7 +78,7 @@ class Request:
     arrival: int = 0  # admission priority: lower runs first and is preempted last
     num_preemptions: int = 0
     draft_budget: int = 0  # the next verify's tree budget, once decided (asked for when >= 2); 0: not yet
-    penalties: PenaltyCounts | None = None  # with penalties: its output's counts, kept across steps (runtime.penalties)
+    penalties: PenaltyCounts = field(default_factory=PenaltyCounts)  # with penalties: its counts, kept across steps
     logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when params.logprobs is set
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob per prompt token after the first, when asked
     grammar: object = None  # structured outputs: the Future of its compiled grammar, until admitted

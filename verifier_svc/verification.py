@@ -11,7 +11,7 @@ import torch
 
 from splitspec import kernels
 from splitspec.runtime.batch import device_tensor
-from splitspec.runtime.penalties import PenaltyCounts, apply_penalties, path_tokens
+from splitspec.runtime.penalties import apply_penalties, path_tokens
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import FINAL_COIN_SALT, keyed_uniform, process_logits, sample
 from splitspec.runtime.sampling_params import SamplingParams
@@ -128,8 +128,6 @@ def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor | None = 
     output_positions = [len(request.output_ids) + d for d in node_depths]
     params = request.params
     if params.has_penalties:  # each node with the drafts on its own path counted (lossless, see penalties)
-        if request.penalties is None:
-            request.penalties = PenaltyCounts()
         node_logits = apply_penalties(node_logits, params, request.prompt_ids, request.output_ids,
                                       path_tokens(list(tree.parents), list(tree.tokens)), request.penalties)
     if params.is_greedy or spec.force_greedy_verify or spec.lossless:

@@ -44,15 +44,15 @@ class PenaltyCounts:
         self.prompt: torch.Tensor | None = None  # [V] bool: the tokens in the prompt
 
     def output_counts(self, output_ids: list[int], vocab: int, device) -> torch.Tensor:
-        if self.output is None or self.output.shape[0] != vocab or self.output.device != torch.device(device):
-            self.output, self.counted = torch.zeros(vocab, device=device), 0
+        if self.output is None:
+            self.output = torch.zeros(vocab, device=device)
         if len(output_ids) > self.counted:
             self.output += _bincount(output_ids[self.counted :], vocab, device).float()
             self.counted = len(output_ids)
         return self.output
 
     def prompt_seen(self, prompt_ids: list[int], vocab: int, device) -> torch.Tensor:
-        if self.prompt is None or self.prompt.shape[0] != vocab or self.prompt.device != torch.device(device):
+        if self.prompt is None:
             self.prompt = _bincount(prompt_ids, vocab, device) > 0
         return self.prompt
 

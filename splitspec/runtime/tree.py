@@ -57,8 +57,7 @@ class DraftTree:
     @classmethod
     def chain(cls, root: int, drafts: list[int], scores: list[float] | None = None) -> "DraftTree":
         """A linear draft: root -> drafts[0] -> drafts[1] -> ... (scores: the drafts', the root's is 1.0)."""
-        return cls(tuple([root, *drafts]), _CHAINS[len(drafts)] if len(drafts) < len(_CHAINS) else
-                   tuple(range(-1, len(drafts))), None if scores is None else (1.0, *scores))
+        return cls(tuple([root, *drafts]), tuple(range(-1, len(drafts))), None if scores is None else (1.0, *scores))
 
     @property
     def num_nodes(self) -> int:
@@ -78,7 +77,6 @@ class DraftTree:
 
 
 _ROOTS: dict[int, DraftTree] = {}
-_CHAINS = [tuple(range(-1, n)) for n in range(64)]  # a chain's parents, by its number of drafts
 
 
 def validate_parents(parents: tuple[int, ...] | list[int]) -> None:
