@@ -37,16 +37,17 @@ def draft_loop_for(runner: ModelRunner, topk: int, num_steps: int, num_draft_tok
 
 
 def beam_trees(drafter, request_ids: list[str], roots: list[int], root_logits: torch.Tensor, tables: list[BlockTable],
-               budgets: list[int], root_features: list[torch.Tensor] | None, guides: list | None) -> list[DraftTree]:
+               budgets: list[int], root_features: torch.Tensor | None, guides: list | None) -> list[DraftTree]:
     """One draft call's trees: the device loop for every request (its trees remembered for bets), but requests a
     grammar guides (DraftAsk.guide in this process), which draft on the host with every step's candidates masked
-    to what their grammar allows after each beam's path; no loop (sliding windows): the host for all."""
+    to what their grammar allows after each beam's path; no loop (sliding windows): the host for all.
+    root_features [B, H]: a head's feature for each root's children (None: a draft LM)."""
     guided = [k for k, guide in enumerate(guides or []) if guide is not None]
     free = sorted(set(range(len(roots))) - set(guided)) if drafter.loop is not None else []
     trees: list[DraftTree | None] = [None] * len(roots)
     if free:
         pick = lambda items: [items[k] for k in free]  # noqa: E731
-        features = torch.stack(pick(root_features)) if root_features is not None else None
+        features = None if root_features is None else root_features if len(free) == len(roots) else root_features[free]
         ran = drafter.loop.run(pick(roots), root_logits[free] if len(free) < len(roots) else root_logits, features,
                                pick(tables), pick(budgets))
         drafter._remember(pick(request_ids), ran, pick(budgets))

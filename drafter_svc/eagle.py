@@ -27,14 +27,21 @@ from splitspec.runtime.tree import DraftTree
 
 
 class _State:
-    __slots__ = ("last_token", "pending_tokens", "pending_hidden", "table", "root_feature")
+    __slots__ = ("last_token", "pending_tokens", "pending_hidden", "table", "root_rows", "root_row")
 
     def __init__(self, first_token: int):
         self.last_token = first_token
         self.pending_tokens: list[int] = []
         self.pending_hidden: list[torch.Tensor] = []
         self.table = BlockTable()
-        self.root_feature: torch.Tensor | None = None  # the head's output at the root row (after a catch-up)
+        # the head's output at the root row (after a catch-up): row root_row of the round's gathered roots, taken only
+        # when read (a tensor op per request per step otherwise)
+        self.root_rows: torch.Tensor | None = None
+        self.root_row = 0
+
+    @property
+    def root_feature(self) -> torch.Tensor | None:
+        return None if self.root_rows is None else self.root_rows[self.root_row]
 
     def add(self, tokens: list[int], hidden: torch.Tensor) -> None:
         self.pending_tokens.extend(tokens)
@@ -64,17 +71,19 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         super().release(request_id)
         self._forget_bets(request_id)
 
-    def _catch_up(self, states: list[_State]) -> dict[int, torch.Tensor]:
+    def _catch_up(self, states: list[_State]) -> dict[int, tuple[torch.Tensor, int]]:
         """Forward every state's rows not yet in the head's KV, in rounds of at most max_catch_up rows in all (a long
         prompt, a re-pin, a wave of prompts that finished prefilling together: each round's activations stay within
-        what a prompt chunk's take); {index in states: the root row's logits} for those that had any.
+        what a prompt chunk's take); {index in states: (its round's root logits [roots, V], its row)} for those that
+        had any (a round's roots stay together: a step that catches every request up in one round drafts from them
+        as they are).
         A round whose requests add unequal numbers of rows (their accept lengths differ) is padded to the
         longest, where a captured CUDA graph holds that shape: each shorter request repeats its last row, whose
         key lands past its length (never committed, overwritten by its next rows), and its root is read at its
         own last row; so the round replays one graph instead of running eagerly."""
         kv = self.runner.kv_cache
         catch_up = [(i, s) for i, s in enumerate(states) if s.pending_tokens]
-        root_logits: dict[int, torch.Tensor] = {}
+        root_logits: dict[int, tuple[torch.Tensor, int]] = {}
         for _, s in catch_up:
             if len(s.pending_hidden) > 1:
                 s.pending_hidden = [torch.cat(s.pending_hidden)]
@@ -106,17 +115,22 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             batch = self.runner.batch(sequences)
             output = self.runner.forward(batch, return_hidden=True, features=features)
             done = [k for k, ((_, s), n) in enumerate(zip(catch_up, taken)) if n == len(s.pending_tokens)]
-            finished = {}  # k -> (root feature, root logits) of the requests whose last row this round held
+            finished = {}  # k -> its row among the roots of the requests whose last row this round held
             if done:  # the roots' features and logits, gathered together (new tensors: no graph buffer is kept)
                 device = output.hidden_states.device
-                roots = device_tensor([last_rows[k] for k in done], device)
-                feats = output.hidden_states.index_select(0, roots).unbind(0)
-                logits = output.logits.index_select(0, roots if q else device_tensor(done, device)).unbind(0)
-                finished = dict(zip(done, zip(feats, logits)))
+                everyone = len(done) == len(taken) and not q and last_rows == list(range(len(taken)))
+                if everyone and output.hidden_states.shape[0] == len(taken):  # one row each: the rows are the roots
+                    feats, logits = output.hidden_states, output.logits
+                else:
+                    roots = device_tensor([last_rows[k] for k in done], device)
+                    feats = output.hidden_states.index_select(0, roots)
+                    logits = output.logits.index_select(0, roots if q else device_tensor(done, device))
+                finished = {k: row for row, k in enumerate(done)}
             for k, ((i, s), n) in enumerate(zip(catch_up, taken)):
                 kv.set_length(s.table, s.table.num_tokens + n)
                 if k in finished:
-                    s.root_feature, root_logits[i] = finished[k]
+                    s.root_rows, s.root_row = feats, finished[k]
+                    root_logits[i] = (logits, finished[k])
                     s.pending_tokens, s.pending_hidden = [], []
                 else:
                     s.pending_tokens, s.pending_hidden = s.pending_tokens[n:], [s.pending_hidden[0][n:]]
@@ -141,7 +155,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
     def _root_logits(self, states: list[_State]) -> list[torch.Tensor]:
         """Each (caught-up or catching-up) state's root logits."""
         computed = self._catch_up(states)
-        return [computed[i] if i in computed else self.runner.model.logits(s.root_feature[None])[0]
+        return [computed[i][0][computed[i][1]] if i in computed else self.runner.model.logits(s.root_feature[None])[0]
                 for i, s in enumerate(states)]
 
     def _bet_roots(self, request_ids: list[str]):
@@ -163,14 +177,28 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             return out
         states = [s for _, s, _, _ in asked]
         with device_phase("draft.root_logits"):
-            logits = torch.stack([lg if lg is not None else self.runner.model.logits(s.root_feature[None])[0]
-                                  for _, s, _, lg in asked])
+            logits, features = _roots(asked, self.runner.model)
         asked = [(i, s, b) for i, s, b, _ in asked]
         budgets = [b for _, _, b in asked]
         with device_phase("draft.loop"):
             trees = beam_trees(self, [request_ids[i] for i, _, _ in asked], [s.last_token for s in states], logits,
-                               [s.table for s in states], budgets, [s.root_feature for s in states],
+                               [s.table for s in states], budgets, features,
                                [guides[i] for i, _, _ in asked] if guides else None)
         for (i, _, _), tree in zip(asked, trees):
             out[i] = tree
         return out
+
+
+def _roots(asked: list, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(root logits [B, V], root features [B, H]) of the asked (index, state, budget, (round's logits, row) or None):
+    the round's own tensors when one catch-up round held every asked request's root, in order (a step's usual case:
+    no per-request op); else stacked per request."""
+    first = asked[0][3]
+    if first is not None and first[0].shape[0] == len(asked) and all(
+            c is not None and c[0] is first[0] and c[1] == k for k, (_, _, _, c) in enumerate(asked)):
+        features = asked[0][1].root_rows
+        if all(s.root_rows is features for _, s, _, _ in asked):
+            return first[0], features
+    logits = torch.stack([c[0][c[1]] if c is not None else model.logits(s.root_feature[None])[0]
+                          for _, s, _, c in asked])
+    return logits, torch.stack([s.root_feature for _, s, _, _ in asked])

@@ -266,3 +266,89 @@ def test_flashinfer_plans_max_is_the_builtin_max_from_one_reduction():
     _tensor_max_in(module)  # idempotent
     assert module.prefill.max is _tensor_max
     assert builtins.max is not _tensor_max and max is builtins.max  # nothing but that module changes
+
+
+def test_forward_batch_equals_a_token_by_token_reference():
+    """build_forward_batch (its loop inlined for a step's host time; ints packed with the array module) against the
+    definition, token by token: each sequence's tokens, positions (given, or consecutive after its committed ones),
+    flat KV slots through its pages, logits rows ("last", "all", "none"), page tables after its reservation. Random
+    batches of decodes, trees, masked rows and chunks longer than the short-slot path, on pages of 1, 4 and 16."""
+    import random
+    import types
+
+    from splitspec.runtime.batch import SHORT_SLOTS, build_forward_batch, device_tensor
+    from splitspec.runtime.tree import positions, tree_mask
+
+    config = types.SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=2)
+    rng = random.Random(7)
+    for _ in range(150):
+        page = rng.choice([1, 4, 16])
+        kv = KVCache(config, 6000, page, torch.float32, torch.device("cpu"))
+        sequences = []
+        for _ in range(rng.randint(1, 10)):
+            table = BlockTable()
+            committed = rng.randint(0, 200)
+            if committed:
+                kv.reserve(table, committed + rng.choice([0, 5]))
+                kv.set_length(table, committed)
+            kind = rng.choice(["decode", "tree", "mask", "chunk"])
+            q = {"decode": 1, "tree": rng.randint(2, 8), "mask": 2, "chunk": rng.randint(2, SHORT_SLOTS + 60)}[kind]
+            ids, logits = [rng.randrange(1 << 40) for _ in range(q)], rng.choice(["last", "all", "none"])
+            if kind == "tree":
+                parents = tuple([-1] + [rng.randrange(j) for j in range(1, q)])
+                sequences.append(SequenceInput(table, ids, positions(list(parents), committed), tree_mask(parents),
+                                               logits, parents))
+            elif kind == "mask":
+                sequences.append(SequenceInput(table, ids, None, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), logits))
+            else:
+                sequences.append(SequenceInput(table, ids, logits=logits))
+        starts = [s.table.num_tokens for s in sequences]
+        batch = build_forward_batch(kv, sequences, torch.device("cpu"))
+        want_ids, want_positions, want_slots, want_rows, cu = [], [], [], [], [0]
+        for seq, start in zip(sequences, starts):
+            q = len(seq.input_ids)
+            assert len(seq.table.pages) * page >= start + q  # reserved
+            row0 = len(want_ids)
+            want_ids += seq.input_ids
+            want_positions += seq.positions if seq.positions is not None else list(range(start, start + q))
+            want_slots += [seq.table.pages[p // page] * page + p % page for p in range(start, start + q)]
+            rows = {"last": [row0 + q - 1], "all": list(range(row0, row0 + q)), "none": []}[seq.logits]
+            want_rows += rows
+            cu.append(cu[-1] + len(rows))
+        assert batch.input_ids.tolist() == want_ids and batch.input_ids.dtype == torch.long
+        assert batch.positions.tolist() == want_positions == batch.attention.positions.tolist()
+        assert batch.attention.out_slots.tolist() == want_slots and batch.attention.out_slots.dtype == torch.long
+        assert batch.logits_indices.tolist() == want_rows and batch.cu_logits == cu
+        assert batch.attention.q_lens == [len(s.input_ids) for s in sequences]
+        assert batch.attention.kv_lens == [st + len(s.input_ids) for s, st in zip(sequences, starts)]
+        assert batch.attention.page_tables == [s.table.pages for s in sequences]
+        assert batch.attention.page_tables[0] is not sequences[0].table.pages  # a copy: later steps change the table
+    # device_tensor: flat int lists take the packed path, anything else torch.tensor's, same values and dtypes
+    cpu = torch.device("cpu")
+    assert device_tensor([3, 1, 2], cpu).dtype == torch.long and device_tensor([3, 1], cpu, torch.int32).dtype == torch.int32
+    assert device_tensor([1, 2.5], cpu).tolist() == [1.0, 2.5] and device_tensor([[1, 2], [3, 4]], cpu).shape == (2, 2)
+    with pytest.raises(ValueError, match="Overflow"):  # past int64: torch.tensor's own error, as before
+        device_tensor([1 << 70], cpu)
+
+
+def test_flashinfer_page_arrays_are_the_requests_pages():
+    """FlashInfer's paged-KV arrays of a plan, built on the host as int32 (kv page indptr, page indices, last page
+    lengths), for a subset of a batch's requests: each request's first ceil(kv_len / page) pages, in order."""
+    import random
+
+    from splitspec.runtime.attention.base import AttentionBatch
+    from splitspec.runtime.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    rng = random.Random(3)
+    for _ in range(100):
+        page, n = rng.choice([1, 16]), rng.randint(1, 9)
+        kv_lens = [rng.randint(1, 90) for _ in range(n)]
+        tables = [[rng.randrange(10000) for _ in range(-(-k // page) + rng.randint(0, 2))] for k in kv_lens]
+        batch = AttentionBatch([1] * n, kv_lens, tables, None, None, [])
+        requests = sorted(rng.sample(range(n), rng.randint(1, n)))
+        indptr, indices, last = FlashInferAttentionBackend._pages(batch, requests, page)
+        counts = [-(-kv_lens[i] // page) for i in requests]
+        assert all(t.dtype == torch.int32 for t in (indptr, indices, last))
+        assert indptr.tolist() == [sum(counts[:j]) for j in range(len(counts) + 1)]
+        assert indices.tolist() == [p for i, c in zip(requests, counts) for p in tables[i][:c]]
+        assert last.tolist() == [kv_lens[i] - (c - 1) * page for i, c in zip(requests, counts)]

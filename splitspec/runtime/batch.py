@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitspec.runtime.attention.base import AttentionBatch
+from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.kv_cache import BlockTable, KVCache, slot_list
 
 
@@ -64,48 +65,62 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         validate(seq)  # all of them before any page is reserved
     input_ids, positions, out_slots, logits_rows = [], [], [], []
     q_lens, kv_lens, page_tables, masks, trees, cu_logits = [], [], [], [], [], [0]
+    page_size, short = kv_cache.page_size, []  # short: the slots of the sequences of at most SHORT_SLOTS tokens
+    rows = logit_rows = 0  # new tokens so far, logits rows so far
+    # a step's batch holds tens of sequences per forward, several forwards a step: the loop's body is its host cost
     for seq in sequences:
-        q_len, start = len(seq.input_ids), seq.table.num_tokens
-        kv_cache.reserve(seq.table, start + q_len)
-        row0 = len(input_ids)
-        input_ids += seq.input_ids
-        positions += seq.positions if seq.positions is not None else range(start, start + q_len)
+        table, ids = seq.table, seq.input_ids
+        q_len, start = len(ids), table.num_tokens
+        end = start + q_len
+        pages = table.pages
+        if len(pages) * page_size < end:
+            kv_cache.reserve(table, end)
+        input_ids += ids
+        positions += seq.positions if seq.positions is not None else range(start, end)
         if q_len <= SHORT_SLOTS:  # a decode's or a tree's few slots: Python ints, one tensor for the whole batch
-            flat = slot_list(seq.table.pages, kv_cache.page_size, start, start + q_len)
-            if out_slots and isinstance(out_slots[-1], list):
-                out_slots[-1].extend(flat)
+            first, offset = divmod(start, page_size)
+            if offset + q_len <= page_size:  # within one page
+                base = pages[first] * page_size
+                short += range(base + offset, base + offset + q_len)
             else:
-                out_slots.append(flat)
+                short += slot_list(pages, page_size, start, end)
         else:
-            out_slots.append(kv_cache.slot_ids(seq.table, start, start + q_len))
-        if seq.logits == "last":
-            logits_rows.append(row0 + q_len - 1)
-            cu_logits.append(cu_logits[-1] + 1)
-        elif seq.logits == "all":
-            logits_rows += range(row0, row0 + q_len)
-            cu_logits.append(cu_logits[-1] + q_len)
-        else:
-            cu_logits.append(cu_logits[-1])
+            if short:
+                out_slots.append(short)
+                short = []
+            out_slots.append(kv_cache.slot_ids(table, start, end))
+        logits = seq.logits
+        if logits == "last":
+            logits_rows.append(rows + q_len - 1)
+            logit_rows += 1
+        elif logits == "all":
+            logits_rows += range(rows, rows + q_len)
+            logit_rows += q_len
+        cu_logits.append(logit_rows)
+        rows += q_len
         q_lens.append(q_len)
-        kv_lens.append(start + q_len)
-        page_tables.append(list(seq.table.pages))
+        kv_lens.append(end)
+        page_tables.append(pages[:])
         masks.append(seq.mask)
         trees.append(seq.parents)
-    positions_t = torch.tensor(positions, dtype=torch.long)
+    if short:
+        out_slots.append(short)
+    positions_t = host_tensor(positions)
     attention = AttentionBatch(
         q_lens=q_lens,
         kv_lens=kv_lens,
         page_tables=page_tables,
-        out_slots=torch.cat([torch.tensor(s, dtype=torch.long) if isinstance(s, list) else s for s in out_slots]),
+        out_slots=torch.cat([host_tensor(s) if isinstance(s, list) else s for s in out_slots]) if len(out_slots) > 1
+        else host_tensor(out_slots[0]) if isinstance(out_slots[0], list) else out_slots[0],
         positions=positions_t,
         masks=masks,
         trees=trees,
     )
     return ForwardBatch(
-        input_ids=to_device(torch.tensor(input_ids, dtype=torch.long), device),
+        input_ids=to_device(host_tensor(input_ids), device),
         positions=to_device(positions_t, device),
         attention=attention,
-        logits_indices=to_device(torch.tensor(logits_rows, dtype=torch.long), device),
+        logits_indices=to_device(host_tensor(logits_rows), device),
         cu_logits=cu_logits,
     )
 
@@ -113,6 +128,11 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
 def device_tensor(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch.tensor(data) on the device without waiting for the work queued there (torch.tensor(data, device=...)
     copies from pageable memory and waits for the stream to drain: SPLITSPEC_SYNC_DEBUG counts such waits)."""
+    if dtype in (None, torch.long, torch.int32) and type(data) is list and data and type(data[0]) is int:
+        try:  # a flat list of ints (index lists, the common case): host_tensor's faster path
+            return to_device(host_tensor(data, dtype or torch.long), device)
+        except (TypeError, OverflowError):  # not all ints after all, or past int64 (torch.tensor says how)
+            pass
     return to_device(torch.tensor(data, dtype=dtype), device)
 
 

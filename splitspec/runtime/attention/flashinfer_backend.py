@@ -24,6 +24,7 @@ read them at replay.
 from __future__ import annotations
 
 import builtins
+import itertools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ import torch
 
 from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.tree import ancestor_rows
 
 LN2 = 0.6931471805599453
@@ -150,11 +152,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     @staticmethod
     def _pages(batch: AttentionBatch, requests: list[int], page_size: int):
         """(kv page indptr, page indices, last page lengths) of these requests, int32 on CPU."""
-        counts = [-(-batch.kv_lens[i] // page_size) for i in requests]
-        indptr = torch.zeros(len(requests) + 1, dtype=torch.int32)
-        indptr[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int32), 0)
-        indices = torch.tensor([p for i, n in zip(requests, counts) for p in batch.page_tables[i][:n]], dtype=torch.int32)
-        last = torch.tensor([batch.kv_lens[i] - (n - 1) * page_size for i, n in zip(requests, counts)], dtype=torch.int32)
+        kv_lens, tables = batch.kv_lens, batch.page_tables
+        counts = [-(-kv_lens[i] // page_size) for i in requests]
+        indptr = host_tensor(list(itertools.accumulate(counts, initial=0)), torch.int32)
+        indices = host_tensor([p for i, n in zip(requests, counts) for p in tables[i][:n]], torch.int32)
+        last = host_tensor([kv_lens[i] - (n - 1) * page_size for i, n in zip(requests, counts)], torch.int32)
         return indptr, indices, last
 
     # planning ----------------------------------------------------------------------------------------
@@ -222,7 +224,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             wrapper.plan(indptr, indices.to(self.device, non_blocking=True), last, head_dim=head_dim,
                          window_left=window_left, **common)
             return
-        qo_indptr = torch.tensor([0] + [starts[i + 1] - starts[i] for i in requests]).cumsum(0).to(torch.int32)
+        qo_indptr = host_tensor([0, *itertools.accumulate(starts[i + 1] - starts[i] for i in requests)], torch.int32)
         if kind == "causal":
             wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last, head_dim_qk=head_dim,
                          causal=True, window_left=window_left, **common)
@@ -328,7 +330,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             state = PrefixState(self._wrapper("prefix", None))
         batch = AttentionBatch(list(q_lens), list(kv_lens), page_tables, None, None, [])
         indptr, indices, last = self._pages(batch, list(range(len(kv_lens))), self.kv_cache.page_size)
-        qo_indptr = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+        qo_indptr = host_tensor([0, *itertools.accumulate(q_lens)], torch.int32)
         state.wrapper.plan(qo_indptr, indptr, indices.to(self.device, non_blocking=True), last,
                            head_dim_qk=self.config.head_dim, causal=False, **self._common())
         return state
