@@ -217,9 +217,10 @@ class StepGraphs:
             return None
         return q if chains or batch.cu_logits == list(range(0, n * q + 1, q)) else None
 
-    def run(self, batch, q: int, features: torch.Tensor | None = None):
-        """(hidden [r*q, H], captured list, logits of the rows asking for them) of a graph-shaped batch (see
-        tokens_per_request), fed features [r*q, width] when given."""
+    def run(self, batch, q: int, features: torch.Tensor | None = None, return_hidden: bool = True):
+        """(hidden [r*q, H] or None when not asked for, the captured layers' states concatenated [r*q, n*H] or None,
+        logits of the rows asking for them) of a graph-shaped batch (see tokens_per_request), fed features [r*q,
+        width] when given; all copies (the next replay overwrites the graph's buffers), made only of what is read."""
         attention = batch.attention
         r = attention.num_requests
         bs = next(b for b in self.sizes if b >= r)
@@ -243,4 +244,5 @@ class StepGraphs:
             logits = entry.logits[:rows].clone()
         else:
             logits = entry.logits.index_select(0, batch.logits_indices)
-        return entry.hidden[:rows].clone(), [c[:rows].clone() for c in entry.captured], logits
+        captured = torch.cat([c[:rows] for c in entry.captured], dim=-1) if entry.captured else None  # a copy
+        return entry.hidden[:rows].clone() if return_hidden else None, captured, logits

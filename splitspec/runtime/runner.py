@@ -338,9 +338,9 @@ class ModelRunner:
             q = self.graphs.tokens_per_request(batch, chains) if self.graphs is not None else None
             width = 0 if features is None else features.shape[-1]
             if q is not None and self.graphs.has(q, width):
-                hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device))
-                return ForwardOutput(logits=logits, hidden_states=hidden if return_hidden else None,
-                                     aux_hidden_states=torch.cat(captured, dim=-1) if captured else None)
+                hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device),
+                                                           return_hidden)
+                return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
         plan = self.backend.plan(batch.attention)
         extra = {} if features is None else {"features": features.to(self.device)}
         if draft_layer is not None:
