@@ -1,0 +1,131 @@
+"""The host (Python) time of a speculative step, piece by piece, on this machine's CPU.
+
+A GPU step of the 8B-shaped target with an EAGLE-3 head at batch 32-64 is host-bound: the device waits while the
+engine thread builds batches, plans attention, walks trees and hands states over. On a CPU that host work is the
+same Python, so it can be measured here, without a GPU: `splitspec bench` runs in this process (the quick preset,
+whose model compute is small, a dummy EAGLE-3 head drafting for real, acceptance simulated) with timers around the
+engine's and the drafter's pieces, and prints each piece's own time (its callees named here excluded) per drafted
+step of the speculative point. Model compute (and, on a CPU, the torch attention backend's planning inside the
+forward) is reported apart: it is not what a GPU step's host pays.
+
+    python -P benchmarks/host_cost.py --batch-size 64 --rounds 3
+
+An A/B against another commit: run it with that checkout's import tree first on the path (`PYTHONPATH=$(bash
+OTHER/scripts/import_tree.sh /tmp/other-tree) python -P benchmarks/host_cost.py`), alternating, and compare the
+medians. Runs on a busy 2-core machine move by 10-30% per piece; compare rounds of one invocation, and medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import functools
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
+    ("splitspec.runtime.runner", "ModelRunner", "model_call", "~model compute"),
+    ("splitspec.runtime.draft_loop", "DraftLoop", "_body", "~draft loop compute"),
+    ("splitspec.runtime.runner", "ModelRunner", "_forward", "~forward (CPU attention planning)"),
+    ("splitspec.runtime.attention.torch_backend", "TorchAttentionBackend", "plan_prefix", "~draft loop's CPU attention plan"),
+    ("splitspec.verifier_svc.engine", "Engine", "step", "engine.step (the rest)"),
+    ("splitspec.verifier_svc.engine", "Engine", "_schedule", "schedule"),
+    ("splitspec.verifier_svc.engine", "Engine", "_draft", "engine._draft"),
+    ("splitspec.verifier_svc.engine", "Engine", "_sequences", "sequences"),
+    ("splitspec.verifier_svc.engine", "Engine", "_forward", "engine._forward"),
+    ("splitspec.verifier_svc.engine", "Engine", "_accept_trees", "accept_trees"),
+    ("splitspec.verifier_svc.engine", "Engine", "_request_drafts", "ask"),
+    ("splitspec.verifier_svc.verification", None, "target_rows", "target_rows"),
+    ("splitspec.runtime.runner", "ModelRunner", "batch", "runner.batch"),
+    ("splitspec.drafter_svc.replay", "ReplayDrafter", "draft", "replay.draft (simulation only)"),
+    ("splitspec.drafter_svc.eagle", "EagleDrafter", "draft", "eagle.draft"),
+    ("splitspec.drafter_svc.eagle", "EagleDrafter", "_catch_up", "catch_up"),
+    ("splitspec.runtime.draft_loop", "DraftLoop", "run", "loop.run"),
+    ("splitspec.runtime.draft_loop", "DraftLoop", "_trees", "loop.trees"),
+]
+
+
+class Timers:
+    """Exclusive time per label, counted from the speculative point's first draft on (the plain point and the
+    reference recording run before it)."""
+
+    def __init__(self):
+        self.seconds, self.calls, self.stack, self.live = collections.Counter(), collections.Counter(), [], False
+
+    def wrap(self, function, label: str):
+        @functools.wraps(function)
+        def timed(*args, **kwargs):
+            if label.startswith("replay.draft") and not self.live:
+                self.live = True
+                self.seconds.clear()
+                self.calls.clear()
+            start = time.perf_counter()
+            self.stack.append(0.0)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                inner, spent = self.stack.pop(), time.perf_counter() - start
+                self.seconds[label] += spent - inner
+                self.calls[label] += 1
+                if self.stack:
+                    self.stack[-1] += spent
+        return timed
+
+
+def install(timers: Timers) -> None:
+    import importlib
+
+    for module_name, owner_name, attribute, label in PIECES:
+        module = importlib.import_module(module_name)
+        owner = module if owner_name is None else getattr(module, owner_name)
+        setattr(owner, attribute, timers.wrap(getattr(owner, attribute), label))
+    engine = importlib.import_module("splitspec.verifier_svc.engine")
+    engine.target_rows = importlib.import_module("splitspec.verifier_svc.verification").target_rows  # its own name
+
+
+def one_round(args, timers: Timers) -> dict[str, float]:
+    from splitspec import cli
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        sys.argv = ["splitspec", "bench", "--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm",
+                    "EAGLE3", "--simulate-acceptance", "accept-length:6", "--steps", "5", "--topk", "1",
+                    "--num-draft-tokens", "6", "--speculative-adaptive", "off", "--batch-size", str(args.batch_size),
+                    "--num-prompts", str(4 * args.batch_size), "--prompt-len", "128", "--output-len", "128",
+                    "--no-phase-sync", "--device", "cpu", "--log-level", "warning", "--out", out.name]
+        timers.live = False
+        with contextlib.redirect_stdout(io.StringIO()):  # the bench's own report
+            cli.main()
+    drafted = timers.calls["replay.draft (simulation only)"]
+    return {label: timers.seconds[label] / drafted * 1e3 for label in timers.seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="Speculative points measured; medians are printed.")
+    parser.add_argument("--out", default=None, help="JSON of every round's pieces (ms per drafted step).")
+    args = parser.parse_args()
+    timers = Timers()
+    install(timers)
+    rounds = [one_round(args, timers) for _ in range(args.rounds)]
+    labels = sorted({k for r in rounds for k in r}, key=lambda k: (k.startswith("~"), -statistics.median(
+        r.get(k, 0.0) for r in rounds)))
+    print(f"host time per drafted step at batch {args.batch_size} (ms; median of {args.rounds} rounds, then each round)")
+    for label in labels:
+        values = [r.get(label, 0.0) for r in rounds]
+        print(f"  {label:34s} {statistics.median(values):7.3f}   " + " ".join(f"{v:.3f}" for v in values))
+    host = [sum(v for k, v in r.items() if not k.startswith("~")) for r in rounds]
+    print(f"  {'host pieces in all':34s} {statistics.median(host):7.3f}   " + " ".join(f"{v:.3f}" for v in host))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"batch_size": args.batch_size, "rounds": rounds, "host_ms": host}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
