@@ -87,6 +87,12 @@ def test_unsent_states_cut_every_requests_rows_out_together():
     assert torch.equal(out[2], torch.cat([a[4:5], b[2:4]]))
     assert unsent_states([[], []]) == [None, None]
     assert torch.equal(unsent_states([[StateRows(b, 1, 3)]])[0], b[1:4])
+    # every row of one step's states, in order (each request fed its accepted path): views of it, no gather
+    whole = unsent_states([[StateRows(b, 0, 1)], [], [StateRows(b, 1, 3)]])
+    assert torch.equal(whole[0], b[0:1]) and whole[1] is None and torch.equal(whole[2], b[1:4])
+    assert whole[0].data_ptr() == b.data_ptr()
+    reordered = unsent_states([[StateRows(b, 2, 2)], [StateRows(b, 0, 2)]])  # all rows, not in order: gathered
+    assert torch.equal(reordered[0], b[2:4]) and torch.equal(reordered[1], b[0:2])
 
 
 def eagle_head_dir(tmp_path) -> str:

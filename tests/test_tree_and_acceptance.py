@@ -34,7 +34,7 @@ def test_tree_index_math_worked_example():
     parents = [-1, 0, 0, 1, 1]
     assert depths(parents) == [0, 1, 1, 2, 2]
     assert positions(parents, seq_len=7) == [7, 8, 8, 9, 9]
-    assert child_links(parents) == ([1, 3, -1, -1, -1], [-1, 2, -1, 4, -1])
+    assert child_links(parents) == ((1, 3, -1, -1, -1), (-1, 2, -1, 4, -1))
     assert tree_mask(parents).int().tolist() == [
         [1, 0, 0, 0, 0],
         [1, 1, 0, 0, 0],
@@ -63,8 +63,8 @@ def test_build_eagle_tree_golden():
         all_positions += positions(tree.parents, seq_len)
         draft_tokens += tree.tokens
         next_token, next_sibling = child_links(tree.parents)
-        next_tokens.append(next_token)
-        next_siblings.append(next_sibling)
+        next_tokens.append(list(next_token))  # child_links gives tuples (one pair per shape, shared)
+        next_siblings.append(list(next_sibling))
     assert all_positions == [5, 6, 6, 7, 7, 8, 8, 9, 10, 11, 12, 12, 12, 12, 13, 14]
     assert next_tokens == [[1, 3, 4, 5, 6, 7, -1, -1], [1, 2, -1, 6, -1, -1, 7, -1]]
     assert next_siblings == [[-1, 2, -1, -1, -1, -1, -1, -1], [-1, -1, 3, 4, 5, -1, -1, -1]]
@@ -75,13 +75,13 @@ def test_build_eagle_tree_golden():
 def test_build_tree_hand_case_and_mask_reconstruction():
     # test/srt/cpu/test_spec_kernels.py: topk 2, steps 2, n 4
     parents = parents_from_selection([0, 1, 2], [-1, 0, 1], topk=2)
-    assert child_links(parents) == ([1, 3, -1, -1], [-1, 2, -1, -1])
+    assert child_links(parents) == ((1, 3, -1, -1), (-1, 2, -1, -1))
     assert positions(parents, 5) == [5, 6, 6, 7]
     assert tree_mask(parents).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
     # sgl-kernel/tests/speculative/test_ngram_utils.py: reconstruct_indices_from_tree_mask
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     parents = parents_from_mask(mask)
-    assert child_links(parents) == ([1, -1, 3, -1], [-1, 2, -1, -1])
+    assert child_links(parents) == ((1, -1, 3, -1), (-1, 2, -1, -1))
     assert positions(parents, 12) == [12, 13, 13, 14]
     assert torch.equal(tree_mask(parents), mask)
 
@@ -89,7 +89,7 @@ def test_build_tree_hand_case_and_mask_reconstruction():
 def test_links_of_the_golden_trees_follow_from_their_parents():
     """SGLang's golden links for request 0 are exactly what child_links derives (lowest index first);
     request 1 lists node 4 before node 1 under the root, which the walk honours as given."""
-    assert child_links([-1, 0, 1, 0, 3, 4]) == (NEXT_TOKEN[0], NEXT_SIBLING[0])
+    assert [list(links) for links in child_links([-1, 0, 1, 0, 3, 4])] == [NEXT_TOKEN[0], NEXT_SIBLING[0]]
 
 
 def test_greedy_verify_golden():

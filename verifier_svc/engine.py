@@ -423,14 +423,16 @@ class Engine(Scheduling, OverlapSchedule):
 
     # commit --------------------------------------------------------------------------------------
     def _count(self, v: Verify, acceptance: Acceptance) -> None:
-        if v.tree.num_drafts == 0:
+        drafts = len(v.tree.tokens) - 1
+        if drafts == 0:
             return
-        v.request.stats.add(v.tree.num_drafts, acceptance.num_accepted)
-        self.report.add(v.tree.num_drafts, acceptance.num_accepted)
-        self.report.accept_lengths.append(acceptance.num_accepted + 1)
+        accepted = len(acceptance.path) - 1
+        v.request.stats.add(drafts, accepted)
+        self.report.add(drafts, accepted)
+        self.report.accept_lengths.append(accepted + 1)
         if self.adaptive is not None:
             self.report.tree_depths.append(max(depths(v.tree.parents)))
-        self.drafter.accepted(v.request.request_id, v.tree.num_drafts, acceptance.num_accepted)
+        self.drafter.accepted(v.request.request_id, drafts, accepted)
 
     def _retire(self) -> None:
         for request in self.running:

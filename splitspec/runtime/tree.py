@@ -120,15 +120,21 @@ def tree_mask(parents: list[int] | tuple[int, ...]) -> torch.Tensor:
     return _tree_mask(tuple(parents))
 
 
-def child_links(parents: list[int] | tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """(next_token, next_sibling) [N]: first child and next sibling, children lowest index first."""
+def child_links(parents: list[int] | tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(next_token, next_sibling) [N]: first child and next sibling, children lowest index first. One pair per tree
+    shape, shared (a step's trees repeat a few shapes: every request's walk would build them again)."""
+    return _child_links(tuple(parents))
+
+
+@functools.lru_cache(maxsize=4096)
+def _child_links(parents: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     n = len(parents)
     next_token, next_sibling = [NO_NODE] * n, [NO_NODE] * n
     for i in range(n - 1, 0, -1):
         parent = parents[i]
         next_sibling[i] = next_token[parent]
         next_token[parent] = i
-    return next_token, next_sibling
+    return tuple(next_token), tuple(next_sibling)
 
 
 def path_to(parents: list[int] | tuple[int, ...], node: int) -> list[int]:
