@@ -40,7 +40,10 @@ class DraftTree:
     scores: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        validate_parents(self.parents)
+        if type(self.parents) is tuple:  # a step's trees repeat a few shapes: each shape checked once
+            _checked_parents(self.parents)
+        else:
+            validate_parents(self.parents)
         if len(self.tokens) != len(self.parents):
             raise ValueError(f"{len(self.tokens)} tokens for {len(self.parents)} parents")
         if self.scores is not None and len(self.scores) != len(self.tokens):
@@ -85,6 +88,12 @@ def validate_parents(parents: tuple[int, ...] | list[int]) -> None:
     bad = [i for i in range(1, len(parents)) if not 0 <= parents[i] < i]
     if bad:
         raise ValueError(f"nodes {bad} do not have a parent before them")
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_parents(parents: tuple[int, ...]) -> None:
+    """validate_parents, remembered for shapes that passed (one that fails raises every time)."""
+    validate_parents(parents)
 
 
 def depths(parents: list[int] | tuple[int, ...]) -> list[int]:
