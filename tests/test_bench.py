@@ -502,3 +502,23 @@ def test_step_timeline_times_a_decode_cycle_from_one_decode_step_to_the_next():
     assert report["ttft_legs_ms"] == {"in": 10.0, "engine": 54.0, "out": 1.0}
     assert report["decode_cycle_ms"] == 4.95 and report["steps"]["decode"]["count"] == 4
     assert report["idle_between_steps_ms"] == 6.1 and report["idle_gaps"] == 1
+
+
+def test_replayed_chains_built_in_one_go_equal_the_general_tree():
+    """A top-1 replay tree of steps + 1 nodes (the shape the simulated 8B runs draft) is built as a chain in one go;
+    the general construction (siblings, padding) gives the same tree and accept count: random contexts on, off and
+    past their reference, every draw."""
+    vocab, rng = 50, random.Random(5)
+    for _ in range(3000):
+        steps = rng.randint(1, 6)
+        reference = [rng.randrange(vocab) for _ in range(rng.randint(2, 30))]
+        n = rng.randint(1, len(reference) + 2)
+        context = (reference + [rng.randrange(vocab) for _ in range(3)])[:n]
+        if rng.random() < 0.2:
+            context[-1] = (context[-1] + 1) % vocab  # off its reference
+        rates = sorted((rng.random() for _ in range(steps)), reverse=True)
+        chain = ReplayDrafter(_Free(), [reference], rates, vocab, steps, 1, steps + 1)
+        general = ReplayDrafter(_Free(), [reference], rates, vocab, steps, 2, steps + 1)  # no room for siblings
+        u = rng.random()
+        for ref in (reference, None):
+            assert chain._tree(context, ref, u, steps + 1) == general._tree(context, ref, u, steps + 1)
