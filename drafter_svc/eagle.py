@@ -118,8 +118,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             finished = {}  # k -> its row among the roots of the requests whose last row this round held
             if done:  # the roots' features and logits, gathered together (new tensors: no graph buffer is kept)
                 device = output.hidden_states.device
-                everyone = len(done) == len(taken) and not q and last_rows == list(range(len(taken)))
-                if everyone and output.hidden_states.shape[0] == len(taken):  # one row each: the rows are the roots
+                if len(done) == len(taken) and not q and last_rows == list(range(len(taken))):  # a row each: the roots
                     feats, logits = output.hidden_states, output.logits
                 else:
                     roots = device_tensor([last_rows[k] for k in done], device)

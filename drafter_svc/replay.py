@@ -31,7 +31,6 @@ the target will reject, and counts the request in `off_reference`.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import random
@@ -253,10 +252,10 @@ class ReplayDrafter(Drafter):
             return (anchor + j) % self.vocab_size
 
         if self.topk == 1 and num_nodes == depth + 1:  # a chain (top-1, the tree the loop drafts): in one go
-            tokens = [context[-1], *truth[:accepted]]
+            drafts = truth[:accepted]
             if accepted < depth:
-                tokens += [wrong(accepted, 1), *(max(t, 0) for t in truth[accepted + 1 :])]
-            return DraftTree(tuple(tokens), _chain_parents(depth + 1)), accepted
+                drafts += [wrong(accepted, 1), *(max(t, 0) for t in truth[accepted + 1 :])]
+            return DraftTree.chain(context[-1], drafts), accepted
         tokens, parents = [context[-1]], [-1]
         main = [0]  # node index of the main path at each depth
         for d in range(depth):
@@ -272,11 +271,6 @@ class ReplayDrafter(Drafter):
             tokens.append(wrong(depth - 1, len(tokens) + 1))
             parents.append(len(tokens) - 2)
         return DraftTree(tuple(tokens), tuple(parents)), accepted
-
-
-@functools.lru_cache(maxsize=64)
-def _chain_parents(num_nodes: int) -> tuple[int, ...]:
-    return tuple(range(-1, num_nodes - 1))
 
 
 def wrap(drafter: Drafter, settings, vocab_size: int, shape: tuple[int, int, int]) -> ReplayDrafter:

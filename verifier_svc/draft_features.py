@@ -44,7 +44,7 @@ def unsent_states(blocks: list[list[StateRows]]) -> list[torch.Tensor | None]:
     if not index:
         return [None] * len(blocks)
     joined = sources[0] if len(sources) == 1 else torch.cat(sources)
-    if len(index) == joined.shape[0] and index[-1] == len(index) - 1 and index == list(range(len(index))):
+    if len(index) == joined.shape[0] and index == list(range(len(index))):
         picked = joined  # every row, in order (a step's accepted paths, all of them fed): no gather
     else:
         picked = joined.index_select(0, device_tensor(index, joined.device))

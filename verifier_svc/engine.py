@@ -423,10 +423,10 @@ class Engine(Scheduling, OverlapSchedule):
 
     # commit --------------------------------------------------------------------------------------
     def _count(self, v: Verify, acceptance: Acceptance) -> None:
-        drafts = len(v.tree.tokens) - 1
+        drafts = v.tree.num_drafts
         if drafts == 0:
             return
-        accepted = len(acceptance.path) - 1
+        accepted = acceptance.num_accepted
         v.request.stats.add(drafts, accepted)
         self.report.add(drafts, accepted)
         self.report.accept_lengths.append(accepted + 1)

@@ -98,34 +98,31 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
     batch and one transfer. Rows of requests that do not decide by it are argmaxed and never read."""
     if logits is None:
         return None
-    params, output_positions, used = None, None, False  # made only when a row samples (all argmax: one kernel)
-
-    def rows_of(n: int):
-        nonlocal params, output_positions
-        if params is None:
-            params, output_positions = [ARGMAX] * n, [0] * n
-        return params, output_positions
-
+    sampled, used = {}, False  # row -> (its parameters, its output position), for the rows that sample
     for i, chunk in enumerate(prefills):
         if chunk.samples and not chunk.request.params.has_penalties:  # a fresh prompt's first token: position 0,
             used = True  # the chunk's last row
             if not chunk.request.params.is_greedy:
-                rows_of(logits.shape[0])[0][cu_logits[i + 1] - 1] = chunk.request.params
+                sampled[cu_logits[i + 1] - 1] = (chunk.request.params, 0)
     for i, v in enumerate(verifies, start=len(prefills)):
         request = v.request
         if not by_target(spec, request.params):
             continue
         used = True
         row_params = target_params(spec, request.params)
-        if row_params is ARGMAX or row_params.is_greedy:
-            continue  # argmax rows already
+        if row_params is ARGMAX:
+            continue
         base = len(request.output_ids)
-        row_list, positions_list = rows_of(logits.shape[0])
         for row, depth in zip(range(cu_logits[i], cu_logits[i + 1]), depths(v.tree.parents)):
-            row_list[row], positions_list[row] = row_params, base + depth
+            sampled[row] = (row_params, base + depth)
     if not used:
         return None
-    return (logits.argmax(dim=-1) if params is None else sample(logits, params, output_positions)).tolist()
+    if not sampled:  # every row argmaxed: one kernel, no per-row parameter lists
+        return logits.argmax(dim=-1).tolist()
+    params, output_positions = [ARGMAX] * logits.shape[0], [0] * logits.shape[0]
+    for row, (row_params, position) in sampled.items():
+        params[row], output_positions[row] = row_params, position
+    return sample(logits, params, output_positions).tolist()
 
 
 def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor | None = None,

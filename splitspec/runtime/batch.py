@@ -105,13 +105,13 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         trees.append(seq.parents)
     if short:
         out_slots.append(short)
+    out_slots = [host_tensor(s) if isinstance(s, list) else s for s in out_slots]
     positions_t = host_tensor(positions)
     attention = AttentionBatch(
         q_lens=q_lens,
         kv_lens=kv_lens,
         page_tables=page_tables,
-        out_slots=torch.cat([host_tensor(s) if isinstance(s, list) else s for s in out_slots]) if len(out_slots) > 1
-        else host_tensor(out_slots[0]) if isinstance(out_slots[0], list) else out_slots[0],
+        out_slots=out_slots[0] if len(out_slots) == 1 else torch.cat(out_slots),
         positions=positions_t,
         masks=masks,
         trees=trees,
