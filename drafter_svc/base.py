@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from splitspec.registry import load_entry
+from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.tree import DraftTree
 
 
@@ -55,6 +56,11 @@ class Drafter(ABC):
     @abstractmethod
     def release(self, request_id: str) -> None:
         """Forget a finished request."""
+
+    def launch(self, request_ids: list[str], max_nodes: list[int]) -> LaunchedDraft:
+        """draft(), where the drafter runs in the verifier's process, as a LaunchedDraft (runtime.launched_draft):
+        a drafter on the device queues its work and returns without waiting for it. Default: drafted now."""
+        return LaunchedDraft.ready(self.draft(request_ids, max_nodes))
 
     def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
         """Overlap: up to num_bets bets per request on the outcome of its current tree (the one draft()

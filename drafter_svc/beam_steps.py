@@ -48,9 +48,10 @@ def beam_trees(drafter, request_ids: list[str], roots: list[int], root_logits: t
     if free:
         pick = lambda items: [items[k] for k in free]  # noqa: E731
         features = None if root_features is None else root_features if len(free) == len(roots) else root_features[free]
-        ran = drafter.loop.run(pick(roots), root_logits[free] if len(free) < len(roots) else root_logits, features,
-                               pick(tables), pick(budgets))
-        drafter._remember(pick(request_ids), ran, pick(budgets))
+        run = drafter.loop.launch(pick(roots), root_logits[free] if len(free) < len(roots) else root_logits, features,
+                                  pick(tables), pick(budgets))
+        ran = run.finish()
+        drafter._remember(pick(request_ids), run, pick(budgets))
         for k, tree in zip(free, ran):
             trees[k] = tree
     host = sorted(set(range(len(roots))) - set(free))
@@ -191,11 +192,10 @@ class ModelBets:
     supports_bets = True
     feeds_features = False  # a head: rows are fed features
 
-    def _remember(self, request_ids: list[str], trees: list[DraftTree], budgets: list[int]) -> None:
-        """After a loop run for these requests: their current trees."""
-        loop = self.loop
-        for k, (request_id, tree, budget) in enumerate(zip(request_ids, trees, budgets)):
-            self.current[request_id] = _Current(tree, loop.paths[k], loop.path_hidden, k, budget)
+    def _remember(self, request_ids: list[str], run, budgets: list[int]) -> None:
+        """After a loop run (a finished draft_loop.LoopRun) for these requests: their current trees."""
+        for k, (request_id, tree, budget) in enumerate(zip(request_ids, run.finish(), budgets)):
+            self.current[request_id] = _Current(tree, run.paths[k], run.path_hidden, k, budget)
 
     def take_bet(self, request_id: str, index: int) -> None:
         self.current[request_id] = self.bets[request_id][index][1]

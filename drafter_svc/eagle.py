@@ -22,6 +22,7 @@ from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for
 from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.kv_cache import BlockTable
+from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.tree import DraftTree
 
@@ -161,11 +162,9 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         states = [self.states[r] for r in request_ids]
         return [(s.table, logits, s.root_feature) for s, logits in zip(states, self._root_logits(states))]
 
-    @torch.inference_mode()
-    def draft(self, request_ids: list[str], max_nodes: list[int], guides: list | None = None) -> list[DraftTree | None]:
-        """guides: per request a grammar guide or None (takes_guides): a guided request drafts on the host, its
-        candidates masked to its grammar at every step (beam_steps.beam_trees)."""
-        out: list[DraftTree | None] = [None] * len(request_ids)
+    def _asked_roots(self, request_ids: list[str], max_nodes: list[int]):
+        """The catch-up of every asked request, then (index, state, budget) of those that draft and their root logits
+        [B, V] and features [B, H] (None, None, None when none drafts)."""
         asked = [(i, self.states[r], min(self.num_draft_tokens, b)) for i, (r, b) in enumerate(zip(request_ids, max_nodes))
                  if self.states[r].pending_tokens or (b >= 2 and self.states[r].root_feature is not None)]
         # rows not yet in the head's KV, for every asked request in one batch (a budget below 2 only catches up)
@@ -173,11 +172,20 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             computed = self._catch_up([s for _, s, _ in asked])
         asked = [(i, s, b, computed.get(j)) for j, (i, s, b) in enumerate(asked) if b >= 2]
         if not asked:
-            return out
-        states = [s for _, s, _, _ in asked]
+            return None, None, None
         with device_phase("draft.root_logits"):
             logits, features = _roots(asked, self.runner.model)
-        asked = [(i, s, b) for i, s, b, _ in asked]
+        return [(i, s, b) for i, s, b, _ in asked], logits, features
+
+    @torch.inference_mode()
+    def draft(self, request_ids: list[str], max_nodes: list[int], guides: list | None = None) -> list[DraftTree | None]:
+        """guides: per request a grammar guide or None (takes_guides): a guided request drafts on the host, its
+        candidates masked to its grammar at every step (beam_steps.beam_trees)."""
+        out: list[DraftTree | None] = [None] * len(request_ids)
+        asked, logits, features = self._asked_roots(request_ids, max_nodes)
+        if not asked:
+            return out
+        states = [s for _, s, _ in asked]
         budgets = [b for _, _, b in asked]
         with device_phase("draft.loop"):
             trees = beam_trees(self, [request_ids[i] for i, _, _ in asked], [s.last_token for s in states], logits,
@@ -186,6 +194,35 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         for (i, _, _), tree in zip(asked, trees):
             out[i] = tree
         return out
+
+    @torch.inference_mode()
+    def launch(self, request_ids: list[str], max_nodes: list[int]) -> LaunchedDraft:
+        """draft() queued on the device (runtime.launched_draft): the catch-up and the draft loop launched, the trees
+        finished when asked; a top-1 draft's chains readable on the device meanwhile."""
+        if self.loop is None:
+            return LaunchedDraft.ready(self.draft(request_ids, max_nodes))
+        asked, logits, features = self._asked_roots(request_ids, max_nodes)
+        if not asked:
+            return LaunchedDraft.ready([None] * len(request_ids))
+        ids = [request_ids[i] for i, _, _ in asked]
+        budgets = [b for _, _, b in asked]
+        with device_phase("draft.loop"):
+            run = self.loop.launch([s.last_token for _, s, _ in asked], logits, features, [s.table for _, s, _ in asked],
+                                   budgets)
+        rows: list[int | None] = [None] * len(request_ids)
+        sizes: list[int | None] = [None] * len(request_ids)
+        for j, ((i, _, _), size) in enumerate(zip(asked, run.sizes())):
+            rows[i], sizes[i] = j, size
+
+        def finish() -> list[DraftTree | None]:
+            self._remember(ids, run, budgets)
+            out: list[DraftTree | None] = [None] * len(request_ids)
+            for j, tree in zip(rows_of, run.finish()):
+                out[j] = tree
+            return out
+
+        rows_of = [i for i, _, _ in asked]
+        return LaunchedDraft(finish, rows, sizes, run.chain_tokens)
 
 
 def _roots(asked: list, model) -> tuple[torch.Tensor, torch.Tensor]:

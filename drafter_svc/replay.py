@@ -37,6 +37,7 @@ import random
 from pathlib import Path
 
 from splitspec.drafter_svc.base import Bet, Drafter, bet_order
+from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class ReplayDrafter(Drafter):
         self._starts: dict[tuple[int | None, str], float] = {}  # (reference, salt) -> the Weyl sequence's start
         self.off_reference = 0  # requests whose sequence left their reference
         self._by_first: dict[tuple[int, ...], list[int]] = {}
+        self._unfinished: list[LaunchedDraft] = []  # the inner drafter's launched drafts (launch)
         for i, ref in enumerate(references):
             self._by_first.setdefault(tuple(ref[:1]), []).append(i)
 
@@ -136,6 +138,7 @@ class ReplayDrafter(Drafter):
         self.contexts[request_id].extend(tokens)
 
     def release(self, request_id: str) -> None:
+        self._finish_inner()
         self.inner.release(request_id)
         self.contexts.pop(request_id, None)
         self.current.pop(request_id, None)
@@ -145,10 +148,34 @@ class ReplayDrafter(Drafter):
         self.draws.pop(request_id, None)
 
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
+        self._finish_inner()
         paid = self.inner.draft(request_ids, max_nodes)  # the real head's work; its tokens are not used
+        return self._trees(request_ids, max_nodes, [None if tree is None else tree.num_nodes for tree in paid])
+
+    def launch(self, request_ids: list[str], max_nodes: list[int]) -> LaunchedDraft:
+        """In the verifier's process: the inner drafter's work launched as a real draft's would be (its trees finished
+        in idle(), under the verification, as the verifier resolves a real launched draft's), these trees now."""
+        self._finish_inner()
+        paid = self.inner.launch(request_ids, max_nodes)
+        sizes = paid.sizes if paid.sizes is not None else [None if t is None else t.num_nodes for t in paid.trees()]
+        if not paid.finished:
+            self._unfinished.append(paid)
+        return LaunchedDraft.ready(self._trees(request_ids, max_nodes, sizes))
+
+    def _finish_inner(self) -> None:
+        """The inner drafter's launched drafts finished (its bookkeeping done) before it does anything else."""
+        while self._unfinished:
+            self._unfinished.pop(0).trees()
+
+    def idle(self) -> None:
+        self._finish_inner()
+        self.inner.idle()
+
+    def _trees(self, request_ids: list[str], max_nodes: list[int], sizes: list[int | None]) -> list[DraftTree | None]:
+        """The simulated trees, each of its inner tree's size (None: the budget's)."""
         out: list[DraftTree | None] = []
-        for request_id, budget, tree in zip(request_ids, max_nodes, paid):
-            n = tree.num_nodes if tree is not None else min(budget, self.num_draft_tokens)
+        for request_id, budget, size in zip(request_ids, max_nodes, sizes):
+            n = size if size is not None else min(budget, self.num_draft_tokens)
             if n < 2:
                 out.append(None)
                 continue
@@ -160,6 +187,7 @@ class ReplayDrafter(Drafter):
         return out
 
     def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
+        self._finish_inner()
         paid = self.inner.draft_bets(request_ids, num_bets)  # the real work; its trees are not used
         out = []
         for request_id, inner_bets in zip(request_ids, paid):
@@ -190,6 +218,7 @@ class ReplayDrafter(Drafter):
         return out
 
     def take_bet(self, request_id: str, index: int) -> None:
+        self._finish_inner()
         inner_bets = getattr(self.inner, "bets", {}).get(request_id) or []
         if inner_bets:  # the inner drafter follows a bet of its own (cost only)
             self.inner.take_bet(request_id, min(index, len(inner_bets) - 1))

@@ -345,15 +345,50 @@ def test_catch_ups_of_unequal_lengths_padded_to_one_shape_draft_the_same_trees(t
         head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
         eagle = EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)
         eagle.pad_catch_ups = mode
-        trees = []
-        draft, pad = eagle.draft, eagle._padded_round
-        eagle.draft = lambda ids, nodes: trees.append(draft(ids, nodes)) or trees[-1]
+        launched = []  # the client launches drafts (Drafter.launch); their trees are read once the run is over
+        launch, pad = eagle.launch, eagle._padded_round
+        eagle.launch = lambda ids, nodes: launched.append(launch(ids, nodes)) or launched[-1]
         eagle._padded_round = lambda taken, width: (padded.append((mode, taken)) if len(set(taken)) > 1 else None,
                                                      pad(taken, width))[1]
         spec = run(target, prompts, params, InProcessDrafterClient(eagle), SpecConfig(num_draft_tokens=6), batch=4)
         assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
         assert all(s.stats.fallbacks == 0 for s in spec) and sum(s.stats.draft_tokens for s in spec) > 0
         assert head.kv_cache.allocator.num_used == 0
-        results[mode] = [[(t.tokens, t.parents) if t is not None else None for t in step] for step in trees]
+        results[mode] = [[(t.tokens, t.parents) if t is not None else None for t in step.trees()] for step in launched]
+        assert len(results[mode]) > 5 and all(any(t is not None for t in step) for step in results[mode])
     assert any(mode == "always" for mode, _ in padded), padded  # unequal rounds met, and padded
     assert results["always"] == results["never"]
+
+
+def test_top1_chains_are_verified_before_they_reach_the_host(trained_head, monkeypatch):
+    """EAGLE at top-1 in the verifier's process: the drafter launches its draft (Drafter.launch) and the engine builds
+    the verification batch around PendingChains, writes the drafts into it on the device (write_chains) and reads
+    them only at acceptance. Greedy output equals plain at batch 1 and 8, drafts are accepted, no fallbacks, and
+    every verified draft went that way."""
+    from transformers import AutoTokenizer
+
+    import splitspec.verifier_svc.engine as engine_module
+
+    written, write = [], engine_module.write_chains
+    monkeypatch.setattr(engine_module, "write_chains",
+                        lambda ids, starts, chains, vocab: (written.append(len(chains)), write(ids, starts, chains, vocab))[1])
+    target_dir = demo_model_dirs()["target"]
+    target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=8192))
+    head = ModelRunner.load(RuntimeConfig(model_path=trained_head, dtype="float32", device="cpu", max_total_tokens=8192,
+                                          family="eagle"))
+    head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:8]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)] * 8
+    plain = run(target, prompts, params, batch=1)
+    reference = hf_model(target_dir)
+    for batch in (1, 8):
+        written.clear()
+        client = InProcessDrafterClient(EagleDrafter(head, topk=1, num_steps=4, num_draft_tokens=5))
+        spec = run(target, prompts, params, client, SpecConfig(num_draft_tokens=5), batch=batch)
+        for i, (p, s) in enumerate(zip(plain, spec)):
+            assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"eagle top-1 prompt {i} batch {batch}")
+            assert s.stats.fallbacks == 0
+        assert sum(s.stats.accepted_tokens for s in spec) > 0
+        assert sum(written) == sum(s.stats.verify_steps for s in spec) > 0, (written, [s.stats.verify_steps for s in spec])
+        assert head.kv_cache.allocator.num_used == 0

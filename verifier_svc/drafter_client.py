@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from splitspec.runtime.grammar_guide import draft_to_grammar
+from splitspec.runtime.launched_draft import PendingChain
 from splitspec.runtime.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -143,16 +144,22 @@ class InProcessDrafterClient(DrafterClient):
             self._asked.pop(r, None)
             self._guides.pop(r, None)
         for tree in trees.values():
-            self.stats.trees += isinstance(tree, DraftTree)
+            self.stats.trees += isinstance(tree, (DraftTree, PendingChain))
             self.stats.empty += tree is None
             self.stats.faults += tree is DRAFT_FAULT
         return trees
 
     def _draft(self, request_ids: list[str]) -> list:
         """Their trees, a constrained request's holding only what its grammar allows (grammar_guide.draft_to_grammar:
-        the drafter never proposes a token the grammar forbids)."""
-        trees, cut = draft_to_grammar(self.drafter, request_ids, [self._asked[r] for r in request_ids],
-                                      [self._guides.get(r) for r in request_ids])
+        the drafter never proposes a token the grammar forbids). Without grammars the drafter launches its draft
+        (Drafter.launch): chains still on the device come back as PendingChains (runtime.launched_draft)."""
+        budgets = [self._asked[r] for r in request_ids]
+        guides = [self._guides.get(r) for r in request_ids]
+        launch = getattr(self.drafter, "launch", None)
+        if launch is not None and not any(g is not None for g in guides):
+            launched = launch(request_ids, budgets)
+            return launched.pending() if launched.chain_tokens is not None else launched.trees()
+        trees, cut = draft_to_grammar(self.drafter, request_ids, budgets, guides)
         self.stats.grammar_cut += cut
         return trees
 

@@ -24,6 +24,7 @@ import torch
 
 from splitspec.device_profile import phase as device_phase
 from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.launched_draft import PendingChain, write_chains
 from splitspec.runtime.penalties import apply_penalties
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.sampling import sample
@@ -276,6 +277,10 @@ class Engine(Scheduling, OverlapSchedule):
         for request_id, request in asked.items():
             budget, request.draft_budget = request.draft_budget, 0
             tree = trees.get(request_id)
+            if isinstance(tree, PendingChain):  # still on the device: its shape is all a verification batch needs
+                if request.matcher is None and tree.num_nodes <= budget:
+                    continue
+                tree = trees[request_id] = tree.resolve(request.output_ids[-1], self.runner.config.vocab_size)  # a grammar reads it
             if isinstance(tree, DraftTree) and tree.num_nodes > budget:  # a bet drafted under a larger budget
                 tree = trees[request_id] = tree.first(budget)
             if tree is DRAFT_FAULT or (tree is not None and not usable(tree, request, budget, self.runner.config.vocab_size)):
@@ -287,12 +292,16 @@ class Engine(Scheduling, OverlapSchedule):
     # verify + accept -----------------------------------------------------------------------------
     def _forward_and_accept(self, prefills: list[Chunk], verifies: list[Verify], masks=None) -> list[StepEvent]:
         with device_phase("engine.sequences"):
-            sequences = self._sequences(prefills, verifies)
+            sequences, chains = self._sequences(prefills, verifies)
         if not sequences:
             return []
         defer = self._defers(prefills, verifies, masks)  # its tokens land at the next step (overlap.py)
         with device_phase("engine.verify"):
-            batch, logits, features = self._forward(sequences, sync=not defer)
+            batch, logits, features = self._forward(sequences, sync=not defer, chains=chains)
+        vocab = self.runner.config.vocab_size
+        for v in verifies:  # drafts verified on the device before they reached the host: their tokens now
+            if isinstance(v.tree, PendingChain):
+                v.tree = v.tree.resolve(v.request.output_ids[-1], vocab)
         if defer:
             self.in_flight = self._launch(verifies, logits, pending=0, features=features)
             return []
@@ -313,17 +322,23 @@ class Engine(Scheduling, OverlapSchedule):
         self.report.seconds["accept"] = self._clock() - accept_start - self.report.seconds["commit"]
         return events
 
-    def _sequences(self, prefills: list[Chunk], verifies: list[Verify]) -> list[SequenceInput]:
+    def _sequences(self, prefills: list[Chunk], verifies: list[Verify]) -> tuple[list[SequenceInput], list[tuple[int, PendingChain]]]:
         """The forward's sequences: prompt chunks, then every decoding request's tree (padded to one captured
-        graph's shape where that helps: verification.pad_size)."""
+        graph's shape where that helps: verification.pad_size); and (sequence index, chain) for each draft still on
+        the device, whose sequence holds its root in every node's place until _forward writes the drafts in."""
         sequences = [SequenceInput(c.request.table, c.request.fill_ids[c.start : c.end], logits="all" if
                                    c.request.wants_prompt_logprobs else "last" if c.samples else "none") for c in prefills]
         pad = 0 if prefills else pad_size(self.runner, verifies)
+        chains = []
         for v in verifies:
             if v.tree.num_nodes == 1 and not pad:  # plain decoding's root
                 sequences.append(SequenceInput(v.request.table, [v.tree.tokens[0]], [v.seq_len], None, "all"))
                 continue
-            tokens, parents = list(v.tree.tokens), list(v.tree.parents)
+            if isinstance(v.tree, PendingChain):
+                chains.append((len(sequences), v.tree))
+                tokens, parents = [v.request.output_ids[-1]] * v.tree.num_nodes, list(v.tree.parents)
+            else:
+                tokens, parents = list(v.tree.tokens), list(v.tree.parents)
             if pad > len(tokens):  # filler children of the root, never walked: their rows are not read
                 self.report.padding_tokens += pad - len(tokens)
                 tokens += [tokens[0]] * (pad - len(tokens))
@@ -331,16 +346,22 @@ class Engine(Scheduling, OverlapSchedule):
             tree = tuple(parents) if len(tokens) > 1 else None
             sequences.append(SequenceInput(v.request.table, tokens, positions(parents, v.seq_len),
                                            tree_mask(tree) if tree else None, "all", tree))
-        return sequences
+        return sequences, chains
 
-    def _forward(self, sequences: list[SequenceInput], roots: torch.Tensor | None = None, sync: bool = True):
+    def _forward(self, sequences: list[SequenceInput], roots: torch.Tensor | None = None, sync: bool = True,
+                 chains: list[tuple[int, PendingChain]] = ()):
         """One target forward over the step's sequences: (batch, logits [rows, V], the drafter's features).
         roots: the input ids on the device, one per sequence (the overlap schedule's tokens not landed). sync: the
-        adaptive policy may wait for the forward to time it (not for a step the overlap schedule leaves in flight)."""
+        adaptive policy may wait for the forward to time it (not for a step the overlap schedule leaves in flight).
+        chains: (sequence index, draft on the device) whose drafts go into their sequences' rows on the device."""
         forward_start = self._clock()
         batch = self.runner.batch(sequences)
         if roots is not None:
             batch.input_ids.copy_(roots)
+        if chains:
+            starts = list(itertools.accumulate(batch.attention.q_lens, initial=0))
+            write_chains(batch.input_ids, [starts[i] for i, _ in chains], [c for _, c in chains],
+                         self.runner.config.vocab_size)
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
         # the forward is queued on the device: the drafter's deferred bookkeeping and the caller's host work run
         # under it (on a CPU device the forward has run already: they cost what they cost, after it)

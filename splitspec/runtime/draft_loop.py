@@ -181,6 +181,13 @@ class DraftLoop:
             tables: list[BlockTable], budgets: list[int]) -> list[DraftTree]:
         """Trees of at most budgets[i] (<= num_draft_tokens) nodes for requests whose committed keys (the
         root's row last) are in tables; root_logits [B, V], root_features [B, H] (heads)."""
+        return self.launch(roots, root_logits, root_features, tables, budgets).finish()
+
+    @torch.inference_mode()
+    def launch(self, roots: list[int], root_logits: torch.Tensor, root_features: torch.Tensor | None,
+               tables: list[BlockTable], budgets: list[int]) -> "LoopRun":
+        """run()'s draft queued on the device with its copy to the host, not waited for: LoopRun.finish() gives the
+        trees. Meanwhile the host may queue work that reads the drafts on the device (LoopRun.chain_tokens)."""
         count = len(roots)
         kv_lens = [t.num_tokens for t in tables]
         positions = torch.tensor([n - 1 for n in kv_lens], dtype=torch.long)
@@ -197,14 +204,18 @@ class DraftLoop:
             plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
             outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
         with device_phase("loop.to_host"):
-            host = torch.cat([o[:count].double() for o in outputs[:5]], 1).cpu()  # one transfer (ids < 2**53)
-        keep, parents_width = self.keep, outputs[3].shape[1]
-        rows = host.tolist()  # Python floats once for the whole batch (per-row tensor ops cost ~10 us each)
-        # the best path of each request (overlap's bets start from it); a copy: a replay overwrites outputs
-        self.paths = [[int(x) for x in row[3 * keep + parents_width :]] for row in rows]
-        self.path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
-        with device_phase("loop.trees"):
-            return self._trees(roots, rows, budgets, parents_width)
+            packed = torch.cat([o[:count].double() for o in outputs[:5]], 1)  # one transfer (ids < 2**53)
+            if packed.is_cuda:
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            else:
+                host, copied = packed, None
+        # a copy of what later reads need: the next replay overwrites the graph's outputs
+        path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
+        chain = outputs[1][:count] if self.topk == 1 else None
+        return LoopRun(self, list(roots), list(budgets), host, copied, outputs[3].shape[1], path_hidden, chain)
 
     def _trees(self, roots: list[int], rows: list[list[float]], budgets: list[int], parents_width: int) -> list[DraftTree]:
         keep = self.keep
@@ -286,3 +297,34 @@ class DraftLoop:
         entry.graph.replay()
         self.replays += 1
         return entry.outputs
+
+
+class LoopRun:
+    """A launched draft (DraftLoop.launch): its outputs on their way to the host. chain_tokens [B, keep] (top-1
+    drafts only, else None): every request's drafts in chain order on the device, readable by work queued before
+    the loop's next launch (a graph replay overwrites them)."""
+
+    def __init__(self, loop: DraftLoop, roots: list[int], budgets: list[int], host: torch.Tensor, copied,
+                 parents_width: int, path_hidden: torch.Tensor | None, chain_tokens: torch.Tensor | None):
+        self.loop, self.roots, self.budgets, self.host, self.copied = loop, roots, budgets, host, copied
+        self.parents_width, self.path_hidden, self.chain_tokens = parents_width, path_hidden, chain_tokens
+        self.paths: list[list[int]] = []
+        self._trees: list[DraftTree] | None = None
+
+    def sizes(self) -> list[int]:
+        """Each request's tree size (known at launch: its budget, at most the loop's kept candidates + the root)."""
+        return [min(b - 1, self.loop.keep) + 1 for b in self.budgets]
+
+    def finish(self) -> list[DraftTree]:
+        """The trees (waiting for the copy once); the loop's paths and path_hidden are this run's afterwards."""
+        if self._trees is None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            loop, keep = self.loop, self.loop.keep
+            rows = self.host.tolist()  # Python floats once for the whole batch (per-row tensor ops cost ~10 us each)
+            # the best path of each request (overlap's bets start from it)
+            self.paths = [[int(x) for x in row[3 * keep + self.parents_width :]] for row in rows]
+            with device_phase("loop.trees"):
+                self._trees = loop._trees(self.roots, rows, self.budgets, self.parents_width)
+        self.loop.paths, self.loop.path_hidden = self.paths, self.path_hidden
+        return self._trees

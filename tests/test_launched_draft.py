@@ -1,0 +1,97 @@
+"""Drafts launched on the device and verified before they reach the host (runtime.launched_draft): a launched
+EAGLE-3 draft gives the trees draft() gives, its top-1 chains are readable on the device meanwhile, and
+write_chains puts them into a batch's rows as the trees say (both of its paths, and the vocabulary clamp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_draft_loading import eagle3_flags
+
+from splitspec.demo import demo_model_dirs
+from splitspec.draft_models import build_drafter
+from splitspec.runtime.launched_draft import LaunchedDraft, PendingChain, write_chains
+from splitspec.runtime.tree import DraftTree
+from splitspec.speculation import resolve
+
+
+def eagle3_drafter(topk: int, steps: int, tokens: int):
+    return build_drafter(resolve(eagle3_flags(demo_model_dirs(heads=True)["eagle3"], "--speculative-num-steps", str(steps),
+                                              "--speculative-eagle-topk", str(topk),
+                                              "--speculative-num-draft-tokens", str(tokens))))
+
+
+def opened(drafter, lengths: list[int], seed: int) -> list[str]:
+    width = drafter.runner.model.fc_input_size
+    generator = torch.Generator().manual_seed(seed)
+    ids = []
+    for i, n in enumerate(lengths):
+        drafter.open(f"r{i}", [7 + i])
+        drafter.extend(f"r{i}", torch.randint(0, 4096, (n,), generator=generator).tolist(), torch.randn(n, width, generator=generator))
+        ids.append(f"r{i}")
+    return ids
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_a_launched_draft_gives_the_trees_draft_gives(topk):
+    """Two drafters in the same state: one drafts, one launches; the same trees, sizes known at launch, and at top-1
+    the chains on the device (row per drafted request) hold each tree's drafts; a request with nothing to draft from
+    gets no tree and no row."""
+    trees = {}
+    for how in ("draft", "launch"):
+        drafter = eagle3_drafter(topk, 4, 5)
+        ids = opened(drafter, [6, 19, 11], seed=3)
+        drafter.open("empty", [9])  # no rows yet: no root feature to draft from
+        asked, budgets = ids[:2] + ["empty"] + ids[2:], [5, 3, 5, 5]
+        if how == "draft":
+            trees[how] = drafter.draft(asked, budgets)
+            continue
+        launched = drafter.launch(asked, budgets)
+        assert launched.sizes == [5, 3, None, 5] and launched.rows == [0, 1, None, 2]
+        if topk == 1:
+            chains = launched.chain_tokens.tolist()  # before the trees are asked for
+            pending = launched.pending()
+            assert pending[2] is None and [p.num_nodes for p in pending if p] == [5, 3, 5]
+            assert not launched.finished
+        else:
+            assert launched.chain_tokens is None
+        trees[how] = launched.trees()
+        if topk == 1:
+            for k, i in enumerate((0, 1, 3)):
+                tree = trees[how][i]
+                assert tree.parents == tuple(range(-1, tree.num_nodes - 1)) and list(tree.tokens[1:]) == chains[k][: tree.num_nodes - 1]
+                assert pending[i].resolve(tree.tokens[0], 1 << 20) == DraftTree.chain(tree.tokens[0], list(tree.tokens[1:]), list(tree.scores[1:]))
+    assert trees["draft"][2] is None
+    assert [(t.tokens, t.parents) if t else None for t in trees["draft"]] == [(t.tokens, t.parents) if t else None for t in trees["launch"]]
+
+
+def launched_chains(rows: list[list[int]], sizes: list[int]) -> LaunchedDraft:
+    tokens = torch.tensor(rows)
+    trees = [DraftTree.chain(0, row[: n - 1]) for row, n in zip(rows, sizes)]
+    return LaunchedDraft(lambda: trees, list(range(len(rows))), sizes, tokens)
+
+
+def test_write_chains_puts_each_chain_in_its_rows():
+    vocab = 100
+    launched = launched_chains([[11, 12, 13], [21, 22, 23], [31, 32, 130]], [4, 4, 4])
+    chains = launched.pending()
+    # one launch's rows in order, evenly spaced (a padded tree: 5 rows each): the strided copy
+    ids = torch.full((15,), -1)
+    write_chains(ids, [0, 5, 10], chains, vocab)
+    assert ids.tolist() == [-1, 11, 12, 13, -1, -1, 21, 22, 23, -1, -1, 31, 32, 99, -1]
+    # after a prompt chunk, out of order, one request without a chain between: index lists
+    ids = torch.full((14,), -1)
+    write_chains(ids, [3, 10, 6], [chains[1], chains[2], chains[0]], vocab)
+    want = [-1] * 14
+    want[4:7], want[7:10], want[11:14] = [21, 22, 23], [11, 12, 13], [31, 32, 99]
+    assert ids.tolist() == want
+    # a past-vocabulary draft is read back as written
+    assert chains[2].resolve(5, vocab).tokens == (5, 31, 32, 99)
+
+
+def test_a_chain_that_comes_back_as_another_tree_fails_loudly():
+    trees = [DraftTree((1, 2, 3), (-1, 0, 0))]  # not the chain the verification was built around
+    launched = LaunchedDraft(lambda: trees, [0], [3], torch.tensor([[2, 3]]))
+    with pytest.raises(RuntimeError, match="launched chain"):
+        launched.pending()[0].resolve(1, 100)
+    assert isinstance(launched.pending()[0], PendingChain)
