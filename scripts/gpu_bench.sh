@@ -57,7 +57,8 @@
 #             with --disable-overlap-schedule: publishing between steps), demo-ngram-grpc-here (demo-ngram with
 #             --disable-frontend-multiprocessing: gRPC on the engine's process), demo-ngram-fixed (demo-ngram with
 #             --speculative-adaptive off: every step drafts its full tree), demo-eagle3-local (the EAGLE-3 head in the
-#             verifier's process, up --drafters 0), demo-ngram-local (drafted in the verifier's process,
+#             verifier's process, up --drafters 0), demo-eagle3-chain (demo-eagle3 drafting top-1 chains: steps 5, topk 1,
+#             6 tokens; verified before they reach the host, runtime/launched_draft.py), demo-ngram-local (drafted in the verifier's process,
 #             up --drafters 0: up's default for NGRAM since 2026-11-27), demo-ngram-remote (from a drafter process, up
 #             --drafters 1: the default before), demo-ngram-local-fixed (local, fixed trees), demo-eagle3-remote (the
 #             head in a drafter process, up --drafters 1: up's default on a GPU before 2026-11-28), 8b-eagle3-sim (the
@@ -213,6 +214,7 @@ for stage in "${stages[@]}"; do
                         demo-ngram) pre=(); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
                         demo-plain) pre=(); model=(--speculative-algorithm none); bs=1,16 ;;
                         demo-eagle3) pre=(); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
+                        demo-eagle3-chain) pre=(); model=(--speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6); bs=1,16 ;;
                         demo-eagle3-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-eagle3-remote) pre=(--serve=--drafters=1); model=(--speculative-algorithm EAGLE3); bs=1,16 ;;
                         demo-ngram-local) pre=(--serve=--drafters=0); model=(--speculative-algorithm NGRAM); bs=1,16 ;;
