@@ -17,6 +17,7 @@ import torch
 from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.draft_loop import DraftLoop
 from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
+from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.runner import ModelRunner
 from splitspec.drafter_svc.base import Bet, bet_order
 from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree, batched_topk
@@ -65,6 +66,28 @@ def beam_trees(drafter, request_ids: list[str], roots: list[int], root_logits: t
         for k, tree in zip(host, ran):
             trees[k] = tree
     return trees
+
+
+def launch_beam_draft(drafter, count: int, indices: list[int], request_ids: list[str], roots: list[int],
+                      root_logits: torch.Tensor, tables: list[BlockTable], budgets: list[int],
+                      root_features: torch.Tensor | None) -> LaunchedDraft:
+    """The device loop launched for the asked requests (indices: their places among `count`), as a LaunchedDraft of
+    `count` trees (None where not asked): the trees finished, and remembered for bets, when read; top-1 chains
+    readable on the device meanwhile (runtime.launched_draft)."""
+    run = drafter.loop.launch(roots, root_logits, root_features, tables, budgets)
+    rows: list[int | None] = [None] * count
+    sizes: list[int | None] = [None] * count
+    for j, (i, size) in enumerate(zip(indices, run.sizes())):
+        rows[i], sizes[i] = j, size
+
+    def finish() -> list[DraftTree | None]:
+        drafter._remember(request_ids, run, budgets)
+        out: list[DraftTree | None] = [None] * count
+        for i, tree in zip(indices, run.finish()):
+            out[i] = tree
+        return out
+
+    return LaunchedDraft(finish, rows, sizes, run.chain_tokens)
 
 
 def host_beam_draft(runner: ModelRunner, roots: list[int], root_logits: torch.Tensor, tables: list[BlockTable],

@@ -19,7 +19,7 @@ import torch
 
 from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
-from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for
+from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for, launch_beam_draft
 from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.launched_draft import LaunchedDraft
@@ -204,25 +204,10 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         asked, logits, features = self._asked_roots(request_ids, max_nodes)
         if not asked:
             return LaunchedDraft.ready([None] * len(request_ids))
-        ids = [request_ids[i] for i, _, _ in asked]
-        budgets = [b for _, _, b in asked]
         with device_phase("draft.loop"):
-            run = self.loop.launch([s.last_token for _, s, _ in asked], logits, features, [s.table for _, s, _ in asked],
-                                   budgets)
-        rows: list[int | None] = [None] * len(request_ids)
-        sizes: list[int | None] = [None] * len(request_ids)
-        for j, ((i, _, _), size) in enumerate(zip(asked, run.sizes())):
-            rows[i], sizes[i] = j, size
-
-        def finish() -> list[DraftTree | None]:
-            self._remember(ids, run, budgets)
-            out: list[DraftTree | None] = [None] * len(request_ids)
-            for j, tree in zip(rows_of, run.finish()):
-                out[j] = tree
-            return out
-
-        rows_of = [i for i, _, _ in asked]
-        return LaunchedDraft(finish, rows, sizes, run.chain_tokens)
+            return launch_beam_draft(self, len(request_ids), [i for i, _, _ in asked], [request_ids[i] for i, _, _ in asked],
+                                     [s.last_token for _, s, _ in asked], logits, [s.table for _, s, _ in asked],
+                                     [b for _, _, b in asked], features)
 
 
 def _roots(asked: list, model) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ import logging
 import torch
 
 from splitspec.drafter_svc.base import Drafter
-from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for
+from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for, launch_beam_draft
+from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
@@ -94,3 +95,15 @@ class StandaloneDrafter(ModelBets, Drafter):
         for (i, _, _), tree in zip(asked, trees):
             out[i] = tree
         return out
+
+    @torch.inference_mode()
+    def launch(self, request_ids: list[str], max_nodes: list[int]) -> LaunchedDraft:
+        """draft() queued on the device (as EagleDrafter.launch)."""
+        asked = [(i, r, min(self.num_draft_tokens, budget)) for i, (r, budget) in enumerate(zip(request_ids, max_nodes))
+                 if budget >= 2]
+        if self.loop is None or not asked:
+            return LaunchedDraft.ready(self.draft(request_ids, max_nodes))
+        ids = [r for _, r, _ in asked]
+        logits = self._catch_up(ids)
+        return launch_beam_draft(self, len(request_ids), [i for i, _, _ in asked], ids, [self.sequences[r][-1] for r in ids],
+                                 logits, [self.tables[r] for r in ids], [b for _, _, b in asked], None)

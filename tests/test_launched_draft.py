@@ -95,3 +95,29 @@ def test_a_chain_that_comes_back_as_another_tree_fails_loudly():
     with pytest.raises(RuntimeError, match="launched chain"):
         launched.pending()[0].resolve(1, 100)
     assert isinstance(launched.pending()[0], PendingChain)
+
+
+def test_a_launched_standalone_draft_gives_the_trees_draft_gives():
+    """The same for a draft LM (STANDALONE) at top-1: equal trees, each chain's drafts on the device at launch."""
+    from splitspec.drafter_svc.standalone import StandaloneDrafter
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    trees = {}
+    for how in ("draft", "launch"):
+        runner = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["draft"]), dtype="float32", device="cpu",
+                                                max_total_tokens=4096, page_size=4))
+        drafter = StandaloneDrafter(runner, topk=1, num_steps=3, num_draft_tokens=4)
+        generator = torch.Generator().manual_seed(5)
+        ids = [f"r{i}" for i in range(3)]
+        for i, n in enumerate((5, 17, 9)):
+            drafter.open(ids[i], torch.randint(0, 4096, (n,), generator=generator).tolist())
+        if how == "draft":
+            trees[how] = drafter.draft(ids, [4, 4, 3])
+            continue
+        launched = drafter.launch(ids, [4, 4, 3])
+        assert launched.sizes == [4, 4, 3]
+        chains = launched.chain_tokens.tolist()
+        trees[how] = launched.trees()
+        for k, tree in enumerate(trees[how]):
+            assert list(tree.tokens[1:]) == chains[k][: tree.num_nodes - 1]
+    assert [(t.tokens, t.parents) for t in trees["draft"]] == [(t.tokens, t.parents) for t in trees["launch"]]
