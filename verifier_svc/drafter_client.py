@@ -69,8 +69,9 @@ class DrafterClient(ABC):
         """Start drafting these requests' next trees (returns at once)."""
 
     @abstractmethod
-    def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | _Fault]:
-        """The requested trees: a tree, None (nothing to propose, or not requested) or DRAFT_FAULT."""
+    def collect(self, request_ids: list[str]) -> dict[str, DraftTree | PendingChain | None | _Fault]:
+        """The requested trees: a tree, None (nothing to propose, or not requested) or DRAFT_FAULT; in this process
+        also a PendingChain (a chain still on the device: runtime.launched_draft), which the engine resolves."""
 
     @abstractmethod
     def release(self, request_id: str) -> None: ...
@@ -78,7 +79,7 @@ class DrafterClient(ABC):
     def accepted(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """How a request's last tree fared (per-drafter accounting); optional."""
 
-    def propose(self, asks: list[DraftAsk]) -> dict[str, DraftTree | None | _Fault]:
+    def propose(self, asks: list[DraftAsk]) -> dict[str, DraftTree | PendingChain | None | _Fault]:
         self.request(asks)
         return self.collect([a.request_id for a in asks])
 
@@ -129,8 +130,8 @@ class InProcessDrafterClient(DrafterClient):
                 logger.exception("drafter %s failed on %s; it decodes without drafts", self.drafter.name, ask.request_id)
                 self._broken.add(ask.request_id)
 
-    def collect(self, request_ids: list[str]) -> dict[str, DraftTree | None | _Fault]:
-        trees: dict[str, DraftTree | None | _Fault] = {r: None for r in request_ids if r not in self._asked}
+    def collect(self, request_ids: list[str]) -> dict[str, DraftTree | PendingChain | None | _Fault]:
+        trees: dict[str, DraftTree | PendingChain | None | _Fault] = {r: None for r in request_ids if r not in self._asked}
         faulted = [r for r in request_ids if r in self._asked and r in self._broken]
         asked = [r for r in request_ids if r in self._asked and r not in self._broken]
         trees.update({r: DRAFT_FAULT for r in faulted})
