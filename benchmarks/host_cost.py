@@ -42,11 +42,12 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     ("splitspec.verifier_svc.engine", "Engine", "_request_drafts", "ask"),
     ("splitspec.verifier_svc.verification", None, "target_rows", "target_rows"),
     ("splitspec.runtime.runner", "ModelRunner", "batch", "runner.batch"),
-    ("splitspec.drafter_svc.replay", "ReplayDrafter", "draft", "replay.draft (simulation only)"),
-    ("splitspec.drafter_svc.eagle", "EagleDrafter", "draft", "eagle.draft"),
+    ("splitspec.drafter_svc.replay", "ReplayDrafter", "launch", "replay.launch (simulation only)"),
+    ("splitspec.drafter_svc.eagle", "EagleDrafter", "launch", "eagle.launch"),
     ("splitspec.drafter_svc.eagle", "EagleDrafter", "_catch_up", "catch_up"),
-    ("splitspec.runtime.draft_loop", "DraftLoop", "run", "loop.run"),
-    ("splitspec.runtime.draft_loop", "DraftLoop", "_trees", "loop.trees"),
+    ("splitspec.runtime.draft_loop", "DraftLoop", "launch", "loop.launch"),
+    ("splitspec.runtime.draft_loop", "LoopRun", "finish", "loop.finish (under the verification on a GPU)"),
+    ("splitspec.runtime.draft_loop", "DraftLoop", "_trees", "loop.trees (under the verification on a GPU)"),
 ]
 
 
@@ -60,7 +61,7 @@ class Timers:
     def wrap(self, function, label: str):
         @functools.wraps(function)
         def timed(*args, **kwargs):
-            if label.startswith("replay.draft") and not self.live:
+            if label.startswith("replay.launch") and not self.live:
                 self.live = True
                 self.seconds.clear()
                 self.calls.clear()
@@ -100,7 +101,7 @@ def one_round(args, timers: Timers) -> dict[str, float]:
         timers.live = False
         with contextlib.redirect_stdout(io.StringIO()):  # the bench's own report
             cli.main()
-    drafted = timers.calls["replay.draft (simulation only)"]
+    drafted = timers.calls["replay.launch (simulation only)"]
     return {label: timers.seconds[label] / drafted * 1e3 for label in timers.seconds}
 
 

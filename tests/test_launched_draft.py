@@ -85,8 +85,21 @@ def test_write_chains_puts_each_chain_in_its_rows():
     want = [-1] * 14
     want[4:7], want[7:10], want[11:14] = [21, 22, 23], [11, 12, 13], [31, 32, 99]
     assert ids.tolist() == want
+    # evenly spaced but the last sequence shorter than the spacing, at the batch's end: index lists, in bounds
+    ids = torch.full((14,), -1)  # rows of 5, 5 and 4 tokens: a strided view of 15 would not fit
+    write_chains(ids, [0, 5, 10], chains, vocab)
+    assert ids.tolist() == [-1, 11, 12, 13, -1, -1, 21, 22, 23, -1, -1, 31, 32, 99]
     # a past-vocabulary draft is read back as written
     assert chains[2].resolve(5, vocab).tokens == (5, 31, 32, 99)
+
+
+def test_a_chain_whose_drafter_fails_to_finish_is_read_from_the_device(caplog):
+    def broken():
+        raise ValueError("bookkeeping")
+
+    launched = LaunchedDraft(broken, [0, 1], [3, 3], torch.tensor([[4, 5], [6, 7]]))
+    assert launched.pending()[1].resolve(9, 100).tokens == (9, 6, 7)
+    assert "read from the device" in caplog.text
 
 
 def test_a_chain_that_comes_back_as_another_tree_fails_loudly():

@@ -14,12 +14,15 @@ draft's device time instead of after it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from splitspec.runtime.batch import device_tensor
 from splitspec.runtime.tree import DraftTree
+
+logger = logging.getLogger(__name__)
 
 
 class LaunchedDraft:
@@ -75,7 +78,12 @@ class PendingChain:
     def resolve(self, root: int, vocab: int) -> DraftTree:
         """The chain as verified: root, then the drafter's tokens (waiting for them once), any past the vocabulary
         as write_chains wrote them (vocab - 1). A drafter whose tree is not this chain is a bug: it raises."""
-        tree = self.launched.trees()[self.index]
+        try:
+            tree = self.launched.trees()[self.index]
+        except Exception:  # the drafter's bookkeeping failed; what was verified is still on the device
+            logger.exception("finishing a launched draft failed; its chain is read from the device")
+            drafts = self.launched.chain_tokens[self.row, : self.num_nodes - 1].tolist()
+            return DraftTree.chain(root, [t if t < vocab else vocab - 1 for t in drafts])
         if not isinstance(tree, DraftTree) or tree.num_nodes != self.num_nodes or tree.parents != self.parents:
             raise RuntimeError(f"a launched chain of {self.num_nodes} nodes came back as {tree!r}")
         drafts = [t if t < vocab else vocab - 1 for t in tree.tokens[1:]]
@@ -92,7 +100,8 @@ def write_chains(input_ids: torch.Tensor, starts: list[int], chains: list[Pendin
     tokens = chains[0].launched.chain_tokens
     n = chains[0].num_nodes
     stride = starts[1] - starts[0] if len(starts) > 1 else n
-    if (stride >= n and all(c.launched is chains[0].launched and c.row == k and c.num_nodes == n for k, c in enumerate(chains))
+    if (stride >= n and starts[0] + stride * len(chains) <= input_ids.shape[0]
+            and all(c.launched is chains[0].launched and c.row == k and c.num_nodes == n for k, c in enumerate(chains))
             and all(s == starts[0] + k * stride for k, s in enumerate(starts))):
         rows = input_ids[starts[0] : starts[0] + stride * len(chains)].view(len(chains), stride)
         rows[:, 1:n].copy_(tokens[: len(chains), : n - 1].clamp(max=vocab - 1))
