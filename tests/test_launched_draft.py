@@ -134,3 +134,43 @@ def test_a_launched_standalone_draft_gives_the_trees_draft_gives():
         for k, tree in enumerate(trees[how]):
             assert list(tree.tokens[1:]) == chains[k][: tree.num_nodes - 1]
     assert [(t.tokens, t.parents) for t in trees["draft"]] == [(t.tokens, t.parents) for t in trees["launch"]]
+
+
+def test_served_top1_drafts_in_the_verifiers_process_equal_plain_over_http():
+    """What `splitspec up` runs for EAGLE-3 on a GPU, here on the CPU: the head in the verifier's process
+    (--drafters 0) drafting top-1 chains, so every verified draft takes the launched path. Through the gateway with the
+    openai client, greedy completions of token prompts equal plain decoding's text, and the responses count drafts
+    proposed and accepted; up stops cleanly."""
+    from openai import OpenAI
+    from test_launcher import Up
+    from test_speculative import PROMPTS
+    from transformers import AutoTokenizer
+
+    from splitspec.generate import generate_ids
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+    from splitspec.runtime.sampling_params import SamplingParams
+
+    target_dir = demo_model_dirs()["target"]
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=4096))
+    params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)]
+    plain = [tokenizer.decode(generate_ids(runner, [p], params, set())[0].output_ids, skip_special_tokens=True) for p in prompts]
+    up = Up("--drafters", "0", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--speculative-adaptive", "off",
+            "--served-model-name", "demo", "--log-level", "warning")
+    try:
+        up.wait_for_line(r"serving demo at ")
+        assert [name for name in up.service_pids().values()] == ["verifier", "gateway"]
+        client = OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        drafted = accepted = 0
+        for prompt, want in zip(prompts, plain):
+            response = client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+            assert response.choices[0].text == want and response.usage.completion_tokens == 24
+            spec = response.model_extra["speculative"]
+            assert spec["algorithm"] == "EAGLE3"
+            drafted, accepted = drafted + spec["draft_tokens"], accepted + spec["accepted_tokens"]
+        assert drafted > 0 and accepted > 0
+    finally:
+        assert up.stop() == 0
