@@ -78,11 +78,15 @@ class StandaloneDrafter(ModelBets, Drafter):
         logits = self._catch_up(request_ids)
         return [(self.tables[r], logits[k], None) for k, r in enumerate(request_ids)]
 
+    def _asked(self, request_ids: list[str], max_nodes: list[int]) -> list[tuple[int, str, int]]:
+        """(index, request, budget) of the requests that draft a tree (a budget of 2 or more, at most the tree's)."""
+        return [(i, r, min(self.num_draft_tokens, budget)) for i, (r, budget) in enumerate(zip(request_ids, max_nodes))
+                if budget >= 2]
+
     @torch.inference_mode()
     def draft(self, request_ids: list[str], max_nodes: list[int], guides: list | None = None) -> list[DraftTree | None]:
         """guides: as EagleDrafter.draft's."""
-        asked = [(i, r, min(self.num_draft_tokens, budget)) for i, (r, budget) in enumerate(zip(request_ids, max_nodes))
-                 if budget >= 2]
+        asked = self._asked(request_ids, max_nodes)
         out: list[DraftTree | None] = [None] * len(request_ids)
         if not asked:
             return out
@@ -99,8 +103,7 @@ class StandaloneDrafter(ModelBets, Drafter):
     @torch.inference_mode()
     def launch(self, request_ids: list[str], max_nodes: list[int]) -> LaunchedDraft:
         """draft() queued on the device (as EagleDrafter.launch)."""
-        asked = [(i, r, min(self.num_draft_tokens, budget)) for i, (r, budget) in enumerate(zip(request_ids, max_nodes))
-                 if budget >= 2]
+        asked = self._asked(request_ids, max_nodes)
         if self.loop is None or not asked:
             return LaunchedDraft.ready(self.draft(request_ids, max_nodes))
         ids = [r for _, r, _ in asked]

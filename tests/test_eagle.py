@@ -162,19 +162,23 @@ def trained_head(tmp_path_factory):
     return str(th.write_head(tmp_path_factory.mktemp("trained") / "eagle", head_config, state, "bin"))
 
 
-def test_eagle_drafting_keeps_greedy_output_at_batch_1_and_8(trained_head):
+def greedy_setup(head_dir: str):
+    """(target, head sharing its embeddings and LM head, 8 code prompts, greedy params for 24 tokens, plain decoding's
+    outputs, the HF reference) for the lossless tests of a trained head."""
     from transformers import AutoTokenizer
 
     target_dir = demo_model_dirs()["target"]
-    head_dir = trained_head
     target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=8192))
     head = ModelRunner.load(RuntimeConfig(model_path=head_dir, dtype="float32", device="cpu", max_total_tokens=8192, family="eagle"))
     head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [tokenizer.encode(p) for p in PROMPTS[:8]]
     params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)] * 8
-    plain = run(target, prompts, params, batch=1)
-    reference = hf_model(target_dir)
+    return target, head, prompts, params, run(target, prompts, params, batch=1), hf_model(target_dir)
+
+
+def test_eagle_drafting_keeps_greedy_output_at_batch_1_and_8(trained_head):
+    target, head, prompts, params, plain, reference = greedy_setup(trained_head)
     for batch in (1, 8):
         eagle = EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)
         eagle.max_catch_up = 5 if batch == 8 else eagle.max_catch_up  # prompts caught up over several forwards
@@ -365,23 +369,12 @@ def test_top1_chains_are_verified_before_they_reach_the_host(trained_head, monke
     the verification batch around PendingChains, writes the drafts into it on the device (write_chains) and reads
     them only at acceptance. Greedy output equals plain at batch 1 and 8, drafts are accepted, no fallbacks, and
     every verified draft went that way."""
-    from transformers import AutoTokenizer
-
     import splitspec.verifier_svc.engine as engine_module
 
     written, write = [], engine_module.write_chains
     monkeypatch.setattr(engine_module, "write_chains",
                         lambda ids, starts, chains, vocab: (written.append(len(chains)), write(ids, starts, chains, vocab))[1])
-    target_dir = demo_model_dirs()["target"]
-    target = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=8192))
-    head = ModelRunner.load(RuntimeConfig(model_path=trained_head, dtype="float32", device="cpu", max_total_tokens=8192,
-                                          family="eagle"))
-    head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = [tokenizer.encode(p) for p in PROMPTS[:8]]
-    params = [SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)] * 8
-    plain = run(target, prompts, params, batch=1)
-    reference = hf_model(target_dir)
+    target, head, prompts, params, plain, reference = greedy_setup(trained_head)
     for batch in (1, 8):
         written.clear()
         client = InProcessDrafterClient(EagleDrafter(head, topk=1, num_steps=4, num_draft_tokens=5))

@@ -298,10 +298,11 @@ class Engine(Scheduling, OverlapSchedule):
         defer = self._defers(prefills, verifies, masks)  # its tokens land at the next step (overlap.py)
         with device_phase("engine.verify"):
             batch, logits, features = self._forward(sequences, sync=not defer, chains=chains)
-        vocab = self.runner.config.vocab_size
-        for v in verifies:  # drafts verified on the device before they reached the host: their tokens now
-            if isinstance(v.tree, PendingChain):
-                v.tree = v.tree.resolve(v.request.output_ids[-1], vocab)
+        if chains:  # drafts verified on the device before they reached the host: their tokens now
+            vocab = self.runner.config.vocab_size
+            for v in verifies:
+                if isinstance(v.tree, PendingChain):
+                    v.tree = v.tree.resolve(v.request.output_ids[-1], vocab)
         if defer:
             self.in_flight = self._launch(verifies, logits, pending=0, features=features)
             return []

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.host_tensors import copy_to_host
 from splitspec.runtime.sampling import sample
 from splitspec.verifier_svc.draft_features import StateRows
 from splitspec.verifier_svc.step_types import Request, StepEvent
@@ -90,13 +91,7 @@ class OverlapSchedule:
         features: the forward's states (a hidden-state drafter's; None for others)."""
         params = [target_params(self.spec, v.request.params) for v in verifies]
         tokens = sample(logits, params, [len(v.request.output_ids) + pending for v in verifies])
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        else:
-            host, copied = tokens, None
+        host, copied = copy_to_host(tokens)
         kv = self.runner.kv_cache
         for v in verifies:
             kv.set_length(v.request.table, v.seq_len + 1)

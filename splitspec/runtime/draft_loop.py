@@ -33,6 +33,7 @@ from splitspec.device_profile import phase as device_phase
 from splitspec.runtime.attention.base import merge_attention
 from splitspec.runtime.attention.torch_backend import dense_attention
 from splitspec.runtime.cuda_graph import capture_sizes, warm_and_capture
+from splitspec.runtime.host_tensors import copy_to_host
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.tree import NO_NODE, DraftTree, parents_from_selection
 
@@ -204,14 +205,7 @@ class DraftLoop:
             plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
             outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
         with device_phase("loop.to_host"):
-            packed = torch.cat([o[:count].double() for o in outputs[:5]], 1)  # one transfer (ids < 2**53)
-            if packed.is_cuda:
-                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-                host.copy_(packed, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-            else:
-                host, copied = packed, None
+            host, copied = copy_to_host(torch.cat([o[:count].double() for o in outputs[:5]], 1))  # one transfer (ids < 2**53)
         # a copy of what later reads need: the next replay overwrites the graph's outputs
         path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
         chain = outputs[1][:count] if self.topk == 1 else None

@@ -17,3 +17,15 @@ def host_tensor(values, dtype: torch.dtype = torch.long) -> torch.Tensor:
     if not len(values):
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
+
+
+def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """(host tensor, event) for a copy started without waiting: a device tensor goes into pinned memory behind an
+    event (synchronize it before reading the host tensor); a host tensor is returned as is, with no event."""
+    if not tensor.is_cuda:
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
