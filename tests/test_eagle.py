@@ -95,6 +95,39 @@ def test_unsent_states_cut_every_requests_rows_out_together():
     assert torch.equal(reordered[0], b[2:4]) and torch.equal(reordered[1], b[0:2])
 
 
+def test_an_overlapped_runs_states_reach_each_request_in_step_order():
+    """RunStates (drafting off, overlapped steps): each landed step's [B, W] states, row i request i's; a flush hands
+    every request still running its rows of the whole run, oldest step first, after what it held before; a request
+    that ended during the run gets none; the feed of a whole flushed run cuts views of one tensor, no gather."""
+    from splitspec.runtime.sampling_params import SamplingParams
+    from splitspec.verifier_svc.draft_features import RunStates, StateRows, unsent_states
+    from splitspec.verifier_svc.step_types import Request
+
+    requests = [Request(f"r{i}", [1, 2], SamplingParams(), True) for i in range(3)]
+    plain = Request("p", [1, 2], SamplingParams(), False)
+    steps = [torch.arange(8.0).view(4, 2) + 100 * t for t in range(3)]  # rows: r0, r1, plain, r2
+    earlier = torch.full((1, 2), -1.0)
+    requests[1].unsent_hidden.append(StateRows(earlier, 0, 1))  # its accepted path's state from the step before
+    run = RunStates()
+    order = [requests[0], requests[1], plain, requests[2]]
+    for t, features in enumerate(steps):
+        run.add(features, order)
+        if t == 1:
+            requests[2].finish_reason = "stop"  # ended at the run's second step
+    run.flush()
+    assert run.steps == [] and plain.unsent_hidden == [] and requests[2].unsent_hidden == []
+    fed = unsent_states([r.unsent_hidden for r in requests])
+    assert torch.equal(fed[0], torch.stack([s[0] for s in steps]))
+    assert torch.equal(fed[1], torch.cat([earlier, torch.stack([s[1] for s in steps])]))
+    assert fed[2] is None
+    run.add(steps[0], requests[:2])  # a run of one step, fed whole: views of its own tensor
+    run.flush()
+    requests[0].unsent_hidden, requests[1].unsent_hidden = requests[0].unsent_hidden[-1:], requests[1].unsent_hidden[-1:]
+    alone = unsent_states([requests[0].unsent_hidden, requests[1].unsent_hidden])
+    assert torch.equal(alone[0], steps[0][0:1]) and torch.equal(alone[1], steps[0][1:2])
+    assert alone[0].data_ptr() == steps[0].data_ptr()
+
+
 def eagle_head_dir(tmp_path) -> str:
     """A random EAGLE head shaped for the demo target (its hidden size, heads, vocabulary)."""
     import test_eagle_head as th

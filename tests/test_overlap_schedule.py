@@ -196,7 +196,7 @@ def in_process_drafter(kind: str, runner, target):
 @pytest.mark.parametrize("kind", ["NGRAM"] + [pytest.param(head, marks=pytest.mark.skipif(
     not (SHIPPED_ROOT / head.lower() / "config.json").exists(), reason=f"the demo {head} head is not in this tree"))
     for head in ("EAGLE", "EAGLE3")])
-@pytest.mark.parametrize("script", [(12, 3), (3, 1)], ids=["long-off", "short-off"])
+@pytest.mark.parametrize("script", [(12, 3), (3, 1), (20, 2)], ids=["long-off", "short-off", "off-with-feeds"])
 def test_speculating_requests_overlap_while_drafting_is_off(target, script, kind):
     """A drafter (NGRAM; the demo EAGLE and EAGLE-3 heads, which need the target's states) and a policy that turns drafting off
     and on: while it is off the speculating requests' steps overlap (their tokens, and the head's states of the steps

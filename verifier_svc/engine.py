@@ -32,7 +32,7 @@ from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance
 from splitspec.verifier_svc.adaptive import StepShape, adaptive_policy
-from splitspec.verifier_svc.draft_features import pair_prompt_states, path_states, unsent_states
+from splitspec.verifier_svc.draft_features import RunStates, pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, draft_guide, no_grammars
 from splitspec.verifier_svc.overlap import InFlight, OverlapSchedule
@@ -61,6 +61,8 @@ class Engine(Scheduling, OverlapSchedule):
         self.sync_timing = sync_timing and runner.device.type == "cuda"
         self.overlap_schedule = overlap_schedule and not self.sync_timing
         self.in_flight: InFlight | None = None  # a launched plain step whose tokens have not landed (overlap.py)
+        self.run_states = RunStates()  # the states of the overlapped run so far (drafting off: overlap.py)
+        self.unsent_max: int | None = None  # in such a run, the most unsent tokens of a request (None: not counted)
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
         self.scheduler = scheduler or SchedulerConfig()
         self.prefix_cache = prefix_cache
@@ -199,28 +201,31 @@ class Engine(Scheduling, OverlapSchedule):
             base_seconds=max(own - verify - spec, 0.0),
             accepts=list(zip(self.report.tree_depths, [n - 1 for n in self.report.accept_lengths]))), start, own)
 
-    def _choose_budget(self) -> int:
+    def _choose_budget(self, continuing: bool = False) -> int:
         """The tree budget of the next step's asks: fixed, or the adaptive policy's choice for the batch that
-        will decode next."""
+        will decode next (continuing: an overlapped run's, every request decoding)."""
         if self.adaptive is None:
             return self.spec.num_draft_tokens
         limit = self.scheduler.chunked_prefill_size  # a prefill that fits the next chunk decodes next step too
-        decoding = [r for r in self.running if r.decoding or limit <= 0 or r.fill_len - r.num_prefilled <= limit]
+        decoding = self.running if continuing else [
+            r for r in self.running if r.decoding or limit <= 0 or r.fill_len - r.num_prefilled <= limit]
         speculating = sum(1 for r in decoding if r.speculate)
         return self.adaptive.choose(speculating, len(decoding) - speculating, self.report.prefill_tokens)
 
     # draft ---------------------------------------------------------------------------------------
-    def _request_drafts(self, only_missing: bool = False, trees: bool = True) -> None:
+    def _request_drafts(self, only_missing: bool = False, trees: bool = True, continuing: bool = False) -> None:
         """Ask the drafter for the next tree of every decoding request that speculates, with this step's budget
         (adaptive: the policy's choice; below 2, no tree: its new tokens still reach the drafter every
         FEED_EVERY tokens, so that speculation resumes without a catch-up). A hidden-state drafter also gets
         each prefill chunk's (token, state) pairs as they are computed (a budget of 0: no tree), so it catches
         up on a long prompt alongside chunked prefill, not all at once. trees False (the overlap schedule has a step
         in flight: a tree asked now would grow from a token that is no longer the last): the budget is chosen and
-        feeds go, but a budget of 2 or more asks nothing; the step in flight lands first and _draft asks then."""
+        feeds go, but a budget of 2 or more asks nothing; the step in flight lands first and _draft asks then.
+        continuing: an overlapped run's step (the same batch, every request decoding, one token more each): with
+        drafting off, nothing per request until a feed is due."""
         if not only_missing:
             was = self.adaptive is not None and self.adaptive.budget >= 2
-            self.budget = self._choose_budget()
+            self.budget = self._choose_budget(continuing)
             if self.adaptive is not None and was != (self.adaptive.budget >= 2):  # not for a probe's one step
                 logger.info("adaptive speculation: %s at %d decoding requests (predicted tokens/s by budget: %s)",
                             "drafting again" if self.adaptive.budget >= 2 else "drafting off", len(self.running),
@@ -230,11 +235,18 @@ class Engine(Scheduling, OverlapSchedule):
                 if request.draft_budget < 2:
                     request.draft_budget = 0
             return
-        asks, states = [], []
         # drafting off: when one request has FEED_EVERY tokens unsent, every request's unsent tokens go in the same
         # feed (one catch-up forward of the drafter for all, not one per request as each reaches the mark)
+        if continuing and self.budget < 2:  # the most unsent grows by one a step: counted once a run, not scanned
+            self.unsent_max = max((len(r.unsent) for r in self.running if r.speculate), default=0) \
+                if self.unsent_max is None else self.unsent_max + 1
+            if self.unsent_max < FEED_EVERY:
+                return
+            self.unsent_max = 0  # every speculating request's unsent tokens go now
         feed = self.budget < 2 and not only_missing and any(
             len(r.unsent) >= FEED_EVERY for r in self.running if r.speculate and r.decoding)
+        self.run_states.flush()  # before its requests' states are sent
+        asks, states = [], []
         for request in self.running:
             if not request.speculate:
                 continue

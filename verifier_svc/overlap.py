@@ -35,7 +35,6 @@ import torch
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.host_tensors import copy_to_host
 from splitspec.runtime.sampling import sample
-from splitspec.verifier_svc.draft_features import StateRows
 from splitspec.verifier_svc.step_types import Request, StepEvent
 from splitspec.verifier_svc.verification import Verify, by_target, target_params
 
@@ -69,8 +68,8 @@ def deferrable(spec, request: Request, drafting_off: bool) -> bool:
 
 class OverlapSchedule:
     """Engine's overlapped plain decoding; the attributes it uses are Engine's (runner, spec, running, waiting,
-    scheduler, eos_ids, report, overlap_schedule, in_flight, budget, needs_hidden, _events, _forward, _retire,
-    _request_drafts)."""
+    scheduler, eos_ids, report, overlap_schedule, in_flight, budget, needs_hidden, run_states, unsent_max, _events,
+    _forward, _retire, _request_drafts)."""
 
     @property
     def _drafting_off(self) -> bool:
@@ -125,14 +124,14 @@ class OverlapSchedule:
         return self._launch(verifies, logits, pending=1, features=features)
 
     def _land(self, flight: InFlight) -> list[StepEvent]:
-        """Step N's tokens emitted (a speculating request's with its state of step N, for a hidden-state drafter);
-        the rows of requests that ended since its launch (a stop in the step before, an abort) dropped."""
-        events, features = [], flight.features
-        for i, (v, token) in enumerate(zip(flight.verifies, flight.land())):
-            if v.request.finish_reason is None:
-                hidden = StateRows(features, i, 1) if features is not None and v.request.speculate else None
-                events.append(v.request.emit([token], self.eos_ids, hidden))
-        return events
+        """Step N's tokens emitted (a hidden-state drafter's states of step N kept for the run: draft_features.RunStates,
+        handed to the requests when the run ends or feeds); the rows of requests that ended since its launch (a stop in
+        the step before, an abort) dropped."""
+        eos_ids = self.eos_ids
+        requests = [v.request for v in flight.verifies]
+        if flight.features is not None and any(r.speculate for r in requests):
+            self.run_states.add(flight.features, requests)
+        return [r.emit([token], eos_ids) for r, token in zip(requests, flight.land()) if r.finish_reason is None]
 
     def _step_in_flight(self) -> tuple[list[StepEvent], bool]:
         """(events of the step in flight, whether the next one was launched before they landed). Phases: schedule
@@ -145,10 +144,13 @@ class OverlapSchedule:
             self.in_flight = self._relaunch(flight)
         began = time.perf_counter()
         events = self._land(flight)
+        if not continues:  # the run ends: its states go to its requests before a step adds any of their own
+            self.run_states.flush()
+            self.unsent_max = None
         self._retire()
         self.report.seconds["accept"] = time.perf_counter() - began
         if continues and any(v.request.speculate for v in flight.verifies):  # the next budget; the landed tokens fed
             began = time.perf_counter()
-            self._request_drafts(trees=False)
+            self._request_drafts(trees=False, continuing=True)
             self.report.seconds["ask"] = time.perf_counter() - began
         return events, continues
