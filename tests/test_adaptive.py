@@ -175,6 +175,33 @@ def test_policy_measures_again_what_it_judged_while_warming_up():
         assert chosen[-200:].count(6) >= 190, (stale_steps, chosen[-200:])
 
 
+def test_a_drafters_cost_at_a_new_load_prices_every_budget_there():
+    """A beam drafter (every step drafted, whatever the budget) whose draft costs 1 ms at batch 1 and 8 ms at batch 16,
+    a forward flat at 0.6 ms (a small target): drafting pays at batch 1 and at no budget at batch 16. Every budget was
+    timed at batch 1; once one budget was timed at batch 16, the others are priced with its drafting time there, not
+    their own at batch 1: the policy leaves drafting after trying one budget, not after trying them one by one (two
+    steps each at ~10 ms against ~1.6 for a plain step)."""
+
+    class BeamGpu(ModelGpu):
+        def verify(self, tokens):
+            return 0.0006
+
+        def draft(self, budget, batch):
+            return (0.001 if batch < 8 else 0.008) if budget > 1 else 0.0
+
+    gpu = BeamGpu(q=0.9)
+    assert max(range(1, 7), key=lambda b: gpu.throughput(b, 1)) > 1
+    assert max(range(1, 7), key=lambda b: gpu.throughput(b, 16)) == 1
+    policy = chain_policy()
+    for budget in (1, 2, 3, 4, 5, 6):  # every budget timed at batch 1 (an earlier load's tries and switches)
+        for _ in range(6):
+            policy.observe(gpu.step(budget, 1))
+    assert run_policy(policy, gpu, 1, 50)[-20:].count(1) == 0
+    at_16 = run_policy(policy, gpu, 16, 150)
+    assert sum(b > 1 for b in at_16) <= 3, at_16
+    assert at_16[-100:].count(1) == 100, at_16
+
+
 def test_a_tree_measured_slower_than_plain_is_left_though_its_phases_look_cheap(monkeypatch):
     """One drafted step in three pays a long stall (a drafter's collection, a cache's eviction): each phase's median
     is the cheap steps', so the sum of the parts predicts speculation at 3x plain decoding, while what it truly

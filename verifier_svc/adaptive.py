@@ -345,15 +345,15 @@ class AdaptiveSpeculation:
         return value
 
     def _spec_seconds(self, budget: int, batch_bucket: int) -> float:
-        """What speculation adds outside the forward at this budget and load: as timed at the nearest load, or,
-        for a budget not timed lately at any load, the nearest budget's at this load (a drafter's time is
-        mostly per step, not per node: free drafting would be too optimistic a guess)."""
-        seconds = self._nearest(self._spec, batch_bucket, budget, fresh=True)
-        if seconds or budget <= 1:
-            return seconds
+        """What speculation adds outside the forward at this budget and load: as timed here lately, else the nearest
+        budget's here (a drafter's time follows the batch far more than the budget: a beam drafter runs every step;
+        the demo EAGLE-3 head drafts in ~3 ms at batch 16, ~1 at batch 1, and budgets priced from batch 1 were tried
+        one by one), else the budget's at the nearest load; 0 (so tried) where nothing was timed."""
         horizon = self._horizon()
-        others = [k for k in self._spec if k[0] > 1 and k[1] == batch_bucket and self._spec[k].last >= horizon]
-        return self._spec[min(others, key=lambda k: abs(k[0] - budget))].value if others else 0.0
+        here = [k for k in self._spec if k[0] > 1 and k[1] == batch_bucket and self._spec[k].last >= horizon]
+        if budget <= 1 or not here:
+            return self._nearest(self._spec, batch_bucket, budget, fresh=True)
+        return self._spec[min(here, key=lambda k: (abs(k[0] - budget), k[0]))].value
 
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
                    optimistic: bool = False) -> float | None:
