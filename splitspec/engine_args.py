@@ -120,8 +120,10 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
         group.add_argument("--speculative-adaptive-hysteresis", type=float, default=0.015,
                            help="Adaptive: the predicted relative gain a change of budget needs (against flapping).")
         group.add_argument("--speculative-adaptive-probe-interval", type=int, default=200,
-                           help="Adaptive: steps without drafts after which one step drafts, to measure the acceptance "
-                           "again (only when better acceptance could make speculation pay at that load).")
+                           help="Adaptive: steps without drafts after which two steps draft, to measure the acceptance "
+                           "again (only when better acceptance could make speculation pay at that load); each probe that "
+                           "leaves drafting off doubles the wait for the next, up to 8x, until drafting resumes or the "
+                           "batch size moves to another power of two.")
     group.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1, help="NGRAM: shortest suffix matched.")
     group.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12, help="NGRAM: longest suffix matched.")
     group.add_argument("--speculative-ngram-min-bfs-breadth", type=int, default=1, help="NGRAM: BFS breadth for the longest match.")

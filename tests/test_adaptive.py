@@ -123,16 +123,41 @@ def test_policy_is_never_below_plain_and_has_no_cliff(q):
 
 
 def test_policy_follows_acceptance_and_probes_while_off():
-    """A drafter whose drafts are never accepted: speculation goes off even at batch 1, and comes back once a
-    probe measures that acceptance has recovered."""
+    """A drafter whose drafts are never accepted: speculation goes off even at batch 1, probes come at the
+    interval, then twice as far apart each time one leaves drafting off (up to 8x), and speculation comes back once
+    a probe measures that acceptance has recovered."""
     gpu = ModelGpu(q=0.0)
     policy = chain_policy(probe_interval=50)
-    chosen = run_policy(policy, gpu, 1, 300)
+    chosen = run_policy(policy, gpu, 1, 1600)
     assert chosen[-50:].count(1) >= 48, chosen[-50:]
-    assert policy.probes >= 3
+    probes = [i for i in range(1, len(chosen)) if chosen[i] > 1 and chosen[i - 1] == 1]  # each probe's first step
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 4 and gaps[:3] == sorted(gaps[:3]) and max(gaps) <= 8 * 50 + 3, (probes, gaps)
+    assert gaps[2] >= 3 * gaps[0], gaps
     gpu.q = 0.9
-    chosen = run_policy(policy, gpu, 1, 200)
+    chosen = run_policy(policy, gpu, 1, 8 * 50 + 100)
     assert chosen[-20:] == [6] * 20, chosen[-40:]
+
+
+def test_probes_at_the_interval_again_when_the_load_moves():
+    """Drafting loses at batch 16 (a drafter of 4 ms a step at any budget, a 0.6 ms forward) though full acceptance
+    would win: the probes there back off; when the load moves to batch 4, the next probe comes at the configured
+    interval, not the backed-off one."""
+
+    class BeamGpu(ModelGpu):
+        def verify(self, tokens):
+            return 0.0006
+
+        def draft(self, budget, batch):
+            return 0.004 if budget > 1 else 0.0
+
+    gpu = BeamGpu(q=0.5)
+    policy = chain_policy(probe_interval=40)
+    run_policy(policy, gpu, 16, 700)
+    assert policy.probes <= 4, policy.probes  # 40, 80, 160, 320 apart: not one per 40 steps (17)
+    before = policy.probes
+    chosen = run_policy(policy, gpu, 4, 60)
+    assert policy.probes > before, chosen
 
 
 def test_policy_does_not_flap():

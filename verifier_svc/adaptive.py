@@ -32,16 +32,18 @@ stall in some steps or a cost the phases misattribute cannot keep a tree that is
 decoding (see _correct). Steps with prompt chunks, and a step at another budget than the one before (a probe, a
 try, a switch), stay out of the costs.
 
-Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as
-load crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the
-budget does not flap, except away from a tree predicted no faster than plain decoding (drafting that gains
-nothing is not kept by the hysteresis: it costs the drafter's work, which the forward's time does not show). A budget never tried is predicted optimistically (its acceptance from the larger
-budgets, its drafting cost from the nearest batch seen), tried, measured and kept or left. While speculation is
-off the acceptance cannot be measured, so every --speculative-adaptive-probe-interval steps two steps
-speculate with the best budget (the second one's costs are timed: steady), when full acceptance could make speculation win at that load at all. While it
-speculates, timings older than 256 steps are not trusted (a forward size or budget timed only that long ago is
-predicted optimistically again) and are dropped when a new one comes: a budget judged by its first, warming-up
-steps, or by a load that has passed, is measured again rather than left out for good.
+Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as load
+crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the budget does not
+flap, except away from a tree predicted no faster than plain decoding (drafting that gains nothing is not kept by the
+hysteresis: it costs the drafter's work, which the forward's time does not show). A budget never tried is predicted
+optimistically (its acceptance from the larger budgets, its drafting time the nearest budget's at this load, else its
+own at the nearest load), tried, measured and kept or left. While speculation is off the acceptance cannot be
+measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the best budget (the second
+one's costs are timed: steady), when full acceptance could make speculation win at that load at all; each probe that
+leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes or the load moves to another
+power-of-two batch. While it speculates, timings older than 256 steps are not trusted (a forward size or budget timed
+only that long ago is predicted optimistically again) and are dropped when a new one comes: a budget judged by its
+first, warming-up steps, or by a load that has passed, is measured again rather than left out for good.
 
 Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
 """
@@ -77,10 +79,9 @@ def _batch_bucket(batch: int) -> int:
 
 
 class _Recent:
-    """The median of the last few observations: a pause (a page fault, a collection, another process) does
-    not move it, a change of load does within a few steps. Observations older than `stale` steps when a new
-    one comes are dropped: a budget not used for a while is judged by what it costs now, not by its first
-    (warming-up) steps."""
+    """The median of the last few observations: a pause (a page fault, a collection) does not move it, a change
+    of load does within a few steps. Observations older than `stale` steps when a new one comes are dropped: a
+    budget not used for a while is judged by what it costs now, not by its first (warming-up) steps."""
 
     __slots__ = ("values", "count", "last", "_median")
     WINDOW = 9
@@ -110,9 +111,8 @@ class _Recent:
 
 
 class _Cycle(_Recent):
-    """The mean whole-cycle seconds of the last few decode steps at one budget and load. A mean, not a median:
-    a stall that hits two steps in five (a collection, an eviction, a drafter's hiccup) is part of what the
-    budget costs, and a median of each phase would hide it. Dropped when stale, as _Recent."""
+    """The mean whole-cycle seconds of the last few decode steps at one budget and load. A mean, not a median: a
+    stall that hits two steps in five (a collection, a drafter's hiccup) is part of what the budget costs."""
 
     __slots__ = ()
     WINDOW = 32
@@ -178,6 +178,7 @@ class AdaptiveSpeculation:
         self.switches = 0
         self.probes = 0
         self._probing = 0  # a probe's budget, for its second step
+        self._probe_every, self._probe_bucket = config.probe_interval, -1  # off steps to the next probe; its load
         self.tries = 0  # single steps at a budget not used lately, to measure it before switching to it
         self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
         self._acceptance_cache: list[float] = []
@@ -213,9 +214,8 @@ class AdaptiveSpeculation:
             seconds.add(step.verify_seconds, now, stale)
         batch = step.speculating + step.plain
         decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
-        # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's
-        # catch-up, first use of a shape); kept out of the costs, or a one-step probe now and then would price
-        # every tree; nor a step with prompt chunks: their host work (first tokens, drafter opens) is theirs
+        # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's catch-up,
+        # a shape's first use): kept out of the costs, as are prompt chunks' steps (their host work is theirs)
         steady, self._previous_budget = step.budget == self._previous_budget or self._previous_budget == 0, step.budget
         if batch and decode_only and steady:
             drafted = step.budget > 1 and step.speculating > 0
@@ -280,10 +280,9 @@ class AdaptiveSpeculation:
         return 1.0 + sum(self.acceptance()[:depth])
 
     def verify_seconds(self, tokens: int) -> float | None:
-        """The forward's time for this many tokens, interpolated between the points seen (a size between two
-        far-apart points, never timed itself, costs the smaller's: it may be flat up to there); below the first,
-        proportional (optimistic: a smaller forward not timed yet gets tried), above the last, the last
-        segment's slope (optimistic too: a larger one gets tried, and its time then corrects the curve)."""
+        """The forward's time for this many tokens, interpolated between the points seen (a size between two far-apart
+        points, never timed, costs the smaller's); below the first, proportional, above the last, the last segment's
+        slope (both optimistic: tried, and their times then correct the curve)."""
         points = self._verify_curve()
         if not points:
             return None
@@ -320,8 +319,7 @@ class AdaptiveSpeculation:
         return points
 
     def _horizon(self) -> int:
-        """The oldest step whose timings are trusted: all of them while speculation is off (probes are how it
-        comes back), the last stale_steps while it is on."""
+        """The oldest step whose timings are trusted: all while speculation is off, the last stale_steps while on."""
         return self._steps - self.config.stale_steps if self.budget > 1 else -1
 
     def _nearest(self, table: dict, batch_bucket: int, first, fresh: bool = False) -> float:
@@ -345,10 +343,9 @@ class AdaptiveSpeculation:
         return value
 
     def _spec_seconds(self, budget: int, batch_bucket: int) -> float:
-        """What speculation adds outside the forward at this budget and load: as timed here lately, else the nearest
-        budget's here (a drafter's time follows the batch far more than the budget: a beam drafter runs every step;
-        the demo EAGLE-3 head drafts in ~3 ms at batch 16, ~1 at batch 1, and budgets priced from batch 1 were tried
-        one by one), else the budget's at the nearest load; 0 (so tried) where nothing was timed."""
+        """What speculation adds outside the forward at this budget and load: as timed here, else the nearest budget's
+        here (a drafter's time follows the batch more than the budget: tries one by one otherwise), else its own at
+        the nearest load; 0 (so tried) where nothing was timed."""
         horizon = self._horizon()
         here = [k for k in self._spec if k[0] > 1 and k[1] == batch_bucket and self._spec[k].last >= horizon]
         if budget <= 1 or not here:
@@ -389,13 +386,11 @@ class AdaptiveSpeculation:
             budget == 1 or cycle.last >= self._horizon())
 
     def _correct(self, predicted: dict[int, float], speculating: int, plain: int) -> None:
-        """Where a budget's whole decode cycle was timed at this load (min_timings steps, fresh), its mean
-        checks the model's sum of the phases' medians (a stall in some steps, a base cost shared by every tree
-        size, host work under the forward: the parts can be off either way), conservatively: a tree is
-        predicted at the lower of the two, plain decoding at the higher; trees not timed at this load are
-        scaled down by how far the sum overrated those that were. The tokens per step stay the acceptance's
-        estimate (it follows the traffic and probes). So drafting is kept only where the phases and the
-        cycles as they ran both say it pays: the policy's promise is never to be slower than plain decoding."""
+        """Where a budget's whole decode cycle was timed at this load (min_timings steps, fresh), its mean checks the
+        sum of the phases' medians (stalls, costs shared by every tree size, host work under the forward), a tree
+        at the lower of the two, plain decoding at the higher; trees not timed here are scaled down by how far the
+        sum overrated those that were (tokens per step: the acceptance's estimate). So drafting is kept only where
+        the phases and the cycles as they ran both say it pays: never slower than plain decoding."""
         batch = speculating + plain
         bucket, ratios = _bucket(batch), []
         for n in self.ladder:
@@ -461,7 +456,10 @@ class AdaptiveSpeculation:
         choice = self.budget if keep else best
         if choice == 1:
             self._off_steps += 1
-            if self._off_steps >= self.config.probe_interval:  # refresh the acceptance if it could matter
+            bucket = _batch_bucket(speculating + plain)
+            if bucket != self._probe_bucket:  # another load: probed at the configured interval again
+                self._probe_bucket, self._probe_every = bucket, self.config.probe_interval
+            if self._off_steps >= self._probe_every:  # refresh the acceptance if it could matter
                 self._off_steps = 0
                 hopeful = {n: self.throughput(n, speculating, plain, prefill_tokens, optimistic=True)
                            for n in self.ladder[1:]}
@@ -469,9 +467,11 @@ class AdaptiveSpeculation:
                 if hopeful and hopeful[probe] > predicted[1]:
                     self.probes += 1
                     self._probing = probe
+                    # the next one waits twice as long while drafting stays off at this load (up to 8x)
+                    self._probe_every = min(2 * self._probe_every, 8 * self.config.probe_interval)
                     return probe  # two steps (the second one's costs are steady: timed); self.budget stays 1
         else:
-            self._off_steps = 0
+            self._off_steps, self._probe_every = 0, self.config.probe_interval
         if choice != self.budget:
             last = self._used.get(choice)
             if last is None or self._steps - last > self.config.stale_steps:  # predicted from little or old data:
