@@ -225,6 +225,29 @@ def test_speculating_requests_overlap_while_drafting_is_off(target, script, kind
     assert drafted[0] == drafted[1], drafted
 
 
+@pytest.mark.skipif(not (SHIPPED_ROOT / "eagle3" / "config.json").exists(), reason="the demo EAGLE3 head is not in this tree")
+def test_aborts_inside_a_drafting_off_run_leave_the_others_states_in_order(target):
+    """Two of four EAGLE-3 requests aborted while drafting is off and their steps overlap (their rows in the run's
+    states, draft_features.RunStates, never fed): the others' outputs and drafted and accepted counts equal serial
+    steps', no fallback, no page left behind."""
+    runner = runner_for(target, 4096)
+    prompts_ = [[13, 290, 351 + i, 13, 290, 351 + i, 13, 290, 351 + i, 13] for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True) for _ in range(4)]
+    script = {0: [("add", f"r{i}", prompts_[i], params[i], True) for i in range(4)], 20: [("abort", "r1")],
+              37: [("abort", "r3")]}
+    serial, overlapped = [drive(runner, overlap, script, cache=False, drafter=in_process_drafter("EAGLE3", runner, target),
+                                spec=SpecConfig(num_draft_tokens=8, adaptive=True), policy=ScriptedPolicy(20, 2))
+                          for overlap in (False, True)]
+    assert overlapped["deferred"] > 0 and overlapped["finish"] == serial["finish"]
+    assert serial["finish"]["r1"] == serial["finish"]["r3"] == "abort"
+    for key in ("r0", "r2"):
+        assert overlapped["outputs"][key] == serial["outputs"][key]
+        counts = [(run["stats"][key].draft_tokens, run["stats"][key].accepted_tokens) for run in (serial, overlapped)]
+        assert counts[0] == counts[1] and counts[0][1] > 0, counts
+    assert all(s.fallbacks == 0 for run in (serial, overlapped) for s in run["stats"].values())
+    assert runner.kv_cache.allocator.num_free == runner.kv_cache.num_pages
+
+
 @pytest.mark.parametrize("kind", ["NGRAM", pytest.param("EAGLE3", marks=pytest.mark.skipif(
     not (SHIPPED_ROOT / "eagle3" / "config.json").exists(), reason="the demo EAGLE3 head is not in this tree"))])
 def test_drafting_off_overlap_through_a_preemption(target, kind):
