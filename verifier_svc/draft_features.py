@@ -74,31 +74,27 @@ def _contiguous(blocks: list[list[StateRows]]) -> torch.Tensor | None:
 
 def unsent_states(blocks: list[list[StateRows]]) -> list[torch.Tensor | None]:
     """Each request's unsent states as one tensor [rows, W] (None for none), for all the requests at once: the
-    distinct sources joined, every request's rows picked in one gather, then split (views)."""
+    rows of one source read in order are a view of it; else the distinct sources joined, every request's rows picked
+    in one gather; then split (views)."""
     counts = [sum(block.count for block in request_blocks) for request_blocks in blocks]
-    whole = _contiguous(blocks)
-    if whole is not None:
-        parts = iter(torch.split(whole, [c for c in counts if c]))
-        return [next(parts) if c else None for c in counts]
-    sources, offsets, index, counts, total = [], {}, [], [], 0
-    for request_blocks in blocks:
-        count = 0
-        for block in request_blocks:
-            key = id(block.source)
-            if key not in offsets:
-                offsets[key], total = total, total + block.source.shape[0]
-                sources.append(block.source)
-            first = offsets[key] + block.start
-            index.extend(range(first, first + block.count))
-            count += block.count
-        counts.append(count)
-    if not index:
-        return [None] * len(blocks)
-    joined = sources[0] if len(sources) == 1 else torch.cat(sources)
-    if len(index) == joined.shape[0] and index == list(range(len(index))):
-        picked = joined  # every row, in order (a step's accepted paths, all of them fed): no gather
-    else:
-        picked = joined.index_select(0, device_tensor(index, joined.device))
+    picked = _contiguous(blocks)
+    if picked is None:
+        sources, offsets, index, total = [], {}, [], 0
+        for request_blocks in blocks:
+            for block in request_blocks:
+                key = id(block.source)
+                if key not in offsets:
+                    offsets[key], total = total, total + block.source.shape[0]
+                    sources.append(block.source)
+                first = offsets[key] + block.start
+                index.extend(range(first, first + block.count))
+        if not index:
+            return [None] * len(blocks)
+        joined = sources[0] if len(sources) == 1 else torch.cat(sources)
+        if len(index) == joined.shape[0] and index == list(range(len(index))):
+            picked = joined  # every row of the sources, in order: no gather
+        else:
+            picked = joined.index_select(0, device_tensor(index, joined.device))
     parts = iter(torch.split(picked, [c for c in counts if c]))
     return [next(parts) if c else None for c in counts]
 

@@ -242,9 +242,10 @@ class Engine(Scheduling, OverlapSchedule):
                 if self.unsent_max is None else self.unsent_max + 1
             if self.unsent_max < FEED_EVERY:
                 return
-            self.unsent_max = 0  # every speculating request's unsent tokens go now
-        feed = self.budget < 2 and not only_missing and any(
-            len(r.unsent) >= FEED_EVERY for r in self.running if r.speculate and r.decoding)
+            self.unsent_max, feed = 0, True  # every speculating request's unsent tokens go now
+        else:
+            feed = self.budget < 2 and not only_missing and any(
+                len(r.unsent) >= FEED_EVERY for r in self.running if r.speculate and r.decoding)
         self.run_states.flush()  # before its requests' states are sent
         asks, states = [], []
         for request in self.running:

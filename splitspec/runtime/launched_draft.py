@@ -82,12 +82,15 @@ class PendingChain:
             tree = self.launched.trees()[self.index]
         except Exception:  # the drafter's bookkeeping failed; what was verified is still on the device
             logger.exception("finishing a launched draft failed; its chain is read from the device")
-            drafts = self.launched.chain_tokens[self.row, : self.num_nodes - 1].tolist()
-            return DraftTree.chain(root, [t if t < vocab else vocab - 1 for t in drafts])
+            return DraftTree.chain(root, _clamped(self.launched.chain_tokens[self.row, : self.num_nodes - 1].tolist(), vocab))
         if not isinstance(tree, DraftTree) or tree.num_nodes != self.num_nodes or tree.parents != self.parents:
             raise RuntimeError(f"a launched chain of {self.num_nodes} nodes came back as {tree!r}")
-        drafts = [t if t < vocab else vocab - 1 for t in tree.tokens[1:]]
-        return DraftTree.chain(root, drafts, None if tree.scores is None else list(tree.scores[1:]))
+        return DraftTree.chain(root, _clamped(tree.tokens[1:], vocab), None if tree.scores is None else list(tree.scores[1:]))
+
+
+def _clamped(tokens, vocab: int) -> list[int]:
+    """Draft tokens as write_chains wrote them: any past the target's vocabulary as its last id."""
+    return [t if t < vocab else vocab - 1 for t in tokens]
 
 
 def write_chains(input_ids: torch.Tensor, starts: list[int], chains: list[PendingChain], vocab: int) -> None:
