@@ -51,11 +51,11 @@ Greedy outputs do not depend on the budget (any tree verifies losslessly), nor d
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
 from splitspec.verifier_svc.step_types import SpecConfig
+from splitspec.verifier_svc.timings import Cycle, Recent, batch_bucket, token_bucket
 
 TRACE_ENV = "SPLITSPEC_ADAPTIVE_TRACE"  # a file path: every observation and choice as JSON lines, to replay offline
 
@@ -66,60 +66,6 @@ def budget_ladder(max_budget: int) -> list[int]:
     while ladder[-1] < max_budget:
         ladder.append(min(max_budget, int(ladder[-1] * 1.5)))
     return ladder
-
-
-def _bucket(tokens: int) -> int:
-    """Quarter-octave bucket of a token count."""
-    return round(4 * math.log2(max(tokens, 1)))
-
-
-def _batch_bucket(batch: int) -> int:
-    """Power-of-two bucket of a batch size."""
-    return max(batch - 1, 0).bit_length()
-
-
-class _Recent:
-    """The median of the last few observations: a pause (a page fault, a collection) does not move it, a change
-    of load does within a few steps. Observations older than `stale` steps when a new one comes are dropped: a
-    budget not used for a while is judged by what it costs now, not by its first (warming-up) steps."""
-
-    __slots__ = ("values", "count", "last", "_median")
-    WINDOW = 9
-
-    def __init__(self):
-        self.values: list[float] = []
-        self.count = 0
-        self.last = 0  # the policy's step of the newest observation
-        self._median: float | None = None
-
-    def add(self, x: float, step: int = 0, stale: int = 0) -> None:
-        if stale and step - self.last > stale:
-            self.values.clear()
-        self.count += 1
-        self.last = step
-        self.values.append(x)
-        del self.values[: -self.WINDOW]
-        self._median = None
-
-    @property
-    def value(self) -> float:
-        if self._median is None:
-            ordered = sorted(self.values)
-            n = len(ordered)
-            self._median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-        return self._median
-
-
-class _Cycle(_Recent):
-    """The mean whole-cycle seconds of the last few decode steps at one budget and load. A mean, not a median: a
-    stall that hits two steps in five (a collection, a drafter's hiccup) is part of what the budget costs."""
-
-    __slots__ = ()
-    WINDOW = 32
-
-    @property
-    def value(self) -> float:
-        return sum(self.values) / len(self.values)
 
 
 @dataclass
@@ -163,14 +109,14 @@ class AdaptiveSpeculation:
         self._hits = [0.0] * (depth + 1)  # [d]: those that accepted d
         self._tier_tokens: dict[int, float] = {}  # budget -> decayed sum of tokens per verify
         self._tier_count: dict[int, float] = {}  # budget -> decayed verifies
-        self._verify: dict[int, tuple[_Recent, _Recent]] = {}  # token bucket -> (mean tokens, mean seconds)
-        self._spec: dict[tuple[int, int], _Recent] = {}  # (budget, batch bucket) -> seconds outside the forward
-        self._base: dict[tuple[bool, int], _Recent] = {}  # (drafted?, batch bucket) -> seconds
+        self._verify: dict[int, tuple[Recent, Recent]] = {}  # token bucket -> (mean tokens, mean seconds)
+        self._spec: dict[tuple[int, int], Recent] = {}  # (budget, batch bucket) -> seconds outside the forward
+        self._base: dict[tuple[bool, int], Recent] = {}  # (drafted?, batch bucket) -> seconds
         # (False, batch bucket) -> whole cycles of plain steps the overlap schedule ran (forward under the host's work)
-        self._whole: dict[tuple[bool, int], _Recent] = {}
+        self._whole: dict[tuple[bool, int], Recent] = {}
         # (budget, batch quarter-octave) -> whole decode cycles; plain decoding's never go stale (they do not depend
         # on the traffic), a budget's do, as its timings do
-        self._cycles: dict[tuple[int, int], _Cycle] = {}
+        self._cycles: dict[tuple[int, int], Cycle] = {}
         self._off_steps = 0  # consecutive steps at budget 1
         self._previous_budget = 0  # the last observed step's budget (0: none yet)
         self._steps = 0  # steps observed
@@ -208,24 +154,24 @@ class AdaptiveSpeculation:
         self._steps += 1
         now, stale = self._steps, cfg.stale_steps
         if step.forward_tokens:
-            key = _bucket(step.forward_tokens)
-            tokens, seconds = self._verify.setdefault(key, (_Recent(), _Recent()))
+            key = token_bucket(step.forward_tokens)
+            tokens, seconds = self._verify.setdefault(key, (Recent(), Recent()))
             tokens.add(step.forward_tokens, now, stale)
             seconds.add(step.verify_seconds, now, stale)
         batch = step.speculating + step.plain
         decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
-        # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's catch-up,
-        # a shape's first use): kept out of the costs, as are prompt chunks' steps (their host work is theirs)
+        # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's
+        # catch-up, a shape's first use): kept out of the costs, as are prompt chunks' steps (their host work)
         steady, self._previous_budget = step.budget == self._previous_budget or self._previous_budget == 0, step.budget
         if batch and decode_only and steady:
             drafted = step.budget > 1 and step.speculating > 0
             # an overlapped plain step (no forward timed: it ran under the host's work) is a whole cycle, not a base
             base = self._whole if not (drafted or step.forward_tokens) else self._base
-            base.setdefault((drafted, _batch_bucket(batch)), _Recent()).add(step.base_seconds, now, stale)
+            base.setdefault((drafted, batch_bucket(batch)), Recent()).add(step.base_seconds, now, stale)
             if step.speculating:
-                self._spec.setdefault((step.budget, _batch_bucket(step.speculating)), _Recent()).add(
+                self._spec.setdefault((step.budget, batch_bucket(step.speculating)), Recent()).add(
                     step.spec_seconds, now, stale)
-            self._cycles.setdefault((step.budget if drafted else 1, _bucket(batch)), _Cycle()).add(
+            self._cycles.setdefault((step.budget if drafted else 1, token_bucket(batch)), Cycle()).add(
                 step.verify_seconds + step.spec_seconds + step.base_seconds, now, stale if drafted else 0)
         if step.accepts:
             for d in range(1, len(self._trials)):
@@ -290,7 +236,7 @@ class AdaptiveSpeculation:
             return points[0][1] * tokens / points[0][0]
         for (t0, s0), (t1, s1) in zip(points, points[1:]):
             if tokens <= t1:
-                if _bucket(tokens) not in (_bucket(t0), _bucket(t1)):  # a size between two far apart, never timed:
+                if token_bucket(tokens) not in (token_bucket(t0), token_bucket(t1)):  # between two far apart, untimed:
                     return s0  # as cheap as the smaller (the cost may stay flat that far), so that it gets tried
                 return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0) if t1 > t0 else s1
         t_last, s_last = points[-1]
@@ -322,11 +268,11 @@ class AdaptiveSpeculation:
         """The oldest step whose timings are trusted: all while speculation is off, the last stale_steps while on."""
         return self._steps - self.config.stale_steps if self.budget > 1 else -1
 
-    def _nearest(self, table: dict, batch_bucket: int, first, fresh: bool = False) -> float:
+    def _nearest(self, table: dict, bucket: int, first, fresh: bool = False) -> float:
         """The entry of table (keyed (first, batch bucket)) nearest this batch bucket among those of `first`
         (and with fresh, timed lately); 0 where there is none: optimistic, so that it gets tried."""
         horizon = self._horizon() if fresh else -1
-        memo_key = (id(table), batch_bucket, first, horizon)
+        memo_key = (id(table), bucket, first, horizon)
         if self._nearest_at != self._steps:  # the tables change only when a step is observed
             self._nearest_memo.clear()
             self._nearest_at = self._steps
@@ -335,21 +281,21 @@ class AdaptiveSpeculation:
             keys = [k for k in table if k[0] == first and table[k].last >= horizon]
             enough = [k for k in keys if len(table[k].values) >= self.config.min_timings]
             if enough:
-                value = table[min(enough, key=lambda k: abs(k[1] - batch_bucket))].value
+                value = table[min(enough, key=lambda k: abs(k[1] - bucket))].value
             else:  # no load timed enough lately: the median of what there is (one odd step is not a load's)
                 pooled = sorted(x for k in keys for x in table[k].values)
                 value = pooled[len(pooled) // 2] if pooled else 0.0
             self._nearest_memo[memo_key] = value
         return value
 
-    def _spec_seconds(self, budget: int, batch_bucket: int) -> float:
+    def _spec_seconds(self, budget: int, bucket: int) -> float:
         """What speculation adds outside the forward at this budget and load: as timed here, else the nearest budget's
         here (a drafter's time follows the batch more than the budget: tries one by one otherwise), else its own at
         the nearest load; 0 (so tried) where nothing was timed."""
         horizon = self._horizon()
-        here = [k for k in self._spec if k[0] > 1 and k[1] == batch_bucket and self._spec[k].last >= horizon]
+        here = [k for k in self._spec if k[0] > 1 and k[1] == bucket and self._spec[k].last >= horizon]
         if budget <= 1 or not here:
-            return self._nearest(self._spec, batch_bucket, budget, fresh=True)
+            return self._nearest(self._spec, bucket, budget, fresh=True)
         return self._spec[min(here, key=lambda k: (abs(k[0] - budget), k[0]))].value
 
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
@@ -358,7 +304,7 @@ class AdaptiveSpeculation:
         verify = self.verify_seconds(speculating * budget + plain + prefill_tokens)
         if verify is None:
             return None
-        bucket = _batch_bucket(speculating + plain)
+        bucket = batch_bucket(speculating + plain)
         drafted = budget > 1 and speculating > 0
         whole = 0.0 if drafted or prefill_tokens else self._nearest(self._whole, bucket, False)
         if whole:  # plain steps as the overlap schedule runs them: their whole cycle (the forward is in it)
@@ -375,13 +321,13 @@ class AdaptiveSpeculation:
             base = min(base, undrafted) if base else undrafted
         seconds = verify + base
         if speculating:
-            seconds += self._spec_seconds(budget, _batch_bucket(speculating))
+            seconds += self._spec_seconds(budget, batch_bucket(speculating))
         tokens = speculating * self.expected_tokens(budget, optimistic) + plain
         return tokens / seconds if seconds > 0 else None
 
     def _timed(self, budget: int, batch: int) -> bool:
         """Whether min_timings whole decode cycles were timed at this budget and load, lately."""
-        cycle = self._cycles.get((budget, _bucket(batch)))
+        cycle = self._cycles.get((budget, token_bucket(batch)))
         return cycle is not None and len(cycle.values) >= self.config.min_timings and (
             budget == 1 or cycle.last >= self._horizon())
 
@@ -392,7 +338,7 @@ class AdaptiveSpeculation:
         sum overrated those that were (tokens per step: the acceptance's estimate). So drafting is kept only where
         the phases and the cycles as they ran both say it pays: never slower than plain decoding."""
         batch = speculating + plain
-        bucket, ratios = _bucket(batch), []
+        bucket, ratios = token_bucket(batch), []
         for n in self.ladder:
             if not self._timed(n, batch):
                 continue
@@ -456,7 +402,7 @@ class AdaptiveSpeculation:
         choice = self.budget if keep else best
         if choice == 1:
             self._off_steps += 1
-            bucket = _batch_bucket(speculating + plain)
+            bucket = batch_bucket(speculating + plain)
             if bucket != self._probe_bucket:  # another load: probed at the configured interval again
                 self._probe_bucket, self._probe_every = bucket, self.config.probe_interval
             if self._off_steps >= self._probe_every:  # refresh the acceptance if it could matter

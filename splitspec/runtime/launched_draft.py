@@ -82,10 +82,12 @@ class PendingChain:
             tree = self.launched.trees()[self.index]
         except Exception:  # the drafter's bookkeeping failed; what was verified is still on the device
             logger.exception("finishing a launched draft failed; its chain is read from the device")
-            return DraftTree.chain(root, _clamped(self.launched.chain_tokens[self.row, : self.num_nodes - 1].tolist(), vocab))
+            drafts = self.launched.chain_tokens[self.row, : self.num_nodes - 1].tolist()
+            return DraftTree.chain(root, _clamped(drafts, vocab))
         if not isinstance(tree, DraftTree) or tree.num_nodes != self.num_nodes or tree.parents != self.parents:
             raise RuntimeError(f"a launched chain of {self.num_nodes} nodes came back as {tree!r}")
-        return DraftTree.chain(root, _clamped(tree.tokens[1:], vocab), None if tree.scores is None else list(tree.scores[1:]))
+        scores = None if tree.scores is None else list(tree.scores[1:])
+        return DraftTree.chain(root, _clamped(tree.tokens[1:], vocab), scores)
 
 
 def _clamped(tokens, vocab: int) -> list[int]:
