@@ -9,6 +9,16 @@ demo tokenizer's ordinary ids), as fast as the stream takes them or one every --
 client as every served figure) measures it. The tok/s it reports is the ceiling the engine's own speed
 meets: at batch 1, a served deployment whose engine makes tokens faster than this is bound by the path,
 not the model. Nothing here is a model's output: use it to size the path, never as a served figure.
+
+With --step-ms the stand-in steps in lockstep as an engine does: every --step-ms it gives each running request
+one token, all in one message, and a request submitted meanwhile starts at the next step. When every request
+has the same length (the bench's waves), each wave's last step is followed by the next wave coming in through
+the gateway; the report gives, per wave, the milliseconds from that last step to the next wave's first,
+middle and last submission reaching the stand-in (`wave_edges_ms`): the time a served engine sits idle between
+waves that no in-process run has, i.e. the path's cost per wave, measurable without a GPU.
+
+    python -P benchmarks/gateway_ceiling.py --batch-size 64 --tokens-per-delta 1 --output-len 16 --step-ms 5 \
+        --num-prompts 1024 --out edges.json
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import asyncio
 import json
 import shlex
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -29,6 +40,8 @@ from splitspec.bench import git_commit
 from splitspec.demo import demo_model_dirs
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
+
+ORDINARY = 1000  # the demo tokenizer's ids 1000-2999 each decode to text (ids 100-255 are bytes: no text alone)
 
 
 class PacedBackend:
@@ -45,7 +58,7 @@ class PacedBackend:
         total, sent, first = params.max_new_tokens, 0, True
         while sent < total:
             n = min(self.per_delta, total - sent)
-            delta = pb.TokenDelta(request_id=submit.request_id, token_ids=[100 + (sent + i) % 500 for i in range(n)])
+            delta = pb.TokenDelta(request_id=submit.request_id, token_ids=[ORDINARY + (sent + i) % 2000 for i in range(n)])
             if first:
                 delta.prompt_tokens, first = len(submit.prompt_ids), False
             sent += n
@@ -62,6 +75,83 @@ class PacedBackend:
 
     def finished(self, request_id: str) -> None:
         self.tasks.pop(request_id, None)
+
+
+class LockstepBackend:
+    """An engine's schedule without a model: the requests that arrived are prefilled together in one step that takes
+    prefill_s per request (their first tokens), else every running request gets one token per decode step of step_s,
+    all in one message. Records when each submission arrived, how long the stand-in was busy, and when the steps that
+    left nothing running ended, for wave_edges()."""
+
+    def __init__(self, step_s: float, prefill_s: float):
+        self.step_s, self.prefill_s = step_s, prefill_s
+        self.running: dict[str, list] = {}  # request id -> [stream, prompt tokens, tokens left, tokens sent]
+        self.waiting: list[tuple[str, list]] = []
+        self.arrivals: list[float] = []
+        self.busy = 0.0  # seconds spent in steps so far
+        self.final_steps: list[tuple[float, float]] = []  # (time, busy) as a step left nothing running or waiting
+        self.wake: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
+
+    def submit(self, submit: pb.SubmitRequest, params, stream: Stream) -> None:
+        self.arrivals.append(time.perf_counter())
+        self.waiting.append((submit.request_id, [stream, len(submit.prompt_ids), params.max_new_tokens, 0]))
+        if self.task is None:
+            self.wake = asyncio.Event()
+            self.task = asyncio.get_running_loop().create_task(self._steps())
+        self.wake.set()
+
+    async def _step(self, seconds: float, states: list[tuple[str, list]]) -> None:
+        began = time.perf_counter()
+        await asyncio.sleep(seconds)
+        self.busy += time.perf_counter() - began
+        for request_id, state in states:
+            stream, prompt, left, sent = state
+            delta = pb.TokenDelta(request_id=request_id, token_ids=[ORDINARY + sent % 2000])
+            if sent == 0:
+                delta.prompt_tokens = prompt
+            state[2], state[3] = left - 1, sent + 1
+            if left == 1:
+                delta.finish_reason = pb.FINISH_REASON_LENGTH
+                delta.prompt_tokens = prompt
+                self.running.pop(request_id, None)
+            stream.put(delta)
+
+    async def _steps(self) -> None:
+        while True:
+            if self.waiting:
+                batch, self.waiting = self.waiting, []
+                self.running.update(batch)
+                await self._step(self.prefill_s * len(batch), batch)
+            elif self.running:
+                await self._step(self.step_s, list(self.running.items()))
+            else:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            if not self.running and not self.waiting:
+                self.final_steps.append((time.perf_counter(), self.busy))
+
+    def wave_edges(self, wave: int) -> dict:
+        """Over the waves that followed a finished one (the bench's warm-up and each point's first wave have none): ms
+        from the last step before to the wave's first, middle and last arrival; and the stand-in's busy share of the
+        wave's time (what a served / in-process ratio would be with these step times and no other loss)."""
+        edges = {"first": [], "middle": [], "last": [], "busy_share": []}
+        for (end, busy), (following, busy_after) in zip(self.final_steps, self.final_steps[1:]):
+            arrived = [t for t in self.arrivals if end < t < following]
+            if len(arrived) != wave:
+                continue
+            for name, at in (("first", arrived[0]), ("middle", arrived[wave // 2]), ("last", arrived[-1])):
+                edges[name].append((at - end) * 1e3)
+            edges["busy_share"].append((busy_after - busy) / (following - end))
+        return {name: {"mean": round(statistics.fmean(v), 3), "median": round(statistics.median(v), 3), "waves": len(v)}
+                for name, v in edges.items() if v}
+
+    async def abort(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+
+    def finished(self, request_id: str) -> None:
+        pass
 
 
 def free_port() -> int:
@@ -93,15 +183,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens-per-delta", default="1,4", help="Tokens in each delta (comma-separated).")
     parser.add_argument("--interval-ms", type=float, default=0.0, help="Pause between a stream's deltas (0: none).")
     parser.add_argument("--output-len", type=int, default=256, help="Tokens per request.")
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="Lockstep decode steps this long (one token per request each; the waves' edges reported).")
+    parser.add_argument("--prefill-ms", type=float, default=0.0,
+                        help="With --step-ms: a prefill step's milliseconds per request it admits.")
+    parser.add_argument("--num-prompts", type=int, default=None, help="Requests per point (the bench's default if unset).")
     parser.add_argument("--out", required=True, help="The JSON report.")
     args = parser.parse_args(argv)
+    if args.step_ms is not None and "," in args.batch_size:
+        parser.error("--step-ms measures one batch size's waves at a time")
     model_dir = demo_model_dirs()["target"]
     report = {"benchmark": "serving path ceiling (no model)", "command": shlex.join(["python", "-P", *sys.argv]),
               "commit": git_commit(), "points": []}
     for per_delta in (int(x) for x in args.tokens_per_delta.split(",")):
         grpc_port, http_port = free_port(), free_port()
         ready, stop = threading.Event(), threading.Event()
-        backend = PacedBackend(per_delta, args.interval_ms / 1000)
+        backend = (LockstepBackend(args.step_ms / 1000, args.prefill_ms / 1000) if args.step_ms is not None
+                   else PacedBackend(per_delta, args.interval_ms / 1000))
         thread = threading.Thread(target=serve_stand_in, args=(f"127.0.0.1:{grpc_port}", backend, model_dir, ready, stop),
                                   daemon=True)
         thread.start()
@@ -113,7 +211,8 @@ def main(argv: list[str]) -> int:
                 out = Path(work) / "bench.json"
                 command = [sys.executable, "-P", "-m", "splitspec", "bench", "--url", f"http://127.0.0.1:{http_port}",
                            "--model-path", str(model_dir), "--batch-size", args.batch_size, "--prompt-len", "32",
-                           "--output-len", str(args.output_len), "--out", str(out), "--log-level", "warning"]
+                           "--output-len", str(args.output_len), "--out", str(out), "--log-level", "warning",
+                           *(["--num-prompts", str(args.num_prompts)] if args.num_prompts else [])]
                 deadline = time.monotonic() + 60
                 while True:  # the gateway connects to the stand-in
                     result = lifeline.run(command, capture_output=True, text=True, timeout=600)
@@ -136,6 +235,10 @@ def main(argv: list[str]) -> int:
                      "itl_ms": row.get("itl_ms"), "ttft_ms": row.get("ttft_ms")}
             report["points"].append(point)
             print(json.dumps(point))
+        if args.step_ms is not None:
+            report["wave_edges_ms"] = backend.wave_edges(int(args.batch_size))
+            print(json.dumps({"wave_edges_ms": report["wave_edges_ms"]}))
+            break  # tokens per delta is one in lockstep
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
