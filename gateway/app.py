@@ -39,7 +39,7 @@ logger = logging.getLogger("splitspec.gateway")
 
 def error_response(gateway: Gateway, exc: APIError, endpoint: str) -> JSONResponse:
     if gateway.metrics is not None:
-        gateway.metrics.http.labels(endpoint, str(exc.status)).inc()
+        gateway.metrics.answered(endpoint, str(exc.status)).inc()
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
@@ -90,10 +90,10 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
     choices = gateway.submit(g, prompts)
     if gateway.step_log is not None:
         gateway.step_log.hop("gateway_handler", arrival)
-    gateway.metrics.in_flight.labels(**gateway.metrics.model).inc()
+    gateway.metrics.in_flight_served.inc()
     rid = ("chatcmpl-" if chat else "cmpl-") + unique_hex()
     if g.stream:
-        gateway.metrics.http.labels(endpoint, "200").inc()
+        gateway.metrics.answered(endpoint, "200").inc()
         return EventStream(stream(gateway, g, prompts, choices, rid, chat, arrival, admitted),
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     task, gone = asyncio.current_task(), asyncio.Event()
@@ -105,18 +105,18 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
         if not gone.is_set():  # the server is shutting down: the cancellation is not ours to swallow
             raise
         task.uncancel()  # the client went away: an ordinary end (no traceback), answered to no one
-        gateway.metrics.http.labels(endpoint, "499").inc()
+        gateway.metrics.answered(endpoint, "499").inc()
         return Response(status_code=499)
     finally:
         watcher.cancel()
         gateway.release(admitted)
-        gateway.metrics.in_flight.labels(**gateway.metrics.model).dec()
+        gateway.metrics.in_flight_served.dec()
     for choice in choices:
         gateway.finished(choice)
     failed = next((c.error for c in choices if c.error is not None), None)
     if failed is not None:
         return error_response(gateway, failed, endpoint)
-    gateway.metrics.http.labels(endpoint, "200").inc()
+    gateway.metrics.answered(endpoint, "200").inc()
     return JSONResponse(whole_response(gateway, g, prompts, choices, rid, chat))
 
 
@@ -161,7 +161,7 @@ async def tokenize(gateway: Gateway, request: Request):
         ids = await gateway.tokenizing.encode(job, asked.add_special_tokens)
     except APIError as exc:
         return error_response(gateway, exc, "/tokenize")
-    gateway.metrics.http.labels("/tokenize", "200").inc()
+    gateway.metrics.answered("/tokenize", "200").inc()
     return {"count": len(ids), "max_model_len": gateway.client.info.max_context_tokens, "tokens": ids}
 
 
@@ -176,7 +176,7 @@ async def detokenize(gateway: Gateway, request: Request):
         text = await gateway.tokenizing.decode(asked.tokens)
     except APIError as exc:
         return error_response(gateway, exc, "/detokenize")
-    gateway.metrics.http.labels("/detokenize", "200").inc()
+    gateway.metrics.answered("/detokenize", "200").inc()
     return {"prompt": text}
 
 
@@ -190,7 +190,7 @@ def read_only(gateway: Gateway, request: Request, path: str, answer, model_id: s
             gateway.check_model(model_id)
     except APIError as exc:
         return error_response(gateway, exc, path)
-    gateway.metrics.http.labels(path, "200").inc()
+    gateway.metrics.answered(path, "200").inc()
     return answer()
 
 

@@ -256,7 +256,7 @@ class Gateway:
             choice.tools = ToolOutput(g.tools) if g.tools is not None else None
             choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
             choices.append(choice)
-        self.metrics.prompt_tokens.labels(**self.metrics.model).inc(sum(len(p) for p in prompts))
+        self.metrics.prompt_tokens_served.inc(sum(len(p) for p in prompts))
         return choices
 
     def absorb(self, choice: Choice, delta: pb.TokenDelta | StreamBroken) -> str:
@@ -314,8 +314,8 @@ class Gateway:
         if choice.speculation is not None:
             self.verify_steps += choice.speculation.verify_steps
             self.accepted_tokens += choice.speculation.accepted_tokens
-        self.metrics.completion_tokens.labels(**self.metrics.model).inc(choice.tokens)
-        self.metrics.finished.labels(finish_reason=choice.finish_reason or "abort", **self.metrics.model).inc()
+        self.metrics.completion_tokens_served.inc(choice.tokens)
+        self.metrics.finished_as(choice.finish_reason or "abort").inc()
 
     def abort_unfinished(self, choices: list[Choice], cause: str) -> None:
         for choice in choices:

@@ -51,5 +51,26 @@ class GatewayMetrics:
                                         labels, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=reg)
         self.aborts = Counter(PREFIX + "gateway_aborts", "Verifier requests aborted by the gateway, by cause.",
                               ["cause"], registry=reg)
-        # the served model's children of the per-token histograms, looked up once rather than per delta
+        # the served model's children, looked up once rather than per delta or per request (labels() takes a lock and
+        # checks its values each call)
         self.ttft_served, self.itl_served, self.e2e_served = (h.labels(**self.model) for h in (self.ttft, self.itl, self.e2e))
+        self.in_flight_served = self.in_flight.labels(**self.model)
+        self.prompt_tokens_served = self.prompt_tokens.labels(**self.model)
+        self.completion_tokens_served = self.completion_tokens.labels(**self.model)
+        self._children: dict[tuple, object] = {}
+
+    def answered(self, endpoint: str, status: str):
+        """The HTTP counter's child for an endpoint and status code."""
+        key = ("http", endpoint, status)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.http.labels(endpoint, status)
+        return child
+
+    def finished_as(self, reason: str):
+        """The finished-choices counter's child for a finish reason."""
+        key = ("finished", reason)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.finished.labels(finish_reason=reason, **self.model)
+        return child

@@ -232,4 +232,4 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
                         [c.request_id for c in choices])
             gateway.abort_unfinished(choices, "disconnect")
         gateway.release(admitted)
-        gateway.metrics.in_flight.labels(**gateway.metrics.model).dec()
+        gateway.metrics.in_flight_served.dec()
