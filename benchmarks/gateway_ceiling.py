@@ -3,22 +3,26 @@
     python -P benchmarks/gateway_ceiling.py --batch-size 1,16 --tokens-per-delta 1,4 --out ceiling.json
 
 A verifier stand-in serves the real splitspec.v1.Verifier service (grpc_front.VerifierServicer) on this
-process's event loop; its backend answers every request with deltas of --tokens-per-delta tokens (the
-demo tokenizer's ordinary ids), as fast as the stream takes them or one every --interval-ms. A real
+process's event loop; its backend answers every request with deltas of --tokens-per-delta tokens (ids
+that the demo tokenizer decodes to text), as fast as the stream takes them or one every --interval-ms. A real
 `splitspec gateway` process serves it over HTTP and `splitspec bench --url` (streaming completions, the same
 client as every served figure) measures it. The tok/s it reports is the ceiling the engine's own speed
 meets: at batch 1, a served deployment whose engine makes tokens faster than this is bound by the path,
 not the model. Nothing here is a model's output: use it to size the path, never as a served figure.
 
-With --step-ms the stand-in steps in lockstep as an engine does: every --step-ms it gives each running request
-one token, all in one message, and a request submitted meanwhile starts at the next step. When every request
+With --step-ms the stand-in steps in lockstep as an engine does: the requests that arrived are prefilled together
+(--prefill-fixed-ms plus --prefill-ms each), else every --step-ms each running request gets one token, all in one
+message; a request submitted meanwhile starts at the next step. When every request
 has the same length (the bench's waves), each wave's last step is followed by the next wave coming in through
 the gateway; the report gives, per wave, the milliseconds from that last step to the next wave's first,
 middle and last submission reaching the stand-in (`wave_edges_ms`): the time a served engine sits idle between
-waves that no in-process run has, i.e. the path's cost per wave, measurable without a GPU.
+waves that no in-process run has, i.e. the path's cost per wave, measurable without a GPU; and each wave's time
+against an in-process run's with the same steps (`in_process_over_wave`: the served / in-process ratio those step
+times would give if nothing else differed).
 
-    python -P benchmarks/gateway_ceiling.py --batch-size 64 --tokens-per-delta 1 --output-len 16 --step-ms 5 \
-        --num-prompts 1024 --out edges.json
+    # an 8B target on an H200 at batch 64: decode steps of 5.5 ms, a prefill of 128-token prompts 7 ms + 2.8 ms each
+    python -P benchmarks/gateway_ceiling.py --batch-size 64 --output-len 32 --step-ms 5.5 --prefill-fixed-ms 7 \
+        --prefill-ms 2.8 --num-prompts 1024 --out edges.json
 """
 
 from __future__ import annotations
@@ -79,17 +83,17 @@ class PacedBackend:
 
 class LockstepBackend:
     """An engine's schedule without a model: the requests that arrived are prefilled together in one step that takes
-    prefill_s per request (their first tokens), else every running request gets one token per decode step of step_s,
-    all in one message. Records when each submission arrived, how long the stand-in was busy, and when the steps that
-    left nothing running ended, for wave_edges()."""
+    prefill_fixed_s plus prefill_s per request (their first tokens), else every running request gets one token per decode step of step_s,
+    all in one message. Records when each submission arrived, each decode step's time, and when the steps that left
+    nothing running ended, for wave_edges()."""
 
-    def __init__(self, step_s: float, prefill_s: float):
-        self.step_s, self.prefill_s = step_s, prefill_s
+    def __init__(self, step_s: float, prefill_s: float, prefill_fixed_s: float = 0.0):
+        self.step_s, self.prefill_s, self.prefill_fixed_s = step_s, prefill_s, prefill_fixed_s
         self.running: dict[str, list] = {}  # request id -> [stream, prompt tokens, tokens left, tokens sent]
         self.waiting: list[tuple[str, list]] = []
         self.arrivals: list[float] = []
-        self.busy = 0.0  # seconds spent in steps so far
-        self.final_steps: list[tuple[float, float]] = []  # (time, busy) as a step left nothing running or waiting
+        self.decode_steps: list[float] = []  # each decode step's seconds (the sleep's own overshoot included)
+        self.final_steps: list[float] = []  # when a step left nothing running or waiting
         self.wake: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
 
@@ -101,10 +105,10 @@ class LockstepBackend:
             self.task = asyncio.get_running_loop().create_task(self._steps())
         self.wake.set()
 
-    async def _step(self, seconds: float, states: list[tuple[str, list]]) -> None:
+    async def _step(self, seconds: float, states: list[tuple[str, list]]) -> float:
         began = time.perf_counter()
         await asyncio.sleep(seconds)
-        self.busy += time.perf_counter() - began
+        took = time.perf_counter() - began
         for request_id, state in states:
             stream, prompt, left, sent = state
             delta = pb.TokenDelta(request_id=request_id, token_ids=[ORDINARY + sent % 2000])
@@ -116,34 +120,40 @@ class LockstepBackend:
                 delta.prompt_tokens = prompt
                 self.running.pop(request_id, None)
             stream.put(delta)
+        return took
 
     async def _steps(self) -> None:
         while True:
             if self.waiting:
                 batch, self.waiting = self.waiting, []
                 self.running.update(batch)
-                await self._step(self.prefill_s * len(batch), batch)
+                await self._step(self.prefill_fixed_s + self.prefill_s * len(batch), batch)
             elif self.running:
-                await self._step(self.step_s, list(self.running.items()))
+                self.decode_steps.append(await self._step(self.step_s, list(self.running.items())))
             else:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             if not self.running and not self.waiting:
-                self.final_steps.append((time.perf_counter(), self.busy))
+                self.final_steps.append(time.perf_counter())
 
-    def wave_edges(self, wave: int) -> dict:
+    def wave_edges(self, wave: int, output_len: int) -> dict:
         """Over the waves that followed a finished one (the bench's warm-up and each point's first wave have none): ms
-        from the last step before to the wave's first, middle and last arrival; and the stand-in's busy share of the
-        wave's time (what a served / in-process ratio would be with these step times and no other loss)."""
-        edges = {"first": [], "middle": [], "last": [], "busy_share": []}
-        for (end, busy), (following, busy_after) in zip(self.final_steps, self.final_steps[1:]):
+        from the last step before to the wave's first, middle and last arrival; each wave's ms (its first arrival's
+        step to its last step); and `in_process_over_wave`: what the wave would take with its whole prefill in one
+        step and no edge (an in-process run's wave: one prefill, output_len - 1 decode steps of their measured mean),
+        over what it took, i.e. the served / in-process ratio these step times would give if nothing else differed."""
+        edges = {"first": [], "middle": [], "last": [], "wave": [], "in_process_over_wave": []}
+        step = statistics.fmean(self.decode_steps) if self.decode_steps else self.step_s
+        in_process = self.prefill_fixed_s + self.prefill_s * wave + (output_len - 1) * step
+        for end, following in zip(self.final_steps, self.final_steps[1:]):
             arrived = [t for t in self.arrivals if end < t < following]
             if len(arrived) != wave:
                 continue
             for name, at in (("first", arrived[0]), ("middle", arrived[wave // 2]), ("last", arrived[-1])):
                 edges[name].append((at - end) * 1e3)
-            edges["busy_share"].append((busy_after - busy) / (following - end))
+            edges["wave"].append((following - end) * 1e3)
+            edges["in_process_over_wave"].append(in_process / (following - end))
         return {name: {"mean": round(statistics.fmean(v), 3), "median": round(statistics.median(v), 3), "waves": len(v)}
                 for name, v in edges.items() if v}
 
@@ -187,6 +197,8 @@ def main(argv: list[str]) -> int:
                         help="Lockstep decode steps this long (one token per request each; the waves' edges reported).")
     parser.add_argument("--prefill-ms", type=float, default=0.0,
                         help="With --step-ms: a prefill step's milliseconds per request it admits.")
+    parser.add_argument("--prefill-fixed-ms", type=float, default=0.0,
+                        help="With --step-ms: a prefill step's milliseconds besides its requests' (a small prefill's cost).")
     parser.add_argument("--num-prompts", type=int, default=None, help="Requests per point (the bench's default if unset).")
     parser.add_argument("--out", required=True, help="The JSON report.")
     args = parser.parse_args(argv)
@@ -198,7 +210,7 @@ def main(argv: list[str]) -> int:
     for per_delta in (int(x) for x in args.tokens_per_delta.split(",")):
         grpc_port, http_port = free_port(), free_port()
         ready, stop = threading.Event(), threading.Event()
-        backend = (LockstepBackend(args.step_ms / 1000, args.prefill_ms / 1000) if args.step_ms is not None
+        backend = (LockstepBackend(args.step_ms / 1000, args.prefill_ms / 1000, args.prefill_fixed_ms / 1000) if args.step_ms is not None
                    else PacedBackend(per_delta, args.interval_ms / 1000))
         thread = threading.Thread(target=serve_stand_in, args=(f"127.0.0.1:{grpc_port}", backend, model_dir, ready, stop),
                                   daemon=True)
@@ -236,7 +248,7 @@ def main(argv: list[str]) -> int:
             report["points"].append(point)
             print(json.dumps(point))
         if args.step_ms is not None:
-            report["wave_edges_ms"] = backend.wave_edges(int(args.batch_size))
+            report["wave_edges_ms"] = backend.wave_edges(int(args.batch_size), args.output_len)
             print(json.dumps({"wave_edges_ms": report["wave_edges_ms"]}))
             break  # tokens per delta is one in lockstep
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -38,6 +38,10 @@ GATHER_YIELDS, GATHER_SECONDS = 8, 0.002
 # SPLITSPEC_GATEWAY_TURN_MS sets it (0: no turn, a burst goes once the gateway has taken it all), for measuring how a
 # deployment's bursts are best split (docs/performance.md)
 TURN_SECONDS = float(os.environ.get("SPLITSPEC_GATEWAY_TURN_MS", "8")) / 1000
+# a step's deltas are handed to their streams this many at a time, the event loop taking its sockets in between: a
+# wave's last step ends 64 streams at once, and their clients' next requests were taken only once every one of the 64
+# answers had been written. SPLITSPEC_GATEWAY_FANOUT (0: the whole step at once) for measuring it
+FANOUT = int(os.environ.get("SPLITSPEC_GATEWAY_FANOUT", "2"))
 
 
 class VerifierUnavailable(Exception):
@@ -180,10 +184,12 @@ class VerifierClient:
         code, details = "UNAVAILABLE", "the Generate stream ended"
         try:
             async for response in call:
-                for delta in response.deltas:
+                for i, delta in enumerate(response.deltas):
                     queue = self._queues.get(delta.request_id)
                     if queue is not None:
                         queue.put_nowait(delta)
+                    if FANOUT and i % FANOUT == FANOUT - 1 and i + 1 < len(response.deltas):
+                        await asyncio.sleep(0)  # these streams write, the loop polls its sockets, then the next
         except grpc.aio.AioRpcError as exc:
             code, details = exc.code().name, exc.details() or str(exc)
             logger.warning("verifier stream failed (%s: %s); %d request(s) end with an error", code, details,
