@@ -21,8 +21,8 @@ against an in-process run's with the same steps (`in_process_over_wave`: the ser
 times would give if nothing else differed).
 
     # an 8B target on an H200 at batch 64: decode steps of 5.5 ms, a prefill of 128-token prompts 7 ms + 2.8 ms each
-    python -P benchmarks/gateway_ceiling.py --batch-size 64 --output-len 32 --step-ms 5.5 --prefill-fixed-ms 7 \
-        --prefill-ms 2.8 --num-prompts 1024 --out edges.json
+    python -P benchmarks/gateway_ceiling.py --batch-size 64 --prompt-len 128 --output-len 128 --step-ms 5.5 \
+        --prefill-fixed-ms 7 --prefill-ms 2.8 --num-prompts 512 --out edges.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class PacedBackend:
         total, sent, first = params.max_new_tokens, 0, True
         while sent < total:
             n = min(self.per_delta, total - sent)
-            delta = pb.TokenDelta(request_id=submit.request_id, token_ids=[ORDINARY + (sent + i) % 2000 for i in range(n)])
+            ids = [ORDINARY + (sent + i) % 2000 for i in range(n)]
+            delta = pb.TokenDelta(request_id=submit.request_id, token_ids=ids)
             if first:
                 delta.prompt_tokens, first = len(submit.prompt_ids), False
             sent += n
@@ -83,9 +84,9 @@ class PacedBackend:
 
 class LockstepBackend:
     """An engine's schedule without a model: the requests that arrived are prefilled together in one step that takes
-    prefill_fixed_s plus prefill_s per request (their first tokens), else every running request gets one token per decode step of step_s,
-    all in one message. Records when each submission arrived, each decode step's time, and when the steps that left
-    nothing running ended, for wave_edges()."""
+    prefill_fixed_s plus prefill_s per request (their first tokens), else every running request gets one token per
+    decode step of step_s, all in one message. Records when each submission arrived, each decode step's time, and when
+    the steps that left nothing running ended, for wave_edges()."""
 
     def __init__(self, step_s: float, prefill_s: float, prefill_fixed_s: float = 0.0):
         self.step_s, self.prefill_s, self.prefill_fixed_s = step_s, prefill_s, prefill_fixed_s
@@ -139,8 +140,8 @@ class LockstepBackend:
 
     def wave_edges(self, wave: int, output_len: int) -> dict:
         """Over the waves that followed a finished one (the bench's warm-up and each point's first wave have none): ms
-        from the last step before to the wave's first, middle and last arrival; each wave's ms (its first arrival's
-        step to its last step); and `in_process_over_wave`: what the wave would take with its whole prefill in one
+        from the last step before to the wave's first, middle and last arrival; each wave's ms (from the last step
+        before it to its own last); and `in_process_over_wave`: what the wave would take with its whole prefill in one
         step and no edge (an in-process run's wave: one prefill, output_len - 1 decode steps of their measured mean),
         over what it took, i.e. the served / in-process ratio these step times would give if nothing else differed."""
         edges = {"first": [], "middle": [], "last": [], "wave": [], "in_process_over_wave": []}
@@ -193,13 +194,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens-per-delta", default="1,4", help="Tokens in each delta (comma-separated).")
     parser.add_argument("--interval-ms", type=float, default=0.0, help="Pause between a stream's deltas (0: none).")
     parser.add_argument("--output-len", type=int, default=256, help="Tokens per request.")
+    parser.add_argument("--prompt-len", type=int, default=32, help="Tokens per prompt (the bench's random ids).")
     parser.add_argument("--step-ms", type=float, default=None,
                         help="Lockstep decode steps this long (one token per request each; the waves' edges reported).")
     parser.add_argument("--prefill-ms", type=float, default=0.0,
                         help="With --step-ms: a prefill step's milliseconds per request it admits.")
     parser.add_argument("--prefill-fixed-ms", type=float, default=0.0,
-                        help="With --step-ms: a prefill step's milliseconds besides its requests' (a small prefill's cost).")
-    parser.add_argument("--num-prompts", type=int, default=None, help="Requests per point (the bench's default if unset).")
+                        help="With --step-ms: a prefill step's milliseconds besides its requests' (what a small "
+                             "prefill costs more).")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="Requests per point (the bench's default if unset).")
     parser.add_argument("--out", required=True, help="The JSON report.")
     args = parser.parse_args(argv)
     if args.step_ms is not None and "," in args.batch_size:
@@ -210,8 +214,10 @@ def main(argv: list[str]) -> int:
     for per_delta in (int(x) for x in args.tokens_per_delta.split(",")):
         grpc_port, http_port = free_port(), free_port()
         ready, stop = threading.Event(), threading.Event()
-        backend = (LockstepBackend(args.step_ms / 1000, args.prefill_ms / 1000, args.prefill_fixed_ms / 1000) if args.step_ms is not None
-                   else PacedBackend(per_delta, args.interval_ms / 1000))
+        if args.step_ms is not None:
+            backend = LockstepBackend(args.step_ms / 1000, args.prefill_ms / 1000, args.prefill_fixed_ms / 1000)
+        else:
+            backend = PacedBackend(per_delta, args.interval_ms / 1000)
         thread = threading.Thread(target=serve_stand_in, args=(f"127.0.0.1:{grpc_port}", backend, model_dir, ready, stop),
                                   daemon=True)
         thread.start()
@@ -222,7 +228,8 @@ def main(argv: list[str]) -> int:
             with tempfile.TemporaryDirectory() as work:
                 out = Path(work) / "bench.json"
                 command = [sys.executable, "-P", "-m", "splitspec", "bench", "--url", f"http://127.0.0.1:{http_port}",
-                           "--model-path", str(model_dir), "--batch-size", args.batch_size, "--prompt-len", "32",
+                           "--model-path", str(model_dir), "--batch-size", args.batch_size,
+                           "--prompt-len", str(args.prompt_len),
                            "--output-len", str(args.output_len), "--out", str(out), "--log-level", "warning",
                            *(["--num-prompts", str(args.num_prompts)] if args.num_prompts else [])]
                 deadline = time.monotonic() + 60

@@ -36,8 +36,10 @@ def parse_body(data: bytes, max_depth: int = MAX_DEPTH):
         raise
     except ValueError as exc:  # JSONDecodeError, and integers longer than Python's digit limit
         raise BodyError(f"the body is not valid JSON: {exc}") from None
-    if "\\u" in text or text.count("[") + text.count("{") > max_depth:  # else no string can hold a lone surrogate
-        check_value(value, max_depth)  # (UTF-8 text has none, only an escape makes one) and nothing can nest that deep
+    # the walk only where it can find something: decoded UTF-8 holds no lone surrogate (only a \\u escape makes one),
+    # and a value nests no deeper than the text's brackets could
+    if "\\u" in text or text.count("[") + text.count("{") > max_depth:
+        check_value(value, max_depth)
     return value
 
 
