@@ -20,6 +20,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
+from splitspec.gateway.numbers import integer, integers, number
 from splitspec.gateway.structured import StructuredFields
 from splitspec.gateway.text import ChatMessages
 from splitspec.gateway.tools import ToolCallIn, ToolFields, ToolPlan, template_calls
@@ -107,22 +108,6 @@ def _one_of(what: str):
     return WrapValidator(check)
 
 
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: the wire's floats are 32-bit
-
-
-def _number(low: float, high: float, *, positive: bool = False):
-    """A finite number in [low, high]; positive: above zero as a float32 too (a smaller one would reach the
-    verifier as 0)."""
-    return Annotated[float, Field(ge=FLOAT32_TINY if positive else low, le=high), Field(allow_inf_nan=False)]
-
-
-def _integral(value):
-    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema says); 3.5 is not an integer."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 def _false_only(value):
     """A neutral `false`: JSON's false alone (pydantic's Literal[False] would take 0, which equals False)."""
     if value is not False and value is not None:
@@ -133,23 +118,6 @@ def _false_only(value):
 NeutralFalse = Annotated[Literal[False], BeforeValidator(_false_only)]
 
 
-def _int(low: int, high: int):
-    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_integral)]
-
-
-def _integral_items(value):
-    """_integral over a list's items, in one call: a list of ints alone (a prompt's token ids, the usual case) is
-    passed on as it is, checked by pydantic's own code (a Python validator per item cost ~130 calls a prompt)."""
-    if isinstance(value, list) and set(map(type, value)) - {int}:
-        return [_integral(v) for v in value]
-    return value
-
-
-def _ints(low: int, high: int, **field):
-    """A list of integers in [low, high] (3.0 is 3, as for _int)."""
-    return Annotated[list[Annotated[int, Field(ge=low, le=high)]], Field(**field), BeforeValidator(_integral_items)]
-
-
 NonEmpty = Annotated[str, Field(min_length=1)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 Empty = Annotated[list[Any], Field(max_length=0)]
@@ -157,7 +125,7 @@ StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 Stop = Annotated[Union[StopText, Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)]],
                  _one_of(f"a string or a list of at most {MAX_STOP_SEQUENCES} strings of at most {MAX_STOP_CHARS} "
                          "characters")]
-TokenIds = _ints(0, MAX_TOKENS, min_length=1)
+TokenIds = integers(0, MAX_TOKENS, min_length=1)
 TokenIdKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$", max_length=10)]  # a token id as a JSON key
 LogitBias = Annotated[dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
                       Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={  # every key a token id, not only those that look
@@ -213,26 +181,26 @@ class _Request(_Strict, StructuredFields):
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = None  # None: what the context leaves
 
     model: Annotated[NonEmpty, Field(max_length=MAX_NAME_CHARS)]
-    temperature: _number(0.0, 2.0) | None = None
-    top_p: _number(0.0, 1.0, positive=True) | None = None
-    top_k: _int(-1, 2**31 - 1) | None = Field(default=None, description="-1 or 0: all tokens")
-    seed: _int(-(2**63), 2**64 - 1) | None = None
-    n: _int(1, MAX_N) | None = None
+    temperature: number(0.0, 2.0) | None = None
+    top_p: number(0.0, 1.0, positive=True) | None = None
+    top_k: integer(-1, 2**31 - 1) | None = Field(default=None, description="-1 or 0: all tokens")
+    seed: integer(-(2**63), 2**64 - 1) | None = None
+    n: integer(1, MAX_N) | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: Stop | None = None
-    frequency_penalty: _number(-2.0, 2.0) | None = None
-    presence_penalty: _number(-2.0, 2.0) | None = None
-    repetition_penalty: _number(0.0, 10.0, positive=True) | None = None
+    frequency_penalty: number(-2.0, 2.0) | None = None
+    presence_penalty: number(-2.0, 2.0) | None = None
+    repetition_penalty: number(0.0, 10.0, positive=True) | None = None
     ignore_eos: bool | None = None
     speculative: bool | None = Field(default=None, description="false: no drafts for this request")
     user: Name | None = None
     logit_bias: LogitBias | None = Field(default=None, description="token id -> bias in [-100, 100], added to its logit")
-    stop_token_ids: _ints(0, MAX_TOKENS, max_length=MAX_STOP_TOKEN_IDS) | None = Field(
+    stop_token_ids: integers(0, MAX_TOKENS, max_length=MAX_STOP_TOKEN_IDS) | None = Field(
         default=None, description="vLLM's and SGLang's: token ids that end the request (in the output unless special)")
-    min_p: _number(0.0, 1.0) | None = Field(
+    min_p: number(0.0, 1.0) | None = Field(
         default=None, description="vLLM's and SGLang's: tokens less likely than min_p x the most likely are removed")
-    min_tokens: _int(0, MAX_TOKENS) | None = Field(
+    min_tokens: integer(0, MAX_TOKENS) | None = Field(
         default=None, description="vLLM's and SGLang's: tokens before EOS or stop_token_ids may end the request")
     skip_special_tokens: bool | None = Field(default=None, description="vLLM's and SGLang's: special tokens left out "
                                              "of the text (default true)")
@@ -293,10 +261,10 @@ class ChatCompletionRequest(_Request, ToolFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[AnyMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    max_tokens: _int(1, MAX_TOKENS) | None = None
-    max_completion_tokens: _int(1, MAX_TOKENS) | None = None
+    max_tokens: integer(1, MAX_TOKENS) | None = None
+    max_completion_tokens: integer(1, MAX_TOKENS) | None = None
     logprobs: bool | None = None
-    top_logprobs: _int(0, MAX_TOP_LOGPROBS) | None = None
+    top_logprobs: integer(0, MAX_TOP_LOGPROBS) | None = None
     # not served: neutral values only
     functions: Empty | None = None
     function_call: Literal["none", "auto"] | None = None
@@ -348,12 +316,12 @@ class CompletionRequest(_Request):
 
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's default for completions
     prompt: Prompt
-    max_tokens: _int(0, MAX_TOKENS) | None = Field(default=None, description="default 16, as OpenAI's; 0 only with echo")
-    logprobs: _int(0, 5) | None = None
+    max_tokens: integer(0, MAX_TOKENS) | None = Field(default=None, description="default 16, as OpenAI's; 0 only with echo")
+    logprobs: integer(0, 5) | None = None
     echo: bool | None = Field(default=None, description="the prompt before the completion (with logprobs: the "
                               "prompt tokens' too, the first null)")
     # not served: neutral values only
-    best_of: _int(1, 1) | None = None
+    best_of: integer(1, 1) | None = None
     suffix: Literal[""] | None = None
 
     @model_validator(mode="after")

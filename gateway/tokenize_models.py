@@ -8,7 +8,8 @@ from typing import Annotated
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
-from splitspec.gateway.protocol import MAX_MESSAGES, MAX_TOKENS, AnyMessage, Name, _api_error, _ints, _Strict
+from splitspec.gateway.numbers import integers
+from splitspec.gateway.protocol import MAX_MESSAGES, MAX_TOKENS, AnyMessage, Name, _api_error, _Strict
 
 MAX_TOKENIZE_CHARS = 4 << 20  # /tokenize's prompt (the body limit bounds it too)
 MAX_DETOKENIZE_IDS = 1 << 20
@@ -33,7 +34,7 @@ class DetokenizeRequest(_Strict):
     """POST /detokenize: token ids back to text."""
 
     model: Name | None = None
-    tokens: _ints(0, MAX_TOKENS, max_length=MAX_DETOKENIZE_IDS)
+    tokens: integers(0, MAX_TOKENS, max_length=MAX_DETOKENIZE_IDS)
 
     @model_validator(mode="after")
     def _in_vocabulary(self, info: ValidationInfo):
