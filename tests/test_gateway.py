@@ -631,6 +631,78 @@ def test_a_burst_reaches_the_verifier_while_the_gateway_still_takes_it(stack):
     assert writes[0] < 24 and made[-1] >= 1, (writes, made)  # the last handler ran after the first write
 
 
+def test_a_steps_deltas_reach_their_streams_with_the_loop_turning_between(stack):
+    """A verifier message holding many requests' deltas (a step's) is handed to their queues FANOUT at a time with the
+    event loop turning in between, so other work (the next requests' handlers, in a server) runs before the last of
+    them: a task that only yields sees a message part-way handed out. The real verifier's messages, observed."""
+    from splitspec.gateway.client import FANOUT, VerifierClient
+    from splitspec.protos import verifier_pb2 as pb
+
+    assert 0 < FANOUT < 8
+
+    async def run() -> tuple[list[int], list[tuple[int, int]]]:
+        client = VerifierClient(f"127.0.0.1:{stack['stub'].port}")
+        sizes, partial, state = [], [], {"handed": 0, "size": 0, "done": False}
+        generate = client.stub.Generate
+
+        def observed(requests):  # the real call; each message's size noted as the reader takes it
+            call = generate(requests)
+
+            class Call:
+                def cancel(self):
+                    return call.cancel()
+
+                async def __aiter__(self):
+                    async for response in call:
+                        sizes.append(len(response.deltas))
+                        state["handed"], state["size"] = 0, len(response.deltas)
+                        yield response
+
+            return Call()
+
+        client.stub.Generate = observed
+
+        async def watch():  # only yields: runs whenever the reader lets the loop turn
+            while not state["done"]:
+                if 0 < state["handed"] < state["size"]:
+                    partial.append((state["handed"], state["size"]))
+                await asyncio.sleep(0)
+
+        sampling = pb.SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+
+        async def request(k: int) -> int:
+            queue = client.submit(f"fan-{k}", [9 + k, 6, 7, 8], sampling, speculate=False)
+            put = queue.put_nowait
+
+            def counted(delta):
+                state["handed"] += 1
+                put(delta)
+
+            queue.put_nowait = counted
+            tokens = 0
+            while True:
+                delta = await asyncio.wait_for(queue.get(), 120)
+                tokens += len(delta.token_ids)
+                if delta.finish_reason:
+                    client.done(f"fan-{k}")
+                    return tokens
+
+        try:
+            await client.model_info(timeout=30)
+            watcher = asyncio.get_running_loop().create_task(watch())
+            tokens = await asyncio.gather(*(request(k) for k in range(24)))
+            state["done"] = True
+            await watcher
+        finally:
+            await client.close()
+        assert tokens == [2] * 24
+        return sizes, partial
+
+    sizes, partial = asyncio.run(run())
+    assert sum(sizes) == 48 and max(sizes) > FANOUT, sizes  # 24 first and 24 last tokens, some messages many at once
+    assert partial and all(handed % FANOUT == 0 for handed, _ in partial), (sizes, partial)
+
+
 def test_disconnect_mid_stream_frees_the_kv_pages(stack):
     metrics_url = stack["stub"].metrics_url
 
