@@ -45,7 +45,7 @@ from splitspec.demo import demo_model_dirs
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
 
-ORDINARY = 1000  # the demo tokenizer's ids 1000-2999 each decode to text (ids 100-255 are bytes: no text alone)
+ORDINARY = 1000  # the demo tokenizer's ids 1000-2999 each decode to text (100-256 are bytes: no text alone)
 
 
 class PacedBackend:
