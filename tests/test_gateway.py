@@ -581,6 +581,17 @@ def test_sixty_four_concurrent_streams_equal_their_twins(stack):
     assert requests > batches  # requests that arrived together were tokenized together
 
 
+async def streamed_tokens(client, request_id: str, queue) -> int:
+    """The tokens a request submitted on a VerifierClient streams until its last delta."""
+    tokens = 0
+    while True:
+        delta = await asyncio.wait_for(queue.get(), 120)
+        tokens += len(delta.token_ids)
+        if delta.finish_reason:
+            client.done(request_id)
+            return tokens
+
+
 def test_a_burst_reaches_the_verifier_while_the_gateway_still_takes_it(stack):
     """A burst of requests whose handlers are ready together: the first submissions are written to the verifier's
     stream while the later handlers have not yet run (client.turn parks them once a submission has waited
@@ -610,13 +621,7 @@ def test_a_burst_reaches_the_verifier_while_the_gateway_still_takes_it(stack):
             while time.perf_counter() < end:
                 pass
             queue = client.submit(f"burst-{k}", [5 + k, 6, 7, 8], sampling, speculate=False)
-            tokens = 0
-            while True:
-                delta = await asyncio.wait_for(queue.get(), 120)
-                tokens += len(delta.token_ids)
-                if delta.finish_reason:
-                    client.done(f"burst-{k}")
-                    return tokens
+            return await streamed_tokens(client, f"burst-{k}", queue)
 
         try:
             await client.model_info(timeout=30)
@@ -679,13 +684,7 @@ def test_a_steps_deltas_reach_their_streams_with_the_loop_turning_between(stack)
                 put(delta)
 
             queue.put_nowait = counted
-            tokens = 0
-            while True:
-                delta = await asyncio.wait_for(queue.get(), 120)
-                tokens += len(delta.token_ids)
-                if delta.finish_reason:
-                    client.done(f"fan-{k}")
-                    return tokens
+            return await streamed_tokens(client, f"fan-{k}", queue)
 
         try:
             await client.model_info(timeout=30)
