@@ -4,6 +4,7 @@ the recent median and mean it reads them as."""
 from __future__ import annotations
 
 import math
+import statistics
 
 
 def token_bucket(tokens: int) -> int:
@@ -42,9 +43,7 @@ class Recent:
     @property
     def value(self) -> float:
         if self._median is None:
-            ordered = sorted(self.values)
-            n = len(ordered)
-            self._median = ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+            self._median = statistics.median(self.values)
         return self._median
 
 
