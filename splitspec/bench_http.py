@@ -1,7 +1,8 @@
 """`splitspec bench --url`: a running deployment measured over its OpenAI HTTP API with streaming (plain
 requests opt out with "speculative": false). One asyncio event loop drives every concurrent request, each
 slot over its own keep-alive connection, as the field's serving benchmarks do (SGLang's bench_serving, vLLM's
-benchmark_serving: aiohttp); HTTP/1.1 is h11's. A thread per request on a new connection, as before, was itself a
+benchmark_serving: aiohttp), on uvloop where installed; responses are parsed by httptools' C parser (uvicorn's)
+in the connection's protocol callbacks as their bytes arrive. A thread per request on a new connection, as before, was itself a
 queue under a burst: on this project's 2-core machine a 64-request burst reached a bare server 26-28 ms after its
 start on the mean that way, 4.5-6.9 ms on this client's kept-alive connections (benchmarks/client_burst.py)."""
 
@@ -19,7 +20,7 @@ import weakref
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import h11
+import httptools
 
 from splitspec import event_loop
 from splitspec.bench_measure import Timeline, latency_fields, make_prompts
@@ -28,6 +29,7 @@ from splitspec.step_log import StepLog
 logger = logging.getLogger("splitspec.bench")
 
 TIMEOUT_S = 600.0  # a connection that cannot open, or a server silent this long, fails the request
+_DECODE = json.JSONDecoder().raw_decode  # json.loads less its bytes-encoding guess and trailing-text check
 CONNECTIONS: weakref.WeakSet = weakref.WeakSet()  # what `kill -USR2` reports on (where a stuck point waits)
 
 
@@ -41,6 +43,7 @@ class Http:
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
+        self.header_lines = "".join(f"{name}: {value}\r\n" for name, value in self.headers.items())
 
     def get(self, path: str) -> dict:
         cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
@@ -59,123 +62,179 @@ class Http:
         return Connection(self)
 
 
-class Connection:
-    """One keep-alive HTTP/1.1 connection (opened on first use, opened again when the server closes it)."""
+class Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection (opened on first use, opened again when the server closes it), read by
+    httptools' C parser as the bytes arrive: a response's events are taken in the protocol's callbacks, with no
+    task woken per event (the client's own cost per streamed token is what it adds to a served point's edges)."""
 
     def __init__(self, http_: Http):
         self.http = http_
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.h11: h11.Connection | None = None
+        self.transport: asyncio.Transport | None = None
+        self.response: _Response | None = None  # the request out on this connection, until its end
         self.request: int | None = None  # the body's seed (its index in the point) while a request is out
         self.opened = self.received = 0  # connections opened, bytes received on this one
         self.last_read = time.perf_counter()
         CONNECTIONS.add(self)
 
     def state(self) -> str:
-        h = "closed" if self.h11 is None else f"ours {self.h11.our_state.__name__}, theirs {self.h11.their_state.__name__}"
-        local = self.writer.get_extra_info("sockname") if self.writer is not None else None
+        r = self.response
+        h = "closed" if self.transport is None else "idle" if r is None else \
+            f"status {r.status or 'awaited'}, {'ended' if r.done.done() else 'open'}"
+        local = self.transport.get_extra_info("sockname") if self.transport is not None else None
         return (f"request {self.request} on {local}: {h}, opened {self.opened}x, {self.received} bytes in, last read "
                 f"{time.perf_counter() - self.last_read:.1f} s ago")
 
+    # asyncio.Protocol -------------------------------------------------------------------------------
+    def data_received(self, data: bytes) -> None:
+        self.received += len(data)
+        self.last_read = time.perf_counter()
+        if self.response is None:
+            return  # nothing asked: bytes between responses are the server's, dropped with the connection
+        self.response.feed(data, self.last_read)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.response is not None:
+            self.response.lost()
+
+    # the client's side ------------------------------------------------------------------------------
     async def _open(self) -> None:
         context = ssl.create_default_context() if self.http.https else None
-        self.reader, self.writer = await asyncio.wait_for(
-            asyncio.open_connection(self.http.host, self.http.port, ssl=context), TIMEOUT_S)
-        self.h11 = h11.Connection(h11.CLIENT)
+        self.transport, _ = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
+            lambda: self, self.http.host, self.http.port, ssl=context), TIMEOUT_S)
         self.opened += 1
         self.received = 0
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = self.h11 = None
-
-    async def _next_event(self):
-        while True:
-            event = self.h11.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            try:
-                async with asyncio.timeout(TIMEOUT_S):
-                    data = await self.reader.read(65536)
-            except TimeoutError:
-                raise RuntimeError(f"nothing from the server for {TIMEOUT_S:g} s") from None
-            self.received += len(data)
-            self.last_read = time.perf_counter()
-            self.h11.receive_data(data)  # b"" = the server closed: h11 raises on a cut message
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = None
 
     async def stream(self, body: dict, timeline: Timeline) -> dict:
         """POST /v1/completions with stream=true; records each delivery; returns the last chunk's extras. A kept-alive
         connection the server closed meanwhile is opened again and the request sent again (no response had begun)."""
         payload = json.dumps(body).encode()
-        headers = [("Host", f"{self.http.host}:{self.http.port}"), ("Content-Length", str(len(payload))),
-                   *self.http.headers.items()]
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {self.http.host}:{self.http.port}\r\n" \
+               f"Content-Length: {len(payload)}\r\n{self.http.header_lines}\r\n"
         timeline.sent = time.perf_counter()
         self.request = body.get("seed")
-        for attempt in (0, 1):
-            reused = self.h11 is not None
-            if not reused:
-                await self._open()
-            self.writer.write(self.h11.send(h11.Request(method="POST", target="/v1/completions", headers=headers))
-                              + self.h11.send(h11.Data(data=payload)) + self.h11.send(h11.EndOfMessage()))
-            try:
-                await self.writer.drain()
-                response = await self._next_event()
-                if isinstance(response, h11.ConnectionClosed):
-                    raise ConnectionError
-            except (ConnectionError, h11.RemoteProtocolError):
-                self.close()
-                if reused and attempt == 0:
-                    continue
-                raise RuntimeError("the server closed the connection") from None
-            break
         try:
-            extras = await self._response(response, timeline)
+            for attempt in (0, 1):
+                reused = self.transport is not None
+                if not reused:
+                    await self._open()
+                self.response = response = _Response(timeline)
+                self.last_read = time.perf_counter()
+                self.transport.write(head.encode() + payload)
+                await self._wait(response)
+                unanswered = not response.status and response.failure is None  # closed before any answer
+                if not (unanswered and reused and attempt == 0):
+                    break  # a kept-alive connection the server had closed: the request goes again, once
+            if unanswered:
+                raise RuntimeError("the server closed the connection")
+            if response.failure is not None:
+                raise RuntimeError(response.failure)
+            if response.error_body is not None:
+                raise RuntimeError(f"HTTP {response.status}: {bytes(response.error_body[:300])!r}")
         except BaseException:
             self.close()
             raise
-        if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
-            self.h11.start_next_cycle()  # keep-alive: the slot's next request reuses the connection
-        else:
+        finally:
+            self.response, self.request = None, None
+        if not response.keep_alive:
             self.close()
-        self.request = None
-        return extras
+        return response.extras
 
-    async def _response(self, response: h11.Response, timeline: Timeline) -> dict:
-        extras, buffer, error = {}, b"", response.status_code != 200
-        while True:
-            event = await self._next_event()
-            if isinstance(event, h11.EndOfMessage):
-                break
-            if isinstance(event, h11.ConnectionClosed):
-                raise RuntimeError("the server closed the connection mid-stream")
-            buffer += event.data
-            if error:
-                continue
-            now = time.perf_counter()
-            *lines, buffer = buffer.split(b"\n")
+    async def _wait(self, response: _Response) -> None:
+        while not response.done.done():
+            remaining = TIMEOUT_S - (time.perf_counter() - self.last_read)
+            if remaining <= 0:
+                raise RuntimeError(f"nothing from the server for {TIMEOUT_S:g} s")
+            await asyncio.wait([response.done], timeout=remaining)
+
+
+class _Response:
+    """One response as httptools parses it: its status, then its server-sent events taken as they arrive (each one
+    with text a delivery at the time its bytes were read), or an error status's body kept for the report."""
+
+    def __init__(self, timeline: Timeline):
+        self.timeline, self.extras = timeline, {}
+        self.parser = httptools.HttpResponseParser(self)
+        self.done = asyncio.get_running_loop().create_future()
+        self.status = 0
+        self.keep_alive = False
+        self.error_body: bytearray | None = None
+        self.failure: str | None = None  # why the response cannot be read (a cut or malformed message, a stream error)
+        self.buffer, self.now = b"", 0.0
+        self.by_close = True  # the body ends when the connection does (no length, not chunked)
+
+    def feed(self, data: bytes, now: float) -> None:
+        self.now = now
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            pass  # a callback's failure, already noted
+        except httptools.HttpParserError as exc:
+            self._end(f"the server's response is malformed: {exc}")
+
+    def lost(self) -> None:
+        if self.status and self.by_close and self.failure is None:
+            self._end(None)  # a body delimited by the connection's end
+        elif self.status:
+            self._end("the server closed the connection mid-stream")
+        else:
+            self._end(None)  # closed before any answer: stream() decides whether it goes again
+
+    def _end(self, failure: str | None) -> None:
+        if not self.done.done():
+            self.failure = failure
+            self.done.set_result(None)
+
+    # httptools' callbacks ----------------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self.by_close = False
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.status != 200:
+            self.error_body = bytearray()
+
+    def on_body(self, body: bytes) -> None:
+        if self.error_body is not None:
+            self.error_body += body
+            return
+        if self.failure is not None:
+            return
+        *lines, self.buffer = (self.buffer + body).split(b"\n")
+        try:
             for raw in lines:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"stream error: {chunk['error']}")
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    timeline.deliveries.append((now, 1))  # token counts per delivery are not on the wire
-                if "speculative" in chunk:
-                    extras["speculative"] = chunk["speculative"]
-                if chunk.get("usage"):
-                    extras["usage"] = chunk["usage"]
-        if error:
-            raise RuntimeError(f"HTTP {response.status_code}: {buffer[:300]!r}")
-        tokens = (extras.get("usage") or {}).get("completion_tokens")
-        if tokens and timeline.deliveries:  # spread the count over the deliveries
-            extra = tokens - len(timeline.deliveries)
-            t, n = timeline.deliveries[-1]
-            timeline.deliveries[-1] = (t, n + max(0, extra))
-        return extras
+                self._event(raw)
+        except Exception as exc:  # noqa: BLE001 (the request's failure, reported in its row)
+            self._end(str(exc))
+
+    def _event(self, raw: bytes) -> None:
+        line = raw.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            return
+        chunk = _DECODE(line.decode(), 6)[0]  # the event's JSON, read where it starts
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            self.timeline.deliveries.append((self.now, 1))  # token counts per delivery are not on the wire
+        if "speculative" in chunk:
+            self.extras["speculative"] = chunk["speculative"]
+        if chunk.get("usage"):
+            self.extras["usage"] = chunk["usage"]
+
+    def on_message_complete(self) -> None:
+        tokens = (self.extras.get("usage") or {}).get("completion_tokens")
+        deliveries = self.timeline.deliveries
+        if tokens and deliveries and self.error_body is None:  # spread the count over the deliveries
+            t, n = deliveries[-1]
+            deliveries[-1] = (t, n + max(0, tokens - len(deliveries)))
+        self._end(self.failure)
 
 
 async def _point(client: Http, bodies: list[dict], concurrency: int, timelines: list[Timeline], extras: list[dict],
@@ -231,8 +290,8 @@ def run_remote(args) -> dict:
         warm = [{"model": model, "prompt": prompts[w % len(prompts)], "max_tokens": 8, "stream": True,
                  "temperature": 0, "ignore_eos": True, "speculative": speculative}
                 for w in range(args.warmup_requests)]
-        asyncio.run(_warm(client, warm))
-        start, ended = asyncio.run(_point(client, bodies, batch_size, timelines, extras, errors))
+        event_loop.run(_warm(client, warm))
+        start, ended = event_loop.run(_point(client, bodies, batch_size, timelines, extras, errors))
         if log is not None:
             log.point(batch_size, speculative, start, ended, timelines)
         row = {"batch_size": batch_size, "speculative": None, **latency_fields(timelines, ended - start),

@@ -369,7 +369,8 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
     """`splitspec bench --url`'s client against a real HTTP/1.1 server on a socket: a slot's second request rides
     the first one's connection; when the server then drops a kept-alive connection without saying so, the next
     request is sent again on a new one; a server that answers `Connection: close` gets a new connection each time;
-    an error status is reported with its body; every delivery is counted."""
+    an error status is reported with its body, and so are a stream cut midway and an error event; every delivery is
+    counted."""
     import asyncio
     import threading
 
@@ -395,6 +396,16 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
             body = json.loads(await reader.readexactly(length))
             requests.append(body)
             mode = body["mode"]
+            if mode == "cut":  # the stream's head and one event, then the connection is gone
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + sse(["a"], 1)[:40])
+                await writer.drain()
+                writer.close()
+                break
+            if mode == "stream-error":
+                event = b'data: {"error": {"message": "engine gone"}}\n\n'
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+                continue
             if mode == "error":
                 payload = b'{"error": {"message": "bad"}}'
                 writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
@@ -423,6 +434,10 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
                 results.append(await connection.stream({"mode": mode, "i": i}, timelines[i]))
             with pytest.raises(RuntimeError, match="HTTP 400.*bad"):
                 await connection.stream({"mode": "error", "i": 5}, timelines[5])
+            with pytest.raises(RuntimeError, match="closed the connection mid-stream"):
+                await connection.stream({"mode": "cut", "i": 6}, Timeline())
+            with pytest.raises(RuntimeError, match="stream error.*engine gone"):
+                await connection.stream({"mode": "stream-error", "i": 7}, Timeline())
             connection.close()
             return results, timelines
 
@@ -432,9 +447,10 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
         thread.join(5)
     assert [r["usage"]["completion_tokens"] for r in results] == [5] * 5
     assert [t.tokens for t in timelines[:5]] == [5] * 5 and all(len(t.deliveries) == 3 for t in timelines[:5])
-    assert [b["i"] for b in requests] == [0, 1, 2, 3, 4, 5]  # request 2 went once, on a new connection
-    # connections: 0+1 (kept alive, then dropped), 2+3 (new; 3 answered close), 4+5 (new)
-    assert len(connections) == 3
+    assert [b["i"] for b in requests] == [0, 1, 2, 3, 4, 5, 6, 7]  # request 2 went once, on a new connection
+    # connections: 0+1 (kept alive, then dropped), 2+3 (new; 3 answered close), 4+5 (new), 6 (new after the
+    # error status's connection was closed: a failed request's connection is not reused), 7 (new after the cut)
+    assert len(connections) == 5
 
 
 def test_bench_client_gives_up_on_a_silent_server(monkeypatch):
