@@ -2,9 +2,11 @@
 requests opt out with "speculative": false). One asyncio event loop drives every concurrent request, each
 slot over its own keep-alive connection, as the field's serving benchmarks do (SGLang's bench_serving, vLLM's
 benchmark_serving: aiohttp), on uvloop where installed; responses are parsed by httptools' C parser (uvicorn's)
-in the connection's protocol callbacks as their bytes arrive. A thread per request on a new connection, as before, was itself a
-queue under a burst: on this project's 2-core machine a 64-request burst reached a bare server 26-28 ms after its
-start on the mean that way, 4.5-6.9 ms on this client's kept-alive connections (benchmarks/client_burst.py)."""
+in the connection's protocol callbacks as their bytes arrive (benchmarks/client_cost.py: 40-42 us of the client's
+CPU per streamed token with h11 and a task woken per event, 14-16 with this). A thread per request on a new
+connection, as before, was itself a queue under a burst: on this project's 2-core machine a 64-request burst reached
+a bare server 26-28 ms after its start on the mean that way, 4.5-6.9 ms on this client's kept-alive connections
+(benchmarks/client_burst.py)."""
 
 from __future__ import annotations
 
@@ -129,7 +131,7 @@ class Connection(asyncio.Protocol):
                 await self._wait(response)
                 unanswered = not response.status and response.failure is None  # closed before any answer
                 if not (unanswered and reused and attempt == 0):
-                    break  # a kept-alive connection the server had closed: the request goes again, once
+                    break  # else a kept-alive connection the server had closed: the request goes again, once
             if unanswered:
                 raise RuntimeError("the server closed the connection")
             if response.failure is not None:
@@ -179,7 +181,7 @@ class _Response:
 
     def lost(self) -> None:
         if self.status and self.by_close and self.failure is None:
-            self._end(None)  # a body delimited by the connection's end
+            self.on_message_complete()  # a body delimited by the connection's end
         elif self.status:
             self._end("the server closed the connection mid-stream")
         else:
