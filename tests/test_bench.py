@@ -369,8 +369,8 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
     """`splitspec bench --url`'s client against a real HTTP/1.1 server on a socket: a slot's second request rides
     the first one's connection; when the server then drops a kept-alive connection without saying so, the next
     request is sent again on a new one; a server that answers `Connection: close` gets a new connection each time;
-    an error status is reported with its body, and so are a stream cut midway and an error event; every delivery is
-    counted."""
+    an error status is reported with its body, and so are a stream cut midway and an error event; a body without a
+    length that ends with the connection is read whole; every delivery is counted."""
     import asyncio
     import threading
 
@@ -398,6 +398,13 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
             mode = body["mode"]
             if mode == "cut":  # the stream's head and one event, then the connection is gone
                 writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + sse(["a"], 1)[:40])
+                await writer.drain()
+                writer.close()
+                break
+            if mode == "until-close":  # no length, not chunked: the body is whatever comes before the close
+                events = "".join(f"data: {json.dumps(e)}\n\n" for e in (
+                    {"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}, {"choices": [], "usage": {"completion_tokens": 4}}))
+                writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + events.encode())
                 await writer.drain()
                 writer.close()
                 break
@@ -438,19 +445,23 @@ def test_bench_client_keeps_connections_alive_and_reopens_one_the_server_closed(
                 await connection.stream({"mode": "cut", "i": 6}, Timeline())
             with pytest.raises(RuntimeError, match="stream error.*engine gone"):
                 await connection.stream({"mode": "stream-error", "i": 7}, Timeline())
+            until_close = Timeline()
+            results.append(await connection.stream({"mode": "until-close", "i": 8}, until_close))
             connection.close()
-            return results, timelines
+            return results, timelines + [until_close]
 
         results, timelines = asyncio.run(scenario())
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
-    assert [r["usage"]["completion_tokens"] for r in results] == [5] * 5
+    assert [r["usage"]["completion_tokens"] for r in results] == [5] * 5 + [4]
     assert [t.tokens for t in timelines[:5]] == [5] * 5 and all(len(t.deliveries) == 3 for t in timelines[:5])
-    assert [b["i"] for b in requests] == [0, 1, 2, 3, 4, 5, 6, 7]  # request 2 went once, on a new connection
+    assert timelines[-1].tokens == 4 and len(timelines[-1].deliveries) == 2  # the body that ended with the connection
+    assert [b["i"] for b in requests] == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # request 2 went once, on a new connection
     # connections: 0+1 (kept alive, then dropped), 2+3 (new; 3 answered close), 4+5 (new), 6 (new after the
-    # error status's connection was closed: a failed request's connection is not reused), 7 (new after the cut)
-    assert len(connections) == 5
+    # error status's connection was closed: a failed request's connection is not reused), 7 (new after the cut),
+    # 8 (new after the error event)
+    assert len(connections) == 6
 
 
 def test_bench_client_gives_up_on_a_silent_server(monkeypatch):
