@@ -10,6 +10,11 @@ forward) is reported apart: it is not what a GPU step's host pays.
 
     python -P benchmarks/host_cost.py --batch-size 64 --rounds 3
 
+`--case ngram` runs the demo target with NGRAM's trie instead (real acceptance, 12-node trees). On a GPU machine
+(`--device cuda --bench-args --dtype bfloat16`) each piece's wall time includes the device's waits inside it: where the
+engine's thread spends a step there; `--per step` with `--bench-args ... --speculative-adaptive on` spreads the pieces
+over every step of the point, the policy's drafting-off steps included.
+
 An A/B against another commit: run it with that checkout's import tree first on the path (`PYTHONPATH=$(bash
 OTHER/scripts/import_tree.sh /tmp/other-tree) python -P benchmarks/host_cost.py`), alternating, and compare the
 medians. Runs on a busy 2-core machine move by 10-30% per piece; compare rounds of one invocation, and medians.
@@ -48,20 +53,38 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     ("splitspec.runtime.draft_loop", "DraftLoop", "launch", "loop.launch"),
     ("splitspec.runtime.draft_loop", "LoopRun", "finish", "loop.finish (under the verification on a GPU)"),
     ("splitspec.runtime.draft_loop", "DraftLoop", "_trees", "loop.trees (under the verification on a GPU)"),
+    ("splitspec.verifier_svc.drafter_client", "InProcessDrafterClient", "collect", "drafter_client.collect"),
+    ("splitspec.verifier_svc.drafter_client", "InProcessDrafterClient", "request", "drafter_client.request"),
+    ("splitspec.drafter_svc.ngram", "NgramDrafter", "draft", "ngram.draft"),
+    ("splitspec.drafter_svc.ngram", "NgramDrafter", "extend", "ngram.extend"),
+    ("splitspec.drafter_svc.ngram", "NgramDrafter", "idle", "ngram.idle"),
+    ("splitspec.verifier_svc.engine", "Engine", "_retire", "retire"),
+    ("splitspec.verifier_svc.engine", "Engine", "_close", "close (report, the policy's observation)"),
+    ("splitspec.verifier_svc.engine", "Engine", "_forward_and_accept", "forward_and_accept (the rest)"),
+    ("splitspec.verifier_svc.grammar_masks", "GrammarMasks", "build", "grammar masks"),
+    ("splitspec.bench_in_process", None, "drive", "the bench's loop (its own)"),
 ]
+CASES = {  # --case -> (the bench's arguments past the batch size, the piece whose calls count drafted steps)
+    "eagle3-sim": (["--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm", "EAGLE3",
+                    "--simulate-acceptance", "accept-length:6", "--steps", "5", "--topk", "1", "--num-draft-tokens", "6"],
+                   "replay.launch (simulation only)"),
+    # the demo target (the product's own small model) and NGRAM's trie in this process, fixed trees of 12 nodes
+    "ngram": (["--speculative-algorithm", "NGRAM", "--num-draft-tokens", "12"], "ngram.draft"),
+}
 
 
 class Timers:
     """Exclusive time per label, counted from the speculative point's first draft on (the plain point and the
     reference recording run before it)."""
 
-    def __init__(self):
+    def __init__(self, counted: str):
         self.seconds, self.calls, self.stack, self.live = collections.Counter(), collections.Counter(), [], False
+        self.counted = counted  # the label whose first call starts the count, and whose calls are the drafted steps
 
     def wrap(self, function, label: str):
         @functools.wraps(function)
         def timed(*args, **kwargs):
-            if label.startswith("replay.launch") and not self.live:
+            if label == self.counted and not self.live:
                 self.live = True
                 self.seconds.clear()
                 self.calls.clear()
@@ -93,31 +116,43 @@ def one_round(args, timers: Timers) -> dict[str, float]:
     from splitspec import cli
 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        sys.argv = ["splitspec", "bench", "--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm",
-                    "EAGLE3", "--simulate-acceptance", "accept-length:6", "--steps", "5", "--topk", "1",
-                    "--num-draft-tokens", "6", "--speculative-adaptive", "off", "--batch-size", str(args.batch_size),
-                    "--num-prompts", str(4 * args.batch_size), "--prompt-len", "128", "--output-len", "128",
-                    "--no-phase-sync", "--device", "cpu", "--log-level", "warning", "--out", out.name]
+        sys.argv = ["splitspec", "bench", *CASES[args.case][0], "--speculative-adaptive", "off", "--batch-size",
+                    str(args.batch_size), "--num-prompts", str(args.prompts_per_slot * args.batch_size), "--prompt-len",
+                    "128", "--output-len", "128", "--no-phase-sync", "--device", args.device, *args.bench_args,
+                    "--log-level", "warning", "--out", out.name]
         timers.live = False
         with contextlib.redirect_stdout(io.StringIO()):  # the bench's own report
             cli.main()
-    drafted = timers.calls["replay.launch (simulation only)"]
-    return {label: timers.seconds[label] / drafted * 1e3 for label in timers.seconds}
+    drafted, steps = timers.calls[timers.counted], timers.calls["engine.step (the rest)"]
+    print(f"  round: {drafted} drafted steps of {steps} engine steps; model compute {timers.seconds['~model compute']:.2f} s")
+    per = drafted if args.per == "drafted" else steps
+    return {label: timers.seconds[label] / per * 1e3 for label in timers.seconds}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=sorted(CASES), default="eagle3-sim",
+                        help="eagle3-sim: the quick preset with a dummy EAGLE-3 head, acceptance simulated at 6 (steps 5, "
+                        "top-1); ngram: the demo target with NGRAM's trie, 12-node trees, its own acceptance.")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--prompts-per-slot", type=int, default=4, help="Prompts per batch slot (ngram: 2 is enough).")
+    parser.add_argument("--device", default="cpu", help="cuda: each piece's wall time on a GPU host, the device's waits "
+                        "inside the pieces that wait for it (what the engine's thread spends there).")
+    parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[],
+                        help="The rest of the command line goes to `splitspec bench` (e.g. --dtype bfloat16).")
+    parser.add_argument("--per", choices=["drafted", "step"], default="drafted",
+                        help="What the times are divided by: drafted steps, or every engine step of the speculative point "
+                        "(with --bench-args --speculative-adaptive on: the policy's drafting-off steps too).")
     parser.add_argument("--rounds", type=int, default=3, help="Speculative points measured; medians are printed.")
-    parser.add_argument("--out", default=None, help="JSON of every round's pieces (ms per drafted step).")
+    parser.add_argument("--out", default=None, help="JSON of every round's pieces (ms per drafted or engine step).")
     args = parser.parse_args()
-    timers = Timers()
+    timers = Timers(CASES[args.case][1])
     install(timers)
     rounds = [one_round(args, timers) for _ in range(args.rounds)]
     labels = sorted({k for r in rounds for k in r}, key=lambda k: (k.startswith("~"), -statistics.median(
         r.get(k, 0.0) for r in rounds)))
-    print(f"host time per drafted step at batch {args.batch_size} (ms; median of {args.rounds} rounds, then each round)")
+    print(f"{args.case}: host time per {'drafted step' if args.per == 'drafted' else 'engine step'} at batch {args.batch_size} (ms; median of {args.rounds} rounds, then each round)")
     for label in labels:
         values = [r.get(label, 0.0) for r in rounds]
         print(f"  {label:34s} {statistics.median(values):7.3f}   " + " ".join(f"{v:.3f}" for v in values))
@@ -125,7 +160,7 @@ def main() -> None:
     print(f"  {'host pieces in all':34s} {statistics.median(host):7.3f}   " + " ".join(f"{v:.3f}" for v in host))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"batch_size": args.batch_size, "rounds": rounds, "host_ms": host}, f, indent=1)
+            json.dump({"case": args.case, "batch_size": args.batch_size, "per": args.per, "rounds": rounds, "host_ms": host}, f, indent=1)
 
 
 if __name__ == "__main__":
