@@ -63,6 +63,10 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     ("splitspec.verifier_svc.engine", "Engine", "_forward_and_accept", "forward_and_accept (the rest)"),
     ("splitspec.verifier_svc.grammar_masks", "GrammarMasks", "build", "grammar masks"),
     ("splitspec.bench_in_process", None, "drive", "the bench's loop (its own)"),
+    ("splitspec.verifier_svc.adaptive", "AdaptiveSpeculation", "choose", "adaptive.choose"),
+    ("splitspec.verifier_svc.adaptive", "AdaptiveSpeculation", "observe", "adaptive.observe"),
+    ("splitspec.verifier_svc.overlap", "OverlapSchedule", "_step_in_flight", "overlap: step_in_flight"),
+    ("splitspec.verifier_svc.overlap", "OverlapSchedule", "_land", "overlap: land"),
 ]
 CASES = {  # --case -> (the bench's arguments past the batch size, the piece whose calls count drafted steps)
     "eagle3-sim": (["--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm", "EAGLE3",
