@@ -127,6 +127,9 @@ def one_round(args, timers: Timers) -> dict[str, float]:
         timers.live = False
         with contextlib.redirect_stdout(io.StringIO()):  # the bench's own report
             cli.main()
+        for row in json.load(open(out.name))["rows"]:
+            print(f"  bench row: {row['speculative'] or 'plain'} at batch {row['batch_size']}: {row['output_tok_s']} tok/s, "
+                  f"step_ms {row.get('step_ms')}, accept length {row.get('accept_length')}, budgets {row.get('budgets')}")
     drafted, steps = timers.calls[timers.counted], timers.calls["engine.step (the rest)"]
     print(f"  round: {drafted} drafted steps of {steps} engine steps; model compute {timers.seconds['~model compute']:.2f} s")
     per = drafted if args.per == "drafted" else steps
