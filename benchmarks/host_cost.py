@@ -38,7 +38,7 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     ("splitspec.runtime.draft_loop", "DraftLoop", "_body", "~draft loop compute"),
     ("splitspec.runtime.runner", "ModelRunner", "_forward", "~forward (CPU attention planning)"),
     ("splitspec.runtime.attention.torch_backend", "TorchAttentionBackend", "plan_prefix", "~draft loop's CPU attention plan"),
-    ("splitspec.verifier_svc.engine", "Engine", "step", "engine.step (the rest)"),
+    ("splitspec.verifier_svc.engine", "Engine", "step", STEP := "engine.step (the rest)"),
     ("splitspec.verifier_svc.engine", "Engine", "_schedule", "schedule"),
     ("splitspec.verifier_svc.engine", "Engine", "_draft", "engine._draft"),
     ("splitspec.verifier_svc.engine", "Engine", "_sequences", "sequences"),
@@ -62,7 +62,7 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     ("splitspec.verifier_svc.engine", "Engine", "_close", "close (report, the policy's observation)"),
     ("splitspec.verifier_svc.engine", "Engine", "_forward_and_accept", "forward_and_accept (the rest)"),
     ("splitspec.verifier_svc.grammar_masks", "GrammarMasks", "build", "grammar masks"),
-    ("splitspec.bench_in_process", None, "drive", "the bench's loop (its own)"),
+    ("splitspec.bench_in_process", None, "drive", DRIVE := "the bench's loop (its own)"),
     ("splitspec.verifier_svc.adaptive", "AdaptiveSpeculation", "choose", "adaptive.choose"),
     ("splitspec.verifier_svc.adaptive", "AdaptiveSpeculation", "observe", "adaptive.observe"),
     ("splitspec.verifier_svc.overlap", "OverlapSchedule", "_step_in_flight", "overlap: step_in_flight"),
@@ -78,31 +78,36 @@ CASES = {  # --case -> (the bench's arguments past the batch size, the piece who
 
 
 class Timers:
-    """Exclusive time per label, counted from the speculative point's first draft on (the plain point and the
-    reference recording run before it)."""
+    """Exclusive time per label, kept apart per `drive` call (a point of the bench, or its warm-up): the measured
+    plain and speculative points are each kind's call with the most engine steps."""
 
     def __init__(self, counted: str):
-        self.seconds, self.calls, self.stack, self.live = collections.Counter(), collections.Counter(), [], False
-        self.counted = counted  # the label whose first call starts the count, and whose calls are the drafted steps
+        self.counted = counted  # the label whose calls are the speculative point's drafted steps
+        self.stack: list[float] = []
+        self.segments: list[tuple[bool, collections.Counter, collections.Counter]] = []  # (drafts?, seconds, calls)
 
     def wrap(self, function, label: str):
         @functools.wraps(function)
         def timed(*args, **kwargs):
-            if label == self.counted and not self.live:
-                self.live = True
-                self.seconds.clear()
-                self.calls.clear()
+            if label == DRIVE:  # drive(runner, drafter, ...): a new point
+                self.segments.append((args[1] is not None, collections.Counter(), collections.Counter()))
             start = time.perf_counter()
             self.stack.append(0.0)
             try:
                 return function(*args, **kwargs)
             finally:
                 inner, spent = self.stack.pop(), time.perf_counter() - start
-                self.seconds[label] += spent - inner
-                self.calls[label] += 1
+                if self.segments:
+                    _, seconds, calls = self.segments[-1]
+                    seconds[label] += spent - inner
+                    calls[label] += 1
                 if self.stack:
                     self.stack[-1] += spent
         return timed
+
+    def point(self, drafts: bool) -> tuple[collections.Counter, collections.Counter]:
+        """(seconds, calls) of the measured point of that kind."""
+        return max(((s, c) for d, s, c in self.segments if d == drafts), key=lambda sc: sc[1][STEP])
 
 
 def install(timers: Timers) -> None:
@@ -124,16 +129,20 @@ def one_round(args, timers: Timers) -> dict[str, float]:
                     str(args.batch_size), "--num-prompts", str(args.prompts_per_slot * args.batch_size), "--prompt-len",
                     "128", "--output-len", "128", "--no-phase-sync", "--device", args.device, *args.bench_args,
                     "--log-level", "warning", "--out", out.name]
-        timers.live = False
+        timers.segments.clear()
         with contextlib.redirect_stdout(io.StringIO()):  # the bench's own report
             cli.main()
         for row in json.load(open(out.name))["rows"]:
             print(f"  bench row: {row['speculative'] or 'plain'} at batch {row['batch_size']}: {row['output_tok_s']} tok/s, "
                   f"step_ms {row.get('step_ms')}, accept length {row.get('accept_length')}, budgets {row.get('budgets')}")
-    drafted, steps = timers.calls[timers.counted], timers.calls["engine.step (the rest)"]
-    print(f"  round: {drafted} drafted steps of {steps} engine steps; model compute {timers.seconds['~model compute']:.2f} s")
+    plain_seconds, plain_calls = timers.point(False)
+    seconds, calls = timers.point(True)
+    drafted, steps = calls[timers.counted], calls[STEP]
+    print(f"  round: {drafted} drafted steps of {steps} engine steps (plain: {plain_calls[STEP]})")
     per = drafted if args.per == "drafted" else steps
-    return {label: timers.seconds[label] / per * 1e3 for label in timers.seconds}
+    out = {label: seconds[label] / per * 1e3 for label in seconds}
+    out.update({f"plain: {label}": plain_seconds[label] / plain_calls[STEP] * 1e3 for label in plain_seconds})
+    return out
 
 
 def main() -> None:
@@ -157,17 +166,26 @@ def main() -> None:
     timers = Timers(CASES[args.case][1])
     install(timers)
     rounds = [one_round(args, timers) for _ in range(args.rounds)]
-    labels = sorted({k for r in rounds for k in r}, key=lambda k: (k.startswith("~"), -statistics.median(
+    labels = sorted({k.removeprefix("plain: ") for r in rounds for k in r}, key=lambda k: (k.startswith("~"), -statistics.median(
         r.get(k, 0.0) for r in rounds)))
-    print(f"{args.case}: host time per {'drafted step' if args.per == 'drafted' else 'engine step'} at batch {args.batch_size} (ms; median of {args.rounds} rounds, then each round)")
+    unit = "drafted step" if args.per == "drafted" else "engine step"
+    print(f"{args.case} at batch {args.batch_size}: each piece's own time (ms; median of {args.rounds} rounds, then each "
+          f"round), per {unit} of the speculative point | per engine step of the plain point")
+
+    def column(key: str) -> str:
+        values = [r.get(key, 0.0) for r in rounds]
+        return f"{statistics.median(values):7.3f} ({' '.join(f'{v:.3f}' for v in values)})"
+
     for label in labels:
-        values = [r.get(label, 0.0) for r in rounds]
-        print(f"  {label:34s} {statistics.median(values):7.3f}   " + " ".join(f"{v:.3f}" for v in values))
-    host = [sum(v for k, v in r.items() if not k.startswith("~")) for r in rounds]
-    print(f"  {'host pieces in all':34s} {statistics.median(host):7.3f}   " + " ".join(f"{v:.3f}" for v in host))
+        print(f"  {label:42s} {column(label)} | {column('plain: ' + label)}")
+    host = [sum(v for k, v in r.items() if not k.startswith(("~", "plain: "))) for r in rounds]
+    plain = [sum(v for k, v in r.items() if k.startswith("plain: ") and not k.startswith("plain: ~")) for r in rounds]
+    for r, h, p in zip(rounds, host, plain):
+        r["host pieces in all"], r["plain: host pieces in all"] = h, p
+    print(f"  {'host pieces in all':42s} {column('host pieces in all')} | {column('plain: host pieces in all')}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"case": args.case, "batch_size": args.batch_size, "per": args.per, "rounds": rounds, "host_ms": host}, f, indent=1)
+            json.dump({"case": args.case, "batch_size": args.batch_size, "per": args.per, "rounds": rounds}, f, indent=1)
 
 
 if __name__ == "__main__":
