@@ -160,6 +160,45 @@ def test_probes_at_the_interval_again_when_the_load_moves():
     assert policy.probes > before, chosen
 
 
+def test_drafting_off_choices_skip_the_predictions_until_something_can_change_them():
+    """With drafting off at a steady load, no tree runs, so the predictions can move only with plain steps' own
+    timings: a settled off choice reuses them for repredict_off_every steps (a decision costs ~10-40 us of Python
+    against a small model's ~0.4 ms step), and chooses exactly what predicting every repredict_every steps chose:
+    the same probes at the same steps, the same recovery once the load moves."""
+
+    class BeamGpu(ModelGpu):  # drafting loses at batch 16: a drafter of 4 ms a step at any budget, a 0.6 ms forward
+        def verify(self, tokens):
+            return 0.0006
+
+        def draft(self, budget, batch):
+            return 0.004 if budget > 1 else 0.0
+
+    runs = {}
+    for every in (0, 64):  # 0: every choice goes through the decision, its predictions made every 8 steps
+        policy = chain_policy(probe_interval=40, repredict_off_every=every)
+        predictions = 0
+        throughput = policy.throughput
+
+        def counted(*args, **kwargs):
+            nonlocal predictions
+            predictions += 1
+            return throughput(*args, **kwargs)
+
+        policy.throughput = counted
+        gpu = BeamGpu(q=0.5)
+        chosen = run_policy(policy, gpu, 16, 200)
+        before = predictions
+        chosen += run_policy(policy, gpu, 16, 500)
+        off_predictions = predictions - before
+        chosen += run_policy(policy, gpu, 4, 60)
+        runs[every] = (chosen, off_predictions, policy.probes)
+    (slow, slow_predictions, slow_probes), (fast, fast_predictions, fast_probes) = runs[0], runs[64]
+    assert fast == slow and fast_probes == slow_probes >= 4
+    assert fast[200:700].count(1) >= 490, fast[200:700]
+    # 500 steps off: a decision every 8 steps (6 budgets each) before, one every 64 now and at each probe
+    assert slow_predictions >= 300 and fast_predictions <= slow_predictions / 3, (slow_predictions, fast_predictions)
+
+
 def test_policy_does_not_flap():
     """Near a switch point the hysteresis keeps the budget still: once settled at the new load (it walks down
     the ladder as it learns the larger forwards' times), a few switches in 400 steps, not one per step."""

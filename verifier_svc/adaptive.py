@@ -95,6 +95,8 @@ class AdaptiveConfig:
     optimism: float = 0.25  # the acceptance bonus of a depth with no trials (over trials + 1 with them)
     stale_steps: int = 256  # while speculating, timings older than this are not trusted (see the module's doc)
     repredict_every: int = 8  # steps a settled choice's predictions serve the same batch (a choice costs ~0.1 ms)
+    # the same with drafting off and no probe due: only plain steps' own timings move the predictions then
+    repredict_off_every: int = 64
 
 
 class AdaptiveSpeculation:
@@ -376,6 +378,15 @@ class AdaptiveSpeculation:
             return self.budget
         key = (speculating, plain, prefill_tokens)
         cached = self._predicted_for
+        if self.budget == 1 and cached is not None and cached[:3] == key and self._last_choice == 1 \
+                and not self._probing and self._off_steps + 1 < self._probe_every \
+                and self._steps - cached[3] < self.config.repredict_off_every and self._timed(1, speculating + plain):
+            # drafting off, settled at this load, no probe due: no tree has run since the predictions were made, so
+            # nothing but plain steps' timings moved them. Kept for longer, and the choice costs ~1 us instead of the
+            # ~10-40 us of a decision (a small model's plain step takes ~0.4 ms: every step's choice was ~10% of it)
+            self._off_steps += 1
+            self._used[1] = self._steps
+            return 1
         if cached is not None and cached[:3] == key and self._steps - cached[3] < self.config.repredict_every \
                 and self._last_choice == self.budget and self._timed(self.budget, speculating + plain):
             # settled on a budget whose cycles were timed at this batch, lately predicted: as then
