@@ -26,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import inspect
 import io
 import json
 import statistics
@@ -67,6 +68,15 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     ("splitspec.verifier_svc.adaptive", "AdaptiveSpeculation", "observe", "adaptive.observe"),
     ("splitspec.verifier_svc.overlap", "OverlapSchedule", "_step_in_flight", "overlap: step_in_flight"),
     ("splitspec.verifier_svc.overlap", "OverlapSchedule", "_land", "overlap: land"),
+    # the graph replay's pieces (a GPU's): FlashInfer's own plans where it is installed
+    ("splitspec.runtime.cuda_graph", "StepGraphs", "run", "graphs.run (copies, replay, logits)"),
+    ("splitspec.runtime.cuda_graph", "StepGraphs", "_pad", "graphs._pad"),
+    ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "graph_plan", "graph_plan"),
+    ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_pages", "flashinfer: pages"),
+    ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_plan_once", "flashinfer: plan (ours)"),
+    ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_tree_mask", "flashinfer: tree masks"),
+    ("flashinfer.prefill", "BatchPrefillWithPagedKVCacheWrapper", "plan", "flashinfer: prefill wrapper.plan"),
+    ("flashinfer.decode", "BatchDecodeWithPagedKVCacheWrapper", "plan", "flashinfer: decode wrapper.plan"),
 ]
 CASES = {  # --case -> (the bench's arguments past the batch size, the piece whose calls count drafted steps)
     "eagle3-sim": (["--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm", "EAGLE3",
@@ -114,9 +124,14 @@ def install(timers: Timers) -> None:
     import importlib
 
     for module_name, owner_name, attribute, label in PIECES:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # FlashInfer where it is not installed
+            continue
         owner = module if owner_name is None else getattr(module, owner_name)
-        setattr(owner, attribute, timers.wrap(getattr(owner, attribute), label))
+        timed = timers.wrap(getattr(owner, attribute), label)
+        static = isinstance(inspect.getattr_static(owner, attribute), staticmethod)
+        setattr(owner, attribute, staticmethod(timed) if static else timed)
     engine = importlib.import_module("splitspec.verifier_svc.engine")
     engine.target_rows = importlib.import_module("splitspec.verifier_svc.verification").target_rows  # its own name
 
