@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -72,6 +73,8 @@ def library() -> ctypes.CDLL:
     lib.ngram_trie_insert.argtypes = [ctypes.c_void_p, i32p, i32p, ctypes.c_int32]
     lib.ngram_trie_draft.restype = ctypes.c_int32
     lib.ngram_trie_draft.argtypes = [ctypes.c_void_p, i32p, ctypes.c_int32, ctypes.c_int32, i32p, i32p]
+    lib.ngram_trie_draft_batch.restype = ctypes.c_int32
+    lib.ngram_trie_draft_batch.argtypes = [ctypes.c_void_p, i32p, i32p, ctypes.c_int32, i32p, i32p, i32p, i32p]
     return lib
 
 
@@ -131,6 +134,29 @@ class NativeNgramTrie:
             status = self._lib.ngram_trie_insert(self._handle, tokens, lengths, len(windows))
         if status:
             raise MemoryError("the NGRAM trie ran out of memory while inserting")
+
+    def draft_batch(self, contexts: list[list[int]], max_nodes: list[int]) -> list[DraftTree | None]:
+        """draft() of each context, in one call into the library (a step's batch: ~1 us a request, not ~9)."""
+        window = max(self.config.max_match_window_size, 1)
+        cut = [context[-window:] for context in contexts]
+        budgets = [budget if budget >= 2 else 0 for budget in max_nodes]  # 0: no tree asked (count 0)
+        flat = [token for context in cut for token in context]
+        starts = list(itertools.accumulate(map(len, cut), initial=0))
+        offsets = list(itertools.accumulate(budgets, initial=0))
+        n, size = len(cut), max(offsets[-1], 1)
+        tokens, parents, counts = (ctypes.c_int32 * size)(), (ctypes.c_int32 * size)(), (ctypes.c_int32 * max(n, 1))()
+        with self._lock:
+            status = self._lib.ngram_trie_draft_batch(self._handle, (ctypes.c_int32 * max(len(flat), 1))(*flat),
+                                                      (ctypes.c_int32 * (n + 1))(*starts), n,
+                                                      (ctypes.c_int32 * (n + 1))(*offsets), tokens, parents, counts)
+        if status:
+            raise MemoryError("the NGRAM trie ran out of memory while drafting")
+        trees = []
+        for i in range(n):
+            count, start = counts[i], offsets[i]
+            trees.append(DraftTree(tuple(tokens[start : start + count]), tuple(parents[start : start + count]))
+                         if count >= 2 else None)
+        return trees
 
     def draft(self, context: list[int], max_nodes: int) -> DraftTree | None:
         """The tree for a context (root = its last token), or None when the trie suggests nothing."""

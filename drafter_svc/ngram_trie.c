@@ -327,3 +327,17 @@ done:
     free(kids); free(queue); free(heap);
     return status;
 }
+
+/* Trees for n contexts in one call (one crossing of the FFI, not n): context i is contexts[starts[i] .. starts[i + 1]),
+ * its tree goes to out_tokens / out_parents from offsets[i], offsets[i + 1] - offsets[i] nodes at most, and counts[i]
+ * is its node count (as ngram_trie_draft's). Returns 0, or -1 out of memory. */
+int32_t ngram_trie_draft_batch(const Trie *t, const int32_t *contexts, const int32_t *starts, int32_t n,
+                               const int32_t *offsets, int32_t *out_tokens, int32_t *out_parents, int32_t *counts) {
+    for (int32_t i = 0; i < n; i++) {
+        int32_t count = ngram_trie_draft(t, contexts + starts[i], starts[i + 1] - starts[i], offsets[i + 1] - offsets[i],
+                                         out_tokens + offsets[i], out_parents + offsets[i]);
+        if (count < 0) return -1;
+        counts[i] = count;
+    }
+    return 0;
+}

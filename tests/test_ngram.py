@@ -114,7 +114,8 @@ def test_drafter_follows_a_request():
 @pytest.mark.parametrize("capacity", [10_000_000, 300])
 def test_the_c_trie_drafts_the_python_twins_trees(match_type, capacity):
     """Random traffic over a small vocabulary (wide branching, frequency ties), with and without eviction: the
-    C trie's every tree equals the Python trie's, node for node and in order, and so does its size."""
+    C trie's every tree equals the Python trie's, node for node and in order, and so does its size; so do a batch's
+    trees drafted in one call."""
     rng = random.Random(f"{match_type}{capacity}")
     config = NgramConfig(match_type=match_type, capacity=capacity, max_match_window_size=6, branch_length=9,
                          min_bfs_breadth=1, max_bfs_breadth=5)
@@ -128,10 +129,15 @@ def test_the_c_trie_drafts_the_python_twins_trees(match_type, capacity):
         twin.insert_windows(windows)
         native.insert_windows(windows)
         assert native.num_nodes == twin.num_nodes
-        for budget in (2, 5, 12, 40):
+        contexts, budgets, trees = [], (2, 5, 12, 40, 1), []
+        for budget in budgets:
             context = text[rng.randrange(len(text) - 8):][: rng.randint(1, 8)]
             expected = draft_from_context(twin, context, budget)
             assert draft_from_context(native, context, budget) == expected, (step, context, budget)
             drafted += expected is not None
+            contexts.append(context)
+            trees.append(expected)
+        # a step's batch in one call: the same trees (budget 1: none)
+        assert native.draft_batch(contexts, list(budgets)) == trees == twin.draft_batch(contexts, list(budgets))
     assert twin.num_nodes <= capacity
     assert drafted > 500  # the traffic exercised the trees, not only empty drafts
