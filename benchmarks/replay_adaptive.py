@@ -5,7 +5,8 @@ the policy as the code stands: the same observations in the same order, every ch
         --max-budget 12 --num-steps 11
 
 Prints how many choices differ from the recorded ones, the budgets chosen by batch size, and the policy's own
-time per choice on this machine. What a different choice would have cost is not in a trace: a replay tells
+time per choice on this machine (and per choice that kept drafting off: a small model's plain step, ~0.4 ms on a GPU,
+pays it every step). What a different choice would have cost is not in a trace: a replay tells
 what the policy decides from what it saw, not what the decision would have earned.
 """
 
@@ -36,8 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.pop(TRACE_ENV, None)  # the replayed policy records nothing (into the trace it reads, least of all)
     policy = AdaptiveSpeculation(AdaptiveConfig(max_budget=args.max_budget, num_steps=args.num_steps, chain=args.chain))
-    differ = total = 0
-    seconds = 0.0
+    differ = total = off = 0
+    seconds = off_seconds = 0.0
     by_batch: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for record in records(args.trace):
         if record["kind"] == "observe":
@@ -45,13 +46,18 @@ def main() -> None:
             fields["accepts"] = [tuple(a) for a in fields["accepts"]]
             policy.observe(StepShape(**fields))
             continue
+        was_off = policy.budget == 1
         began = time.perf_counter()
         choice = policy.choose(record["speculating"], record["plain"], record["prefill"])
-        seconds += time.perf_counter() - began
+        spent = time.perf_counter() - began
+        seconds += spent
         total += 1
+        if was_off and choice == 1 and record["speculating"]:  # drafting off, and staying off
+            off, off_seconds = off + 1, off_seconds + spent
         differ += choice != record["choice"]
         by_batch[record["speculating"]][choice] += 1
-    print(f"{total} choices, {differ} differ from the trace's; {seconds / max(total, 1) * 1e6:.0f} us per choice here")
+    print(f"{total} choices, {differ} differ from the trace's; {seconds / max(total, 1) * 1e6:.0f} us per choice here; "
+          f"{off} with drafting off that kept it off: {off_seconds / max(off, 1) * 1e6:.1f} us each")
     for batch in sorted(by_batch):
         print(f"  {batch:>4} speculating: " + ", ".join(f"budget {b} x{n}" for b, n in sorted(by_batch[batch].items())))
 
