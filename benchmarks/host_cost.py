@@ -147,7 +147,9 @@ def one_round(args, timers: Timers) -> dict[str, float]:
         timers.segments.clear()
         with contextlib.redirect_stdout(io.StringIO()):  # the bench's own report
             cli.main()
-        for row in json.load(open(out.name))["rows"]:
+        with open(out.name) as f:
+            rows = json.load(f)["rows"]
+        for row in rows:
             print(f"  bench row: {row['speculative'] or 'plain'} at batch {row['batch_size']}: {row['output_tok_s']} tok/s, "
                   f"step_ms {row.get('step_ms')}, accept length {row.get('accept_length')}, budgets {row.get('budgets')}")
     plain_seconds, plain_calls = timers.point(False)
