@@ -95,12 +95,14 @@ class Timers:
         self.counted = counted  # the label whose calls are the speculative point's drafted steps
         self.stack: list[float] = []
         self.segments: list[tuple[bool, collections.Counter, collections.Counter]] = []  # (drafts?, seconds, calls)
+        self.slowest: dict[str, tuple[float, int]] = {}  # label -> (its slowest call's own seconds, which call of the point)
 
     def wrap(self, function, label: str):
         @functools.wraps(function)
         def timed(*args, **kwargs):
             if label == DRIVE:  # drive(runner, drafter, ...): a new point
                 self.segments.append((args[1] is not None, collections.Counter(), collections.Counter()))
+                self.slowest = {}
             start = time.perf_counter()
             self.stack.append(0.0)
             try:
@@ -111,6 +113,8 @@ class Timers:
                     _, seconds, calls = self.segments[-1]
                     seconds[label] += spent - inner
                     calls[label] += 1
+                    if spent - inner > self.slowest.get(label, (0.0, 0))[0]:  # a one-off (a first use) shows here
+                        self.slowest[label] = (spent - inner, calls[label])
                 if self.stack:
                     self.stack[-1] += spent
         return timed
@@ -156,6 +160,8 @@ def one_round(args, timers: Timers) -> dict[str, float]:
     seconds, calls = timers.point(True)
     drafted, steps = calls[timers.counted], calls[STEP]
     print(f"  round: {drafted} drafted steps of {steps} engine steps (plain: {plain_calls[STEP]})")
+    slowest = sorted(timers.slowest.items(), key=lambda kv: -kv[1][0])[:6]  # the speculative point's (it runs last)
+    print("  slowest single calls: " + ", ".join(f"{label} {ms * 1e3:.2f} ms (call {n})" for label, (ms, n) in slowest))
     per = drafted if args.per == "drafted" else steps
     out = {label: seconds[label] / per * 1e3 for label in seconds}
     out.update({f"plain: {label}": plain_seconds[label] / plain_calls[STEP] * 1e3 for label in plain_seconds})
