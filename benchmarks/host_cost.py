@@ -71,6 +71,9 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     # the graph replay's pieces (a GPU's): FlashInfer's own plans where it is installed
     ("splitspec.runtime.cuda_graph", "StepGraphs", "run", "graphs.run (copies, replay, logits)"),
     ("splitspec.runtime.cuda_graph", "StepGraphs", "_pad", "graphs._pad"),
+    ("splitspec.runtime.cuda_graph", "StepGraphs", "tokens_per_request", "graphs.tokens_per_request"),
+    ("splitspec.runtime.rope", "RotaryEmbedding", "reserve", "rope.reserve"),
+    ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "plan", "flashinfer: eager plan"),
     ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "graph_plan", "graph_plan"),
     ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_pages", "flashinfer: pages"),
     ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_plan_once", "flashinfer: plan (ours)"),
