@@ -41,7 +41,9 @@ own at the nearest load), tried, measured and kept or left. While speculation is
 measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the best budget (the second
 one's costs are timed: steady), when full acceptance could make speculation win at that load at all; each probe that
 leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes or the load moves to another
-power-of-two batch. While it speculates, timings older than 256 steps are not trusted (a forward size or budget timed
+power-of-two batch; between probes, at a load that holds, the choice reuses the predictions it was made from (up to
+repredict_off_every steps: with no tree running, only plain steps' own timings could move them). While it speculates,
+timings older than 256 steps are not trusted (a forward size or budget timed
 only that long ago is predicted optimistically again) and are dropped when a new one comes: a budget judged by its
 first, warming-up steps, or by a load that has passed, is measured again rather than left out for good.
 
