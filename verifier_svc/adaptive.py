@@ -384,8 +384,8 @@ class AdaptiveSpeculation:
                 and not self._probing and self._off_steps + 1 < self._probe_every \
                 and self._steps - cached[3] < self.config.repredict_off_every and self._timed(1, speculating + plain):
             # drafting off, settled at this load, no probe due: no tree has run since the predictions were made, so
-            # nothing but plain steps' timings moved them. Kept for longer, and the choice costs ~1 us instead of the
-            # ~10-40 us of a decision (a small model's plain step takes ~0.4 ms: every step's choice was ~10% of it)
+            # nothing but plain steps' timings moved them. Kept for longer, and the choice costs ~3-4 us of Python instead
+            # of a decision's ~10-40 (a reprediction's ~200): a small model's plain step takes ~0.4 ms on a GPU
             self._off_steps += 1
             self._used[1] = self._steps
             return 1
