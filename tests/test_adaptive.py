@@ -420,9 +420,10 @@ def test_engine_turns_speculation_off_when_it_cannot_pay_and_stays_lossless(demo
     budgets = step_all(engine)
     assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
     assert budgets[0] == 6 and all(r.stats.draft_tokens > 0 and r.stats.accepted_tokens == 0 for r in requests)
-    # off on most later steps: one-step probes every 40 steps, and one-step tries where a busy CPU's timings made
-    # a larger tree look cheap for a moment (the policy runs on measured times; 48 and 50+ of 60 both seen in CI)
-    assert budgets[-60:].count(1) >= 40, budgets
+    # off on the later steps but for two-step probes (40 steps apart, then 80): no tree is predicted faster per step
+    # than plain decoding, so a busy CPU's noisy timings cannot keep one whose drafts are not accepted (before that
+    # bound, CI once saw a budget of 2 held for 37 of the last 60 steps)
+    assert budgets[-60:].count(1) >= 50, budgets
 
 
 def test_speculation_off_still_feeds_the_drafter(demo):

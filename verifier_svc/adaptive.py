@@ -29,8 +29,10 @@ tokens, the one with the largest expected throughput
 The sum of those parts is checked against whole decode cycles as they ran (their mean per budget and load, timed
 at min_timings steps or more): a tree is predicted at the lower of the two, plain decoding at the higher, so a
 stall in some steps or a cost the phases misattribute cannot keep a tree that is measured slower than plain
-decoding (see _correct). Steps with prompt chunks, and a step at another budget than the one before (a probe, a
-try, a switch), stay out of the costs.
+decoding (see _correct). And a drafted step does all a plain step does and more, so no tree is predicted to take
+less time than plain decoding at that load (drafts that are not accepted cannot win on timings' noise; see _bound).
+Steps with prompt chunks, and a step at another budget than the one before (a probe, a try, a switch), stay out of
+the costs.
 
 Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as load
 crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the budget does not
@@ -360,6 +362,19 @@ class AdaptiveSpeculation:
                 if not self._timed(n, batch):
                     predicted[n] *= scale
 
+    def _bound(self, predicted: dict[int, float], speculating: int, plain: int) -> None:
+        """A drafted step does all a plain step does and more (drafts, a larger forward, the tree walk), so no tree is
+        predicted to take less time than plain decoding at this load: its throughput is at most plain's times the
+        tokens it is expected to make per step. Where drafts are not accepted (E(N) ~ 1) a tree cannot then win on
+        timings' noise alone (a busy CPU's tree steps timed a little faster than its plain ones)."""
+        plain_rate = predicted.get(1)
+        if not plain_rate:
+            return
+        batch = speculating + plain
+        for n in self.ladder[1:]:
+            if predicted[n]:
+                predicted[n] = min(predicted[n], plain_rate * (speculating * self.expected_tokens(n) + plain) / batch)
+
     # choosing ------------------------------------------------------------------------------------
     def choose(self, speculating: int, plain: int = 0, prefill_tokens: int = 0) -> int:
         """The budget of the next trees of `speculating` requests (1: no drafts this step)."""
@@ -399,6 +414,7 @@ class AdaptiveSpeculation:
                 return self.budget
             if not prefill_tokens:
                 self._correct(predicted, speculating, plain)
+            self._bound(predicted, speculating, plain)
             self.predicted, self._predicted_for = predicted, (*key, self._steps)
         self._last_choice = self._decide(predicted, speculating, plain, prefill_tokens)
         return self._last_choice
