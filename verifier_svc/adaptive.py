@@ -395,17 +395,17 @@ class AdaptiveSpeculation:
             return self.budget
         key = (speculating, plain, prefill_tokens)
         cached = self._predicted_for
-        if self.budget == 1 and cached is not None and cached[:3] == key and self._last_choice == 1 \
-                and not self._probing and self._off_steps + 1 < self._probe_every \
-                and self._steps - cached[3] < self.config.repredict_off_every and self._timed(1, speculating + plain):
+        settled = cached is not None and cached[:3] == key and self._last_choice == self.budget
+        age = self._steps - cached[3] if settled else 0
+        if settled and self.budget == 1 and not self._probing and self._off_steps + 1 < self._probe_every \
+                and age < self.config.repredict_off_every and self._timed(1, speculating + plain):
             # drafting off, settled at this load, no probe due: no tree has run since the predictions were made, so
             # nothing but plain steps' timings moved them. Kept for longer, and the choice costs ~3-4 us of Python instead
             # of a decision's ~10-40 (a reprediction's ~200): a small model's plain step takes ~0.4 ms on a GPU
             self._off_steps += 1
             self._used[1] = self._steps
             return 1
-        if cached is not None and cached[:3] == key and self._steps - cached[3] < self.config.repredict_every \
-                and self._last_choice == self.budget and self._timed(self.budget, speculating + plain):
+        if settled and age < self.config.repredict_every and self._timed(self.budget, speculating + plain):
             # settled on a budget whose cycles were timed at this batch, lately predicted: as then
             predicted = self.predicted
         else:
