@@ -78,6 +78,7 @@ PIECES = [  # (module, owner, attribute, label); "~": compute, reported apart
     ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_pages", "flashinfer: pages"),
     ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_plan_once", "flashinfer: plan (ours)"),
     ("splitspec.runtime.attention.flashinfer_backend", "FlashInferAttentionBackend", "_tree_mask", "flashinfer: tree masks"),
+    ("splitspec.runtime.attention.flashinfer_backend", None, "replan", "flashinfer: graph replan (one copy)"),
     ("flashinfer.prefill", "BatchPrefillWithPagedKVCacheWrapper", "plan", "flashinfer: prefill wrapper.plan"),
     ("flashinfer.decode", "BatchDecodeWithPagedKVCacheWrapper", "plan", "flashinfer: decode wrapper.plan"),
 ]

@@ -163,6 +163,59 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
 
 
 @needs_flashinfer
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["tensor-core-decode", "cuda-core-decode"])
+def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
+    """A captured graph's wrappers re-planned in one copy (flashinfer_replan) hold exactly what FlashInfer's own plan
+    writes: the index buffers its kernels read, a tree's packed mask and offsets, and the work split in its int
+    workspace; for decode (both decode planners), trees and causal chains, over batches whose lengths and pages vary."""
+    from splitspec.runtime.attention.base import AttentionBatch
+    from splitspec.runtime.tree import ancestor_rows
+
+    r = runner(checkpoint(tmp_path, num_key_value_heads=kv_heads), "flashinfer")
+    backend, page_size = r.backend, r.kv_cache.page_size
+    assert backend.decode_tensor_cores == (kv_heads == 2)
+    g = torch.Generator().manual_seed(4)
+    bs, max_kv = 4, 160
+    for q_len, causal in ((1, False), (6, False), (4, True)):
+        state = backend.graph_state(bs, max_pages=bs * max_kv // page_size, q_len=q_len, max_kv_len=max_kv, causal=causal)
+        wrapper, arena = state.wrappers[None], state.arenas[None]
+        parents = (-1, 0, 0, 1, 2, 2)[:q_len] if q_len > 1 and not causal else None
+        for trial in range(5):
+            kv_lens = torch.randint(q_len + 1, max_kv + 1, (bs,), generator=g).tolist()
+            pages = torch.randperm(r.kv_cache.num_pages, generator=g).tolist()
+            tables, start = [], 0
+            for n in kv_lens:
+                tables.append(pages[start : start + -(-n // page_size)])
+                start += len(tables[-1])
+            mask = None if parents is None else torch.tensor([[bool(row >> j & 1) for j in range(q_len)]
+                                                              for row in ancestor_rows(parents)])
+            batch = AttentionBatch([q_len] * bs, kv_lens, tables, torch.zeros(bs * q_len, dtype=torch.long),
+                                   torch.zeros(bs * q_len, dtype=torch.long), [mask] * bs,
+                                   None if parents is None else [parents] * bs)
+            seen = []
+            for lean in (False, True):
+                backend.lean_replan = lean
+                arena.buffer.zero_()
+                wrapper._int_workspace_buffer.zero_()
+                if parents is not None:
+                    wrapper._custom_mask_buf.zero_()
+                before = backend.lean_plans
+                backend.graph_plan(state, batch)
+                assert backend.lean_plans - before == int(lean)  # the first plan of all: FlashInfer's own
+                torch.cuda.synchronize()
+                parts = ["kv_indptr", "last", "ids"] + (["qo", "kv_lens"] if q_len > 1 else [])
+                seen.append(({p: arena.view(p).clone() for p in parts + (["mask_indptr"] if parents else [])},
+                             wrapper._int_workspace_buffer.clone(), list(wrapper._plan_info),
+                             None if parents is None else wrapper._custom_mask_buf.clone()))
+            (views, work, info, packed), (lean_views, lean_work, lean_info, lean_packed) = seen
+            for part in views:
+                assert torch.equal(views[part], lean_views[part]), (q_len, causal, part)
+            assert torch.equal(work, lean_work) and info == lean_info, (q_len, causal)
+            assert packed is None or torch.equal(packed, lean_packed)
+    backend.lean_replan = True
+
+
+@needs_flashinfer
 def test_piecewise_graphs_equal_eager(tmp_path):
     """Prompt chunks and mixed steps replay piecewise graphs (attention eager between the pieces) with the
     eager forward's logits and captured layer inputs, at every padded size, in any order of sizes; a forward

@@ -26,6 +26,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -33,9 +34,11 @@ import torch
 
 from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+from splitspec.runtime.attention.flashinfer_replan import Arena, replan, replannable
 from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.tree import ancestor_rows
 
+REPLAN_ENV = "SPLITSPEC_FLASHINFER_REPLAN"
 LN2 = 0.6931471805599453
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
 _OVERFLOW = re.compile(r"Buffer overflow when allocating memory for (\w+) with size (\d+)")
@@ -108,6 +111,7 @@ class GraphState:
     out_slots: torch.Tensor  # [batch_size * q_len] int64, static
     plan: FlashInferPlan
     causal: bool = False  # q_len > 1: chains (each token sees the ones before it), planned without a mask
+    arenas: dict = field(default_factory=dict)  # window -> Arena: its wrapper's index buffers
 
 
 @dataclass
@@ -132,6 +136,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         group_size = config.num_attention_heads // config.num_key_value_heads
         self.decode_tensor_cores = group_size >= 4
         self._wrappers: dict = {}
+        # a captured graph's wrappers re-planned by flashinfer_replan once FlashInfer planned them (at capture);
+        # SPLITSPEC_FLASHINFER_REPLAN=flashinfer keeps FlashInfer's own plan (to compare the two on a GPU)
+        self.lean_replan = os.environ.get(REPLAN_ENV, "lean") != "flashinfer"
+        self.lean_plans = self.full_plans = 0  # graph plans each way
 
     # wrappers ----------------------------------------------------------------------------------------
     def _wrapper(self, kind: str, window):
@@ -270,32 +278,26 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Fixed buffers and wrappers for a graph of `batch_size` requests of `q_len` new tokens each (1:
         decode; more: trees, whose requests hold at most `max_kv_len` keys, or with causal chains, planned
         without a mask: no mask to build, pack or copy), `max_pages` pages in all."""
-        def buffer(n):
-            return torch.zeros(n, dtype=torch.int32, device=self.device)
-
-        wrappers = {}
-        for window in self.windows:
+        wrappers, arenas = {}, {}
+        tree = q_len > 1 and not causal
+        for window in self.windows:  # a wrapper's index buffers are views of one arena (flashinfer_replan)
+            arena = arenas[window] = Arena.make(batch_size, max_pages, self.device, mask=tree)
+            pages = dict(paged_kv_indptr_buf=arena.view("kv_indptr"), paged_kv_indices_buf=arena.view("ids"),
+                         paged_kv_last_page_len_buf=arena.view("last"))
             if q_len == 1:
                 wrappers[window] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
-                    paged_kv_indptr_buffer=buffer(batch_size + 1), paged_kv_indices_buffer=buffer(max_pages),
-                    paged_kv_last_page_len_buffer=buffer(batch_size))
-            elif causal:
+                    **{name.replace("_buf", "_buffer"): view for name, view in pages.items()})
+            else:  # trees: each request's mask is q_len x kv_len bits, packed to whole bytes
+                mask = {} if not tree else dict(
+                    custom_mask_buf=torch.zeros(batch_size * (-(-q_len * max_kv_len // 8)), dtype=torch.uint8,
+                                                device=self.device), mask_indptr_buf=arena.view("mask_indptr"))
                 wrappers[window] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(batch_size + 1),
-                    paged_kv_indptr_buf=buffer(batch_size + 1), paged_kv_indices_buf=buffer(max_pages),
-                    paged_kv_last_page_len_buf=buffer(batch_size))
-            else:  # each request's mask is q_len x kv_len bits, packed to whole bytes
-                mask_bytes = batch_size * (-(-q_len * max_kv_len // 8))
-                wrappers[window] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(batch_size + 1),
-                    paged_kv_indptr_buf=buffer(batch_size + 1), paged_kv_indices_buf=buffer(max_pages),
-                    paged_kv_last_page_len_buf=buffer(batch_size),
-                    custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=self.device),
-                    mask_indptr_buf=buffer(batch_size + 1))
+                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"), **pages, **mask)
+                wrappers[window]._kv_lens_buffer = arena.view("kv_lens")  # its plan writes there, its kernels read it
         out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
         plan = FlashInferPlan(out_slots=out_slots, groups={w: [_Group(wr, None)] for w, wr in wrappers.items()})
-        return GraphState(batch_size, q_len, wrappers, out_slots, plan, causal and q_len > 1)
+        return GraphState(batch_size, q_len, wrappers, out_slots, plan, causal and q_len > 1, arenas)
 
     def graph_plan(self, state: GraphState, batch: AttentionBatch) -> FlashInferPlan:
         """Plan a batch of exactly state.batch_size requests of state.q_len tokens into the graph's buffers."""
@@ -304,11 +306,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         requests = list(range(n))
         pages = self._pages(batch, requests, self.kv_cache.page_size)
         starts = self._starts(batch)
+        kind = "decode" if state.q_len == 1 else "causal" if state.causal else "tree"
         for window, wrapper in state.wrappers.items():
-            kind = "decode" if state.q_len == 1 else "causal" if state.causal else "tree"
+            if self.lean_replan and replannable(wrapper):
+                try:
+                    self._replan(state, wrapper, kind, batch, requests, starts, window)
+                    continue
+                except RuntimeError as exc:  # its workspace overflowed, say: FlashInfer's own plan deals with that
+                    logger.debug("re-planning a graph's %s wrapper by FlashInfer's plan: %s", kind, exc)
             self._plan_wrapper(wrapper, kind, batch, requests, starts, pages, window)
+            self.full_plans += 1
         state.out_slots.copy_(batch.out_slots, non_blocking=True)
         return state.plan
+
+    def _replan(self, state: GraphState, wrapper, kind: str, batch: AttentionBatch, requests: list[int],
+                starts: list[int], window) -> None:
+        packed = offsets = None
+        if kind == "tree":
+            packed, offsets = self._tree_mask(batch, requests, starts, window)
+        c = self.config
+        replan(wrapper, state.arenas[window], q_len=state.q_len, kv_lens=batch.kv_lens, page_tables=batch.page_tables,
+               page_size=self.kv_cache.page_size, num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, causal=kind == "causal", window_left=-1 if window is None else window - 1,
+               decode=kind == "decode", packed_mask=packed, mask_offsets=offsets)
+        self.lean_plans += 1
 
     # cascade attention (the device draft loop) ---------------------------------------------------------
     def prefix_graph_state(self, num_requests: int, num_rows: int, max_pages: int) -> PrefixState:
