@@ -167,7 +167,8 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
 def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
     """A captured graph's wrappers re-planned in one copy (flashinfer_replan) hold exactly what FlashInfer's own plan
     writes: the index buffers its kernels read, a tree's packed mask and offsets, and the work split in its int
-    workspace; for decode (both decode planners), trees and causal chains, over batches whose lengths and pages vary."""
+    workspace; for decode (both decode planners), trees, causal chains and the draft loop's prefix attention, over
+    batches whose lengths and pages vary."""
     from splitspec.runtime.attention.base import AttentionBatch
     from splitspec.runtime.tree import ancestor_rows
 
@@ -212,6 +213,28 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
                 assert torch.equal(views[part], lean_views[part]), (q_len, causal, part)
             assert torch.equal(work, lean_work) and info == lean_info, (q_len, causal)
             assert packed is None or torch.equal(packed, lean_packed)
+    # the draft loop's prefix attention (a request's beams share its keys): rows per request vary
+    state = backend.prefix_graph_state(bs, 3 * bs, bs * max_kv // page_size)
+    for trial in range(5):
+        kv_lens = torch.randint(1, max_kv + 1, (bs,), generator=g).tolist()
+        q_lens = torch.randint(1, 4, (bs,), generator=g).tolist()
+        pages = torch.randperm(r.kv_cache.num_pages, generator=g).tolist()
+        tables, start = [], 0
+        for n in kv_lens:
+            tables.append(pages[start : start + -(-n // page_size)])
+            start += len(tables[-1])
+        seen = []
+        for lean in (False, True):
+            backend.lean_replan = lean
+            state.arena.buffer.zero_()
+            state.wrapper._int_workspace_buffer.zero_()
+            before = backend.lean_plans
+            backend.plan_prefix(kv_lens, tables, q_lens, state=state)
+            assert backend.lean_plans - before == int(lean)
+            torch.cuda.synchronize()
+            seen.append((state.arena.buffer.clone(), state.wrapper._int_workspace_buffer.clone(),
+                         list(state.wrapper._plan_info)))
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(*seen)), (q_lens, kv_lens)
     backend.lean_replan = True
 
 

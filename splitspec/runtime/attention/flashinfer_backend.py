@@ -117,6 +117,7 @@ class GraphState:
 @dataclass
 class PrefixState:
     wrapper: object  # a prefill wrapper without a mask
+    arena: Arena | None = None  # a graph's: its wrapper's index buffers
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -325,7 +326,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if kind == "tree":
             packed, offsets = self._tree_mask(batch, requests, starts, window)
         c = self.config
-        replan(wrapper, state.arenas[window], q_len=state.q_len, kv_lens=batch.kv_lens, page_tables=batch.page_tables,
+        replan(wrapper, state.arenas[window], q_lens=batch.q_lens, kv_lens=batch.kv_lens, page_tables=batch.page_tables,
                page_size=self.kv_cache.page_size, num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                head_dim=c.head_dim, causal=kind == "causal", window_left=-1 if window is None else window - 1,
                decode=kind == "decode", packed_mask=packed, mask_offsets=offsets)
@@ -333,14 +334,13 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # cascade attention (the device draft loop) ---------------------------------------------------------
     def prefix_graph_state(self, num_requests: int, num_rows: int, max_pages: int) -> PrefixState:
-        def buffer(n):
-            return torch.zeros(n, dtype=torch.int32, device=self.device)
-
+        arena = Arena.make(num_requests, max_pages, self.device, mask=False)  # its index buffers (flashinfer_replan)
         wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buffer(num_requests + 1),
-            paged_kv_indptr_buf=buffer(num_requests + 1), paged_kv_indices_buf=buffer(max_pages),
-            paged_kv_last_page_len_buf=buffer(num_requests))
-        return PrefixState(wrapper)
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"),
+            paged_kv_indptr_buf=arena.view("kv_indptr"), paged_kv_indices_buf=arena.view("ids"),
+            paged_kv_last_page_len_buf=arena.view("last"))
+        wrapper._kv_lens_buffer = arena.view("kv_lens")
+        return PrefixState(wrapper, arena)
 
     def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], q_lens: list[int],
                     state: PrefixState | None = None) -> PrefixState:
@@ -349,6 +349,13 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise NotImplementedError("prefix attention under a sliding window")
         if state is None:
             state = PrefixState(self._wrapper("prefix", None))
+        elif state.arena is not None and self.lean_replan and replannable(state.wrapper):
+            c = self.config
+            replan(state.wrapper, state.arena, q_lens=list(q_lens), kv_lens=list(kv_lens), page_tables=page_tables,
+                   page_size=self.kv_cache.page_size, num_qo_heads=c.num_attention_heads,
+                   num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, causal=False, window_left=-1, decode=False)
+            self.lean_plans += 1
+            return state
         batch = AttentionBatch(list(q_lens), list(kv_lens), page_tables, None, None, [])
         indptr, indices, last = self._pages(batch, list(range(len(kv_lens))), self.kv_cache.page_size)
         qo_indptr = host_tensor([0, *itertools.accumulate(q_lens)], torch.int32)

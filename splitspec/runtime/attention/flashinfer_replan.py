@@ -59,18 +59,18 @@ def replannable(wrapper) -> bool:
         and getattr(wrapper, "_cached_module", None) is not None
 
 
-def replan(wrapper, arena: Arena, *, q_len: int, kv_lens: list[int], page_tables: list[list[int]], page_size: int,
+def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
            num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool, window_left: int, decode: bool,
            packed_mask: torch.Tensor | None = None, mask_offsets: torch.Tensor | None = None) -> None:
-    """What wrapper.plan does for a batch of arena.batch_size requests of q_len new tokens each (kv_lens keys after
+    """What wrapper.plan does for a batch of arena.batch_size requests of q_lens new tokens (kv_lens keys after
     them, in page_tables' pages): the arena filled by one copy, the mask by another, FlashInfer's C++ planner run
-    on the host arrays. decode: a BatchDecodeWithPagedKVCacheWrapper (q_len 1), else a prefill wrapper."""
+    on the host arrays. decode: a BatchDecodeWithPagedKVCacheWrapper (q_lens all 1), else a prefill wrapper."""
     bs = arena.batch_size
     counts = [-(-k // page_size) for k in kv_lens]
     kv_indptr = list(itertools.accumulate(counts, initial=0))
     last = [k - (n - 1) * page_size for k, n in zip(kv_lens, counts)]
     ids = [p for table, n in zip(page_tables, counts) for p in table[:n]]
-    head = [*range(0, (bs + 1) * q_len, q_len), *kv_indptr, *last, *kv_lens]
+    head = [*itertools.accumulate(q_lens, initial=0), *kv_indptr, *last, *kv_lens]
     host = host_tensor(head, torch.int32)
     if arena.mask:
         host = torch.cat([host, mask_offsets.to(torch.int32), host_tensor(ids, torch.int32)])
@@ -82,7 +82,7 @@ def replan(wrapper, arena: Arena, *, q_len: int, kv_lens: list[int], page_tables
     qo_host, kv_indptr_host, kv_lens_host = host[: bs + 1], host[bs + 1 : 2 * bs + 2], host[3 * bs + 2 : 4 * bs + 2]
     prefill = not decode
     if prefill or wrapper.use_tensor_cores:  # the prefill module's planner (a tensor-core decode uses it too)
-        rows = (wrapper._max_total_num_rows or bs * q_len) if prefill else bs
+        rows = (wrapper._max_total_num_rows or head[bs]) if prefill else bs
         args = [wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
                 qo_host, kv_indptr_host, kv_lens_host, rows, bs, num_qo_heads, num_kv_heads, page_size, True, head_dim,
                 head_dim, causal, window_left]
@@ -90,7 +90,7 @@ def replan(wrapper, arena: Arena, *, q_len: int, kv_lens: list[int], page_tables
             args += [-1, False, 0]  # fixed_split_size, disable_split_kv, num_colocated_ctas: the plan's defaults
         wrapper._plan_info = wrapper._cached_module.plan(*args)
         if prefill:
-            wrapper._max_q_len, wrapper._max_kv_len = q_len, max(kv_lens)
+            wrapper._max_q_len, wrapper._max_kv_len = max(q_lens), max(kv_lens)
         else:
             wrapper._max_kv_len = max(kv_lens)
     else:  # the decode module's planner (CUDA cores)
