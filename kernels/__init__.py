@@ -14,6 +14,8 @@
     top_k_top_p(logits, temps, top_ks, top_ps)  temperature, top-k, top-p (threshold search, no sort)
     draft_topk(logits, parent_scores, k)        a draft step's softmax + top-k, scored by the parent beam
     quantize_fp8_per_token(x)                   FP8 e4m3 activations with one dynamic scale per row (W8A8 layers)
+    tree_mask_bits(kv_lens, offsets, ancestors, out)
+                                                tree verifications' attention masks packed to bits (FlashInfer's)
 
 On a CUDA tensor with Triton importable the Triton kernel runs; otherwise (CPU, or SPLITSPEC_KERNELS=torch)
 the twin does. Twins are the reference: tests/kernel_checks.py compares the two, on a GPU
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from splitspec.kernels.ops import (accept_tree_coins, add_rms_norm, apply_rope, draft_topk, gumbel_argmax,
                                    move_kv_slots, quantize_fp8_per_token, rms_norm, rope_and_store, silu_and_mul,
-                                   top_k_top_p, twins, use_triton, verify_tree_greedy)
+                                   top_k_top_p, tree_mask_bits, twins, use_triton, verify_tree_greedy)
 
 __all__ = ["accept_tree_coins", "add_rms_norm", "apply_rope", "draft_topk", "gumbel_argmax", "move_kv_slots",
-           "quantize_fp8_per_token", "rms_norm", "rope_and_store", "silu_and_mul", "top_k_top_p", "twins", "use_triton", "verify_tree_greedy"]
+           "quantize_fp8_per_token", "rms_norm", "rope_and_store", "silu_and_mul", "top_k_top_p", "tree_mask_bits", "twins", "use_triton", "verify_tree_greedy"]

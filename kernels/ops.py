@@ -138,3 +138,12 @@ def accept_tree_coins(candidates: torch.Tensor, next_token: torch.Tensor, next_s
                                            threshold_single, threshold_acc, max_depth)
     return torch_ops.accept_tree_coins(candidates, next_token, next_sibling, probs, coins, final_coins,
                                        threshold_single, threshold_acc, max_depth)
+
+
+def tree_mask_bits(kv_lens: torch.Tensor, byte_offsets: torch.Tensor, ancestors: torch.Tensor, out: torch.Tensor) -> None:
+    """A batch of tree verifications' attention masks packed to bits into out (kernels.torch_ops.tree_mask_bits)."""
+    if use_triton(out) and all(t.is_contiguous() for t in (kv_lens, byte_offsets, ancestors, out)):
+        from splitspec.kernels import triton_tree_mask
+
+        return triton_tree_mask.tree_mask_bits(kv_lens, byte_offsets, ancestors, out)
+    torch_ops.tree_mask_bits(kv_lens, byte_offsets, ancestors, out)

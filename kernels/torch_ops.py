@@ -183,3 +183,28 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     # reciprocal, one ulp off for some rows
     scale = (amax / torch.full_like(amax, FP8_E4M3_MAX)).clamp(min=FP8_MIN_SCALE)
     return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def tree_mask_bits(kv_lens: torch.Tensor, byte_offsets: torch.Tensor, ancestors: torch.Tensor, out: torch.Tensor) -> None:
+    """Request r's attention mask over its kv_lens[r] keys, packed to bits into out from byte byte_offsets[r] (until
+    byte_offsets[r + 1]): Q rows of kv_lens[r] elements, row-major, little bit order (FlashInfer's custom mask).
+    Element (i, c) is 1 for a key of the cached prefix (c < kv_lens[r] - Q), else bit d = c - (kv_lens[r] - Q) of
+    node i's ancestor bits, ancestors[r, i, d // 16] >> d % 16 (16 bits a word: node i and its ancestors set).
+    Bits past a request's Q * kv_lens[r] in its last byte are 0; bytes outside the requests' ranges are kept.
+    No host sync (a CUDA graph captures it): every byte of out is computed, those outside kept as they were."""
+    requests, q, _ = ancestors.shape
+    device = out.device
+    b = torch.arange(out.numel(), device=device)
+    offsets = byte_offsets.long()
+    r = torch.searchsorted(offsets[1:].contiguous(), b, right=True).clamp(max=requests - 1)
+    live = b < offsets[r + 1]
+    e = (b - offsets[r])[:, None] * 8 + torch.arange(8, device=device)
+    kv = kv_lens.long()[r][:, None]
+    i = e // kv
+    d = e - i * kv - (kv - q)
+    dd = d.clamp(min=0)
+    word = ancestors.long()[r[:, None], i.clamp(max=q - 1), dd // 16]
+    bit = torch.where(d >= 0, (word >> (dd % 16)) & 1, 1)
+    bit = torch.where(i < q, bit, 0)
+    packed = (bit << torch.arange(8, device=device)).sum(-1).to(torch.uint8)
+    out.copy_(torch.where(live, packed, out))

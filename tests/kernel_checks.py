@@ -9,8 +9,9 @@ import sys
 
 import torch
 
-from splitspec.kernels import torch_ops, triton_ops
-from splitspec.runtime.tree import NO_NODE, child_links
+from splitspec.kernels import torch_ops, triton_ops, triton_tree_mask
+from splitspec.runtime.attention.flashinfer_backend import _packed_trees
+from splitspec.runtime.tree import NO_NODE, ancestor_rows, child_links
 from splitspec.verifier_svc.acceptance import accept_target_tokens
 
 
@@ -90,6 +91,31 @@ def check_verify_tree_greedy(device: str) -> int:
         accepted_total += sum(a.num_accepted for a in expected)
     assert accepted_total > 10  # the targets did follow the trees
     return accepted_total
+
+
+def check_tree_mask_bits(device: str) -> int:
+    """Batches of random trees' packed masks (prefix visible, nodes by their ancestors) against the host packer the
+    FlashInfer backend uses (_packed_trees), trees of up to 33 nodes (three 16-bit words a row), written into a
+    buffer sized for the longest keys, its bytes past the requests' kept."""
+    rng = random.Random(3)
+    checked = 0
+    for batch, n, max_kv in ((1, 1, 9), (4, 12, 70), (16, 6, 300), (3, 33, 100)):
+        trees = [tuple(random_tree(rng, n, 5)[1]) for _ in range(batch)]
+        kv_lens = [rng.randint(n, max_kv) for _ in range(batch)]
+        want, offsets = _packed_trees(trees, kv_lens)
+        words = -(-n // 16)
+        ancestors = torch.tensor([[[row >> (16 * w) & 0xFFFF for w in range(words)] for row in ancestor_rows(t)]
+                                  for t in trees], dtype=torch.int32)
+        args = (torch.tensor(kv_lens, dtype=torch.int32).to(device), offsets.to(device), ancestors.to(device))
+        size = batch * -(-n * max_kv // 8)
+        for name, kernel in (("twin", torch_ops.tree_mask_bits), ("triton", triton_tree_mask.tree_mask_bits)):
+            out = torch.full((size,), 0xA5, dtype=torch.uint8, device=device)
+            kernel(*args, out)
+            got = out.cpu()
+            assert torch.equal(got[: want.numel()], want), (name, batch, n)
+            assert bool((got[want.numel():] == 0xA5).all()), (name, "bytes past the masks changed")
+        checked += want.numel()
+    return checked
 
 
 def check_gumbel_argmax(device: str) -> int:
@@ -294,9 +320,10 @@ def main(device: str = "cpu") -> int:
         draft_rows = check_draft_topk(device)
         filtered = check_top_k_top_p(device)
         coin_accepted = check_accept_tree_coins(device)
+        mask_bytes = check_tree_mask_bits(device)
     print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
           f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
-          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
+          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
           f"{[str(d) for d in dtypes]}: all equal their twins")
     return 0
 

@@ -193,7 +193,7 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
             batch = AttentionBatch([q_len] * bs, kv_lens, tables, torch.zeros(bs * q_len, dtype=torch.long),
                                    torch.zeros(bs * q_len, dtype=torch.long), [mask] * bs,
                                    None if parents is None else [parents] * bs)
-            seen = []
+            seen, host_packed = [], None
             for lean in (False, True):
                 backend.lean_replan = lean
                 arena.buffer.zero_()
@@ -203,6 +203,9 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
                 before = backend.lean_plans
                 backend.graph_plan(state, batch)
                 assert backend.lean_plans - before == int(lean)  # the first plan of all: FlashInfer's own
+                if parents is not None and not lean:  # FlashInfer's plan copies the masks packed on the host
+                    host_packed = wrapper._custom_mask_buf.clone()
+                backend.graph_prologue(state)  # what the graph runs first: a tree's masks packed on the device
                 torch.cuda.synchronize()
                 parts = ["kv_indptr", "last", "ids"] + (["qo", "kv_lens"] if q_len > 1 else [])
                 seen.append(({p: arena.view(p).clone() for p in parts + (["mask_indptr"] if parents else [])},
@@ -212,7 +215,9 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
             for part in views:
                 assert torch.equal(views[part], lean_views[part]), (q_len, causal, part)
             assert torch.equal(work, lean_work) and info == lean_info, (q_len, causal)
-            assert packed is None or torch.equal(packed, lean_packed)
+            if parents is not None:
+                assert state.words == 1 and host_packed.any()
+                assert torch.equal(packed, host_packed) and torch.equal(lean_packed, host_packed)
     # the draft loop's prefix attention (a request's beams share its keys): rows per request vary
     state = backend.prefix_graph_state(bs, 3 * bs, bs * max_kv // page_size)
     for trial in range(5):

@@ -158,6 +158,7 @@ class StepGraphs:
             extra = {} if features is None else {"features": features[: bs * q]}
 
             def forward():
+                runner.backend.graph_prologue(state)  # e.g. a tree graph's masks, packed on the device
                 hidden, captured = runner.model_call(bs, ids_b, pos_b, runner.backend, state.plan, runner.capture_layers,
                                                      **extra)
                 logits = runner.model.logits(hidden)

@@ -87,6 +87,9 @@ class AttentionBackend(ABC):
         (CUDA graphs); None where the backend's plans cannot be replayed."""
         return None
 
+    def graph_prologue(self, state: object) -> None:
+        """Device work a captured step graph (graph_state's) runs before its layers; none by default."""
+
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Attention over keys A + B from attention over A and over B: outputs [..., D] weighted by their

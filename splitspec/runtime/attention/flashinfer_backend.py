@@ -112,6 +112,7 @@ class GraphState:
     plan: FlashInferPlan
     causal: bool = False  # q_len > 1: chains (each token sees the ones before it), planned without a mask
     arenas: dict = field(default_factory=dict)  # window -> Arena: its wrapper's index buffers
+    words: int = 0  # a tree graph's 16-bit words of ancestor bits a node, its masks packed on the device (0: host)
 
 
 @dataclass
@@ -281,8 +282,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         without a mask: no mask to build, pack or copy), `max_pages` pages in all."""
         wrappers, arenas = {}, {}
         tree = q_len > 1 and not causal
+        # a tree graph without sliding windows packs its masks on the device from the nodes' ancestor bits
+        words = -(-q_len // 16) if tree and self.windows == [None] else 0
         for window in self.windows:  # a wrapper's index buffers are views of one arena (flashinfer_replan)
-            arena = arenas[window] = Arena.make(batch_size, max_pages, self.device, mask=tree)
+            arena = arenas[window] = Arena.make(batch_size, max_pages, self.device, mask=tree,
+                                                ancestors=batch_size * q_len * words)
             pages = dict(paged_kv_indptr_buf=arena.view("kv_indptr"), paged_kv_indices_buf=arena.view("ids"),
                          paged_kv_last_page_len_buf=arena.view("last"))
             if q_len == 1:
@@ -298,39 +302,68 @@ class FlashInferAttentionBackend(AttentionBackend):
                 wrappers[window]._kv_lens_buffer = arena.view("kv_lens")  # its plan writes there, its kernels read it
         out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
         plan = FlashInferPlan(out_slots=out_slots, groups={w: [_Group(wr, None)] for w, wr in wrappers.items()})
-        return GraphState(batch_size, q_len, wrappers, out_slots, plan, causal and q_len > 1, arenas)
+        return GraphState(batch_size, q_len, wrappers, out_slots, plan, causal and q_len > 1, arenas, words)
+
+    def graph_prologue(self, state) -> None:
+        """What a captured graph runs before its layers: a tree graph's masks packed from its arena's ancestor bits
+        and key lengths (kernels.tree_mask_bits) into the buffer FlashInfer's kernels read."""
+        if isinstance(state, GraphState) and state.words:
+            arena = state.arenas[None]
+            kernels.tree_mask_bits(arena.view("kv_lens"), arena.view("mask_indptr"),
+                                   arena.view("ancestors").view(state.batch_size, state.q_len, state.words),
+                                   state.wrappers[None]._custom_mask_buf)
 
     def graph_plan(self, state: GraphState, batch: AttentionBatch) -> FlashInferPlan:
         """Plan a batch of exactly state.batch_size requests of state.q_len tokens into the graph's buffers."""
         n = batch.num_requests
         assert n == state.batch_size and all(q == state.q_len for q in batch.q_lens)
-        requests = list(range(n))
-        pages = self._pages(batch, requests, self.kv_cache.page_size)
-        starts = self._starts(batch)
+        requests, pages, starts = list(range(n)), None, None
         kind = "decode" if state.q_len == 1 else "causal" if state.causal else "tree"
         for window, wrapper in state.wrappers.items():
             if self.lean_replan and replannable(wrapper):
                 try:
-                    self._replan(state, wrapper, kind, batch, requests, starts, window)
+                    self._replan(state, wrapper, kind, batch, window)
                     continue
                 except RuntimeError as exc:  # its workspace overflowed, say: FlashInfer's own plan deals with that
                     logger.debug("re-planning a graph's %s wrapper by FlashInfer's plan: %s", kind, exc)
+            if pages is None:
+                pages, starts = self._pages(batch, requests, self.kv_cache.page_size), self._starts(batch)
             self._plan_wrapper(wrapper, kind, batch, requests, starts, pages, window)
+            if state.words:  # the graph packs its masks again from the ancestor bits: those too
+                state.arenas[window].view("ancestors").copy_(host_tensor(self._ancestor_words(batch, state), torch.int32),
+                                                             non_blocking=True)
             self.full_plans += 1
         state.out_slots.copy_(batch.out_slots, non_blocking=True)
         return state.plan
 
-    def _replan(self, state: GraphState, wrapper, kind: str, batch: AttentionBatch, requests: list[int],
-                starts: list[int], window) -> None:
-        packed = offsets = None
-        if kind == "tree":
-            packed, offsets = self._tree_mask(batch, requests, starts, window)
+    def _replan(self, state: GraphState, wrapper, kind: str, batch: AttentionBatch, window) -> None:
+        mask = {}
+        if kind == "tree" and state.words:  # packed by the graph: each request's byte offset and ancestor bits
+            sizes = (-(-q * k // 8) for q, k in zip(batch.q_lens, batch.kv_lens))
+            mask = dict(mask_offsets=list(itertools.accumulate(sizes, initial=0)),
+                        ancestors=self._ancestor_words(batch, state))
+        elif kind == "tree":
+            packed, offsets = self._tree_mask(batch, list(range(batch.num_requests)), self._starts(batch), window)
+            mask = dict(packed_mask=packed, mask_offsets=offsets.tolist())
         c = self.config
         replan(wrapper, state.arenas[window], q_lens=batch.q_lens, kv_lens=batch.kv_lens, page_tables=batch.page_tables,
                page_size=self.kv_cache.page_size, num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                head_dim=c.head_dim, causal=kind == "causal", window_left=-1 if window is None else window - 1,
-               decode=kind == "decode", packed_mask=packed, mask_offsets=offsets)
+               decode=kind == "decode", **mask)
         self.lean_plans += 1
+
+    @staticmethod
+    def _ancestor_words(batch: AttentionBatch, state: GraphState) -> list[int]:
+        """Each request's nodes' ancestor bits (tree.ancestor_rows), state.words 16-bit words a node."""
+        words, out = state.words, []
+        for i, tree in enumerate(batch.trees or [None] * batch.num_requests):
+            if tree is not None:
+                rows = ancestor_rows(tuple(tree))
+            else:  # a mask without its tree's parents: its rows as bits
+                mask = batch.masks[i].to("cpu", torch.long)
+                rows = (mask << torch.arange(mask.shape[1])).sum(1).tolist()
+            out += rows if words == 1 else [row >> (16 * w) & 0xFFFF for row in rows for w in range(words)]
+        return out
 
     # cascade attention (the device draft loop) ---------------------------------------------------------
     def prefix_graph_state(self, num_requests: int, num_rows: int, max_pages: int) -> PrefixState:

@@ -27,20 +27,23 @@ from splitspec.runtime.host_tensors import host_tensor
 @dataclass
 class Arena:
     """One int32 device buffer holding, in this order, a graph's query offsets [bs+1], page offsets [bs+1], last page
-    lengths [bs], key lengths [bs], mask offsets [bs+1] (trees only) and page ids [max_pages]."""
+    lengths [bs], key lengths [bs], for trees the masks' byte offsets [bs+1] and, where the graph packs the masks on
+    the device (kernels.tree_mask_bits), the nodes' ancestor bits [bs, q, words], then page ids [max_pages]."""
 
     buffer: torch.Tensor
     batch_size: int
     mask: bool
+    ancestors: int = 0  # ints of ancestor bits (bs * q * words; 0: masks packed on the host)
 
     @classmethod
-    def make(cls, batch_size: int, max_pages: int, device: torch.device, mask: bool) -> "Arena":
-        size = 4 * batch_size + 2 + (batch_size + 1 if mask else 0) + max_pages
-        return cls(torch.zeros(size, dtype=torch.int32, device=device), batch_size, mask)
+    def make(cls, batch_size: int, max_pages: int, device: torch.device, mask: bool, ancestors: int = 0) -> "Arena":
+        size = 4 * batch_size + 2 + (batch_size + 1 if mask else 0) + ancestors + max_pages
+        return cls(torch.zeros(size, dtype=torch.int32, device=device), batch_size, mask, ancestors)
 
     def _at(self, part: str) -> tuple[int, int]:
         bs = self.batch_size
-        sizes = {"qo": bs + 1, "kv_indptr": bs + 1, "last": bs, "kv_lens": bs, "mask_indptr": bs + 1 if self.mask else 0}
+        sizes = {"qo": bs + 1, "kv_indptr": bs + 1, "last": bs, "kv_lens": bs, "mask_indptr": bs + 1 if self.mask else 0,
+                 "ancestors": self.ancestors}
         start = 0
         for name, size in sizes.items():
             if name == part:
@@ -61,21 +64,21 @@ def replannable(wrapper) -> bool:
 
 def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
            num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool, window_left: int, decode: bool,
-           packed_mask: torch.Tensor | None = None, mask_offsets: torch.Tensor | None = None) -> None:
+           packed_mask: torch.Tensor | None = None, mask_offsets: list[int] | None = None,
+           ancestors: list[int] | None = None) -> None:
     """What wrapper.plan does for a batch of arena.batch_size requests of q_lens new tokens (kv_lens keys after
     them, in page_tables' pages): the arena filled by one copy, the mask by another, FlashInfer's C++ planner run
-    on the host arrays. decode: a BatchDecodeWithPagedKVCacheWrapper (q_lens all 1), else a prefill wrapper."""
+    on the host arrays. decode: a BatchDecodeWithPagedKVCacheWrapper (q_lens all 1), else a prefill wrapper. A tree's
+    mask: packed_mask (bytes, copied) or ancestors (the arena's ancestor bits, packed on the device by the graph), and
+    its byte offsets."""
     bs = arena.batch_size
     counts = [-(-k // page_size) for k in kv_lens]
     kv_indptr = list(itertools.accumulate(counts, initial=0))
     last = [k - (n - 1) * page_size for k, n in zip(kv_lens, counts)]
     ids = [p for table, n in zip(page_tables, counts) for p in table[:n]]
-    head = [*itertools.accumulate(q_lens, initial=0), *kv_indptr, *last, *kv_lens]
-    host = host_tensor(head, torch.int32)
-    if arena.mask:
-        host = torch.cat([host, mask_offsets.to(torch.int32), host_tensor(ids, torch.int32)])
-    else:
-        host = torch.cat([host, host_tensor(ids, torch.int32)]) if ids else host
+    head = [*itertools.accumulate(q_lens, initial=0), *kv_indptr, *last, *kv_lens, *(mask_offsets or ()),
+            *(ancestors or ())]
+    host = host_tensor(head + ids, torch.int32)
     arena.buffer[: host.numel()].copy_(host, non_blocking=True)
     if packed_mask is not None:
         wrapper._custom_mask_buf[: packed_mask.numel()].copy_(packed_mask, non_blocking=True)

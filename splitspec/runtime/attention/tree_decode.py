@@ -132,6 +132,10 @@ class DecodeModeBackend(AttentionBackend):
                         torch.zeros(rows, q_len, dtype=torch.bool, device=device))
         return TreeGraphState(plan)
 
+    def graph_prologue(self, state: object) -> None:
+        if not isinstance(state, TreeGraphState):
+            self.base.graph_prologue(state)
+
     def graph_plan(self, state: object, batch: AttentionBatch) -> object:
         """Graph-shaped batches only: every request a tree of the state's node count."""
         if not isinstance(state, TreeGraphState):
