@@ -220,6 +220,7 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
                 assert torch.equal(packed, host_packed) and torch.equal(lean_packed, host_packed)
     # the draft loop's prefix attention (a request's beams share its keys): rows per request vary
     state = backend.prefix_graph_state(bs, 3 * bs, bs * max_kv // page_size)
+    backend.plan_prefix([max_kv] * bs, [list(range(max_kv // page_size))] * bs, [3] * bs, state=state)  # its most rows
     for trial in range(5):
         kv_lens = torch.randint(1, max_kv + 1, (bs,), generator=g).tolist()
         q_lens = torch.randint(1, 4, (bs,), generator=g).tolist()

@@ -84,8 +84,10 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
         wrapper._custom_mask_buf[: packed_mask.numel()].copy_(packed_mask, non_blocking=True)
     qo_host, kv_indptr_host, kv_lens_host = host[: bs + 1], host[bs + 1 : 2 * bs + 2], host[3 * bs + 2 : 4 * bs + 2]
     prefill = not decode
+    if prefill and head[bs] > wrapper._max_total_num_rows:  # as FlashInfer's plan checks: the graph's q holds no more
+        raise ValueError(f"{head[bs]} rows of q in a graph captured for {wrapper._max_total_num_rows}")
     if prefill or wrapper.use_tensor_cores:  # the prefill module's planner (a tensor-core decode uses it too)
-        rows = (wrapper._max_total_num_rows or head[bs]) if prefill else bs
+        rows = wrapper._max_total_num_rows if prefill else bs
         args = [wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
                 qo_host, kv_indptr_host, kv_lens_host, rows, bs, num_qo_heads, num_kv_heads, page_size, True, head_dim,
                 head_dim, causal, window_left]
