@@ -88,6 +88,9 @@ CASES = {  # --case -> (the bench's arguments past the batch size, the piece who
                    "replay.launch (simulation only)"),
     # the demo target (the product's own small model) and NGRAM's trie in this process, fixed trees of 12 nodes
     "ngram": (["--speculative-algorithm", "NGRAM", "--num-draft-tokens", "12"], "ngram.draft"),
+    # the demo target with its trained EAGLE-3 head (real acceptance; with --per step and --speculative-adaptive on,
+    # what a step costs while the policy keeps drafting off: the head's feeds, the captured layers)
+    "eagle3": (["--speculative-algorithm", "EAGLE3"], "loop.launch"),
 }
 
 
@@ -177,7 +180,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=sorted(CASES), default="eagle3-sim",
                         help="eagle3-sim: the quick preset with a dummy EAGLE-3 head, acceptance simulated at 6 (steps 5, "
-                        "top-1); ngram: the demo target with NGRAM's trie, 12-node trees, its own acceptance.")
+                        "top-1); ngram: the demo target with NGRAM's trie, 12-node trees, its own acceptance; eagle3: the "
+                        "demo target with its trained EAGLE-3 head.")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--prompts-per-slot", type=int, default=4, help="Prompts per batch slot (ngram: 2 is enough).")
     parser.add_argument("--device", default="cpu", help="cuda: each piece's wall time on a GPU host, the device's waits "
