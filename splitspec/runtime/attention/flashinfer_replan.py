@@ -34,6 +34,10 @@ class Arena:
     batch_size: int
     mask: bool
     ancestors: int = 0  # ints of ancestor bits (bs * q * words; 0: masks packed on the host)
+    # recorded after the last plan's copies: FlashInfer's planner copies its work split from a pinned buffer that the
+    # next plan rewrites, so that plan waits until the stream has taken this one's (at once, unless the host runs
+    # more than a step ahead of the device)
+    planned: torch.cuda.Event | None = None
 
     @classmethod
     def make(cls, batch_size: int, max_pages: int, device: torch.device, mask: bool, ancestors: int = 0) -> "Arena":
@@ -84,6 +88,10 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
         wrapper._custom_mask_buf[: packed_mask.numel()].copy_(packed_mask, non_blocking=True)
     qo_host, kv_indptr_host, kv_lens_host = host[: bs + 1], host[bs + 1 : 2 * bs + 2], host[3 * bs + 2 : 4 * bs + 2]
     prefill = not decode
+    if arena.planned is None:
+        arena.planned = torch.cuda.Event()
+    else:
+        arena.planned.synchronize()
     if prefill and head[bs] > wrapper._max_total_num_rows:  # as FlashInfer's plan checks: the graph's q holds no more
         raise ValueError(f"{head[bs]} rows of q in a graph captured for {wrapper._max_total_num_rows}")
     if prefill or wrapper.use_tensor_cores:  # the prefill module's planner (a tensor-core decode uses it too)
@@ -104,4 +112,5 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
             kv_indptr_host, bs, num_qo_heads, num_kv_heads, page_size, True, window_left, wrapper._logits_soft_cap or 0.0,
             head_dim, head_dim, torch.empty(0, dtype=wrapper._cached_q_data_type),
             torch.empty(0, dtype=wrapper._cached_kv_data_type))
+    arena.planned.record()
 
