@@ -23,8 +23,20 @@ from splitspec.runtime.config import ModelConfig
 
 
 def slot_list(pages: list[int], page_size: int, start: int, end: int) -> list[int]:
-    """slot_ids as Python ints (a batch of decodes and trees joins them into one tensor)."""
-    return [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+    """slot_ids as Python ints (a batch of decodes and trees joins them into one tensor): a range per page spanned,
+    not a division per slot (a 12-node tree crosses a 16-slot page two times in three).
+
+    >>> slot_list([7, 2], page_size=4, start=2, end=6)
+    [30, 31, 8, 9]
+    """
+    out: list[int] = []
+    while start < end:
+        page, offset = divmod(start, page_size)
+        n = min(page_size - offset, end - start)
+        base = pages[page] * page_size + offset
+        out += range(base, base + n)
+        start += n
+    return out
 
 
 def slot_ids(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
