@@ -67,7 +67,8 @@
 #             served.py --simulate-acceptance, both sides replaying the in-process side's recorded plain outputs; batch
 #             1, 8, 32, 64), 8b-eagle3-sim-local (--drafters 0) and 8b-eagle3-sim-remote (--drafters 1: the head in a
 #             drafter process); the in-process side runs the server's adaptive setting
-#             (auto: on for a GPU target); SERVED_LOAD adds bench flags; each
+#             (auto: on for a GPU target); the demo cases serve 32 requests of 256 tokens a point (since 2026-12-03;
+#             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
 #             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;
@@ -233,6 +234,9 @@ for stage in "${stages[@]}"; do
                         *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
                     [[ -n "${SERVED_UP:-}" ]] && pre+=(--serve="$SERVED_UP")
+                    # the demo pair's points last 0.2-0.3 s at 2 requests per batch slot of 128 tokens: a policy's first
+                    # tries and the host's minute dominate them; 32 requests of 256 tokens run each for 0.3-5 s
+                    longer=; [[ $case == demo-* ]] && longer="--num-prompts 32 --output-len 256"
                     sampler= pin=() tag=$case${SERVED_TAG:-}
                     if [[ -n "${SERVED_THREADS:-}" ]]; then  # which threads use which CPUs meanwhile
                         python3 benchmarks/thread_sampler.py --out "$OUT/threads_$tag.txt" & sampler=$!
@@ -246,7 +250,7 @@ for stage in "${stages[@]}"; do
                     SPLITSPEC_TORCH_PROFILE=${SERVED_TORCH_PROFILE:+$OUT/tprof_$tag} SPLITSPEC_TORCH_PROFILE_SERVED=${SERVED_TORCH_PROFILE:-} \
                     SPLITSPEC_STEP_LOG=${SERVED_STEP_LOG:+$OUT/steps_$tag} SPLITSPEC_SYNC_DEBUG=${SERVED_SYNCS:+$OUT/syncs_$tag.jsonl} \
                     SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$tag" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$tag} timeout "${SERVED_TIMEOUT:-540}" "${pin[@]}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$tag.json" \
-                        --load "--batch-size $bs --prompt-len 128 --output-len 128 ${SERVED_LOAD:-}" \
+                        --load "--batch-size $bs --prompt-len 128 --output-len 128 $longer ${SERVED_LOAD:-}" \
                         -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || stop=1
                     [[ -n "$sampler" ]] && { kill "$sampler"; wait "$sampler"; }
                     if [[ $stop -ne 0 ]]; then break; fi
