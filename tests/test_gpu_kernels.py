@@ -177,17 +177,22 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
     assert backend.decode_tensor_cores == (kv_heads == 2)
     g = torch.Generator().manual_seed(4)
     bs, max_kv = 4, 160
+
+    def random_tables(kv_lens: list[int]) -> list[list[int]]:
+        """Each request's pages for its keys, distinct pages drawn at random from the cache."""
+        pages, tables = torch.randperm(r.kv_cache.num_pages, generator=g).tolist(), []
+        for n in kv_lens:
+            tables.append(pages[:-(-n // page_size)])
+            del pages[: len(tables[-1])]
+        return tables
+
     for q_len, causal in ((1, False), (6, False), (4, True)):
         state = backend.graph_state(bs, max_pages=bs * max_kv // page_size, q_len=q_len, max_kv_len=max_kv, causal=causal)
         wrapper, arena = state.wrappers[None], state.arenas[None]
         parents = (-1, 0, 0, 1, 2, 2)[:q_len] if q_len > 1 and not causal else None
         for trial in range(5):
             kv_lens = torch.randint(q_len + 1, max_kv + 1, (bs,), generator=g).tolist()
-            pages = torch.randperm(r.kv_cache.num_pages, generator=g).tolist()
-            tables, start = [], 0
-            for n in kv_lens:
-                tables.append(pages[start : start + -(-n // page_size)])
-                start += len(tables[-1])
+            tables = random_tables(kv_lens)
             mask = None if parents is None else torch.tensor([[bool(row >> j & 1) for j in range(q_len)]
                                                               for row in ancestor_rows(parents)])
             batch = AttentionBatch([q_len] * bs, kv_lens, tables, torch.zeros(bs * q_len, dtype=torch.long),
@@ -224,11 +229,7 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
     for trial in range(5):
         kv_lens = torch.randint(1, max_kv + 1, (bs,), generator=g).tolist()
         q_lens = torch.randint(1, 4, (bs,), generator=g).tolist()
-        pages = torch.randperm(r.kv_cache.num_pages, generator=g).tolist()
-        tables, start = [], 0
-        for n in kv_lens:
-            tables.append(pages[start : start + -(-n // page_size)])
-            start += len(tables[-1])
+        tables = random_tables(kv_lens)
         seen = []
         for lean in (False, True):
             backend.lean_replan = lean

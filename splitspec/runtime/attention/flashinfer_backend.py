@@ -141,6 +141,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         # a captured graph's wrappers re-planned by flashinfer_replan once FlashInfer planned them (at capture);
         # SPLITSPEC_FLASHINFER_REPLAN=flashinfer keeps FlashInfer's own plan (to compare the two on a GPU)
         self.lean_replan = os.environ.get(REPLAN_ENV, "lean") != "flashinfer"
+        self._shape = dict(page_size=kv_cache.page_size, num_qo_heads=config.num_attention_heads,
+                           num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)  # replan's, fixed
         self.lean_plans = self.full_plans = 0  # graph plans each way
 
     # wrappers ----------------------------------------------------------------------------------------
@@ -345,11 +347,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         elif kind == "tree":
             packed, offsets = self._tree_mask(batch, list(range(batch.num_requests)), self._starts(batch), window)
             mask = dict(packed_mask=packed, mask_offsets=offsets.tolist())
-        c = self.config
         replan(wrapper, state.arenas[window], q_lens=batch.q_lens, kv_lens=batch.kv_lens, page_tables=batch.page_tables,
-               page_size=self.kv_cache.page_size, num_qo_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-               head_dim=c.head_dim, causal=kind == "causal", window_left=-1 if window is None else window - 1,
-               decode=kind == "decode", **mask)
+               causal=kind == "causal", window_left=-1 if window is None else window - 1, decode=kind == "decode",
+               **self._shape, **mask)
         self.lean_plans += 1
 
     @staticmethod
@@ -383,10 +383,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if state is None:
             state = PrefixState(self._wrapper("prefix", None))
         elif state.arena is not None and self.lean_replan and replannable(state.wrapper):
-            c = self.config
             replan(state.wrapper, state.arena, q_lens=list(q_lens), kv_lens=list(kv_lens), page_tables=page_tables,
-                   page_size=self.kv_cache.page_size, num_qo_heads=c.num_attention_heads,
-                   num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, causal=False, window_left=-1, decode=False)
+                   causal=False, window_left=-1, decode=False, **self._shape)
             self.lean_plans += 1
             return state
         batch = AttentionBatch(list(q_lens), list(kv_lens), page_tables, None, None, [])
