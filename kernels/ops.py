@@ -147,3 +147,20 @@ def tree_mask_bits(kv_lens: torch.Tensor, byte_offsets: torch.Tensor, ancestors:
 
         return triton_tree_mask.tree_mask_bits(kv_lens, byte_offsets, ancestors, out)
     torch_ops.tree_mask_bits(kv_lens, byte_offsets, ancestors, out)
+
+
+def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out_prefix: torch.Tensor,
+                        lse_prefix: torch.Tensor, scale: float) -> torch.Tensor:
+    """A draft node's attention over its own keys [R, J, Hkv, D] merged with its attention over the committed ones
+    (out_prefix [R, Hq, D], lse_prefix [R, Hq] fp32, natural log): kernels.torch_ops.merge_own_attention.
+    Forced twins (twins(), the draft loop at top-k > 1) do not cover it: they stand in for the norm, RoPE and
+    activation kernels, whose capture faulted there; this one replays in top-k > 1 graphs
+    (tests/test_gpu_kernels.py::test_draft_loop_graphs_equal_eager)."""
+    ok = (q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and _triton() is not None
+          and lse_prefix.dtype == torch.float32 and lse_prefix.stride(-1) == 1
+          and all(t.stride(-1) == 1 for t in (q, keys, values, out_prefix)))
+    if ok:
+        from splitspec.kernels import triton_own_attention
+
+        return triton_own_attention.merge_own_attention(q, keys, values, out_prefix, lse_prefix, scale)
+    return torch_ops.merge_own_attention(q, keys, values, out_prefix, lse_prefix, scale)

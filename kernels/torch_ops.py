@@ -208,3 +208,19 @@ def tree_mask_bits(kv_lens: torch.Tensor, byte_offsets: torch.Tensor, ancestors:
     bit = torch.where(i < q, bit, 0)
     packed = (bit << torch.arange(8, device=device)).sum(-1).to(torch.uint8)
     out.copy_(torch.where(live, packed, out))
+
+
+def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out_prefix: torch.Tensor,
+                        lse_prefix: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each row's attention over its own keys merged with its attention over other keys: q [R, Hq, D], keys and
+    values [R, J, Hkv, D] (grouped-query heads share them), out_prefix [R, Hq, D] and lse_prefix [R, Hq] (fp32,
+    natural-log sum of exp) the attention over the others -> [R, Hq, D] in q's dtype. One softmax in which the
+    others are one more key, scored by their log-sum-exp and valued at their output."""
+    rows, heads, dim = q.shape
+    kv = keys.shape[2]
+    group = (rows, kv, heads // kv)
+    scores = torch.einsum("rhgd,rjhd->rhgj", q.float().reshape(*group, dim), keys.float()) * scale
+    weights = torch.softmax(torch.cat([lse_prefix.float().reshape(*group, 1), scores], -1), -1)
+    out = weights[..., :1] * out_prefix.float().reshape(*group, dim) \
+        + torch.einsum("rhgj,rjhd->rhgd", weights[..., 1:], values.float())
+    return out.reshape(rows, heads, dim).to(q.dtype)

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from splitspec.kernels import torch_ops, triton_ops, triton_tree_mask
+from splitspec.kernels import torch_ops, triton_ops, triton_own_attention, triton_tree_mask
 from splitspec.runtime.attention.flashinfer_backend import _packed_trees
 from splitspec.runtime.tree import NO_NODE, ancestor_rows, child_links
 from splitspec.verifier_svc.acceptance import accept_target_tokens
@@ -116,6 +116,41 @@ def check_tree_mask_bits(device: str) -> int:
             assert bool((got[want.numel():] == 0xA5).all()), (name, "bytes past the masks changed")
         checked += want.numel()
     return checked
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain attention of q [R, Hq, D] over keys/values [R, J, Hkv, D] in float64: (output, natural-log sum of exp)."""
+    group = q.shape[1] // keys.shape[2]
+    k, v = (t.double().repeat_interleave(group, 2) for t in (keys, values))
+    scores = torch.einsum("rhd,rjhd->rhj", q.double(), k) * scale
+    return torch.einsum("rhj,rjhd->rhd", torch.softmax(scores, -1), v), torch.logsumexp(scores, -1)
+
+
+def check_merge_own_attention(device: str, dtype: torch.dtype) -> int:
+    """A draft node's attention over a committed prefix (its output and log-sum-exp given) and its own keys (strided
+    views of a draft loop's dense buffer [B, K, S-1, Hkv, D]) against attention over both at once: grouped-query
+    heads (3 and 4 per key-value head), head sizes 64, 128 and 48 (not a power of two), 1 to 6 own keys."""
+    g = torch.Generator().manual_seed(11)
+    rows_checked = 0
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for bs, topk, depth, slots, heads, kv, dim, prefix in ((1, 1, 1, 4, 6, 2, 64, 5), (3, 4, 4, 6, 6, 2, 64, 40),
+                                                            (2, 4, 6, 6, 32, 8, 128, 100), (3, 1, 3, 3, 4, 1, 48, 7)):
+        rows, scale = bs * topk, dim ** -0.5
+        q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+        keys = torch.randn(rows, prefix, kv, dim, generator=g).to(dtype)
+        values = torch.randn(rows, prefix, kv, dim, generator=g).to(dtype)
+        local = torch.randn(2, bs, topk, slots, kv, dim, generator=g).to(dtype)  # one layer's dense buffer
+        own_k, own_v = (local[i, :, :, :depth].flatten(0, 1) for i in (0, 1))
+        want, _ = _attention(q, torch.cat([keys, own_k], 1), torch.cat([values, own_v], 1), scale)
+        out_prefix, lse_prefix = _attention(q, keys, values, scale)
+        args = [t.to(device) for t in (q, own_k, own_v, out_prefix.to(dtype), lse_prefix.float())]
+        for name, kernel in (("twin", torch_ops.merge_own_attention), ("triton", triton_own_attention.merge_own_attention)):
+            got = kernel(*args, scale)
+            assert got.dtype == dtype and got.shape == q.shape, (name, got.dtype, got.shape)
+            error = (got.cpu().double() - want).abs().max().item()
+            assert error < tol, (name, dtype, bs, topk, depth, heads, kv, dim, error)
+        rows_checked += rows
+    return rows_checked
 
 
 def check_gumbel_argmax(device: str) -> int:
@@ -315,6 +350,7 @@ def main(device: str = "cpu") -> int:
             check_norms_and_activation(device, dtype)
             check_rope_and_kv_write(device, dtype)
             fp8_rows = check_fp8_quantization(device, dtype)
+            merged_rows = check_merge_own_attention(device, dtype)
         accepted = check_verify_tree_greedy(device)
         drawn = check_gumbel_argmax(device)
         draft_rows = check_draft_topk(device)
@@ -323,7 +359,7 @@ def main(device: str = "cpu") -> int:
         mask_bytes = check_tree_mask_bits(device)
     print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
           f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
-          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
+          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, {merged_rows} draft-node attention rows per dtype, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
           f"{[str(d) for d in dtypes]}: all equal their twins")
     return 0
 

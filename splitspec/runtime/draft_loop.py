@@ -30,8 +30,6 @@ import torch
 
 from splitspec import kernels
 from splitspec.device_profile import phase as device_phase
-from splitspec.runtime.attention.base import merge_attention
-from splitspec.runtime.attention.torch_backend import dense_attention
 from splitspec.runtime.cuda_graph import capture_sizes, warm_and_capture
 from splitspec.runtime.host_tensors import copy_to_host
 from splitspec.runtime.kv_cache import BlockTable
@@ -57,8 +55,7 @@ class _Cascade:
         local[1, :, :, depth - 1] = v.view(bs, topk, *v.shape[1:]).to(local.dtype)
         out_prefix, lse_prefix = self.backend.attend_prefix(layer_id, q, plan)
         keys, values = (local[i, :, :, :depth].flatten(0, 1) for i in (0, 1))  # [bs*K, depth, Hkv, D]
-        out_own, lse_own = dense_attention(q, keys, values, None, self.scaling)
-        return merge_attention(out_prefix, lse_prefix, out_own, lse_own)
+        return kernels.merge_own_attention(q, keys, values, out_prefix, lse_prefix, self.scaling)
 
 
 class _Graph:
@@ -135,6 +132,10 @@ class DraftLoop:
             flat_tokens.append(step_tokens)
             if step == self.num_steps - 1:
                 break
+            if topk == 1:  # a chain: the one child is the next beam, nothing to choose, gather or move
+                scores, tokens = candidates, step_tokens
+                features = None if features is None else hidden.view(bs, 1, -1)
+                continue
             chosen = candidates.topk(topk, dim=-1).indices  # [bs, K]
             parent_list.append(chosen + topk * topk * (step - 1) + topk)
             parent_beam = chosen // topk
@@ -148,8 +149,11 @@ class DraftLoop:
             local.copy_(local.gather(3, index))
         all_scores, all_tokens = torch.cat(flat_scores, 1), torch.cat(flat_tokens, 1)
         order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, : self.keep]
-        parents = (torch.cat(parent_list, 1) if parent_list
-                   else torch.zeros(bs, 0, dtype=torch.long, device=self.device))
+        if topk == 1:  # node i's parent is node i - 1 (flat index i: node i + 1 of the tree)
+            parents = torch.arange(1, self.num_steps - 1, device=self.device).expand(bs, -1).contiguous()
+        else:
+            parents = (torch.cat(parent_list, 1) if parent_list
+                       else torch.zeros(bs, 0, dtype=torch.long, device=self.device))
         path_tokens, path_hidden = self._best_path(candidates, step_tokens, beam_tokens, beam_hidden, beam_parents)
         return order, all_tokens.gather(1, order), all_scores.gather(1, order), parents, path_tokens, path_hidden
 
@@ -157,6 +161,9 @@ class DraftLoop:
         """The most likely full-depth path (the best last-step candidate and its beam ancestors): its tokens
         [bs, S] and, for a head, the outputs of its first S-1 nodes [bs, S-1, H] (the features their
         children were drafted with; overlap's bets continue from them)."""
+        if self.topk == 1 and beam_tokens:  # the chain itself
+            return (torch.cat([*beam_tokens, step_tokens], 1),
+                    torch.cat(beam_hidden, 1) if self.feature_size else None)
         best = candidates.argmax(-1, keepdim=True)  # [bs, 1]
         tokens = [step_tokens.gather(1, best)]
         hidden = []

@@ -63,8 +63,8 @@ class Eagle3FirstLayer(DecoderLayer):
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
-        x = h + self.self_attn(positions, x, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm(self.self_attn(positions, x, ctx), h)  # x = h + attention, fused
+        return x + self.mlp(normed)
 
 
 class Eagle3Head(nn.Module):
