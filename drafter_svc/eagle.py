@@ -121,6 +121,8 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                 device = output.hidden_states.device
                 if len(done) == len(taken) and not q and last_rows == list(range(len(taken))):  # a row each: the roots
                     feats, logits = output.hidden_states, output.logits
+                elif len(done) == len(taken) and not q and len(set(taken)) == 1:  # n rows each: every n-th is a root
+                    feats, logits = output.hidden_states.view(len(taken), taken[0], -1)[:, -1], output.logits
                 else:
                     roots = device_tensor([last_rows[k] for k in done], device)
                     feats = output.hidden_states.index_select(0, roots)

@@ -11,7 +11,7 @@ LM_EVAL="lm-eval[api]==0.4.13"
 PILLOW="pillow>=10"
 rm -rf "$DIR"
 TRANSFORMERS="$("$PY" -c "import transformers; print(transformers.__version__)" 2>/dev/null || true)"
-if { "$PY" -m venv "$DIR" && "$DIR/bin/python" -m pip install -q --disable-pip-version-check "$LM_EVAL" "$PILLOW" \
+if { "$PY" -m venv "$DIR" && "$DIR/bin/python" -m pip install -q --disable-pip-version-check --no-compile "$LM_EVAL" "$PILLOW" \
         ${TRANSFORMERS:+"transformers==$TRANSFORMERS"}; } > "$DIR.log" 2>&1; then
     touch "$DIR/.ready"
 else
