@@ -4,16 +4,24 @@ DBG_TWINS=rms_norm,draft_topk (names in splitspec.kernels) runs those ops' torch
 it is."""
 import os, sys, torch, traceback, tempfile
 from pathlib import Path
-sys.path.insert(0, "tests")
-from test_gpu_kernels import checkpoint, runner
 from splitspec import kernels
 from splitspec.kernels import torch_ops
 from splitspec.drafter_svc.standalone import StandaloneDrafter
 for name in filter(None, os.environ.get("DBG_TWINS", "").split(",")):
     setattr(kernels, name, getattr(torch_ops, name))
-path = checkpoint(Path(tempfile.mkdtemp()))
+import transformers
+from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+path = Path(tempfile.mkdtemp())  # a random Llama of test_gpu_kernels' shape (head_dim 64, four query heads per KV head)
+torch.manual_seed(0)
+transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    hidden_size=512, intermediate_size=768, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+    vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0)).save_pretrained(path)
+runner = lambda p: ModelRunner.load(RuntimeConfig(model_path=str(p), dtype="bfloat16", device="cuda", page_size=4,
+                                                  max_total_tokens=4096, attention_backend="flashinfer",
+                                                  disable_cuda_graph=True, cuda_graph_max_bs=8))
 k, max_bs = int(sys.argv[1]), int(sys.argv[2])
-d = StandaloneDrafter(runner(path, "flashinfer"), topk=k, num_steps=int(sys.argv[3]), num_draft_tokens=12)
+d = StandaloneDrafter(runner(path), topk=k, num_steps=int(sys.argv[3]), num_draft_tokens=12)
 tag = (sys.argv[1:], os.environ.get("SPLITSPEC_KERNELS"), os.environ.get("DBG_TWINS"))
 try:
     d.loop.capture(max_bs); torch.cuda.synchronize(); print("RESULT", *tag, "capture ok")
