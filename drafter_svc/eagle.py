@@ -119,9 +119,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             finished = {}  # k -> its row among the roots of the requests whose last row this round held
             if done:  # the roots' features and logits, gathered together (new tensors: no graph buffer is kept)
                 device = output.hidden_states.device
-                if len(done) == len(taken) and not q and last_rows == list(range(len(taken))):  # a row each: the roots
-                    feats, logits = output.hidden_states, output.logits
-                elif len(done) == len(taken) and not q and len(set(taken)) == 1:  # n rows each: every n-th is a root
+                if len(done) == len(taken) and not q and len(set(taken)) == 1:  # n rows each: every n-th is a root
                     feats, logits = output.hidden_states.view(len(taken), taken[0], -1)[:, -1], output.logits
                 else:
                     roots = device_tensor([last_rows[k] for k in done], device)

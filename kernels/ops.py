@@ -37,11 +37,11 @@ def twins():
         _twins_forced -= 1
 
 
-def use_triton(x: torch.Tensor) -> bool:
+def use_triton(x: torch.Tensor, despite_twins: bool = False) -> bool:
     """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins) and
-    outside torch.compile (inductor fuses the twins itself: runtime.compile)."""
-    return (x.is_cuda and not torch.is_grad_enabled() and not _twins_forced and not torch.compiler.is_compiling()
-            and _triton() is not None)
+    outside torch.compile (inductor fuses the twins itself: runtime.compile); despite_twins: inside twins() too."""
+    return (x.is_cuda and not torch.is_grad_enabled() and (despite_twins or not _twins_forced)
+            and not torch.compiler.is_compiling() and _triton() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,10 +156,8 @@ def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     Forced twins (twins(), the draft loop at top-k > 1) do not cover it: they stand in for the norm, RoPE and
     activation kernels, whose capture faulted there; this one replays in top-k > 1 graphs
     (tests/test_gpu_kernels.py::test_draft_loop_graphs_equal_eager)."""
-    ok = (q.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and _triton() is not None
-          and lse_prefix.dtype == torch.float32 and lse_prefix.stride(-1) == 1
-          and all(t.stride(-1) == 1 for t in (q, keys, values, out_prefix)))
-    if ok:
+    if use_triton(q, despite_twins=True) and lse_prefix.dtype == torch.float32 \
+            and all(t.stride(-1) == 1 for t in (q, keys, values, out_prefix, lse_prefix)):
         from splitspec.kernels import triton_own_attention
 
         return triton_own_attention.merge_own_attention(q, keys, values, out_prefix, lse_prefix, scale)
