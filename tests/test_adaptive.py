@@ -135,8 +135,10 @@ def test_policy_follows_acceptance_and_probes_while_off():
     assert len(probes) >= 4 and gaps[:3] == sorted(gaps[:3]) and max(gaps) <= 8 * 50 + 3, (probes, gaps)
     assert gaps[2] >= 3 * gaps[0], gaps
     gpu.q = 0.9
-    chosen = run_policy(policy, gpu, 1, 8 * 50 + 100)
-    assert chosen[-20:] == [6] * 20, chosen[-40:]
+    # within two probes at the backed-off interval (one probe's two verifies may accept little by chance: the many
+    # failed ones before still weigh on the estimate)
+    chosen = run_policy(policy, gpu, 1, 2 * 8 * 50 + 100)
+    assert chosen[-100:].count(6) >= 95, chosen[-100:]
 
 
 def test_probes_at_the_interval_again_when_the_load_moves():
@@ -237,6 +239,31 @@ def test_policy_measures_again_what_it_judged_while_warming_up():
         policy = chain_policy(stale_steps=stale_steps)
         chosen = run_policy(policy, gpu, 1, 600)
         assert chosen[-200:].count(6) >= 190, (stale_steps, chosen[-200:])
+
+
+def test_a_cold_first_decode_step_does_not_keep_drafting_off():
+    """As an H200 ran the demo EAGLE-3 pair: a prompt's step, then the first decode step ever (every graph's first
+    replay) timed at 30x its successors (verify 17.7 ms, drafting 8 ms); plain steps run overlapped (0.5 ms whole
+    cycles), drafted ones cost 1.6 ms and make ~4.7 tokens. That first step is not taken for what drafting costs:
+    the policy drafts and stays drafting. (Kept in, its one sample priced every tree below plain decoding, and the
+    probes' hope with it: drafting stayed off for all of the run's 8000 steps.)"""
+
+    class SmallTargetGpu(ModelGpu):
+        def step(self, budget, batch):
+            if budget == 1:  # the overlap schedule's plain step: its whole cycle, no forward timed apart
+                return StepShape(1, batch, 0, 0, 0.0, 0.0, 0.0005)
+            shape = super().step(budget, batch)
+            shape.verify_seconds, shape.spec_seconds, shape.base_seconds = 0.00045, 0.00075, 0.0004
+            return shape
+
+    gpu = SmallTargetGpu(q=0.9)
+    policy = chain_policy()
+    policy.observe(StepShape(6, 0, 0, 128, 0.0025, 0.0003, 0.0003))  # the prompt's step
+    first = gpu.step(6, 1)
+    first.verify_seconds, first.spec_seconds = 0.0177, 0.008
+    policy.observe(first)
+    chosen = run_policy(policy, gpu, 1, 1500)
+    assert sum(b > 1 for b in chosen[-500:]) >= 480, chosen[-500:]
 
 
 def test_a_drafters_cost_at_a_new_load_prices_every_budget_there():

@@ -31,8 +31,8 @@ at min_timings steps or more): a tree is predicted at the lower of the two, plai
 stall in some steps or a cost the phases misattribute cannot keep a tree that is measured slower than plain
 decoding (see _correct). And a drafted step does all a plain step does and more, so no tree is predicted to take
 less time than plain decoding at that load (drafts that are not accepted cannot win on timings' noise; see _bound).
-Steps with prompt chunks, and a step at another budget than the one before (a probe, a try, a switch), stay out of
-the costs.
+Steps with prompt chunks, the step after them, and a step at another budget than the one before (a probe, a try, a
+switch), stay out of the costs.
 
 Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as load
 crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the budget does not
@@ -124,7 +124,7 @@ class AdaptiveSpeculation:
         # on the traffic), a budget's do, as its timings do
         self._cycles: dict[tuple[int, int], Cycle] = {}
         self._off_steps = 0  # consecutive steps at budget 1
-        self._previous_budget = 0  # the last observed step's budget (0: none yet)
+        self._previous_budget = -1  # the last observed step's budget (-1: none yet; 0: it ran prompt chunks)
         self._steps = 0  # steps observed
         self._used: dict[int, int] = {}  # budget -> the step it was last chosen at
         self.switches = 0
@@ -159,16 +159,21 @@ class AdaptiveSpeculation:
             self._record("observe", **asdict(step))
         self._steps += 1
         now, stale = self._steps, cfg.stale_steps
-        if step.forward_tokens:
+        batch = step.speculating + step.plain
+        decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
+        # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's
+        # catch-up, a shape's first use): kept out of the costs, as are prompt chunks' steps (their host work) and
+        # the decode step after them, out of the forward's timings too: the drafter catches up over the prompts, and
+        # a server's first decode step replays every graph for the first time (one timed 30x its successors, and
+        # kept drafting off for good)
+        cold = self._previous_budget == 0 and batch and decode_only
+        steady = step.budget == self._previous_budget or self._previous_budget < 0
+        self._previous_budget = step.budget if batch and decode_only else 0
+        if step.forward_tokens and not cold:
             key = token_bucket(step.forward_tokens)
             tokens, seconds = self._verify.setdefault(key, (Recent(), Recent()))
             tokens.add(step.forward_tokens, now, stale)
             seconds.add(step.verify_seconds, now, stale)
-        batch = step.speculating + step.plain
-        decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
-        # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's
-        # catch-up, a shape's first use): kept out of the costs, as are prompt chunks' steps (their host work)
-        steady, self._previous_budget = step.budget == self._previous_budget or self._previous_budget == 0, step.budget
         if batch and decode_only and steady:
             drafted = step.budget > 1 and step.speculating > 0
             # an overlapped plain step (no forward timed: it ran under the host's work) is a whole cycle, not a base
@@ -274,11 +279,12 @@ class AdaptiveSpeculation:
         """The oldest step whose timings are trusted: all while speculation is off, the last stale_steps while on."""
         return self._steps - self.config.stale_steps if self.budget > 1 else -1
 
-    def _nearest(self, table: dict, bucket: int, first, fresh: bool = False) -> float:
+    def _nearest(self, table: dict, bucket: int, first, fresh: bool = False, trusted: bool = False) -> float:
         """The entry of table (keyed (first, batch bucket)) nearest this batch bucket among those of `first`
-        (and with fresh, timed lately); 0 where there is none: optimistic, so that it gets tried."""
+        (and with fresh, timed lately); 0 where there is none: optimistic, so that it gets tried. With trusted, 0 too
+        where no load was timed min_timings times (a few odd steps are not evidence)."""
         horizon = self._horizon() if fresh else -1
-        memo_key = (id(table), bucket, first, horizon)
+        memo_key = (id(table), bucket, first, horizon, trusted)
         if self._nearest_at != self._steps:  # the tables change only when a step is observed
             self._nearest_memo.clear()
             self._nearest_at = self._steps
@@ -288,25 +294,33 @@ class AdaptiveSpeculation:
             enough = [k for k in keys if len(table[k].values) >= self.config.min_timings]
             if enough:
                 value = table[min(enough, key=lambda k: abs(k[1] - bucket))].value
+            elif trusted:
+                value = 0.0
             else:  # no load timed enough lately: the median of what there is (one odd step is not a load's)
                 pooled = sorted(x for k in keys for x in table[k].values)
                 value = pooled[len(pooled) // 2] if pooled else 0.0
             self._nearest_memo[memo_key] = value
         return value
 
-    def _spec_seconds(self, budget: int, bucket: int) -> float:
+    def _spec_seconds(self, budget: int, bucket: int, trusted: bool = False) -> float:
         """What speculation adds outside the forward at this budget and load: as timed here, else the nearest budget's
         here (a drafter's time follows the batch more than the budget: tries one by one otherwise), else its own at
-        the nearest load; 0 (so tried) where nothing was timed."""
+        the nearest load; 0 (so tried) where nothing was timed. A budget timed fewer than min_timings times here is
+        priced as the nearest one timed that often (its few steps may have been its first: warming up); with
+        trusted, only such timings count (else 0)."""
         horizon = self._horizon()
         here = [k for k in self._spec if k[0] > 1 and k[1] == bucket and self._spec[k].last >= horizon]
+        enough = [k for k in here if len(self._spec[k].values) >= self.config.min_timings]
+        if enough or trusted:
+            here = enough
         if budget <= 1 or not here:
-            return self._nearest(self._spec, bucket, budget, fresh=True)
+            return self._nearest(self._spec, bucket, budget, fresh=True, trusted=trusted)
         return self._spec[min(here, key=lambda k: (abs(k[0] - budget), k[0]))].value
 
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
                    optimistic: bool = False) -> float | None:
-        """Predicted tokens per second of a step at this budget; None before any forward was timed."""
+        """Predicted tokens per second of a step at this budget; None before any forward was timed. optimistic (a
+        probe's hope): every draft accepted, and speculation's own costs only as timed min_timings times."""
         verify = self.verify_seconds(speculating * budget + plain + prefill_tokens)
         if verify is None:
             return None
@@ -327,7 +341,7 @@ class AdaptiveSpeculation:
             base = min(base, undrafted) if base else undrafted
         seconds = verify + base
         if speculating:
-            seconds += self._spec_seconds(budget, batch_bucket(speculating))
+            seconds += self._spec_seconds(budget, batch_bucket(speculating), trusted=optimistic)
         tokens = speculating * self.expected_tokens(budget, optimistic) + plain
         return tokens / seconds if seconds > 0 else None
 
