@@ -28,7 +28,7 @@ _twins_forced = 0
 
 @contextlib.contextmanager
 def twins():
-    """The torch twins inside this block, whatever the device (see runtime.draft_loop for why)."""
+    """The torch twins inside this block, whatever the device (to compare a path's speed or output with them)."""
     global _twins_forced
     _twins_forced += 1
     try:
@@ -37,10 +37,10 @@ def twins():
         _twins_forced -= 1
 
 
-def use_triton(x: torch.Tensor, despite_twins: bool = False) -> bool:
-    """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins) and
-    outside torch.compile (inductor fuses the twins itself: runtime.compile); despite_twins: inside twins() too."""
-    return (x.is_cuda and not torch.is_grad_enabled() and (despite_twins or not _twins_forced)
+def use_triton(x: torch.Tensor) -> bool:
+    """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins), outside
+    torch.compile (inductor fuses the twins itself: runtime.compile) and outside twins()."""
+    return (x.is_cuda and not torch.is_grad_enabled() and not _twins_forced
             and not torch.compiler.is_compiling() and _triton() is not None)
 
 
@@ -152,11 +152,8 @@ def tree_mask_bits(kv_lens: torch.Tensor, byte_offsets: torch.Tensor, ancestors:
 def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out_prefix: torch.Tensor,
                         lse_prefix: torch.Tensor, scale: float) -> torch.Tensor:
     """A draft node's attention over its own keys [R, J, Hkv, D] merged with its attention over the committed ones
-    (out_prefix [R, Hq, D], lse_prefix [R, Hq] fp32, natural log): kernels.torch_ops.merge_own_attention.
-    Forced twins (twins(), the draft loop at top-k > 1) do not cover it: they stand in for the norm, RoPE and
-    activation kernels, whose capture faulted there; this one replays in top-k > 1 graphs
-    (tests/test_gpu_kernels.py::test_draft_loop_graphs_equal_eager)."""
-    if use_triton(q, despite_twins=True) and lse_prefix.dtype == torch.float32 \
+    (out_prefix [R, Hq, D], lse_prefix [R, Hq] fp32, natural log): kernels.torch_ops.merge_own_attention."""
+    if use_triton(q) and lse_prefix.dtype == torch.float32 \
             and all(t.stride(-1) == 1 for t in (q, keys, values, out_prefix, lse_prefix)):
         from splitspec.kernels import triton_own_attention
 

@@ -108,15 +108,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_q_heads, num_kv_heads, head_dim,
-                 half, STORE_KV: tl.constexpr, HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr,
-                 HEAD_BLOCK: tl.constexpr):
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos, stride_slot,
+                 num_q_heads, num_kv_heads, head_dim, half, STORE_KV: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                 REST_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr):
     """Programs (token, head): heads < num_q_heads rotate q into q_out [T, Hq, D]; the others rotate k into
     k_out, at row `token` of [T, Hkv, D], or with STORE_KV at the token's slot of the flat paged cache,
     where v is copied too."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    pos = tl.load(pos_ptr + token)
+    pos = tl.load(pos_ptr + token * stride_pos)  # strided: a top-k step's one position per request is a stride-0 view
     cols = tl.arange(0, HALF_BLOCK)
     keep = cols < half
     if head < num_q_heads:
@@ -126,7 +126,7 @@ def _rope_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_out_ptr, v_out_ptr, cos_ptr, 
         h = head - num_q_heads
         src = k_ptr + token * stride_kt + h * stride_kh
         if STORE_KV:
-            row = tl.load(slot_ptr + token)
+            row = tl.load(slot_ptr + token * stride_slot)
             full = tl.arange(0, HEAD_BLOCK)
             inside = full < head_dim
             value = tl.load(v_ptr + token * stride_vt + h * stride_vh + full, mask=inside, other=0.0)
@@ -168,7 +168,8 @@ def _rope(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_out, v_out, slots
     rest = head_dim - rot_dim
     _rope_kernel[(num_tokens, num_q_heads + num_kv_heads)](
         q, k, v, q_out, k_out, v_out, cos_cache, sin_cache, positions, slots, q.stride(0), q.stride(1), k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), num_q_heads, num_kv_heads, head_dim, rot_dim // 2, STORE_KV=store,
+        k.stride(1), v.stride(0), v.stride(1), positions.stride(0), slots.stride(0), num_q_heads, num_kv_heads,
+        head_dim, rot_dim // 2, STORE_KV=store,
         HALF_BLOCK=triton.next_power_of_2(rot_dim // 2), REST_BLOCK=triton.next_power_of_2(rest) if rest else 0,
         HEAD_BLOCK=triton.next_power_of_2(head_dim), num_warps=1)
     return q_out

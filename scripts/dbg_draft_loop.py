@@ -1,7 +1,8 @@
-"""Reproduces the fault noted in runtime.draft_loop._body: capture a top-k > 1 draft with the Triton kernels.
-    SPLITSPEC_DRAFT_LOOP_TRITON=1 CUDA_LAUNCH_BLOCKING=1 python3 -P scripts/dbg_draft_loop.py TOPK MAX_BS STEPS
+"""Captures a draft loop (runtime.draft_loop) of a random Llama with the Triton kernels on a GPU: prints RESULT ... capture
+ok or FAIL (a top-k > 1 capture once faulted: the RoPE kernel read a stride-0 positions view as contiguous).
+    CUDA_LAUNCH_BLOCKING=1 python3 -P scripts/dbg_draft_loop.py TOPK MAX_BS STEPS
 DBG_TWINS=rms_norm,draft_topk (names in splitspec.kernels) runs those ops' torch twins, the rest Triton: which kernel
-it is."""
+faults (scripts/dbg_draft_loop_bisect.sh tries each)."""
 import os, sys, torch, traceback, tempfile
 from pathlib import Path
 from splitspec import kernels

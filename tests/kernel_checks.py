@@ -289,6 +289,13 @@ def check_rope_and_kv_write(device: str, dtype: torch.dtype) -> None:
         for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, positions, rot_dim),
                              torch_ops.apply_rope(q, k, cos, sin, positions, rot_dim)):
             torch.testing.assert_close(got, want, **tol)
+        # positions as a top-k draft step of one request gives them: a stride-0 view of one position (reading it as
+        # contiguous read past its storage: an illegal memory access in the draft loop's capture at top-k > 1)
+        shared = positions[3:4, None].expand(1, 5).reshape(-1)
+        assert shared.stride() == (0,)
+        for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, shared, rot_dim),
+                             torch_ops.apply_rope(q, k, cos, sin, shared, rot_dim)):
+            torch.testing.assert_close(got, want, **tol)
         slots = torch.tensor([7, 0, 31, 12, 3], device=device)
         caches = [[torch.zeros(40, 2, head_dim, device=device, dtype=dtype) for _ in range(2)] for _ in range(2)]
         q_fused = triton_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[0], slots)

@@ -23,7 +23,6 @@ beam's row j always holds its ancestor at depth j + 1 and nothing is ever writte
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -94,18 +93,9 @@ class DraftLoop:
               plan: object) -> tuple[torch.Tensor, ...]:
         """Steps 0..S-1 and the ranking for bs requests (the batch size of root_logits [bs, V]).
 
-        Known fault, not yet found: on an H100 (torch 2.11, Triton 3.6), warming up the capture of a draft
-        of top-k > 1 with the Triton norm/RoPE/activation kernels hits an illegal memory access (run eagerly
-        the same steps are fine, and so is top-k 1). With the kernels' torch twins it captures and replays
-        correctly, so top-k > 1 drafts use the twins, eagerly and in graphs alike (scripts/dbg_draft_loop.py
-        reproduces the fault with SPLITSPEC_DRAFT_LOOP_TRITON=1)."""
-        if self.topk > 1 and os.environ.get("SPLITSPEC_DRAFT_LOOP_TRITON") != "1":
-            with kernels.twins():
-                return self._steps(root_logits, root_features, root_positions, plan)
-        return self._steps(root_logits, root_features, root_positions, plan)
-
-    def _steps(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, root_positions: torch.Tensor,
-               plan: object) -> tuple[torch.Tensor, ...]:
+        At top-k > 1 a request's step positions are one position expanded over its beams (at batch 1 a stride-0
+        view): the RoPE kernel reads positions by their stride (read as contiguous, it read past them and faulted
+        in the capture; until that was found, top-k > 1 drafts ran every kernel's torch twin)."""
         model, topk = self.runner.model, self.topk
         bs = root_logits.shape[0]
         ones = torch.ones(bs, dtype=torch.float32, device=root_logits.device)
