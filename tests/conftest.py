@@ -42,16 +42,35 @@ def _cpu_seconds() -> float:
                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
+_FILE_TEARDOWN_CPU: dict[str, float] = {}  # nodeid -> CPU seconds its file's fixtures took to tear down after it
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """SPLITSPEC_TEST_CPU_LOG=path: one JSON line per test with the CPU seconds it cost (this process and every
-    child process it reaped, set-up and tear-down included), to see where a 2-core CI's time goes."""
+    child process it reaped, set-up and tear-down included), to see where a 2-core CI's time goes. A file's shared
+    fixtures (servers started once for its tests) are reaped after its last test: their whole life's CPU gets a line
+    of its own, "FILE::(the file's fixtures, torn down)", rather than being that test's."""
     log = os.environ.get("SPLITSPEC_TEST_CPU_LOG")
     before = _cpu_seconds() if log else 0.0
     yield
     if log:
+        shared = _FILE_TEARDOWN_CPU.pop(item.nodeid, 0.0)
         with open(log, "a") as out:
-            out.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before, 2)}) + "\n")
+            out.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before - shared, 2)}) + "\n")
+            if shared:
+                out.write(json.dumps({"test": f"{item.nodeid.split('::')[0]}::(the file's fixtures, torn down)",
+                                      "cpu_s": round(shared, 2)}) + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The CPU of a file's last tear-down, where its module-scoped fixtures end (see pytest_runtest_protocol)."""
+    last = os.environ.get("SPLITSPEC_TEST_CPU_LOG") and (nextitem is None or nextitem.path != item.path)
+    before = _cpu_seconds() if last else 0.0
+    yield
+    if last:
+        _FILE_TEARDOWN_CPU[item.nodeid] = _cpu_seconds() - before
 
 
 @pytest.fixture(scope="session")
