@@ -74,7 +74,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                positions: torch.Tensor, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(q) and cos_cache.dtype == torch.float32:
-        return _triton().apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
+        from splitspec.kernels import triton_rope
+
+        return triton_rope.apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
     return torch_ops.apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
 
 
@@ -83,7 +85,9 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache:
                    slots: torch.Tensor) -> torch.Tensor:
     """RoPE on q and k, k and v stored into the paged cache at their slots, in one kernel on a GPU; returns q."""
     if use_triton(q) and cos_cache.dtype == torch.float32 and k_cache.dtype == k.dtype == v.dtype and k_cache.is_contiguous():
-        return _triton().rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
+        from splitspec.kernels import triton_rope
+
+        return triton_rope.rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
     return torch_ops.rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
 
 

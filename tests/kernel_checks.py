@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from splitspec.kernels import torch_ops, triton_ops, triton_own_attention, triton_tree_mask
+from splitspec.kernels import torch_ops, triton_ops, triton_own_attention, triton_rope, triton_tree_mask
 from splitspec.runtime.attention.flashinfer_backend import _packed_trees
 from splitspec.runtime.tree import NO_NODE, ancestor_rows, child_links
 from splitspec.verifier_svc.acceptance import accept_target_tokens
@@ -286,19 +286,19 @@ def check_rope_and_kv_write(device: str, dtype: torch.dtype) -> None:
         freqs = torch.arange(64).float()[:, None] * torch.rand(rot_dim // 2, generator=g)[None]
         cos, sin = freqs.cos().to(device), freqs.sin().to(device)
         positions = torch.tensor([0, 3, 9, 63, 17], device=device)
-        for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, positions, rot_dim),
+        for got, want in zip(triton_rope.apply_rope(q, k, cos, sin, positions, rot_dim),
                              torch_ops.apply_rope(q, k, cos, sin, positions, rot_dim)):
             torch.testing.assert_close(got, want, **tol)
         # positions as a top-k draft step of one request gives them: a stride-0 view of one position (reading it as
         # contiguous read past its storage: an illegal memory access in the draft loop's capture at top-k > 1)
         shared = positions[3:4, None].expand(1, 5).reshape(-1)
         assert shared.stride() == (0,)
-        for got, want in zip(triton_ops.apply_rope(q, k, cos, sin, shared, rot_dim),
+        for got, want in zip(triton_rope.apply_rope(q, k, cos, sin, shared, rot_dim),
                              torch_ops.apply_rope(q, k, cos, sin, shared, rot_dim)):
             torch.testing.assert_close(got, want, **tol)
         slots = torch.tensor([7, 0, 31, 12, 3], device=device)
         caches = [[torch.zeros(40, 2, head_dim, device=device, dtype=dtype) for _ in range(2)] for _ in range(2)]
-        q_fused = triton_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[0], slots)
+        q_fused = triton_rope.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[0], slots)
         q_twin = torch_ops.rope_and_store(q, k, v, cos, sin, positions, rot_dim, *caches[1], slots)
         torch.testing.assert_close(q_fused, q_twin, **tol)
         torch.testing.assert_close(caches[0][0], caches[1][0], **tol)  # rotated keys at their slots
