@@ -279,6 +279,10 @@ class AdaptiveSpeculation:
         """The oldest step whose timings are trusted: all while speculation is off, the last stale_steps while on."""
         return self._steps - self.config.stale_steps if self.budget > 1 else -1
 
+    def _enough(self, timings: Recent) -> bool:
+        """Whether these timings hold min_timings values (fewer are not yet what the thing costs: its first, odd steps)."""
+        return len(timings.values) >= self.config.min_timings
+
     def _nearest(self, table: dict, bucket: int, first, fresh: bool = False, trusted: bool = False) -> float:
         """The entry of table (keyed (first, batch bucket)) nearest this batch bucket among those of `first`
         (and with fresh, timed lately); 0 where there is none: optimistic, so that it gets tried. With trusted, 0 too
@@ -291,7 +295,7 @@ class AdaptiveSpeculation:
         value = self._nearest_memo.get(memo_key)
         if value is None:
             keys = [k for k in table if k[0] == first and table[k].last >= horizon]
-            enough = [k for k in keys if len(table[k].values) >= self.config.min_timings]
+            enough = [k for k in keys if self._enough(table[k])]
             if enough:
                 value = table[min(enough, key=lambda k: abs(k[1] - bucket))].value
             elif trusted:
@@ -310,7 +314,7 @@ class AdaptiveSpeculation:
         trusted, only such timings count (else 0)."""
         horizon = self._horizon()
         here = [k for k in self._spec if k[0] > 1 and k[1] == bucket and self._spec[k].last >= horizon]
-        enough = [k for k in here if len(self._spec[k].values) >= self.config.min_timings]
+        enough = [k for k in here if self._enough(self._spec[k])]
         if enough or trusted:
             here = enough
         if budget <= 1 or not here:
@@ -331,7 +335,7 @@ class AdaptiveSpeculation:
             return (speculating + plain) / whole
         base = self._nearest(self._base, bucket, drafted)
         own = self._base.get((True, bucket))
-        if drafted and (own is None or len(own.values) < self.config.min_timings):
+        if drafted and (own is None or not self._enough(own)):
             # drafted steps timed too few times at this load: no dearer than the steps without drafts (optimistic,
             # so tried and measured; another load's base, or one odd step, must not keep drafting off here)
             undrafted = self._nearest(self._base, bucket, False)
@@ -348,7 +352,7 @@ class AdaptiveSpeculation:
     def _timed(self, budget: int, batch: int) -> bool:
         """Whether min_timings whole decode cycles were timed at this budget and load, lately."""
         cycle = self._cycles.get((budget, token_bucket(batch)))
-        return cycle is not None and len(cycle.values) >= self.config.min_timings and (
+        return cycle is not None and self._enough(cycle) and (
             budget == 1 or cycle.last >= self._horizon())
 
     def _correct(self, predicted: dict[int, float], speculating: int, plain: int) -> None:
