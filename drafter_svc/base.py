@@ -38,6 +38,9 @@ class Drafter(ABC):
     supports_bets = False  # draft_bets() returns bets (overlapped drafting)
     fills_budget = False  # draft() fills a larger budget from more candidates (NGRAM's trie), not a fixed tree shape
     takes_guides = False  # draft() takes a third argument: per request a grammar guide (or None) to mask candidates with
+    # launch() queues device work and returns before it is done (a model drafter's draft loop): a client in the verifier's
+    # process launches as soon as a step asks, so that the host's work until the next verification runs under the draft
+    launches_on_device = False
 
     @abstractmethod
     def open(self, request_id: str, prompt_ids: list[int]) -> None:

@@ -215,6 +215,10 @@ class ModelBets:
     supports_bets = True
     feeds_features = False  # a head: rows are fed features
 
+    @property
+    def launches_on_device(self) -> bool:  # Drafter.launches_on_device: the draft loop (none: drafted on the host)
+        return self.loop is not None
+
     def _remember(self, request_ids: list[str], run, budgets: list[int]) -> None:
         """After a loop run (a finished draft_loop.LoopRun) for these requests: their current trees."""
         for k, (request_id, tree, budget) in enumerate(zip(request_ids, run.finish(), budgets)):

@@ -418,3 +418,46 @@ def test_top1_chains_are_verified_before_they_reach_the_host(trained_head, monke
         assert sum(s.stats.accepted_tokens for s in spec) > 0
         assert sum(written) == sum(s.stats.verify_steps for s in spec) > 0, (written, [s.stats.verify_steps for s in spec])
         assert head.kv_cache.allocator.num_used == 0
+
+
+def test_a_device_drafter_launches_when_asked_and_stays_lossless_as_requests_come_and_go(trained_head):
+    """In the verifier's process a drafter that queues its draft on the device (Drafter.launches_on_device) launches
+    it in the client's request(), as the step that asked ends, so that the engine's hand-over, schedule and next batch
+    run on the host while the device drafts. Requests arriving meanwhile are first asked at the next collect, beside
+    the drafts launched early (which then finish on the host before the new launch overwrites the loop's outputs), and
+    one request is aborted with its draft launched: greedy outputs equal plain decoding's, no fallbacks, drafts
+    accepted, both launch sites met, and every page back."""
+    target, head, prompts, params, plain, reference = greedy_setup(trained_head)
+    eagle = EagleDrafter(head, topk=1, num_steps=4, num_draft_tokens=5)
+    client = InProcessDrafterClient(eagle)
+    sites, inside = [], []
+    for name in ("request", "collect"):
+        def wrapped(*args, _call=getattr(client, name), _name=name):
+            inside.append(_name)
+            try:
+                return _call(*args)
+            finally:
+                inside.pop()
+        setattr(client, name, wrapped)
+    launch = eagle.launch
+    eagle.launch = lambda ids, nodes: (sites.append(inside[-1] if inside else None), launch(ids, nodes))[1]
+    engine = Engine(target, client, SpecConfig(num_draft_tokens=5), set())
+    requests, aborted = [], None
+    for step in range(10_000):
+        if step % 3 == 0 and len(requests) < len(prompts):  # arrivals while the others decode with drafts launched
+            requests.append(engine.add_request(prompts[len(requests)], params[len(requests)]))
+        if aborted is None and len(requests) == 4 and client._launched and requests[0].request_id in client._launched:
+            aborted = requests[0]
+            assert engine.abort(aborted)
+        if not engine.has_work and len(requests) == len(prompts):
+            break
+        engine.step()
+    assert aborted is not None and aborted.finish_reason == "abort"
+    for i, (p, s) in enumerate(zip(plain, requests)):
+        if s is aborted:
+            continue
+        assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"early launch prompt {i}")
+        assert s.stats.fallbacks == 0
+    assert sum(s.stats.accepted_tokens for s in requests) > 0
+    assert sites.count("request") > sites.count("collect") > 0, sites
+    assert target.kv_cache.allocator.num_used == 0 and head.kv_cache.allocator.num_used == 0

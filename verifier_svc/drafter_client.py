@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from splitspec.runtime.grammar_guide import draft_to_grammar
-from splitspec.runtime.launched_draft import PendingChain
+from splitspec.runtime.launched_draft import LaunchedDraft, PendingChain
 from splitspec.runtime.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class InProcessDrafterClient(DrafterClient):
         self._asked: dict[str, int] = {}  # request id -> tree budget
         self._guides: dict[str, object] = {}  # request id -> its grammar's guide (DraftAsk.guide)
         self._broken: set[str] = set()
+        # asks launched at request() (Drafter.launches_on_device): request id -> (its launch, its place in it)
+        self._launched: dict[str, tuple[LaunchedDraft, int]] = {}
 
     def open(self, request_id: str, prompt_ids: list[int], grammar: tuple[str, str] | None = None,
              prompt_tokens: int = 0) -> None:
@@ -129,12 +131,36 @@ class InProcessDrafterClient(DrafterClient):
             except Exception:  # its history has a hole now: no more drafts for it
                 logger.exception("drafter %s failed on %s; it decodes without drafts", self.drafter.name, ask.request_id)
                 self._broken.add(ask.request_id)
+        if getattr(self.drafter, "launches_on_device", False) and not self._launched:
+            self._launch_early([a.request_id for a in asks if a.max_nodes >= 2])
+
+    def _launch_early(self, request_ids: list[str]) -> None:
+        """A drafter that queues its draft on the device launches it now, as the step that asked ends: the engine's
+        hand-over of the step's tokens, its next schedule and the next verification's batch then run on the host
+        while the device drafts (launched at collect(), all of that came first and the device waited). Not for
+        guided requests (their drafts are masked on the host at collect) nor while an earlier launch is uncollected
+        (the loop's next launch overwrites the chains that one left on the device)."""
+        ids = [r for r in request_ids if r not in self._broken and r not in self._guides]
+        if not ids:
+            return
+        try:
+            launched = self.drafter.launch(ids, [self._asked[r] for r in ids])
+        except Exception:  # collect() drafts them again, one by one where the batch fails
+            logger.exception("drafter %s failed to launch a batch of %d; drafting it when collected", self.drafter.name,
+                             len(ids))
+            return
+        self._launched = {r: (launched, i) for i, r in enumerate(ids)}
 
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | PendingChain | None | _Fault]:
         trees: dict[str, DraftTree | PendingChain | None | _Fault] = {r: None for r in request_ids if r not in self._asked}
         faulted = [r for r in request_ids if r in self._asked and r in self._broken]
         asked = [r for r in request_ids if r in self._asked and r not in self._broken]
         trees.update({r: DRAFT_FAULT for r in faulted})
+        early, self._launched = self._launched, {}
+        if early:
+            taken = [r for r in asked if r in early]
+            asked = [r for r in asked if r not in early]
+            trees.update(self._take(taken, early, finish=bool(asked)))
         try:
             drafted = self._draft(asked) if asked else []
         except Exception:  # find the request(s) it fails on: the others still get their trees
@@ -164,6 +190,23 @@ class InProcessDrafterClient(DrafterClient):
         self.stats.grammar_cut += cut
         return trees
 
+    def _take(self, request_ids: list[str], early: dict[str, tuple[LaunchedDraft, int]], finish: bool) -> dict:
+        """The trees of requests launched at request() (finish: on the host, because another launch follows in this
+        collect and would overwrite chains still on the device); where a launch fails to finish, DRAFT_FAULT."""
+        launches: dict[int, tuple[LaunchedDraft, list[tuple[str, int]]]] = {}
+        for request_id in request_ids:
+            launched, index = early[request_id]
+            launches.setdefault(id(launched), (launched, []))[1].append((request_id, index))
+        out = {}
+        for launched, taken in launches.values():
+            try:
+                got = launched.pending() if launched.chain_tokens is not None and not finish else launched.trees()
+                out.update((r, got[i]) for r, i in taken)
+            except Exception:
+                logger.exception("drafter %s failed to finish a launch of %d", self.drafter.name, len(taken))
+                out.update((r, DRAFT_FAULT) for r, _ in taken)
+        return out
+
     def _draft_alone(self, request_id: str):
         try:
             return self._draft([request_id])[0]
@@ -178,6 +221,12 @@ class InProcessDrafterClient(DrafterClient):
             logger.exception("drafter %s failed in its idle work", self.drafter.name)
 
     def release(self, request_id: str) -> None:
+        if request_id in self._launched:  # its launch finished first: the drafter's bookkeeping must not outlive it
+            launched, _ = self._launched.pop(request_id)
+            try:
+                launched.trees()
+            except Exception:
+                logger.exception("drafter %s failed to finish a launch", self.drafter.name)
         self._asked.pop(request_id, None)
         self._guides.pop(request_id, None)
         self._broken.discard(request_id)
