@@ -101,7 +101,7 @@ class ReplayDrafter(Drafter):
             guess_rate = rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[0]
         self.guess_rate = guess_rate
         self.supports_bets = getattr(inner, "supports_bets", False)
-        self.launches_on_device = inner.launches_on_device  # the inner drafter's work is what launch() queues
+        self.launches_on_device = getattr(inner, "launches_on_device", False)  # the inner drafter's work is what launch() queues
         self.current: dict[str, tuple[int, DraftTree]] = {}  # request -> (drafts the target accepts, tree)
         self.bets: dict[str, list[tuple[Bet, tuple[int, DraftTree]]]] = {}
         self.vocab_size, self.num_steps, self.topk, self.num_draft_tokens = vocab_size, num_steps, topk, num_draft_tokens
