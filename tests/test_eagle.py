@@ -397,56 +397,55 @@ def test_catch_ups_of_unequal_lengths_padded_to_one_shape_draft_the_same_trees(t
     assert results["always"] == results["never"]
 
 
-def test_top1_chains_are_verified_before_they_reach_the_host(trained_head, monkeypatch):
+def test_top1_chains_are_verified_before_they_reach_the_host_and_launched_when_asked(trained_head, monkeypatch):
     """EAGLE at top-1 in the verifier's process: the drafter launches its draft (Drafter.launch) and the engine builds
     the verification batch around PendingChains, writes the drafts into it on the device (write_chains) and reads
-    them only at acceptance. Greedy output equals plain at batch 1 and 8, drafts are accepted, no fallbacks, and
-    every verified draft went that way."""
+    them only at acceptance; a drafter that queues its draft on the device (Drafter.launches_on_device) launches it in
+    the client's request(), as the step that asked ends, so that the engine's hand-over, schedule and next batch run on
+    the host while the device drafts. At batch 1 every draft was launched early and every verified draft went through
+    write_chains. Then requests arrive
+    while the others decode with drafts launched (their first asks come at the next collect, beside the early ones,
+    which then finish on the host before the new launch overwrites the loop's outputs), and one is aborted with its
+    draft launched. Greedy outputs equal plain decoding's, drafts are accepted, no fallbacks, both launch sites are
+    met, and every page is back."""
     import splitspec.verifier_svc.engine as engine_module
 
     written, write = [], engine_module.write_chains
     monkeypatch.setattr(engine_module, "write_chains",
                         lambda ids, starts, chains, vocab: (written.append(len(chains)), write(ids, starts, chains, vocab))[1])
     target, head, prompts, params, plain, reference = greedy_setup(trained_head)
-    for batch in (1, 8):
-        written.clear()
-        client = InProcessDrafterClient(EagleDrafter(head, topk=1, num_steps=4, num_draft_tokens=5))
-        spec = run(target, prompts, params, client, SpecConfig(num_draft_tokens=5), batch=batch)
-        for i, (p, s) in enumerate(zip(plain, spec)):
-            assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"eagle top-1 prompt {i} batch {batch}")
-            assert s.stats.fallbacks == 0
-        assert sum(s.stats.accepted_tokens for s in spec) > 0
-        assert sum(written) == sum(s.stats.verify_steps for s in spec) > 0, (written, [s.stats.verify_steps for s in spec])
-        assert head.kv_cache.allocator.num_used == 0
-
-
-def test_a_device_drafter_launches_when_asked_and_stays_lossless_as_requests_come_and_go(trained_head):
-    """In the verifier's process a drafter that queues its draft on the device (Drafter.launches_on_device) launches
-    it in the client's request(), as the step that asked ends, so that the engine's hand-over, schedule and next batch
-    run on the host while the device drafts. Requests arriving meanwhile are first asked at the next collect, beside
-    the drafts launched early (which then finish on the host before the new launch overwrites the loop's outputs), and
-    one request is aborted with its draft launched: greedy outputs equal plain decoding's, no fallbacks, drafts
-    accepted, both launch sites met, and every page back."""
-    target, head, prompts, params, plain, reference = greedy_setup(trained_head)
     eagle = EagleDrafter(head, topk=1, num_steps=4, num_draft_tokens=5)
-    client = InProcessDrafterClient(eagle)
-    sites, inside = [], []
-    for name in ("request", "collect"):
-        def wrapped(*args, _call=getattr(client, name), _name=name):
-            inside.append(_name)
-            try:
-                return _call(*args)
-            finally:
-                inside.pop()
-        setattr(client, name, wrapped)
+    sites, inside = [], []  # where each launch happened: inside request() or collect()
     launch = eagle.launch
     eagle.launch = lambda ids, nodes: (sites.append(inside[-1] if inside else None), launch(ids, nodes))[1]
-    engine = Engine(target, client, SpecConfig(num_draft_tokens=5), set())
+
+    def client() -> InProcessDrafterClient:
+        made = InProcessDrafterClient(eagle)
+        for name in ("request", "collect"):
+            def wrapped(*args, _call=getattr(made, name), _name=name):
+                inside.append(_name)
+                try:
+                    return _call(*args)
+                finally:
+                    inside.pop()
+            setattr(made, name, wrapped)
+        return made
+
+    spec = run(target, prompts[:2], params[:2], client(), SpecConfig(num_draft_tokens=5), batch=1)
+    for i, (p, s) in enumerate(zip(plain, spec)):
+        assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"eagle top-1 prompt {i} batch 1")
+        assert s.stats.fallbacks == 0
+    assert sum(written) == sum(s.stats.verify_steps for s in spec) > 0, (written, [s.stats.verify_steps for s in spec])
+    assert sites and set(sites) == {"request"}, sites  # one request at a time: every draft launched as it was asked
+
+    sites.clear()
+    drafter = client()
+    engine = Engine(target, drafter, SpecConfig(num_draft_tokens=5), set())
     requests, aborted = [], None
     for step in range(10_000):
         if step % 3 == 0 and len(requests) < len(prompts):  # arrivals while the others decode with drafts launched
             requests.append(engine.add_request(prompts[len(requests)], params[len(requests)]))
-        if aborted is None and len(requests) == 4 and client._launched and requests[0].request_id in client._launched:
+        if aborted is None and len(requests) == 4 and requests[0].request_id in drafter._launched:
             aborted = requests[0]
             assert engine.abort(aborted)
         if not engine.has_work and len(requests) == len(prompts):
@@ -454,10 +453,9 @@ def test_a_device_drafter_launches_when_asked_and_stays_lossless_as_requests_com
         engine.step()
     assert aborted is not None and aborted.finish_reason == "abort"
     for i, (p, s) in enumerate(zip(plain, requests)):
-        if s is aborted:
-            continue
-        assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"early launch prompt {i}")
-        assert s.stats.fallbacks == 0
+        if s is not aborted:
+            assert_greedy_match(s.output_ids, p.output_ids, reference, prompts[i], f"early launch prompt {i}")
+            assert s.stats.fallbacks == 0
     assert sum(s.stats.accepted_tokens for s in requests) > 0
     assert sites.count("request") > sites.count("collect") > 0, sites
     assert target.kv_cache.allocator.num_used == 0 and head.kv_cache.allocator.num_used == 0
