@@ -103,8 +103,9 @@ class InProcessDrafterClient(DrafterClient):
         self._asked: dict[str, int] = {}  # request id -> tree budget
         self._guides: dict[str, object] = {}  # request id -> its grammar's guide (DraftAsk.guide)
         self._broken: set[str] = set()
-        # asks launched at request() (Drafter.launches_on_device): request id -> (its launch, its place in it)
-        self._launched: dict[str, tuple[LaunchedDraft, int]] = {}
+        # the draft launched at request() (Drafter.launches_on_device), not yet collected: its requests' places in it
+        self._launch: LaunchedDraft | None = None
+        self._launched: dict[str, int] = {}
 
     def open(self, request_id: str, prompt_ids: list[int], grammar: tuple[str, str] | None = None,
              prompt_tokens: int = 0) -> None:
@@ -144,23 +145,24 @@ class InProcessDrafterClient(DrafterClient):
         if not ids:
             return
         try:
-            launched = self.drafter.launch(ids, [self._asked[r] for r in ids])
+            self._launch = self.drafter.launch(ids, [self._asked[r] for r in ids])
         except Exception:  # collect() drafts them again, one by one where the batch fails
             logger.exception("drafter %s failed to launch a batch of %d; drafting it when collected", self.drafter.name,
                              len(ids))
             return
-        self._launched = {r: (launched, i) for i, r in enumerate(ids)}
+        self._launched = {r: i for i, r in enumerate(ids)}
 
     def collect(self, request_ids: list[str]) -> dict[str, DraftTree | PendingChain | None | _Fault]:
         trees: dict[str, DraftTree | PendingChain | None | _Fault] = {r: None for r in request_ids if r not in self._asked}
         faulted = [r for r in request_ids if r in self._asked and r in self._broken]
         asked = [r for r in request_ids if r in self._asked and r not in self._broken]
         trees.update({r: DRAFT_FAULT for r in faulted})
-        early, self._launched = self._launched, {}
-        if early:
-            taken = [r for r in asked if r in early]
-            asked = [r for r in asked if r not in early]
-            trees.update(self._take(taken, early, finish=bool(asked)))
+        launch, places = self._launch, self._launched
+        self._launch, self._launched = None, {}
+        if places:
+            taken = [r for r in asked if r in places]
+            asked = [r for r in asked if r not in places]
+            trees.update(self._take(launch, places, taken, finish=bool(asked)))
         try:
             drafted = self._draft(asked) if asked else []
         except Exception:  # find the request(s) it fails on: the others still get their trees
@@ -190,22 +192,15 @@ class InProcessDrafterClient(DrafterClient):
         self.stats.grammar_cut += cut
         return trees
 
-    def _take(self, request_ids: list[str], early: dict[str, tuple[LaunchedDraft, int]], finish: bool) -> dict:
-        """The trees of requests launched at request() (finish: on the host, because another launch follows in this
-        collect and would overwrite chains still on the device); where a launch fails to finish, DRAFT_FAULT."""
-        launches: dict[int, tuple[LaunchedDraft, list[tuple[str, int]]]] = {}
-        for request_id in request_ids:
-            launched, index = early[request_id]
-            launches.setdefault(id(launched), (launched, []))[1].append((request_id, index))
-        out = {}
-        for launched, taken in launches.values():
-            try:
-                got = launched.pending() if launched.chain_tokens is not None and not finish else launched.trees()
-                out.update((r, got[i]) for r, i in taken)
-            except Exception:
-                logger.exception("drafter %s failed to finish a launch of %d", self.drafter.name, len(taken))
-                out.update((r, DRAFT_FAULT) for r, _ in taken)
-        return out
+    def _take(self, launch: LaunchedDraft, places: dict[str, int], request_ids: list[str], finish: bool) -> dict:
+        """These requests' trees from the draft launched at request() (finish: on the host, because another launch
+        follows in this collect and would overwrite chains still on the device); DRAFT_FAULT if it fails to finish."""
+        try:
+            got = launch.pending() if launch.chain_tokens is not None and not finish else launch.trees()
+        except Exception:
+            logger.exception("drafter %s failed to finish a launch of %d", self.drafter.name, len(request_ids))
+            return dict.fromkeys(request_ids, DRAFT_FAULT)
+        return {r: got[places[r]] for r in request_ids}
 
     def _draft_alone(self, request_id: str):
         try:
@@ -221,10 +216,9 @@ class InProcessDrafterClient(DrafterClient):
             logger.exception("drafter %s failed in its idle work", self.drafter.name)
 
     def release(self, request_id: str) -> None:
-        if request_id in self._launched:  # its launch finished first: the drafter's bookkeeping must not outlive it
-            launched, _ = self._launched.pop(request_id)
-            try:
-                launched.trees()
+        if self._launched.pop(request_id, None) is not None:  # its launch finished first: the drafter's bookkeeping
+            try:  # must not outlive it
+                self._launch.trees()
             except Exception:
                 logger.exception("drafter %s failed to finish a launch", self.drafter.name)
         self._asked.pop(request_id, None)
