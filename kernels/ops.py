@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import os
 
 import torch
@@ -22,13 +21,6 @@ def _triton():
     except Exception:  # noqa: BLE001 (no triton, or no GPU toolchain: the twins serve)
         return None
     return triton_ops
-
-
-@functools.cache
-def _kernel_file(name: str):
-    """A Triton kernel file of this package, imported once (use_triton has checked that Triton imports): a file
-    imported inside a dispatch function would be looked up at every call, on the hot path."""
-    return importlib.import_module(f"splitspec.kernels.{name}")
 
 
 _twins_forced = 0
@@ -82,7 +74,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
                positions: torch.Tensor, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(q) and cos_cache.dtype == torch.float32:
-        return _kernel_file("triton_rope").apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
+        from splitspec.kernels import triton_rope
+
+        return triton_rope.apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
     return torch_ops.apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
 
 
@@ -91,8 +85,9 @@ def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_cache:
                    slots: torch.Tensor) -> torch.Tensor:
     """RoPE on q and k, k and v stored into the paged cache at their slots, in one kernel on a GPU; returns q."""
     if use_triton(q) and cos_cache.dtype == torch.float32 and k_cache.dtype == k.dtype == v.dtype and k_cache.is_contiguous():
-        return _kernel_file("triton_rope").rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache,
-                                                          v_cache, slots)
+        from splitspec.kernels import triton_rope
+
+        return triton_rope.rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
     return torch_ops.rope_and_store(q, k, v, cos_cache, sin_cache, positions, rot_dim, k_cache, v_cache, slots)
 
 
@@ -152,7 +147,9 @@ def accept_tree_coins(candidates: torch.Tensor, next_token: torch.Tensor, next_s
 def tree_mask_bits(kv_lens: torch.Tensor, byte_offsets: torch.Tensor, ancestors: torch.Tensor, out: torch.Tensor) -> None:
     """A batch of tree verifications' attention masks packed to bits into out (kernels.torch_ops.tree_mask_bits)."""
     if use_triton(out) and all(t.is_contiguous() for t in (kv_lens, byte_offsets, ancestors, out)):
-        return _kernel_file("triton_tree_mask").tree_mask_bits(kv_lens, byte_offsets, ancestors, out)
+        from splitspec.kernels import triton_tree_mask
+
+        return triton_tree_mask.tree_mask_bits(kv_lens, byte_offsets, ancestors, out)
     torch_ops.tree_mask_bits(kv_lens, byte_offsets, ancestors, out)
 
 
@@ -162,5 +159,7 @@ def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     (out_prefix [R, Hq, D], lse_prefix [R, Hq] fp32, natural log): kernels.torch_ops.merge_own_attention."""
     if use_triton(q) and lse_prefix.dtype == torch.float32 \
             and all(t.stride(-1) == 1 for t in (q, keys, values, out_prefix, lse_prefix)):
-        return _kernel_file("triton_own_attention").merge_own_attention(q, keys, values, out_prefix, lse_prefix, scale)
+        from splitspec.kernels import triton_own_attention
+
+        return triton_own_attention.merge_own_attention(q, keys, values, out_prefix, lse_prefix, scale)
     return torch_ops.merge_own_attention(q, keys, values, out_prefix, lse_prefix, scale)
