@@ -293,6 +293,48 @@ def test_a_drafters_cost_at_a_new_load_prices_every_budget_there():
     assert at_16[-100:].count(1) == 100, at_16
 
 
+def test_a_loads_timings_stay_fresh_while_no_request_speculates():
+    """Timings age by steps that speculate: a long run of requests that all opted out of speculation (a plain
+    benchmark between two speculative ones, a tenant without drafts) changes nothing a drafted step costs. Back at
+    the load it had settled, the policy drafts as it did, with no budget tried again as if it had never been timed."""
+
+    class BeamGpu(ModelGpu):
+        def draft(self, budget, batch):
+            return 0.003 if budget > 1 else 0.0  # a beam drafter: every step drafted, whatever the budget
+
+    gpu = BeamGpu(q=0.8, knee=12)  # the forward grows past 12 tokens: 3-node chains are the best at batch 4
+    assert max(range(1, 7), key=lambda b: gpu.throughput(b, 4)) == 3
+    policy = chain_policy()
+    settled = run_policy(policy, gpu, 4, 400)[-50:]
+    assert settled == [3] * 50, settled
+    tries = policy.tries
+    for _ in range(1000):  # only requests that opted out: no choice asked, every step observed
+        policy.observe(StepShape(1, 0, 16, 16, gpu.verify(16), 0.0, 0.001))
+    again = run_policy(policy, gpu, 4, 20)
+    assert again == [settled[0]] * 20, again
+    assert policy.tries == tries
+
+
+def test_a_budget_timed_nowhere_is_priced_with_the_nearest_ones_drafting_time():
+    """The same beam drafter (1 ms at batch 1, 8 ms at 16), where the policy only ever drafted its full budget at batch
+    1: at batch 16 the budgets it never drafted anywhere are priced with the drafting time of the nearest budget at the
+    nearest load, not as free, so they are not tried one after another: one drafted step at 16, then drafting off."""
+
+    class BeamGpu(ModelGpu):
+        def verify(self, tokens):
+            return 0.0006
+
+        def draft(self, budget, batch):
+            return (0.001 if batch < 8 else 0.008) if budget > 1 else 0.0
+
+    gpu = BeamGpu(q=0.9)
+    policy = chain_policy()
+    assert run_policy(policy, gpu, 1, 300)[-100:] == [6] * 100
+    at_16 = run_policy(policy, gpu, 16, 150)
+    assert sum(b > 1 for b in at_16) == 1, at_16
+    assert at_16[-140:] == [1] * 140, at_16
+
+
 def test_a_tree_measured_slower_than_plain_is_left_though_its_phases_look_cheap(monkeypatch):
     """One drafted step in three pays a long stall (a drafter's collection, a cache's eviction): each phase's median
     is the cheap steps', so the sum of the parts predicts speculation at 3x plain decoding, while what it truly

@@ -39,15 +39,15 @@ crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive
 flap, except away from a tree predicted no faster than plain decoding (drafting that gains nothing is not kept by the
 hysteresis: it costs the drafter's work, which the forward's time does not show). A budget never tried is predicted
 optimistically (its acceptance from the larger budgets, its drafting time the nearest budget's at this load, else its
-own at the nearest load), tried, measured and kept or left. While speculation is off the acceptance cannot be
+own at the nearest load, else the nearest budget's there), tried, measured and kept or left. While speculation is off the acceptance cannot be
 measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the best budget (the second
 one's costs are timed: steady), when full acceptance could make speculation win at that load at all; each probe that
 leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes or the load moves to another
 power-of-two batch; between probes, at a load that holds, the choice reuses the predictions it was made from (up to
 repredict_off_every steps: with no tree running, only plain steps' own timings could move them). While it speculates,
-timings older than 256 steps are not trusted (a forward size or budget timed
-only that long ago is predicted optimistically again) and are dropped when a new one comes: a budget judged by its
-first, warming-up steps, or by a load that has passed, is measured again rather than left out for good.
+timings older than 256 steps with speculating requests (a run where all opted out ages nothing) are not trusted (a
+forward size or budget timed only that long ago is predicted optimistically again) and are dropped when a new one
+comes: a budget judged by its first, warming-up steps, or by a load that has passed, is measured again.
 
 Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
 """
@@ -126,6 +126,7 @@ class AdaptiveSpeculation:
         self._off_steps = 0  # consecutive steps at budget 1
         self._previous_budget = -1  # the last observed step's budget (-1: none yet; 0: it ran prompt chunks)
         self._steps = 0  # steps observed
+        self._age = 0  # steps observed with requests that speculate: what timings age by (opted-out runs age nothing)
         self._used: dict[int, int] = {}  # budget -> the step it was last chosen at
         self.switches = 0
         self.probes = 0
@@ -158,7 +159,8 @@ class AdaptiveSpeculation:
         if self._trace is not None:
             self._record("observe", **asdict(step))
         self._steps += 1
-        now, stale = self._steps, cfg.stale_steps
+        self._age += step.speculating > 0
+        now, stale = self._age, cfg.stale_steps
         batch = step.speculating + step.plain
         decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
         # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's
@@ -277,7 +279,7 @@ class AdaptiveSpeculation:
 
     def _horizon(self) -> int:
         """The oldest step whose timings are trusted: all while speculation is off, the last stale_steps while on."""
-        return self._steps - self.config.stale_steps if self.budget > 1 else -1
+        return self._age - self.config.stale_steps if self.budget > 1 else -1
 
     def _enough(self, timings: Recent) -> bool:
         """Whether these timings hold min_timings values (fewer are not yet what the thing costs: its first, odd steps)."""
@@ -309,7 +311,8 @@ class AdaptiveSpeculation:
     def _spec_seconds(self, budget: int, bucket: int, trusted: bool = False) -> float:
         """What speculation adds outside the forward at this budget and load: as timed here, else the nearest budget's
         here (a drafter's time follows the batch more than the budget: tries one by one otherwise), else its own at
-        the nearest load; 0 (so tried) where nothing was timed. A budget timed fewer than min_timings times here is
+        the nearest load, else the nearest budget's at the nearest load (a budget tried nowhere yet, at a load where
+        none was: not free); 0 (so tried) where nothing was timed. A budget timed fewer than min_timings times here is
         priced as the nearest one timed that often (its few steps may have been its first: warming up); with
         trusted, only such timings count (else 0)."""
         horizon = self._horizon()
@@ -317,9 +320,13 @@ class AdaptiveSpeculation:
         enough = [k for k in here if self._enough(self._spec[k])]
         if enough or trusted:
             here = enough
-        if budget <= 1 or not here:
-            return self._nearest(self._spec, bucket, budget, fresh=True, trusted=trusted)
-        return self._spec[min(here, key=lambda k: (abs(k[0] - budget), k[0]))].value
+        if here and budget > 1:
+            return self._spec[min(here, key=lambda k: (abs(k[0] - budget), k[0]))].value
+        own = self._nearest(self._spec, bucket, budget, fresh=True, trusted=trusted)
+        if own or budget <= 1:
+            return own
+        timed = [k for k in self._spec if k[0] > 1 and self._spec[k].last >= horizon and self._enough(self._spec[k])]
+        return self._spec[min(timed, key=lambda k: (abs(k[1] - bucket), abs(k[0] - budget), k[0]))].value if timed else 0.0
 
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
                    optimistic: bool = False) -> float | None:
@@ -421,7 +428,7 @@ class AdaptiveSpeculation:
             # nothing but plain steps' timings moved them. Kept for longer, and the choice costs ~3-4 us of Python instead
             # of a decision's ~10-40 (a reprediction's ~200): a small model's plain step takes ~0.4 ms on a GPU
             self._off_steps += 1
-            self._used[1] = self._steps
+            self._used[1] = self._age
             return 1
         if settled and age < self.config.repredict_every and self._timed(self.budget, speculating + plain):
             # settled on a budget whose cycles were timed at this batch, lately predicted: as then
@@ -467,13 +474,13 @@ class AdaptiveSpeculation:
             self._off_steps, self._probe_every = 0, self.config.probe_interval
         if choice != self.budget:
             last = self._used.get(choice)
-            if last is None or self._steps - last > self.config.stale_steps:  # predicted from little or old data:
-                self._used[choice] = self._steps  # one step to measure it; the next choice switches if it holds
+            if last is None or self._age - last > self.config.stale_steps:  # predicted from little or old data:
+                self._used[choice] = self._age  # one step to measure it; the next choice switches if it holds
                 self.tries += 1
                 return choice
             self.switches += 1
             self.budget = choice
-        self._used[choice] = self._steps
+        self._used[choice] = self._age
         return choice
 
 
