@@ -34,20 +34,20 @@ less time than plain decoding at that load (drafts that are not accepted cannot 
 Steps with prompt chunks, the step after them, and a step at another budget than the one before (a probe, a try, a
 switch), stay out of the costs.
 
-Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as load
-crosses it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the budget does not
-flap, except away from a tree predicted no faster than plain decoding (drafting that gains nothing is not kept by the
+Both sides of a switch predict the same throughput at the switch point, so throughput changes smoothly as load crosses
+it (no cliff); a switch needs a predicted gain of --speculative-adaptive-hysteresis, so the budget does not flap,
+except away from a tree predicted no faster than plain decoding (drafting that gains nothing is not kept by the
 hysteresis: it costs the drafter's work, which the forward's time does not show). A budget never tried is predicted
 optimistically (its acceptance from the larger budgets, its drafting time the nearest budget's at this load, else its
-own at the nearest load, else the nearest budget's there), tried, measured and kept or left. While speculation is off the acceptance cannot be
-measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the best budget (the second
-one's costs are timed: steady), when full acceptance could make speculation win at that load at all; each probe that
-leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes or the load moves to another
-power-of-two batch; between probes, at a load that holds, the choice reuses the predictions it was made from (up to
-repredict_off_every steps: with no tree running, only plain steps' own timings could move them). While it speculates,
-timings older than 256 steps with speculating requests (a run where all opted out ages nothing) are not trusted (a
-forward size or budget timed only that long ago is predicted optimistically again) and are dropped when a new one
-comes: a budget judged by its first, warming-up steps, or by a load that has passed, is measured again.
+own at the nearest load, else the nearest budget's there), tried, measured and kept or left. While speculation is off
+the acceptance cannot be measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the
+best budget (the second one's costs are timed: steady), when full acceptance could make speculation win at that load
+at all; each probe that leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes or the
+load moves to another power-of-two batch; between probes, at a load that holds, the choice reuses the predictions it
+was made from (up to repredict_off_every steps: with no tree running, only plain steps' own timings could move them).
+While it speculates, timings older than 256 steps with speculating requests (a run where all opted out ages nothing)
+are not trusted (a forward size or budget timed only that long ago is predicted optimistically again) and are dropped
+when a new one comes: a budget judged by its first, warming-up steps, or by a load that has passed, is measured again.
 
 Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
 """
@@ -127,7 +127,7 @@ class AdaptiveSpeculation:
         self._previous_budget = -1  # the last observed step's budget (-1: none yet; 0: it ran prompt chunks)
         self._steps = 0  # steps observed
         self._age = 0  # steps observed with requests that speculate: what timings age by (opted-out runs age nothing)
-        self._used: dict[int, int] = {}  # budget -> the step it was last chosen at
+        self._used: dict[int, int] = {}  # budget -> when it was last chosen (on the _age clock)
         self.switches = 0
         self.probes = 0
         self._probing = 0  # a probe's budget, for its second step
@@ -310,11 +310,10 @@ class AdaptiveSpeculation:
 
     def _spec_seconds(self, budget: int, bucket: int, trusted: bool = False) -> float:
         """What speculation adds outside the forward at this budget and load: as timed here, else the nearest budget's
-        here (a drafter's time follows the batch more than the budget: tries one by one otherwise), else its own at
-        the nearest load, else the nearest budget's at the nearest load (a budget tried nowhere yet, at a load where
-        none was: not free); 0 (so tried) where nothing was timed. A budget timed fewer than min_timings times here is
-        priced as the nearest one timed that often (its few steps may have been its first: warming up); with
-        trusted, only such timings count (else 0)."""
+        here (a drafter's time follows the batch more than the budget: tries one by one otherwise), else its own at the
+        nearest load, else the nearest budget's there (not free); 0 (so tried) where nothing was timed. A budget timed
+        fewer than min_timings times here is priced as the nearest one timed that often (its few steps may have been
+        its first: warming up); with trusted, only such timings count (else 0)."""
         horizon = self._horizon()
         here = [k for k in self._spec if k[0] > 1 and k[1] == bucket and self._spec[k].last >= horizon]
         enough = [k for k in here if self._enough(self._spec[k])]
@@ -326,7 +325,8 @@ class AdaptiveSpeculation:
         if own or budget <= 1:
             return own
         timed = [k for k in self._spec if k[0] > 1 and self._spec[k].last >= horizon and self._enough(self._spec[k])]
-        return self._spec[min(timed, key=lambda k: (abs(k[1] - bucket), abs(k[0] - budget), k[0]))].value if timed else 0.0
+        near = min(timed, key=lambda k: (abs(k[1] - bucket), abs(k[0] - budget), k[0]), default=None)
+        return 0.0 if near is None else self._spec[near].value
 
     def throughput(self, budget: int, speculating: int, plain: int, prefill_tokens: int,
                    optimistic: bool = False) -> float | None:
