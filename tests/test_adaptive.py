@@ -54,6 +54,17 @@ class ModelGpu:
                          self.draft(budget, batch) * noise, 0.001, accepts)
 
 
+class SmallTargetBeamGpu(ModelGpu):
+    """A small target's flat 0.6 ms forward and a beam drafter (every step drafted, whatever the budget) at 1 ms below
+    batch 8 and 8 ms from there: drafting pays at batch 1 and at no budget at batch 16."""
+
+    def verify(self, tokens: int) -> float:
+        return 0.0006
+
+    def draft(self, budget: int, batch: int) -> float:
+        return (0.001 if batch < 8 else 0.008) if budget > 1 else 0.0
+
+
 def chain_policy(**kwargs) -> AdaptiveSpeculation:
     return AdaptiveSpeculation(AdaptiveConfig(max_budget=6, num_steps=5, chain=True, **kwargs))
 
@@ -273,14 +284,7 @@ def test_a_drafters_cost_at_a_new_load_prices_every_budget_there():
     their own at batch 1: the policy leaves drafting after trying one budget, not after trying them one by one (two
     steps each at ~10 ms against ~1.6 for a plain step)."""
 
-    class BeamGpu(ModelGpu):
-        def verify(self, tokens):
-            return 0.0006
-
-        def draft(self, budget, batch):
-            return (0.001 if batch < 8 else 0.008) if budget > 1 else 0.0
-
-    gpu = BeamGpu(q=0.9)
+    gpu = SmallTargetBeamGpu(q=0.9)
     assert max(range(1, 7), key=lambda b: gpu.throughput(b, 1)) > 1
     assert max(range(1, 7), key=lambda b: gpu.throughput(b, 16)) == 1
     policy = chain_policy()
@@ -320,14 +324,7 @@ def test_a_budget_timed_nowhere_is_priced_with_the_nearest_ones_drafting_time():
     1: at batch 16 the budgets it never drafted anywhere are priced with the drafting time of the nearest budget at the
     nearest load, not as free, so they are not tried one after another: one drafted step at 16, then drafting off."""
 
-    class BeamGpu(ModelGpu):
-        def verify(self, tokens):
-            return 0.0006
-
-        def draft(self, budget, batch):
-            return (0.001 if batch < 8 else 0.008) if budget > 1 else 0.0
-
-    gpu = BeamGpu(q=0.9)
+    gpu = SmallTargetBeamGpu(q=0.9)
     policy = chain_policy()
     assert run_policy(policy, gpu, 1, 300)[-100:] == [6] * 100
     at_16 = run_policy(policy, gpu, 16, 150)
