@@ -63,12 +63,26 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.runner, self.topk, self.num_steps, self.num_draft_tokens = runner, topk, num_steps, num_draft_tokens
         self.token_map = token_map
         self.max_catch_up = 2048  # rows per forward when catching up (all requests together)
+        # states fed and not yet in the head's KV (drafting off: feeds hand rows over, no draft catches them up), caught
+        # up at once past this many bytes in all: a long run without drafts holds a bounded amount of device memory
+        # (an 8B EAGLE-3 head's rows are 24 KB each: 64 requests x 1600 steps held 2.4 GB before)
+        self.max_pending_bytes = 256 << 20
+        self.pending_bytes = 0
         self.pad_catch_ups = "graphs"  # see _padded_round
         self.states: dict[str, _State] = {}
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
 
+    def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
+        super().extend(request_id, tokens, hidden)
+        self.pending_bytes += hidden.numel() * hidden.element_size()
+        if self.pending_bytes >= self.max_pending_bytes:
+            self._catch_up([s for s in self.states.values() if s.pending_tokens])
+
     def release(self, request_id: str) -> None:
+        state = self.states.get(request_id)
+        if state is not None:
+            self.pending_bytes -= sum(h.numel() * h.element_size() for h in state.pending_hidden)
         super().release(request_id)
         self._forget_bets(request_id)
 
@@ -102,6 +116,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             rows = [s.pending_hidden[0] if n == len(s.pending_tokens) else s.pending_hidden[0][:n]
                     for (_, s), n in zip(catch_up, taken)]
             flat = torch.cat(rows) if len(rows) > 1 else rows[0]
+            self.pending_bytes -= flat.numel() * flat.element_size()
             starts = list(itertools.accumulate(taken, initial=0))
             if q:  # each shorter request repeats its last row up to q rows: one gather
                 index = [start + min(j, n - 1) for start, n in zip(starts, taken) for j in range(q)]

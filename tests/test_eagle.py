@@ -397,6 +397,46 @@ def test_catch_ups_of_unequal_lengths_padded_to_one_shape_draft_the_same_trees(t
     assert results["always"] == results["never"]
 
 
+def test_states_fed_without_drafts_are_caught_up_past_a_bound_and_draft_the_same_trees(tmp_path):
+    """With drafting off the engine feeds a head rows (tokens and the target's states) and asks no draft, so the rows
+    wait, on the device, for the next draft's catch-up. Past max_pending_bytes in all they are caught up as they come:
+    a long run without drafts holds bounded memory, and the trees drafted after it are those drafted from the whole
+    backlog at once; releasing the requests leaves no byte counted and no page held."""
+    target = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["target"]), dtype="float32", device="cpu",
+                                            max_total_tokens=4096))
+    drafters = {}
+    for name in ("bounded", "lazy"):
+        head = ModelRunner.load(RuntimeConfig(model_path=eagle_head_dir(tmp_path / name), dtype="float32", device="cpu",
+                                              max_total_tokens=4096, family="eagle"))
+        head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
+        drafters[name] = EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)
+    width, vocab = target.config.hidden_size, target.config.vocab_size
+    row_bytes = width * 4
+    drafters["bounded"].max_pending_bytes = 20 * row_bytes  # a catch-up every 20 rows fed, across the requests
+    generator = torch.Generator().manual_seed(0)
+    feeds = [(f"r{i}", [(5 + 7 * i + 3 * k + j) % vocab for j in range(4)], torch.randn(4, width, generator=generator))
+             for k in range(12) for i in range(3)]
+    trees = {}
+    for name, drafter in drafters.items():
+        ids = ["r0", "r1", "r2"]
+        for i, request_id in enumerate(ids):
+            drafter.open(request_id, [11 + i])
+        for request_id, tokens, hidden in feeds:
+            drafter.extend(request_id, tokens, hidden)
+        pending = sum(len(drafter.states[r].pending_tokens) for r in ids)
+        assert drafter.pending_bytes == pending * row_bytes
+        if name == "bounded":
+            assert pending < 20 and all(drafter.states[r].table.num_tokens >= 40 for r in ids)
+        else:
+            assert pending == 3 * 48 and all(drafter.states[r].table.num_tokens == 0 for r in ids)
+        trees[name] = [(t.tokens, t.parents) for t in drafter.draft(ids, [6, 6, 6])]
+        assert drafter.pending_bytes == 0
+        for request_id in ids:
+            drafter.release(request_id)
+        assert drafter.pending_bytes == 0 and drafter.runner.kv_cache.allocator.num_used == 0
+    assert trees["bounded"] == trees["lazy"] and all(len(tokens) == 6 for tokens, _ in trees["lazy"])
+
+
 def test_top1_chains_are_verified_before_they_reach_the_host_and_launched_when_asked(trained_head, monkeypatch):
     """EAGLE at top-1 in the verifier's process: the drafter launches its draft (Drafter.launch) and the engine builds
     the verification batch around PendingChains, writes the drafts into it on the device (write_chains) and reads
