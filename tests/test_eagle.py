@@ -437,6 +437,46 @@ def test_states_fed_without_drafts_are_caught_up_past_a_bound_and_draft_the_same
     assert trees["bounded"] == trees["lazy"] and all(len(tokens) == 6 for tokens, _ in trees["lazy"])
 
 
+def test_eager_catch_up_rounds_padded_to_a_ladder_size_draft_the_same_trees(tmp_path):
+    """On a GPU an eager catch-up round (prompts, a drafting-off run's backlog: any number of rows) is padded to the
+    next size of a fixed ladder, so that its GEMMs run in shapes cuBLAS has met before (a new row count cost 0.1-2.5 ms
+    per GEMM of host time on an H200). The padding is one more sequence on a scratch table, whose rows nobody reads: the
+    trees drafted are those of the unpadded rounds (forced here on a CPU), the rounds were padded, and releasing the
+    requests leaves no page held (the scratch's pages go back after each round)."""
+    target = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["target"]), dtype="float32", device="cpu",
+                                            max_total_tokens=4096))
+    width, vocab = target.config.hidden_size, target.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    ids = ["r0", "r1", "r2"]
+    feeds = [[(f"r{i}", [(9 + 5 * i + 3 * k + j) % vocab for j in range(n)], torch.randn(n, width, generator=generator))
+              for i, n in enumerate(counts)] for k, counts in enumerate([(23, 40, 7), (3, 1, 2), (17, 9, 30)])]
+    trees, sizes = {}, {}
+    for bucketed in (False, True):
+        head = ModelRunner.load(RuntimeConfig(model_path=eagle_head_dir(tmp_path / str(bucketed)), dtype="float32",
+                                              device="cpu", max_total_tokens=4096, family="eagle"))
+        head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
+        drafter = EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)
+        assert drafter.bucket_rounds is False  # a CPU's default: nothing to gain there
+        drafter.bucket_rounds = bucketed
+        forward = head.forward
+        sizes[bucketed] = []
+        head.forward = lambda batch, **kw: sizes[bucketed].append(batch.input_ids.shape[0]) or forward(batch, **kw)
+        for i, request_id in enumerate(ids):
+            drafter.open(request_id, [11 + i])
+        trees[bucketed], fed = [], dict.fromkeys(ids, 0)
+        for round_feeds in feeds:  # each round's rows of unequal counts: a round no graph holds
+            for request_id, tokens, hidden in round_feeds:
+                drafter.extend(request_id, tokens, hidden)
+                fed[request_id] += len(tokens)
+            trees[bucketed] += [(t.tokens, t.parents) for t in drafter.draft(ids, [6, 6, 6])]
+            assert {r: drafter.states[r].table.num_tokens for r in ids} == fed  # the scratch's rows are no one's
+        for request_id in ids:
+            drafter.release(request_id)
+        assert head.kv_cache.allocator.num_used == 0
+    assert sizes == {False: [70, 6, 56], True: [96, 16, 64]}  # each draft's catch-up forward, by its rows
+    assert trees[True] == trees[False] and len(trees[False]) == 9
+
+
 def test_top1_chains_are_verified_before_they_reach_the_host_and_launched_when_asked(trained_head, monkeypatch):
     """EAGLE at top-1 in the verifier's process: the drafter launches its draft (Drafter.launch) and the engine builds
     the verification batch around PendingChains, writes the drafts into it on the device (write_chains) and reads
