@@ -19,7 +19,8 @@ import json
 import os
 import time
 
-from splitspec.verifier_svc.adaptive import TRACE_ENV, AdaptiveConfig, AdaptiveSpeculation, StepShape
+from splitspec.verifier_svc.adaptive import AdaptiveSpeculation
+from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV, AdaptiveConfig, StepShape
 
 
 def records(path: str):

@@ -209,7 +209,7 @@ def free(port: int) -> bool:
 def traced(side: str) -> dict[str, str] | None:
     """The environment of one side's processes: with SPLITSPEC_ADAPTIVE_TRACE=PREFIX, each side's adaptive
     policy writes PREFIX.<side>.jsonl (verifier_svc.adaptive), not both into one file; else None (inherited)."""
-    from splitspec.verifier_svc.adaptive import TRACE_ENV
+    from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
 
     prefix = os.environ.get(TRACE_ENV)
     return {**os.environ, TRACE_ENV: f"{prefix}.{side}.jsonl"} if prefix else None

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from splitspec.runtime.sampling_params import SamplingParams
-from splitspec.verifier_svc.adaptive import AdaptiveConfig, AdaptiveSpeculation, StepShape, budget_ladder
+from splitspec.verifier_svc.adaptive import AdaptiveSpeculation, budget_ladder
+from splitspec.verifier_svc.adaptive_estimates import AdaptiveConfig, StepShape
 from splitspec.verifier_svc.engine import Engine, SpecConfig
 from splitspec.verifier_svc.metrics import EngineMetrics
 from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
@@ -85,7 +86,7 @@ def test_a_recorded_trace_replays_to_the_same_choices(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    from splitspec.verifier_svc.adaptive import TRACE_ENV
+    from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
 
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv(TRACE_ENV, str(trace))

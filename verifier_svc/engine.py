@@ -31,7 +31,8 @@ from splitspec.runtime.sampling import sample
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import DraftTree, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance
-from splitspec.verifier_svc.adaptive import StepShape, adaptive_policy
+from splitspec.verifier_svc.adaptive import adaptive_policy
+from splitspec.verifier_svc.adaptive_estimates import StepShape
 from splitspec.verifier_svc.draft_features import RunStates, pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, draft_guide, no_grammars
