@@ -7,7 +7,7 @@ assertions.
         --speculative-algorithm EAGLE3 --batch-size 16
 
 Each variant runs the same schedule: "held" (an EAGLE head holds the rows fed while drafting is off and catches them
-up at the next draft, its eager rounds padded to a ladder size: EagleDrafter.bucket_rounds), "unbucketed" (the same
+up at the next draft, its eager rounds padded to a ladder size: ModelRunner.padded_batch), "unbucketed" (the same
 without the padding) and "idle" (EagleDrafter.catch_up_when_idle: the rows fed are caught up in the drafter's idle
 work, under the next target forward). Step times are wall times of engine.step() as a server's loop runs it (no device waits added;
 the overlap schedule on where the bench would use it); the drafter's catch-up is timed apart, with its rows.
@@ -50,7 +50,7 @@ def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: 
     drafter, spec = engine_args.in_process_drafter(settings, max_total_tokens=runner.kv_cache.num_pages
                                                    * runner.kv_cache.page_size, target=runner)
     head = drafter.drafter
-    head.bucket_rounds = name != "unbucketed" and head.bucket_rounds
+    head.runner.pad_eager = name != "unbucketed" and runner.device.type == "cuda"
     if name == "idle":
         head.catch_up_when_idle = True
     spec = speculation.spec_config(settings)

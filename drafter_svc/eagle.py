@@ -20,10 +20,9 @@ import torch
 from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for, launch_beam_draft
-from splitspec.runtime.batch import ForwardBatch, SequenceInput, device_tensor
-from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
+from splitspec.runtime.batch import SequenceInput, device_tensor, pad_rows
+from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.launched_draft import LaunchedDraft
-from splitspec.runtime.piecewise_graph import SIZES
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.tree import DraftTree
 
@@ -71,9 +70,6 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.pending_bytes = 0
         self.catch_up_when_idle = False  # rows fed without a draft caught up in idle() (under the target's forward)
         self.pad_catch_ups = "graphs"  # see _padded_round
-        # an eager round's rows padded up to a size of a fixed ladder (see _bucket): on a GPU each row count never seen
-        # before costs its GEMMs a cuBLAS choice, 0.1-2.5 ms of host time apiece (docs/performance.md)
-        self.bucket_rounds = runner.device.type == "cuda"
         self.states: dict[str, _State] = {}
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
@@ -137,10 +133,10 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             sequences = [SequenceInput(s.table, s.pending_tokens[:n] + [s.pending_tokens[n - 1]] * (q - n) if q > n
                                        else s.pending_tokens[:n], logits="all" if q else "last")
                          for (_, s), n in zip(catch_up, taken)]
+            # an eager round (any count of rows) padded to a ladder size on a GPU: ModelRunner.padded_batch
             real = features.shape[0]
-            batch, scratch = (self.runner.batch(sequences), None) if q else self._bucket(sequences, taken, features.shape[-1])
-            if scratch is not None:  # its rows' features: zeros (their outputs are never read)
-                features = torch.cat([features, features.new_zeros(batch.input_ids.shape[0] - real, features.shape[-1])])
+            batch, scratch = (self.runner.batch(sequences), None) if q else self.runner.padded_batch(sequences, features.shape[-1])
+            features = pad_rows(features, batch.input_ids.shape[0])
             output = self.runner.forward(batch, return_hidden=True, features=features)
             if scratch is not None:  # its pages go back at once: what reuses them is queued after this forward
                 kv.release(scratch)
@@ -166,25 +162,6 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                     s.pending_tokens, s.pending_hidden = s.pending_tokens[n:], [s.pending_hidden[0][n:]]
             catch_up = [(i, s) for i, s in catch_up if s.pending_tokens] + held
         return root_logits
-
-    def _bucket(self, sequences: list[SequenceInput], taken: list[int], width: int) -> tuple[ForwardBatch, BlockTable | None]:
-        """The round's batch, and the scratch table of its padding (None: not padded). With bucket_rounds a round that
-        no captured graph holds (its rows a sum of prompt lengths, accept lengths, a drafting-off run's feeds: any
-        count) is padded to the next size of runtime.piecewise_graph.SIZES by one more sequence, of token 0 on a table
-        of its own, whose keys go to its own pages and whose rows no one reads: its GEMMs then run in shapes cuBLAS has
-        chosen kernels for already. Not padded when the pages are short, or past the ladder."""
-        rows = sum(taken)
-        size = next((s for s in SIZES if s >= rows), 0) if self.bucket_rounds else 0
-        graphs = self.runner.graphs
-        if size <= rows or (graphs is not None and len(set(taken)) == 1 and len(taken) <= graphs.max_bs
-                            and graphs.has(taken[0], width)):  # a graph replays it as it is
-            return self.runner.batch(sequences), None
-        scratch = BlockTable()
-        try:
-            return self.runner.batch([*sequences, SequenceInput(scratch, [0] * (size - rows), logits="none")]), scratch
-        except OutOfPagesError:  # the real sequences' pages are reserved by now: they keep them
-            self.runner.kv_cache.release(scratch)
-            return self.runner.batch(sequences), None
 
     def _padded_round(self, taken: list[int], width: int) -> int:
         """The rows per request a catch-up round is padded to (0: not padded). pad_catch_ups "graphs": where

@@ -69,7 +69,10 @@ class StandaloneDrafter(ModelBets, Drafter):
             if table.num_tokens >= len(sequence):  # asked again with nothing new: recompute the root
                 kv.set_length(table, len(sequence) - 1)
             catch_up.append(SequenceInput(table, sequence[table.num_tokens :], logits="last"))
-        logits = self.runner.forward(self.runner.batch(catch_up)).logits
+        batch, scratch = self.runner.padded_batch(catch_up)  # any count of rows: a ladder size on a GPU
+        logits = self.runner.forward(batch).logits
+        if scratch is not None:
+            kv.release(scratch)
         for request_id in request_ids:
             kv.set_length(self.tables[request_id], len(self.sequences[request_id]))
         return logits[: len(request_ids)]

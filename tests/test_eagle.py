@@ -456,8 +456,8 @@ def test_eager_catch_up_rounds_padded_to_a_ladder_size_draft_the_same_trees(tmp_
                                               device="cpu", max_total_tokens=4096, family="eagle"))
         head.model.share_target(target.model.model.embed_tokens.weight, target.model.lm_head_weight)
         drafter = EagleDrafter(head, topk=2, num_steps=3, num_draft_tokens=6)
-        assert drafter.bucket_rounds is False  # a CPU's default: nothing to gain there
-        drafter.bucket_rounds = bucketed
+        assert head.pad_eager is False  # a CPU's default: nothing to gain there
+        head.pad_eager = bucketed
         forward = head.forward
         sizes[bucketed] = []
         head.forward = lambda batch, **kw: sizes[bucketed].append(batch.input_ids.shape[0]) or forward(batch, **kw)

@@ -19,6 +19,7 @@ from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.config import ConfigError
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.loader import CheckpointError
+from splitspec.runtime.piecewise_graph import SIZES
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
 # accept-length floors under what the heads trained here reach (NEXTN 3.40, multi-layer 2.59 after the 70 training
@@ -172,7 +173,7 @@ def test_multi_layer_chain_equals_its_definition_after_every_round(random_mimo):
 def test_a_wave_of_prompts_catches_up_in_rounds_bounded_in_all(random_mimo):
     """Five prompts asked at once: every forward of the head holds at most max_catch_up rows in all (plus each ask's
     own draft rows), not that many per request (a wave of 64 prompts once asked one 8K-row forward of an EAGLE head),
-    and the drafts equal those of unbounded rounds."""
+    and the drafts equal those of unbounded rounds, and of rounds padded to a ladder size (as on a GPU)."""
     from splitspec.drafter_svc.multi_layer_mtp import MultiLayerMtpDrafter
 
     path, _ = random_mimo
@@ -182,11 +183,12 @@ def test_a_wave_of_prompts_catches_up_in_rounds_bounded_in_all(random_mimo):
     prompts = [[int(t) for t in torch.randint(0, 4096, (9 + 3 * i,), generator=g)] for i in range(5)]
     states = [torch.randn(len(p) - 1, embed.shape[1], generator=g) for p in prompts]
     trees, sizes = {}, {}
-    for limit in (4096, 6):
+    for limit in (4096, 6, "padded"):
         head = load_mtp(path)
         head.model.share_target(embed, head_w)
+        head.pad_eager = limit == "padded"  # a GPU's default: each forward padded to a ladder size (runner.padded_batch)
         drafter = MultiLayerMtpDrafter(head, num_steps=2)
-        drafter.max_catch_up = limit
+        drafter.max_catch_up = 4096 if limit == "padded" else limit
         rows = sizes[limit] = []
         forward = head.forward
         head.forward = lambda batch, *a, **k: (rows.append(batch.input_ids.shape[0]), forward(batch, *a, **k))[1]
@@ -197,7 +199,8 @@ def test_a_wave_of_prompts_catches_up_in_rounds_bounded_in_all(random_mimo):
         for i in range(5):
             drafter.release(f"r{i}")
         assert head.kv_cache.allocator.num_used == 0
-    assert trees[6] == trees[4096]
+    assert trees[6] == trees[4096] == trees["padded"]
+    assert all(n in SIZES for n in sizes["padded"]) and sizes["padded"] != sizes[4096], sizes
     assert max(sizes[6]) <= 6 + 5 * 3 and len(sizes[6]) > len(sizes[4096]), sizes  # the draft pass: <= 3 rows per ask more
     assert max(sizes[4096]) > 6 + 5 * 3
 

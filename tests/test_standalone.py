@@ -19,6 +19,7 @@ from splitspec import speculation
 from splitspec.demo import demo_model_dirs
 from splitspec.drafter_svc.standalone import StandaloneDrafter
 from splitspec.protos import verifier_pb2 as pb
+from splitspec.runtime.piecewise_graph import SIZES
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.runtime.tree import path_to
@@ -86,6 +87,28 @@ def test_greedy_standalone_is_lossless_and_speculates(models, batch, shape):
     assert accepted > 0
     print(f"STANDALONE topk {topk} steps {steps} tokens {tokens} batch {batch}: accept length {1 + accepted / steps_verified:.2f}")
     assert client.drafter.runner.kv_cache.allocator.num_used == 0
+
+
+def test_catch_ups_padded_to_a_ladder_size_draft_the_same_trees(models):
+    """On a GPU a catch-up forward of the draft model (any count of rows: accept lengths, prompts) is padded to a ladder
+    size (runner.padded_batch: its GEMMs at row counts cuBLAS has met). Forced here on a CPU: the forwards were padded,
+    every request accepts what it accepts unpadded (the same trees), the output is plain decoding's, no page is held."""
+    dirs, target, prompts, _ = models
+    chosen = prompts[:8]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(chosen)
+    plain = run(target, chosen, params, batch=8)
+    stats, rows = {}, {}
+    for padded in (False, True):
+        drafter = standalone(dirs, 1, 3, 4)
+        drafter.runner.pad_eager = padded
+        forward, rows[padded] = drafter.runner.forward, []
+        drafter.runner.forward = lambda batch, *a, _r=rows[padded], **k: _r.append(batch.input_ids.shape[0]) or forward(batch, *a, **k)
+        spec = run(target, chosen, params, InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=4), batch=8)
+        assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+        stats[padded] = [(s.stats.draft_tokens, s.stats.accepted_tokens, s.stats.fallbacks) for s in spec]
+        assert drafter.runner.kv_cache.allocator.num_used == 0
+    assert stats[True] == stats[False] and sum(a for _, a, _ in stats[True]) > 0
+    assert all(n in SIZES for n in rows[True]) and rows[True] != rows[False], rows
 
 
 def test_seeded_sampling_is_unchanged_by_standalone(models):

@@ -21,11 +21,12 @@ from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_b
 from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
 from splitspec.runtime.host_threads import one_thread_for_gpu, wide_forwards
 from splitspec.runtime.hub import resolve_model_dir
-from splitspec.runtime.kv_cache import KVCache
+from splitspec.runtime.kv_cache import BlockTable, KVCache, OutOfPagesError
 from splitspec.runtime import quantization
 from splitspec.runtime.loader import load_model
 from splitspec.runtime.quantization import weight_bytes as weight_bytes_of
 from splitspec.runtime.models import model_class
+from splitspec.runtime.piecewise_graph import SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +199,7 @@ class ModelRunner:
         # would mix the padding rows into the real ones
         row_wise = not any(getattr(m, "gemm", None) == "tensorwise" for m in model.modules())
         self.piecewise_max_tokens = piecewise_max_tokens if self.cuda_graph_max_bs and row_wise else 0
+        self.pad_eager = self.device.type == "cuda" and row_wise  # padded_batch pads (tests turn it on on a CPU)
         self.piecewise = None
         # tree sizes a verification batch is padded up to without CUDA graphs (the graphs' own sizes pad with
         # them): tests exercise the padding on a CPU with it
@@ -317,6 +319,28 @@ class ModelRunner:
 
     def batch(self, sequences: list[SequenceInput]) -> ForwardBatch:
         return build_forward_batch(self.kv_cache, sequences, self.device)
+
+    def padded_batch(self, sequences: list[SequenceInput], width: int = 0,
+                     graphs: bool = True) -> tuple[ForwardBatch, BlockTable | None]:
+        """batch(), padded (with pad_eager: on a GPU) up to the next size of runtime.piecewise_graph.SIZES by one more
+        sequence, of token 0 on a scratch table of its own with no logits, where no captured graph replays the batch as
+        it is: its GEMMs then run at row counts cuBLAS has chosen kernels for already (on an H200 a row count never seen
+        cost 0.1-2.5 ms of host time per GEMM; a drafter's catch-ups come in any count: prompts, accept lengths, a
+        drafting-off run's backlog). width: the features fed per row (a head's; the caller pads them to the batch's rows,
+        whose outputs past its own nobody reads); graphs False: the forward never replays one (an MTP layer's). (batch, scratch table): the caller releases the table once the forward
+        is queued (what reuses its pages is queued after it); None when not padded (past the ladder, short of pages)."""
+        rows = sum(len(s.input_ids) for s in sequences)
+        size = next((s for s in SIZES if s >= rows), 0) if self.pad_eager else 0
+        lengths = {len(s.input_ids) for s in sequences}
+        if size <= rows or (graphs and self.graphs is not None and len(lengths) == 1 and len(sequences) <= self.graphs.max_bs
+                            and self.graphs.has(lengths.pop(), width)):  # a captured graph replays it as it is
+            return self.batch(sequences), None
+        scratch = BlockTable()
+        try:
+            return self.batch([*sequences, SequenceInput(scratch, [0] * (size - rows), logits="none")]), scratch
+        except OutOfPagesError:  # the real sequences' pages are reserved by now: they keep them
+            self.kv_cache.release(scratch)
+            return self.batch(sequences), None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None,
