@@ -7,9 +7,8 @@ assertions.
         --speculative-algorithm EAGLE3 --batch-size 16
 
 Each variant runs the same schedule: "held" (an EAGLE head holds the rows fed while drafting is off and catches them
-up at the next draft, its eager rounds padded to a ladder size: ModelRunner.padded_batch), "unbucketed" (the same
-without the padding) and "idle" (EagleDrafter.catch_up_when_idle: the rows fed are caught up in the drafter's idle
-work, under the next target forward). Step times are wall times of engine.step() as a server's loop runs it (no device waits added;
+up at the next draft, its eager rounds padded to a ladder size: ModelRunner.padded_batch) and "unbucketed" (the same
+without the padding). Step times are wall times of engine.step() as a server's loop runs it (no device waits added;
 the overlap schedule on where the bench would use it); the drafter's catch-up is timed apart, with its rows.
 """
 
@@ -51,8 +50,6 @@ def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: 
                                                    * runner.kv_cache.page_size, target=runner)
     head = drafter.drafter
     head.runner.pad_eager = name != "unbucketed" and runner.device.type == "cuda"
-    if name == "idle":
-        head.catch_up_when_idle = True
     spec = speculation.spec_config(settings)
     runner.capture_cuda_graphs(tree_nodes=(spec.num_draft_tokens,))
     overlap = runner.device.type == "cuda"
@@ -132,7 +129,7 @@ def main() -> None:
     parser.add_argument("--off-steps", default="16,64,256", help="Comma-separated off-run lengths, each followed by "
                         "--drafted-steps drafted steps.")
     parser.add_argument("--drafted-steps", type=int, default=8)
-    parser.add_argument("--variants", default="unbucketed,held,idle")
+    parser.add_argument("--variants", default="unbucketed,held")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument("--torch-profile", action="store_true", help="The first drafted steps' catch-ups under torch's "

@@ -68,7 +68,6 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         # (an 8B EAGLE-3 head's rows are 24 KB each: 64 requests x 1600 steps held 2.4 GB before)
         self.max_pending_bytes = 256 << 20
         self.pending_bytes = 0
-        self.catch_up_when_idle = False  # rows fed without a draft caught up in idle() (under the target's forward)
         self.pad_catch_ups = "graphs"  # see _padded_round
         self.states: dict[str, _State] = {}
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
@@ -78,10 +77,6 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         super().extend(request_id, tokens, hidden)
         self.pending_bytes += hidden.numel() * hidden.element_size()
         if self.pending_bytes >= self.max_pending_bytes:
-            self._catch_up([s for s in self.states.values() if s.pending_tokens])
-
-    def idle(self) -> None:
-        if self.catch_up_when_idle and self.pending_bytes:
             self._catch_up([s for s in self.states.values() if s.pending_tokens])
 
     def release(self, request_id: str) -> None:
