@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -37,9 +38,9 @@ def _new_tokens(plan: list[int], budget: int) -> int:
 
 
 def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: list[int], profile=None,
-             torch_profile: bool = False) -> dict:
+             torch_profile: bool = False, step_profile: bool = False) -> dict:
     """profile: a cProfile.Profile to run the drafter's catch-ups under (or None); torch_profile: the catch-ups of
-    backlogs under torch's profiler, a table each on stderr."""
+    backlogs under torch's profiler, a table each on stderr; step_profile: each first drafted step's kernels."""
     import torch
 
     from splitspec import engine_args, speculation
@@ -71,16 +72,36 @@ def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: 
         if profile is not None:
             profile.enable()
         traced = torch_profile and rows > 2 * len(states) * spec.num_draft_tokens  # a backlog's, not a drafted step's
-        tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if traced else None
+        tracer = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) if traced else None
+        cats, cat = [], torch.cat
         if tracer is not None:
             tracer.__enter__()
+
+            def timed_cat(tensors, *a, **k):  # which joins are slow: their inputs
+                t0 = time.perf_counter()
+                result = cat(tensors, *a, **k)
+                cats.append((time.perf_counter() - t0, [(tuple(t.shape), str(t.device), str(t.dtype), t.is_contiguous(),
+                                                          t.storage_offset()) for t in tensors][:4], len(tensors)))
+                return result
+
+            torch.cat = timed_cat
+            if runner.device.type == "cuda":  # what the device still has queued when the catch-up starts
+                t0 = time.perf_counter()
+                torch.cuda.synchronize()
+                print(f"   the device's queue drained in {(time.perf_counter() - t0) * 1e6:.0f} us", file=sys.stderr)
         began = time.perf_counter()
-        out = original(states)
+        try:
+            out = original(states)
+        finally:
+            torch.cat = cat
+        for seconds, inputs, count in sorted(cats, key=lambda c: -c[0])[:6]:
+            print(f"   cat {seconds * 1e6:.0f} us of {count} tensors: {inputs}", file=sys.stderr)
         catch_ups.append((step["i"], rows, time.perf_counter() - began))
         if tracer is not None:
             tracer.__exit__(None, None, None)
             print(f"== {name}: a catch-up of {rows} rows, {catch_ups[-1][2] * 1e3:.2f} ms", file=sys.stderr)
-            print(tracer.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+            print(tracer.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25),
+                  file=sys.stderr)
         if profile is not None:
             profile.disable()
         return out
@@ -94,11 +115,27 @@ def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: 
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
     times, budgets, tokens = [], [], []
+    firsts = {i + 1 for i in range(len(plan) - 1) if plan[i] == 1 and plan[i + 1] == 0}  # first drafted steps
     for i in range(len(plan)):
         step["i"] = i
+        if torch_profile and i in firsts and runner.device.type == "cuda":
+            t0 = time.perf_counter()
+            torch.cuda.synchronize()
+            print(f"   before the step: the device's queue drained in {(time.perf_counter() - t0) * 1e6:.0f} us",
+                  file=sys.stderr)
+        kernels = None
+        if step_profile and i in firsts and runner.device.type == "cuda":  # the device's work in that step, by kernel
+            kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                         torch.profiler.ProfilerActivity.CUDA])
+            kernels.__enter__()
         began = time.perf_counter()
         events = engine.step()
         times.append(time.perf_counter() - began)
+        if kernels is not None:
+            torch.cuda.synchronize()
+            kernels.__exit__(None, None, None)
+            print(f"== {name}: the first drafted step {i}, by device time", file=sys.stderr)
+            print(kernels.key_averages().table(sort_by="device_time_total", row_limit=14), file=sys.stderr)
         budgets.append(engine.report.budget)
         tokens.append(sum(len(e.new_token_ids) for e in events))
     if runner.device.type == "cuda":
@@ -134,6 +171,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--torch-profile", action="store_true", help="The first drafted steps' catch-ups under torch's "
                         "profiler: operators and CUDA runtime calls by own host time, per variant, on stderr.")
+    parser.add_argument("--step-profile", action="store_true", help="Each first drafted step under torch's profiler "
+                        "with the device's activity: its kernels by device time, on stderr.")
     parser.add_argument("--cprofile", action="store_true", help="The catch-ups under cProfile: their callees by own and "
                         "cumulative time, per variant, on stderr (slows them: for proportions).")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `splitspec bench` flags (model, device, "
@@ -162,6 +201,7 @@ def main() -> None:
     settings = speculation.resolve(bench_args, runner.config)
     prompts = make_prompts(bench_args, None if bench_args.preset else model_dir, runner.config.vocab_size, batch)
     result = {"benchmark": "probe cost", "command": " ".join(["python -P benchmarks/probe_cost.py", *sys.argv[1:]]),
+              "commit": os.environ.get("SPLITSPEC_COMMIT"),  # as scripts/gpu_bench.sh names it (a copy has no .git)
               "batch_size": batch, "variants": {}}
     try:
         import torch
@@ -174,7 +214,7 @@ def main() -> None:
             profile = cProfile.Profile() if args.cprofile else None
             result["variants"].setdefault(name, []).append(
                 _variant(name, args, bench_args, runner, settings, prompts, off_steps, profile,
-                         args.torch_profile))
+                         args.torch_profile, args.step_profile))
             print(name, repeat, json.dumps(result["variants"][name][-1]), flush=True)
             if profile is not None:
                 for order in ("tottime", "cumulative"):
