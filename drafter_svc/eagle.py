@@ -130,7 +130,8 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                          for (_, s), n in zip(catch_up, taken)]
             # an eager round (any count of rows) padded to a ladder size on a GPU: ModelRunner.padded_batch
             real = features.shape[0]
-            batch, scratch = (self.runner.batch(sequences), None) if q else self.runner.padded_batch(sequences, features.shape[-1])
+            batch, scratch = ((self.runner.batch(sequences), None) if q
+                              else self.runner.padded_batch(sequences, features.shape[-1]))
             features = pad_rows(features, batch.input_ids.shape[0])
             output = self.runner.forward(batch, return_hidden=True, features=features)
             if scratch is not None:  # its pages go back at once: what reuses them is queued after this forward

@@ -324,16 +324,19 @@ class ModelRunner:
                      graphs: bool = True) -> tuple[ForwardBatch, BlockTable | None]:
         """batch(), padded (with pad_eager: on a GPU) up to the next size of runtime.piecewise_graph.SIZES by one more
         sequence, of token 0 on a scratch table of its own with no logits, where no captured graph replays the batch as
-        it is: its GEMMs then run at row counts cuBLAS has chosen kernels for already (on an H200 a row count never seen
-        cost 0.1-2.5 ms of host time per GEMM; a drafter's catch-ups come in any count: prompts, accept lengths, a
-        drafting-off run's backlog). width: the features fed per row (a head's; the caller pads them to the batch's rows,
-        whose outputs past its own nobody reads); graphs False: the forward never replays one (an MTP layer's). (batch, scratch table): the caller releases the table once the forward
-        is queued (what reuses its pages is queued after it); None when not padded (past the ladder, short of pages)."""
+        it is: its GEMMs then run at row counts cuBLAS has chosen kernels for already (on an H200 a row count never
+        seen cost 0.1-2.5 ms of host time per GEMM; a drafter's catch-ups come in any count: prompts, accept lengths,
+        a drafting-off run's backlog). width: the features fed per row (a head's; the caller pads them to the batch's
+        rows, whose outputs past its own nobody reads); graphs False: the forward never replays one (an MTP layer's).
+        (batch, scratch table): the caller releases the table once the forward is queued (what reuses its pages is
+        queued after it); None when not padded (past the ladder, short of pages)."""
         rows = sum(len(s.input_ids) for s in sequences)
         size = next((s for s in SIZES if s >= rows), 0) if self.pad_eager else 0
         lengths = {len(s.input_ids) for s in sequences}
-        if size <= rows or (graphs and self.graphs is not None and len(lengths) == 1 and len(sequences) <= self.graphs.max_bs
-                            and self.graphs.has(lengths.pop(), width)):  # a captured graph replays it as it is
+        q = lengths.pop() if len(lengths) == 1 else 0
+        # a captured graph replays it as it is: a head's chains of q tokens, or one token each (decode-shaped)
+        if size <= rows or (graphs and self.graphs is not None and len(sequences) <= self.graphs.max_bs
+                            and (q == 1 or (q and width)) and self.graphs.has(q, width)):
             return self.batch(sequences), None
         scratch = BlockTable()
         try:
