@@ -37,6 +37,24 @@ def _new_tokens(plan: list[int], budget: int) -> int:
     return sum(1 if b == 1 else budget + 1 for b in plan) + 16
 
 
+def _drain_before(owner, attr: str, draining: dict) -> None:
+    """owner.attr waits for the device before it runs while draining["on"], and prints how long that took: where in a
+    step the device's queue holds work the host waits for."""
+    import torch
+
+    inner = getattr(owner, attr)
+
+    def wrapped(*args, **kwargs):
+        if draining["on"]:
+            began = time.perf_counter()
+            torch.cuda.synchronize()
+            print(f"   drained before {type(owner).__name__}.{attr}: {(time.perf_counter() - began) * 1e6:.0f} us",
+                  file=sys.stderr)
+        return inner(*args, **kwargs)
+
+    setattr(owner, attr, wrapped)
+
+
 def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: list[int], profile=None,
              torch_profile: bool = False, step_profile: bool = False) -> dict:
     """profile: a cProfile.Profile to run the drafter's catch-ups under (or None); torch_profile: the catch-ups of
@@ -116,6 +134,12 @@ def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: 
         torch.cuda.synchronize()
     times, budgets, tokens = [], [], []
     firsts = {i + 1 for i in range(len(plan) - 1) if plan[i] == 1 and plan[i + 1] == 0}  # first drafted steps
+    draining = {"on": False}
+    if args.drain_points and runner.device.type == "cuda":
+        for owner, attr in [(engine, "_step_in_flight"), (engine, "_retire"), (engine, "_schedule"), (engine, "_draft"),
+                            (drafter, "request"), (head, "extend"), (head, "launch"), (head, "_catch_up"),
+                            (engine, "_forward_and_accept")]:
+            _drain_before(owner, attr, draining)
     for i in range(len(plan)):
         step["i"] = i
         if torch_profile and i in firsts and runner.device.type == "cuda":
@@ -128,9 +152,13 @@ def _variant(name: str, args, bench_args, runner, settings, prompts, off_steps: 
             kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                          torch.profiler.ProfilerActivity.CUDA])
             kernels.__enter__()
+        draining["on"] = i in firsts
         began = time.perf_counter()
         events = engine.step()
         times.append(time.perf_counter() - began)
+        if draining["on"]:
+            print(f"   (step {i}: {times[-1] * 1e3:.2f} ms with the waits)", file=sys.stderr)
+            draining["on"] = False
         if kernels is not None:
             torch.cuda.synchronize()
             kernels.__exit__(None, None, None)
@@ -173,6 +201,8 @@ def main() -> None:
                         "profiler: operators and CUDA runtime calls by own host time, per variant, on stderr.")
     parser.add_argument("--step-profile", action="store_true", help="Each first drafted step under torch's profiler "
                         "with the device's activity: its kernels by device time, on stderr.")
+    parser.add_argument("--drain-points", action="store_true", help="In each first drafted step, wait for the device "
+                        "before each of the engine's and the drafter's parts and print how long that took (on stderr).")
     parser.add_argument("--cprofile", action="store_true", help="The catch-ups under cProfile: their callees by own and "
                         "cumulative time, per variant, on stderr (slows them: for proportions).")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then `splitspec bench` flags (model, device, "
