@@ -153,6 +153,36 @@ def test_policy_follows_acceptance_and_probes_while_off():
     assert chosen[-100:].count(6) >= 95, chosen[-100:]
 
 
+def test_acceptance_measured_long_ago_fades_while_drafting_is_off():
+    """The acceptance counts age by steps with speculating requests, drafting on or off. A warm-up that accepted
+    little, drafting at batch 1 all along (plain steps were slow then), then a plain run of requests that opted out
+    (plain steps now fast), then the traffic, whose drafts are accepted well: the policy starts it with drafting off,
+    as the warm-up's acceptance says, and a few probes' verifies must be enough to turn drafting back on. Counted whole
+    through the off-run (decayed only by steps with verified drafts), the warm-up's hundreds of samples outweighed
+    every probe's two verifies and drafting stayed off (the demo EAGLE-3 head served at batch 1 at f93e3e4: 2597 of
+    4323 steps off at accept length ~3.7, its warm-up's ~2.8 judging)."""
+
+    class Gpu(SmallTargetBeamGpu):
+        base = 0.002
+
+        def step(self, budget, batch):
+            shape = super().step(budget, batch)
+            shape.base_seconds = self.base
+            return shape
+
+    gpu = Gpu(q=0.45)
+    policy = AdaptiveSpeculation(AdaptiveConfig(max_budget=6, num_steps=5))  # a tree's: E(N) from its own tier
+    assert run_policy(policy, gpu, 1, 600)[-200:].count(1) <= 10  # drafting pays while plain steps are slow
+    gpu.base = 0.0005
+    for _ in range(2000):  # the opted-out run: plain steps at 1.1 ms
+        policy.observe(StepShape(1, 0, 1, 1, gpu.verify(1), 0.0, gpu.base))
+    gpu.q = 0.85
+    assert gpu.throughput(6, 1) > 2 * gpu.throughput(1, 1)
+    chosen = run_policy(policy, gpu, 1, 1500)
+    assert chosen[:50].count(1) >= 45, chosen[:50]  # the warm-up's acceptance judges first
+    assert chosen[-500:].count(1) <= 10, chosen[-500:]
+
+
 def test_probes_at_the_interval_again_when_the_load_moves():
     """Drafting loses at batch 16 (a drafter of 4 ms a step at any budget, a 0.6 ms forward) though full acceptance
     would win: the probes there back off; when the load moves to batch 4, the next probe comes at the configured

@@ -36,7 +36,7 @@ class AdaptiveConfig:
     chain: bool = False  # top-1 drafts: a budget's tree is the chain of its depth, so E(N) comes from a_d alone
     hysteresis: float = 0.015  # relative predicted gain a switch needs
     probe_interval: int = 200  # steps without drafts between two probes of the acceptance
-    decay: float = 0.99  # per step, of the acceptance counts (about 100 steps of memory)
+    decay: float = 0.99  # per step with speculating requests, of the acceptance counts (~100 steps of memory)
     min_timings: int = 3  # timings of a forward size before they count (until then it is predicted optimistically)
     min_samples: float = 8.0  # decayed verifies at a budget before its own accept length is trusted
     optimism: float = 0.25  # the acceptance bonus of a depth with no trials (over trials + 1 with them)
@@ -68,6 +68,7 @@ class AdaptiveEstimates:
         self._previous_budget = -1  # the last observed step's budget (-1: none yet; 0: it ran prompt chunks)
         self._steps = 0  # steps observed
         self._age = 0  # steps observed with requests that speculate: what timings age by (opted-out runs age nothing)
+        self._accepts_at = 0  # _age at the last step with verified drafts (the acceptance counts age by _age too)
         self._acceptance_cache: list[float] = []
         self._acceptance_at = -1  # the step it was computed at
         self._curve: list[tuple[float, float]] = []
@@ -119,12 +120,17 @@ class AdaptiveEstimates:
             self._cycles.setdefault((step.budget if drafted else 1, token_bucket(batch)), Cycle()).add(
                 step.verify_seconds + step.spec_seconds + step.base_seconds, now, stale if drafted else 0)
         if step.accepts:
+            # decayed by the steps with speculating requests since the last verifies with drafts, not once per such
+            # verify: while drafting is off nothing measures the acceptance but probes, and counts kept whole through
+            # the off-run (a warm-up's short answers, another traffic) outweighed every probe's two steps for good
+            decay = cfg.decay ** max(now - self._accepts_at, 1)
+            self._accepts_at = now
             for d in range(1, len(self._trials)):
-                self._trials[d] *= cfg.decay
-                self._hits[d] *= cfg.decay
+                self._trials[d] *= decay
+                self._hits[d] *= decay
             for tier in self._tier_count:
-                self._tier_count[tier] *= cfg.decay
-                self._tier_tokens[tier] *= cfg.decay
+                self._tier_count[tier] *= decay
+                self._tier_tokens[tier] *= decay
             for depth, accepted in step.accepts:
                 for d in range(1, min(depth, len(self._trials) - 1) + 1):
                     if accepted < d - 1:
