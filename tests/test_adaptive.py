@@ -163,14 +163,14 @@ def test_acceptance_measured_long_ago_fades_while_drafting_is_off():
     4323 steps off at accept length ~3.7, its warm-up's ~2.8 judging)."""
 
     class Gpu(SmallTargetBeamGpu):
-        base = 0.002
+        base = 0.001
 
         def step(self, budget, batch):
             shape = super().step(budget, batch)
             shape.base_seconds = self.base
             return shape
 
-    gpu = Gpu(q=0.45)
+    gpu = Gpu(q=0.5)
     policy = AdaptiveSpeculation(AdaptiveConfig(max_budget=6, num_steps=5))  # a tree's: E(N) from its own tier
     assert run_policy(policy, gpu, 1, 600)[-200:].count(1) <= 10  # drafting pays while plain steps are slow
     gpu.base = 0.0005
@@ -181,6 +181,18 @@ def test_acceptance_measured_long_ago_fades_while_drafting_is_off():
     chosen = run_policy(policy, gpu, 1, 1500)
     assert chosen[:50].count(1) >= 45, chosen[:50]  # the warm-up's acceptance judges first
     assert chosen[-500:].count(1) <= 10, chosen[-500:]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_acceptance_faded_by_an_off_run_keeps_a_floor_of_evidence(seed):
+    """The counts an off-run fades keep at least min_samples verifies' weight: faded to nothing, every depth of a tree
+    would be predicted with the bonus of a depth never tried, and a probe's lucky verify would turn drafting on again
+    and again where it loses (acceptance 0.3 at batch 1: 140-220 drafted steps after the first 400 with no floor)."""
+    gpu = SmallTargetBeamGpu(q=0.3, seed=seed)
+    assert gpu.throughput(6, 1) < 0.9 * gpu.throughput(1, 1)
+    policy = AdaptiveSpeculation(AdaptiveConfig(max_budget=6, num_steps=5))
+    chosen = run_policy(policy, gpu, 1, 4000)
+    assert sum(b > 1 for b in chosen[400:]) <= 40, policy.probes
 
 
 def test_probes_at_the_interval_again_when_the_load_moves():

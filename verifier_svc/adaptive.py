@@ -12,7 +12,8 @@ tokens, the one with the largest expected throughput
                F: prefill tokens in the step
     E(N)       expected tokens per verify of a tree of N nodes: 1 + a_1 + ... + a_D, D = min(steps, N - 1),
                a_d = the measured fraction of verifies that accept at least d drafts (counts decayed by every
-               step with speculating requests, drafting or not, so it follows the traffic); for trees (top-k > 1, NGRAM), where N was used recently enough, its own
+               step with speculating requests, drafting or not, so it follows the traffic, to no less than
+               min_samples verifies' weight); for trees (top-k > 1, NGRAM), where N was used recently enough, its own
                measured accept length
     verify(T)  the target forward's measured time for T tokens: the median of recent timings per quarter-octave of T,
                made non-decreasing in T and interpolated between the points seen (the cost's shape is learned,

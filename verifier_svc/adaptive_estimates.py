@@ -122,8 +122,13 @@ class AdaptiveEstimates:
         if step.accepts:
             # decayed by the steps with speculating requests since the last verifies with drafts, not once per such
             # verify: while drafting is off nothing measures the acceptance but probes, and counts kept whole through
-            # the off-run (a warm-up's short answers, another traffic) outweighed every probe's two steps for good
+            # the off-run (a warm-up's short answers, another traffic) outweighed every probe's two verifies for good.
+            # But to no less than min_samples verifies' weight: counts decayed to nothing would make every depth
+            # optimistic (the bonus of a depth with no trials) and keep drafting on one probe's luck
             decay = cfg.decay ** max(now - self._accepts_at, 1)
+            verifies = self._trials[1] if len(self._trials) > 1 else 0.0
+            if verifies * decay < cfg.min_samples:
+                decay = min(1.0, max(decay, cfg.min_samples / verifies)) if verifies else 1.0
             self._accepts_at = now
             for d in range(1, len(self._trials)):
                 self._trials[d] *= decay
