@@ -154,7 +154,9 @@ dirs = demo.demo_model_dirs(cache_dir=Path({str(tmp_path / "cache" / "demo-model
                             presets={{"target": "smoke-20", "draft": "smoke-20"}})
 print(dirs["target"])
 """
-    processes = [lifeline.spawn([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # -P: the checkout's root off the path, where its kernels/ shadowed the Hub's `kernels` package that transformers
+    # imports when it is installed (CI's environment had it at 06ae3da: ImportError: CUDAProperties)
+    processes = [lifeline.spawn([sys.executable, "-P", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for _ in range(2)]
     outputs = [p.communicate(timeout=600) for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs
