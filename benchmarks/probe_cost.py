@@ -7,7 +7,7 @@ assertions.
         --speculative-algorithm EAGLE3 --batch-size 16
 
 Each variant runs the same schedule: "held" (an EAGLE head holds the rows fed while drafting is off and catches them
-up at the next draft, its eager rounds padded to a ladder size: ModelRunner.padded_batch) and "unbucketed" (the same
+up at the next draft, its eager rounds padded to a ladder size: ModelRunner.forward_padded) and "unbucketed" (the same
 without the padding). Step times are wall times of engine.step() as a server's loop runs it (no device waits added;
 the overlap schedule on where the bench would use it); the drafter's catch-up is timed apart, with its rows.
 """

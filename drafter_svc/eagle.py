@@ -20,7 +20,7 @@ import torch
 from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for, launch_beam_draft
-from splitspec.runtime.batch import SequenceInput, device_tensor, pad_rows
+from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.runner import ModelRunner
@@ -128,15 +128,11 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             sequences = [SequenceInput(s.table, s.pending_tokens[:n] + [s.pending_tokens[n - 1]] * (q - n) if q > n
                                        else s.pending_tokens[:n], logits="all" if q else "last")
                          for (_, s), n in zip(catch_up, taken)]
-            # an eager round (any count of rows) padded to a ladder size on a GPU: ModelRunner.padded_batch
-            real = features.shape[0]
-            batch, scratch = ((self.runner.batch(sequences), None) if q
-                              else self.runner.padded_batch(sequences, features.shape[-1]))
-            features = pad_rows(features, batch.input_ids.shape[0])
-            output = self.runner.forward(batch, return_hidden=True, features=features)
-            if scratch is not None:  # its pages go back at once: what reuses them is queued after this forward
-                kv.release(scratch)
-            hidden = output.hidden_states[:real]
+            if q:  # a captured graph's shape
+                output = self.runner.forward(self.runner.batch(sequences), return_hidden=True, features=features)
+            else:  # an eager round (any count of rows), padded to a ladder size on a GPU
+                output = self.runner.forward_padded(sequences, features, return_hidden=True)
+            hidden = output.hidden_states
             done = [k for k, ((_, s), n) in enumerate(zip(catch_up, taken)) if n == len(s.pending_tokens)]
             finished = {}  # k -> its row among the roots of the requests whose last row this round held
             if done:  # the roots' features and logits, gathered together (new tensors: no graph buffer is kept)

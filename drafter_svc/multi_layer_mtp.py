@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from splitspec.drafter_svc.base import HiddenStateDrafter
-from splitspec.runtime.batch import SequenceInput, pad_rows
+from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.tree import DraftTree
@@ -73,11 +73,7 @@ class MultiLayerMtpDrafter(HiddenStateDrafter):
                 tokens = (s.tokens + d)[start + 1 + layer : end + 1 + layer]
                 sequences.append(SequenceInput(s.table, tokens, logits="last"))
                 features.append(s.states(start, end))
-            features = torch.cat(features)
-            batch, scratch = self.runner.padded_batch(sequences, graphs=False)  # a ladder size on a GPU
-            output = self.runner.forward(batch, features=pad_rows(features, batch.input_ids.shape[0]), draft_layer=layer)
-            if scratch is not None:
-                self.runner.kv_cache.release(scratch)
+            output = self.runner.forward_padded(sequences, torch.cat(features), graphs=False, draft_layer=layer)
             for row, ((s, end, _), d) in enumerate(zip(work, drafts)):
                 if end == len(s.tokens) - 1 and len(d) == layer:  # the last row is the root's: a draft
                     index = int(output.logits[row].argmax())

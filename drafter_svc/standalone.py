@@ -69,10 +69,7 @@ class StandaloneDrafter(ModelBets, Drafter):
             if table.num_tokens >= len(sequence):  # asked again with nothing new: recompute the root
                 kv.set_length(table, len(sequence) - 1)
             catch_up.append(SequenceInput(table, sequence[table.num_tokens :], logits="last"))
-        batch, scratch = self.runner.padded_batch(catch_up)  # any count of rows: a ladder size on a GPU
-        logits = self.runner.forward(batch).logits
-        if scratch is not None:
-            kv.release(scratch)
+        logits = self.runner.forward_padded(catch_up).logits  # any count of rows: a ladder size on a GPU
         for request_id in request_ids:
             kv.set_length(self.tables[request_id], len(self.sequences[request_id]))
         return logits[: len(request_ids)]

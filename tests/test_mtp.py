@@ -186,7 +186,7 @@ def test_a_wave_of_prompts_catches_up_in_rounds_bounded_in_all(random_mimo):
     for limit in (4096, 6, "padded"):
         head = load_mtp(path)
         head.model.share_target(embed, head_w)
-        head.pad_eager = limit == "padded"  # a GPU's default: each forward padded to a ladder size (runner.padded_batch)
+        head.pad_eager = limit == "padded"  # a GPU's default: each forward padded to a ladder size (runner.forward_padded)
         drafter = MultiLayerMtpDrafter(head, num_steps=2)
         drafter.max_catch_up = 4096 if limit == "padded" else limit
         rows = sizes[limit] = []

@@ -91,7 +91,7 @@ def test_greedy_standalone_is_lossless_and_speculates(models, batch, shape):
 
 def test_catch_ups_padded_to_a_ladder_size_draft_the_same_trees(models):
     """On a GPU a catch-up forward of the draft model (any count of rows: accept lengths, prompts) is padded to a ladder
-    size (runner.padded_batch: its GEMMs at row counts cuBLAS has met). Forced here on a CPU: the forwards were padded,
+    size (runner.forward_padded: its GEMMs at row counts cuBLAS has met). Forced here on a CPU: the forwards were padded,
     every request accepts what it accepts unpadded (the same trees), the output is plain decoding's, no page is held."""
     dirs, target, prompts, _ = models
     chosen = prompts[:8]

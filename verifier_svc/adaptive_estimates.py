@@ -125,10 +125,9 @@ class AdaptiveEstimates:
             # the off-run (a warm-up's short answers, another traffic) outweighed every probe's two verifies for good.
             # But to no less than min_samples verifies' weight: counts decayed to nothing would make every depth
             # optimistic (the bonus of a depth with no trials) and keep drafting on one probe's luck
-            decay = cfg.decay ** max(now - self._accepts_at, 1)
-            verifies = self._trials[1] if len(self._trials) > 1 else 0.0
-            if verifies * decay < cfg.min_samples:
-                decay = min(1.0, max(decay, cfg.min_samples / verifies)) if verifies else 1.0
+            verifies = self._trials[1]  # every verify with drafts tried depth 1
+            floor = min(1.0, cfg.min_samples / verifies) if verifies else 1.0
+            decay = max(cfg.decay ** max(now - self._accepts_at, 1), floor)
             self._accepts_at = now
             for d in range(1, len(self._trials)):
                 self._trials[d] *= decay

@@ -125,11 +125,6 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
     )
 
 
-def pad_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
-    """rows [n, F] with zero rows after them up to count (a padded batch's features: runner.padded_batch)."""
-    return rows if rows.shape[0] >= count else torch.cat([rows, rows.new_zeros(count - rows.shape[0], rows.shape[-1])])
-
-
 def device_tensor(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """torch.tensor(data) on the device without waiting for the work queued there (torch.tensor(data, device=...)
     copies from pageable memory and waits for the stream to drain: SPLITSPEC_SYNC_DEBUG counts such waits)."""

@@ -199,7 +199,7 @@ class ModelRunner:
         # would mix the padding rows into the real ones
         row_wise = not any(getattr(m, "gemm", None) == "tensorwise" for m in model.modules())
         self.piecewise_max_tokens = piecewise_max_tokens if self.cuda_graph_max_bs and row_wise else 0
-        self.pad_eager = self.device.type == "cuda" and row_wise  # padded_batch pads (tests turn it on on a CPU)
+        self.pad_eager = self.device.type == "cuda" and row_wise  # forward_padded pads (tests turn it on on a CPU)
         self.piecewise = None
         # tree sizes a verification batch is padded up to without CUDA graphs (the graphs' own sizes pad with
         # them): tests exercise the padding on a CPU with it
@@ -320,30 +320,37 @@ class ModelRunner:
     def batch(self, sequences: list[SequenceInput]) -> ForwardBatch:
         return build_forward_batch(self.kv_cache, sequences, self.device)
 
-    def padded_batch(self, sequences: list[SequenceInput], width: int = 0,
-                     graphs: bool = True) -> tuple[ForwardBatch, BlockTable | None]:
-        """batch(), padded (with pad_eager: on a GPU) up to the next size of runtime.piecewise_graph.SIZES by one more
-        sequence, of token 0 on a scratch table of its own with no logits, where no captured graph replays the batch as
-        it is: its GEMMs then run at row counts cuBLAS has chosen kernels for already (on an H200 a row count never
-        seen cost 0.1-2.5 ms of host time per GEMM; a drafter's catch-ups come in any count: prompts, accept lengths,
-        a drafting-off run's backlog). width: the features fed per row (a head's; the caller pads them to the batch's
-        rows, whose outputs past its own nobody reads); graphs False: the forward never replays one (an MTP layer's).
-        (batch, scratch table): the caller releases the table once the forward is queued (what reuses its pages is
-        queued after it); None when not padded (past the ladder, short of pages)."""
+    def forward_padded(self, sequences: list[SequenceInput], features: torch.Tensor | None = None, graphs: bool = True,
+                       **kwargs) -> ForwardOutput:
+        """forward(batch(sequences), features=features, **kwargs), padded (with pad_eager: on a GPU) up to the next size
+        of runtime.piecewise_graph.SIZES by one more sequence, of token 0 on a scratch table of its own with no logits
+        (zero features), where no captured graph replays the batch as it is: its GEMMs then run at row counts cuBLAS
+        has chosen kernels for already (on an H200 a row count never seen cost 0.1-2.5 ms of host time per GEMM; a
+        drafter's catch-ups come in any count: prompts, accept lengths, a drafting-off run's backlog). Not padded past
+        the ladder or short of pages. The output's states are the real rows' only; the scratch table's pages go back
+        once the forward is queued (what reuses them is queued after it). graphs False: the forward never replays one
+        (an MTP layer's)."""
         rows = sum(len(s.input_ids) for s in sequences)
         size = next((s for s in SIZES if s >= rows), 0) if self.pad_eager else 0
         lengths = {len(s.input_ids) for s in sequences}
         q = lengths.pop() if len(lengths) == 1 else 0
+        width = 0 if features is None else features.shape[-1]
         # a captured graph replays it as it is: a head's chains of q tokens, or one token each (decode-shaped)
         if size <= rows or (graphs and self.graphs is not None and len(sequences) <= self.graphs.max_bs
                             and (q == 1 or (q and width)) and self.graphs.has(q, width)):
-            return self.batch(sequences), None
+            return self.forward(self.batch(sequences), features=features, **kwargs)
         scratch = BlockTable()
         try:
-            return self.batch([*sequences, SequenceInput(scratch, [0] * (size - rows), logits="none")]), scratch
+            batch = self.batch([*sequences, SequenceInput(scratch, [0] * (size - rows), logits="none")])
         except OutOfPagesError:  # the real sequences' pages are reserved by now: they keep them
             self.kv_cache.release(scratch)
-            return self.batch(sequences), None
+            return self.forward(self.batch(sequences), features=features, **kwargs)
+        if features is not None:
+            features = torch.cat([features, features.new_zeros(size - rows, width)])
+        output = self.forward(batch, features=features, **kwargs)
+        self.kv_cache.release(scratch)
+        return ForwardOutput(output.logits, None if output.hidden_states is None else output.hidden_states[:rows],
+                             None if output.aux_hidden_states is None else output.aux_hidden_states[:rows])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None,
