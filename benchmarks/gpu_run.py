@@ -35,7 +35,8 @@ def main() -> int:
     parser.add_argument("--measure-timeout", type=float, default=200.0, help="Seconds for the measurement phase.")
     args = parser.parse_args()
     from splitspec.train.cli import train_lm
-    from splitspec.train.heads import HeadTrainer, load_text_tokens
+    from splitspec.train.heads import HeadTrainer
+    from splitspec.train.text_tokens import load_text_tokens
     from splitspec.train.lm import LMShape
     from splitspec.train.presets import DEMO_VOCAB_SIZE, HEAD_PRESETS, PRESETS
 

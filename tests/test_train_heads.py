@@ -17,12 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import assert_greedy_match
+
 from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
-from splitspec.train.heads import HeadTrainConfig, HeadTrainer, load_text_tokens
+from splitspec.train.heads import HeadTrainConfig, HeadTrainer
+from splitspec.train.text_tokens import load_text_tokens
 
 TARGET = demo_model_dirs()["target"]
 
@@ -113,6 +116,48 @@ def test_the_published_layout_is_written(tmp_path, tokens):
     state = load_file(tr2.out_dir / "model.safetensors")
     assert set(state) >= {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight"}
     assert "layers.0.input_layernorm.weight" not in state
+
+
+def test_regenerated_windows_are_the_targets_own_continuations(tmp_path, tokens, monkeypatch):
+    """--regenerate: each training window is a prompt cut from the text followed by what the target writes after it
+    (greedy, through the serving engine: transformers' own greedy decoding of the checkpoint, past EOS), held-out
+    windows too; batches are drawn from them and the draft vocabulary is counted on them; a run resumed in the same
+    directory reads the same windows back, and a finished run leaves only the head there."""
+    from transformers import AutoModelForCausalLM
+
+    from splitspec.train import regenerate
+    from splitspec.train.heads import hot_tokens
+
+    tr = trainer(tmp_path, tokens, "eagle3", regenerate=3, regenerate_prompt_len=16, ttt_steps=2)
+    assert tr.windows.shape == (3, 49) and tr.held_out_windows.shape == (2, 49)
+    reference = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    unlike_the_text = 0
+    for text, windows in ((tokens[0][:20000], tr.windows), (tokens[1][:5000], tr.held_out_windows)):
+        cuts = text.unfold(0, 16, 1)
+        for window in windows.tolist():
+            prompt, written = window[:16], window[16:]
+            at = (cuts == torch.tensor(prompt)).all(1).nonzero().flatten().tolist()
+            assert at, "the prompt is not a cut of the text"
+            unlike_the_text += all(text[a + 16 : a + 49].tolist() != written for a in at)
+            ids = list(prompt)
+            with torch.no_grad():
+                for _ in range(len(written)):
+                    ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert_greedy_match(written, ids[16:], reference, prompt, "regenerated window")
+    assert unlike_the_text == 5  # what the target writes, not what the text went on with
+    batch = tr.batch(5)
+    assert all(any(torch.equal(row, w) for w in tr.windows) for row in batch)
+    assert torch.equal(tr.hot.cpu(), hot_tokens(tr.windows, 4096, 512))
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the windows were generated again")
+
+    monkeypatch.setattr(regenerate, "regenerate", no_generation)
+    again = trainer(tmp_path, tokens, "eagle3", regenerate=3, regenerate_prompt_len=16, ttt_steps=2)
+    assert torch.equal(again.windows, tr.windows) and torch.equal(again.held_out_windows, tr.held_out_windows)
+    report = again.train()
+    assert report["regenerated_windows"] == 3 and report["steps"] == 4
+    assert sorted(p.name for p in again.out_dir.iterdir()) == ["config.json", "model.safetensors", "training.json"]
 
 
 def train_cli(kind: str, out, *extra: str) -> list[str]:

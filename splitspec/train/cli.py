@@ -60,6 +60,11 @@ def add_head_args(parser: argparse.ArgumentParser, kind: str) -> None:
         ("time_budget_s", "Stop after this many seconds of training (0 = none); the best weights so far are saved."),
         ("accept_prompts", "Held-out prompts of the final accept-length estimate through the real engine (0 = skip)."),
         ("accept_new_tokens", "Tokens generated per prompt in that estimate."),
+        ("regenerate", "Train on this many windows the target writes itself (0 = on the text as it is): each a prompt "
+         "of the text at a random offset completed by the target through the serving engine, as SpecForge regenerates "
+         "data; the held-out windows too. A head drafts the target's text, not the corpus's."),
+        ("regenerate_prompt_len", "Tokens of text that prompt each regenerated window."),
+        ("regenerate_temperature", "Sampling temperature of the regenerated windows (0 = greedy)."),
     ):
         default = getattr(defaults, name)
         train.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
@@ -80,7 +85,8 @@ def run_head(args: argparse.Namespace) -> int:
     import torch
 
     from splitspec.runtime.hub import resolve_model_dir
-    from splitspec.train.heads import HeadTrainConfig, HeadTrainer, load_text_tokens
+    from splitspec.train.heads import HeadTrainConfig, HeadTrainer
+    from splitspec.train.text_tokens import load_text_tokens
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     fields = {f for f in HeadTrainConfig.__dataclass_fields__} - {"kind", "device"}

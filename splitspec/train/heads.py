@@ -13,6 +13,7 @@ its hidden states and next-token distributions, and trains the head on them:
              steps at row p (what a draft node at depth k sees at inference); cross-entropy over the draft
              vocabulary at every step, weighted 0.8^k
 
+With --regenerate the windows are the target's own continuations of prompts of the text (train.regenerate).
 Batches depend only on (seed, step), so a run resumed from its last checkpoint sees what an
 uninterrupted one would. The weights kept are those of the best held-out loss. At the end the saved
 head drafts for the target on held-out prompts through the real engine (the verifier's step loop with
@@ -22,10 +23,8 @@ the drafter in process), and the mean accept length is reported.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from torch import nn
 from tqdm import tqdm
 
 from splitspec.train.lm import learning_rate  # the same warm-up + cosine schedule (reads lr, warmup_steps, steps)
+from splitspec.train.regenerate import Regeneration, forget, regenerated
 from splitspec.train.resume import clear_state, load_state, save_state
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ class HeadTrainConfig:
     time_budget_s: float = 0.0  # > 0: stop after this many seconds of training
     accept_prompts: int = 8  # held-out prompts of the final accept-length estimate (0 = skip it)
     accept_new_tokens: int = 64
+    regenerate: int = 0  # > 0: train on this many windows the target writes from the text's prompts (train.regenerate)
+    regenerate_prompt_len: int = 64
+    regenerate_temperature: float = 0.0
 
 
 def head_config(target: dict, cfg: HeadTrainConfig, capture: tuple[int, ...]) -> dict:
@@ -129,6 +132,11 @@ class HeadTrainer:
         for name, tokens in (("training", train_tokens), ("held-out", held_out_tokens)):
             if tokens.numel() < cfg.seq_len + 2:
                 raise ValueError(f"the {name} data has {tokens.numel()} tokens, fewer than one window of --seq-len {cfg.seq_len}")
+        self.windows = self.held_out_windows = None  # [N, seq_len + 1] the target wrote (--regenerate), else None
+        if cfg.regenerate:
+            plan = Regeneration(cfg.regenerate, cfg.seq_len, cfg.regenerate_prompt_len, cfg.regenerate_temperature, cfg.seed)
+            self.windows, self.held_out_windows = regenerated(self.out_dir, self.target_dir, train_tokens, held_out_tokens,
+                                                              plan, cfg.eval_windows, cfg.device)
         target_raw = json.loads((self.target_dir / "config.json").read_text())
         self.target_config = ModelConfig.from_dict(target_raw)
         self.capture = self.target_config.eagle3_capture_layers() if cfg.kind == "eagle3" else ()
@@ -152,7 +160,8 @@ class HeadTrainer:
         embed = self.target.model.get_input_embeddings().weight.detach().float()
         lm_head = self.target.model.lm_head.weight.detach().float()
         if self.cfg.kind == "eagle3":
-            self.hot = hot_tokens(self.train_tokens, config.vocab_size, head.draft_vocab_size).to(self.device)
+            text = self.train_tokens if self.windows is None else self.windows  # the draft vocabulary: what it drafts
+            self.hot = hot_tokens(text, config.vocab_size, head.draft_vocab_size).to(self.device)
             if hasattr(head, "d2t"):
                 head.d2t.copy_(self.hot - torch.arange(len(self.hot), device=self.device))
             with torch.no_grad():
@@ -241,6 +250,8 @@ class HeadTrainer:
 
     def batch(self, step: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
+        if self.windows is not None:
+            return self.windows[torch.randint(0, len(self.windows), (self.cfg.batch_size,), generator=generator)]
         starts = torch.randint(0, self.train_tokens.numel() - self.cfg.seq_len - 1, (self.cfg.batch_size,), generator=generator)
         return torch.stack([self.train_tokens[s : s + self.cfg.seq_len + 1] for s in starts.tolist()])
 
@@ -253,6 +264,8 @@ class HeadTrainer:
         n = self.cfg.seq_len + 1
         for i in range(min(self.cfg.eval_windows, (self.held_out_tokens.numel() - 1) // n)):
             windows.append(self.held_out_tokens[i * n : (i + 1) * n])
+        if self.held_out_windows is not None:
+            windows = list(self.held_out_windows)
         losses, agreements = [], []
         for chunk in torch.stack(windows).split(self.cfg.batch_size):
             with self._autocast():
@@ -327,12 +340,14 @@ class HeadTrainer:
                   "steps": self.step, "final_train_loss": round(train_loss, 5), "best_held_out_loss": round(self.best_loss, 5),
                   "history": self.history, "seconds_this_run": round(seconds, 1), "stopped_by_time_budget": stopped_early,
                   "train_tokens": self.train_tokens.numel(), "held_out_tokens": self.held_out_tokens.numel(),
+                  "regenerated_windows": 0 if self.windows is None else len(self.windows),
                   "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
         if self.cfg.accept_prompts:
             report["held_out_accept"] = self.accept_estimate()
             logger.info("held-out mean accept length %.3f", report["held_out_accept"]["mean_accept_length"])
         (self.out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
         clear_state(self.out_dir)
+        forget(self.out_dir)
         return report
 
     def export_state(self) -> dict[str, torch.Tensor]:
@@ -394,99 +409,3 @@ class HeadTrainer:
                 "tree": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens},
                 "mean_accept_length": round(1 + accepted / max(1, steps_done), 4), "verify_steps": steps_done,
                 "accepted_tokens": accepted, "fallbacks": sum(o.stats.fallbacks for o in out)}
-
-
-def load_text_tokens(data: list[str], target_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held-out) token ids of the training text in the target's tokenizer, documents joined by
-    its EOS. `data`: files and directories (every file below, sorted; every 20th file held out, or the
-    last 5% of the tokens when there is one file), `stdlib` for this machine's Python standard library
-    (the demo models' corpus, its own held-out files), or a dataset directory prepared for `train lm`
-    (tokens.safetensors in the target's tokenizer: the demo models' exact data)."""
-    from tokenizers import Tokenizer
-
-    from splitspec.runtime.config import ModelConfig
-    from splitspec.train import corpus
-
-    from splitspec.train.dataset import TOKENS_FILE, load_tokens
-
-    if len(data) == 1 and (Path(data[0]) / TOKENS_FILE).is_file():  # a dataset prepared for `train lm`
-        dataset = Path(data[0])
-        mine, theirs = (json.loads((d / "tokenizer.json").read_text())["model"]["vocab"]
-                        for d in (dataset, Path(target_dir)))
-        if mine != theirs:
-            raise ValueError(f"--data {dataset}: its tokenizer is not the target's")
-        splits = load_tokens(dataset)
-        return splits["train"], splits["held_out"]
-    tokenizer_file = Path(target_dir) / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ValueError(f"{tokenizer_file}: the target needs a tokenizer.json to tokenize --data")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    eos = (ModelConfig.from_dir(target_dir).eos_token_ids or (None,))[0]
-    if data == ["stdlib"]:
-        files = corpus.select_files()
-        splits = (corpus.read_texts(files, held_out=False), corpus.read_texts(files, held_out=True))
-    else:
-        paths: list[Path] = []
-        for item in data:
-            path = Path(item)
-            if path.is_dir():
-                paths += sorted(p for p in path.rglob("*") if p.is_file())
-            elif path.is_file():
-                paths.append(path)
-            else:
-                raise ValueError(f"--data {item}: no such file or directory")
-        if not paths:
-            raise ValueError(f"--data {' '.join(data)}: no files")
-        texts = [p.read_bytes().decode("utf-8", errors="replace") for p in paths]
-        if len(texts) == 1:
-            splits = (texts, [])
-        else:
-            splits = ([t for i, t in enumerate(texts) if i % corpus.HELD_OUT_MODULUS != corpus.HELD_OUT_MODULUS - 1],
-                      [t for i, t in enumerate(texts) if i % corpus.HELD_OUT_MODULUS == corpus.HELD_OUT_MODULUS - 1])
-    train, held_out = _encode_cached(tokenizer, tokenizer_file, eos, splits)
-    if held_out.numel() == 0:  # one file: its last 5% is held out
-        cut = int(train.numel() * 0.95)
-        train, held_out = train[:cut], train[cut:]
-    return train, held_out
-
-
-def token_cache_dir() -> Path:
-    return Path(os.environ.get("SPLITSPEC_TOKEN_CACHE") or Path.home() / ".cache" / "splitspec" / "tokens")
-
-
-def _encode_cached(tokenizer, tokenizer_file: Path, eos: int | None, splits) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each split's texts encoded and joined by EOS. The result is cached under token_cache_dir(), keyed by
-    the sha256 of the tokenizer file, the EOS id and every text (any change tokenizes again): the standard
-    library is ~3M tokens, seconds of CPU per run otherwise."""
-    from safetensors.torch import load_file
-
-    key = hashlib.sha256(tokenizer_file.read_bytes())
-    key.update(f"eos={eos}".encode())
-    for texts in splits:
-        key.update(f"split of {len(texts)}".encode())
-        for text in texts:
-            key.update(hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).digest())
-    cached = token_cache_dir() / f"{key.hexdigest()}.safetensors"
-    if cached.is_file():
-        try:
-            tensors = load_file(cached)
-            logger.info("token ids from the cache %s", cached)
-            return tensors["train"], tensors["held_out"]
-        except Exception as exc:  # noqa: BLE001 (a torn or foreign file: tokenize again)
-            logger.warning("unreadable token cache %s (%s): tokenizing again", cached, exc)
-    encoded = []
-    for texts in splits:
-        ids: list[int] = []
-        for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
-            ids.extend(encoding.ids)
-            if eos is not None:
-                ids.append(eos)
-        encoded.append(torch.tensor(ids, dtype=torch.long))
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
-        save_file({"train": encoded[0], "held_out": encoded[1]}, partial)
-        os.replace(partial, cached)  # whole or absent, also with two writers
-    except OSError as exc:
-        logger.info("token ids not cached (%s)", exc)
-    return encoded[0], encoded[1]
