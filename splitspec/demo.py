@@ -181,7 +181,8 @@ def build_heads(root: Path, device: str, dataset: Path | None = None, time_budge
     import dataclasses
 
     from splitspec.train.dataset import TOKENS_FILE, prepare_dataset
-    from splitspec.train.heads import HeadTrainer, load_text_tokens
+    from splitspec.train.heads import HeadTrainer
+    from splitspec.train.text_tokens import load_text_tokens
     from splitspec.train.presets import DEMO_VOCAB_SIZE, HEAD_PRESETS
 
     dataset = dataset or root / "dataset"
