@@ -49,6 +49,9 @@ was made from (up to repredict_off_every steps: with no tree running, only plain
 While it speculates, timings older than 256 steps with speculating requests (a run where all opted out ages nothing)
 are not trusted (a forward size or budget timed only that long ago is predicted optimistically again) and are dropped
 when a new one comes: a budget judged by its first, warming-up steps, or by a load that has passed, is measured again.
+Plain decoding too: drafting on, where it was last timed at this load that long ago, two plain steps re-time it (a plain
+probe; drafting stays chosen unless plain now wins), and where it never ran at this load it is priced at most at a
+smaller load's cost (a larger batch's cycle would keep it from ever being tried).
 
 Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
 """
@@ -78,7 +81,8 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         self._used: dict[int, int] = {}  # budget -> when it was last chosen (on the _age clock)
         self.switches = 0
         self.probes = 0
-        self._probing = 0  # a probe's budget, for its second step
+        self._probing = 0  # a probe's budget, for its second step (1: plain decoding's, re-timed while drafting)
+        self.plain_probes = 0
         self._probe_every, self._probe_bucket = config.probe_interval, -1  # off steps to the next probe; its load
         self.tries = 0  # single steps at a budget not used lately, to measure it before switching to it
         self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
@@ -94,10 +98,12 @@ class AdaptiveSpeculation(AdaptiveEstimates):
             return None
         bucket = batch_bucket(speculating + plain)
         drafted = budget > 1 and speculating > 0
-        whole = 0.0 if drafted or prefill_tokens else self._nearest(self._whole, bucket, False)
+        # plain decoding's cost where this load never ran it: a smaller load's at most (a larger batch's cycle would
+        # price it dearer than it is, and a plain step that drafting is predicted to beat is never tried, so never timed)
+        whole = 0.0 if drafted or prefill_tokens else self._nearest(self._whole, bucket, False, below=True)
         if whole:  # plain steps as the overlap schedule runs them: their whole cycle (the forward is in it)
             return (speculating + plain) / whole
-        base = self._nearest(self._base, bucket, drafted)
+        base = self._nearest(self._base, bucket, drafted, below=not drafted)
         own = self._base.get((True, bucket))
         if drafted and (own is None or not self._enough(own)):
             # drafted steps timed too few times at this load: no dearer than the steps without drafts (optimistic,
@@ -112,6 +118,12 @@ class AdaptiveSpeculation(AdaptiveEstimates):
             seconds += self._spec_seconds(budget, batch_bucket(speculating), trusted=optimistic)
         tokens = speculating * self.expected_tokens(budget, optimistic) + plain
         return tokens / seconds if seconds > 0 else None
+
+    def _plain_stale(self, batch: int) -> bool:
+        """Whether plain decoding was timed at this load (whole cycles), but not within stale_steps: judged long ago,
+        by what may no longer hold. Never timed here it is predicted optimistically (tried) instead."""
+        cycle = self._cycles.get((1, token_bucket(batch)))
+        return cycle is not None and cycle.last < self._horizon()
 
     def _timed(self, budget: int, batch: int) -> bool:
         """Whether min_timings whole decode cycles were timed at this budget and load, lately."""
@@ -229,6 +241,12 @@ class AdaptiveSpeculation(AdaptiveEstimates):
                     return probe  # two steps (the second one's costs are steady: timed); self.budget stays 1
         else:
             self._off_steps, self._probe_every = 0, self.config.probe_interval
+            if self.budget > 1 and self._plain_stale(speculating + plain) and not prefill_tokens:
+                # drafting on, plain decoding last timed at this load long ago (a cold warm-up's first steps, another
+                # minute of the host): two plain steps re-time it (the second is steady), drafting stays chosen
+                self.plain_probes += 1
+                self._probing = 1
+                return 1
         if choice != self.budget:
             last = self._used.get(choice)
             if last is None or self._age - last > self.config.stale_steps:  # predicted from little or old data:

@@ -227,18 +227,20 @@ class AdaptiveEstimates:
         """Whether these timings hold min_timings values (fewer are not yet what the thing costs: its first, odd steps)."""
         return len(timings.values) >= self.config.min_timings
 
-    def _nearest(self, table: dict, bucket: int, first, fresh: bool = False, trusted: bool = False) -> float:
+    def _nearest(self, table: dict, bucket: int, first, fresh: bool = False, trusted: bool = False,
+                 below: bool = False) -> float:
         """The entry of table (keyed (first, batch bucket)) nearest this batch bucket among those of `first`
         (and with fresh, timed lately); 0 where there is none: optimistic, so that it gets tried. With trusted, 0 too
-        where no load was timed min_timings times (a few odd steps are not evidence)."""
+        where no load was timed min_timings times (a few odd steps are not evidence). With below, only this load's and
+        smaller ones' (a cost that grows with the batch: a larger batch's would be a pessimistic guess, never tried)."""
         horizon = self._horizon() if fresh else -1
-        memo_key = (id(table), bucket, first, horizon, trusted)
+        memo_key = (id(table), bucket, first, horizon, trusted, below)
         if self._nearest_at != self._steps:  # the tables change only when a step is observed
             self._nearest_memo.clear()
             self._nearest_at = self._steps
         value = self._nearest_memo.get(memo_key)
         if value is None:
-            keys = [k for k in table if k[0] == first and table[k].last >= horizon]
+            keys = [k for k in table if k[0] == first and table[k].last >= horizon and (not below or k[1] <= bucket)]
             enough = [k for k in keys if self._enough(table[k])]
             if enough:
                 value = table[min(enough, key=lambda k: abs(k[1] - bucket))].value

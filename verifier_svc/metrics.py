@@ -70,8 +70,9 @@ class EngineMetrics:
                                        "Adaptive: the chosen budget's predicted throughput over plain decoding's, for the "
                                        "batch of the last choice.")
         self.switches = counter("spec_adaptive_switches", "Adaptive: changes of the tree budget.")
-        self.probes = counter("spec_adaptive_probes", "Adaptive: steps that drafted to measure acceptance while "
-                              "speculation was off.")
+        self.probes = counter("spec_adaptive_probes", "Adaptive: probes, each two steps: drafted while speculation "
+                              "was off (its acceptance measured again), or plain while it was on (plain decoding's "
+                              "cost timed again).")
         self.tries = counter("spec_adaptive_tries", "Adaptive: single steps at a budget not used lately (or ever), to "
                              "measure it before switching to it.")
         self.grpc_malformed = counter("grpc_malformed_messages", "gRPC messages that did not decode (the call that sent "
@@ -126,9 +127,10 @@ class EngineMetrics:
             if policy.predicted.get(1):
                 self._child(self.predicted_speedup).set(policy.predicted.get(policy.budget, 0.0) / policy.predicted[1])
             self._child(self.switches).inc(policy.switches - self._switches)
-            self._child(self.probes).inc(policy.probes - self._probes)
+            probes = policy.probes + policy.plain_probes
+            self._child(self.probes).inc(probes - self._probes)
             self._child(self.tries).inc(policy.tries - self._tries)
-            self._switches, self._probes, self._tries = policy.switches, policy.probes, policy.tries
+            self._switches, self._probes, self._tries = policy.switches, probes, policy.tries
 
     def observe_loop(self, parts: dict[str, float]) -> None:
         for part, seconds in parts.items():
