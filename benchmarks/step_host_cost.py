@@ -1,0 +1,161 @@
+"""Host work of the engine's decode steps in process, by function (cProfile): the engine on a fixed batch of the bench's
+prompts, the budget forced, no policy. No assertions.
+
+    # every step drafted at BUDGET: timed unprofiled, then under cProfile (ms a step by function: own, cumulative, calls)
+    python -P benchmarks/step_host_cost.py drafted STEPS BUDGET --device cuda --dtype bfloat16 \
+        --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1 \
+        --speculative-num-draft-tokens 6 --batch-size 16 --prompt-len 128
+    # a speculating request's drafting-off step (budget 1: states captured, feeds every 16 tokens) against the same
+    # requests opted out: three rounds each, interleaved, the third under cProfile, then the functions by the
+    # difference in own and cumulative time a step
+    python -P benchmarks/step_host_cost.py off STEPS --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 \
+        --batch-size 16 --prompt-len 128
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+
+
+class Setup:
+    """The target, an in-process drafter and the prompts, as `splitspec bench` makes them from its flags."""
+
+    def __init__(self, flags: list[str], max_tokens_per_request: int):
+        from splitspec import engine_args, model_flags, speculation
+        from splitspec.bench import build_parser
+        from splitspec.bench_in_process import _resolve_models
+        from splitspec.bench_measure import make_prompts
+        from splitspec.cli import _demo_target
+        from splitspec.default_model import set_provider
+        from splitspec.runtime.runner import ModelRunner
+
+        set_provider(_demo_target)  # as the splitspec command: the demo target without --model-path
+        self.args = build_parser().parse_args(flags)
+        _resolve_models(self.args)
+        model_dir = model_flags.resolve_model(self.args)
+        self.batch = int(self.args.batch_size)
+        if self.args.cuda_graph_max_bs is None and not self.args.disable_cuda_graph:
+            self.args.cuda_graph_max_bs = self.batch
+        self.runner = ModelRunner.load(model_flags.runtime_config(
+            self.args, model_dir, default_max_total_tokens=self.batch * max_tokens_per_request))
+        settings = speculation.resolve(self.args, self.runner.config)
+        self.prompts = make_prompts(self.args, None if self.args.preset else model_dir, self.runner.config.vocab_size,
+                                    self.batch)
+        kv = self.runner.kv_cache
+        self.drafter, _ = engine_args.in_process_drafter(settings, max_total_tokens=kv.num_pages * kv.page_size,
+                                                         target=self.runner)
+        self.spec = speculation.spec_config(settings)
+        self.overlap = self.runner.device.type == "cuda"
+        if self.overlap:
+            self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
+
+    def engine(self, budget: int, new_tokens: int, speculate: bool = True):
+        """An engine at this budget with every prompt prefilled and ten decode steps run."""
+        from splitspec import engine_args
+        from splitspec.runtime.sampling_params import SamplingParams
+        from splitspec.verifier_svc.engine import Engine
+
+        engine = Engine(self.runner, self.drafter, self.spec, set(), engine_args.scheduler_config(self.args),
+                        overlap_schedule=self.overlap)
+        engine.adaptive = None
+        engine._choose_budget = lambda continuing=False: budget
+        params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+        for prompt in self.prompts:
+            engine.add_request(prompt, params, speculate=speculate)
+        while any(not r.decoding for r in engine.running) or engine.waiting:
+            engine.step()
+        for _ in range(10):
+            engine.step()
+        self.sync()
+        return engine
+
+    def sync(self) -> None:
+        if self.overlap:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def timed(engine, steps: int, profile: cProfile.Profile | None = None) -> tuple[list[float], int]:
+    """Each step's wall time, and the tokens the steps made."""
+    times, tokens = [], 0
+    if profile is not None:
+        profile.enable()
+    for _ in range(steps):
+        began = time.perf_counter()
+        events = engine.step()
+        times.append(time.perf_counter() - began)
+        tokens += sum(len(e.new_token_ids) for e in events)
+    if profile is not None:
+        profile.disable()
+    return times, tokens
+
+
+def name(key: tuple) -> str:
+    return f"{'/'.join(key[0].split('/')[-2:])}:{key[1]}({key[2]})"
+
+
+def drafted(steps: int, budget: int, flags: list[str]) -> None:
+    setup = Setup(flags, steps * 16 + 600)
+    engine = setup.engine(budget, steps * 15 + 60)
+    times, tokens = timed(engine, steps)
+    setup.sync()
+    print(f"unprofiled: median step {statistics.median(times) * 1e3:.3f} ms, mean {statistics.mean(times) * 1e3:.3f}, "
+          f"{tokens / steps / setup.batch:.2f} tokens/request/step")
+    profile = cProfile.Profile()
+    times, tokens = timed(engine, steps, profile)
+    print(f"budget {budget} batch {setup.batch}: median step {statistics.median(times) * 1e3:.2f} ms, "
+          f"{tokens / steps / setup.batch:.2f} tokens/request/step")
+    stats = pstats.Stats(profile).stats
+    rows = [(v[2], v[3], v[1], name(k), k[0]) for k, v in stats.items()]
+    torch_time = sum(r[0] for r in rows if r[4] == "~" or "torch" in r[4])
+    print(f"total profiled {sum(r[0] for r in rows) / steps * 1e3:.2f} ms/step; torch+builtins {torch_time / steps * 1e3:.2f}")
+    print("by tottime (ms/step tottime, cumtime, calls/step)")
+    for r in sorted(rows, reverse=True)[:45]:
+        print(f"{r[0] / steps * 1e3:8.3f} {r[1] / steps * 1e3:8.3f} {r[2] / steps:7.1f}  {r[3]}")
+    print("by cumtime, project functions")
+    for r in sorted([r for r in rows if "splitspec" in r[4] or "_svc/" in r[4]], key=lambda r: -r[1])[:45]:
+        print(f"{r[0] / steps * 1e3:8.3f} {r[1] / steps * 1e3:8.3f} {r[2] / steps:7.1f}  {r[3]}")
+    setup.drafter.close()
+
+
+def off(steps: int, flags: list[str]) -> None:
+    setup = Setup(flags, steps * 2 + 900)
+    stats = {}
+    for round_ in range(3):
+        for speculate in (True, False):
+            engine = setup.engine(1, steps + 50, speculate)
+            profile = cProfile.Profile() if round_ == 2 else None
+            began = time.perf_counter()
+            times, _ = timed(engine, steps, profile)
+            setup.sync()
+            wall = time.perf_counter() - began
+            print(f"speculate={speculate}: {steps} steps {wall * 1e3 / steps:.3f} ms/step wall, "
+                  f"median {statistics.median(times) * 1e3:.3f}", flush=True)
+            if profile is not None:
+                stats[speculate] = pstats.Stats(profile).stats
+            for request in list(engine.running):
+                engine.abort(request)
+    setup.drafter.close()
+    rows = []
+    for key, v in stats[True].items():
+        w = stats[False].get(key, (0, 0, 0, 0, None))
+        rows.append((v[2] - w[2], v[3] - w[3], v[1], w[1], name(key)))
+    for title, column in (("speculating-off minus opted-out, ms/step: tottime, cumtime; calls/step each", 0),
+                          ("by cumtime difference", 1)):
+        print(title)
+        for r in sorted(rows, key=lambda r: -r[column])[:30]:
+            print(f"{r[0] / steps * 1e3:8.4f} {r[1] / steps * 1e3:8.4f} {r[2] / steps:7.1f} {r[3] / steps:7.1f} {r[4]}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("drafted", "off"):
+        raise SystemExit(__doc__)
+    if sys.argv[1] == "drafted":
+        drafted(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    else:
+        off(int(sys.argv[2]), sys.argv[3:])
