@@ -6,8 +6,9 @@ prompts, the budget forced, no policy. No assertions.
         --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1 \
         --speculative-num-draft-tokens 6 --batch-size 16 --prompt-len 128
     # a speculating request's drafting-off step (budget 1: states captured, feeds every 16 tokens) against the same
-    # requests opted out: three rounds each, interleaved, the third under cProfile, then the functions by the
-    # difference in own and cumulative time a step
+    # requests opted out, and against plain decoding as `splitspec bench` runs its plain point (an engine without the
+    # drafter, the target capturing no layers): three rounds each, interleaved, the third under cProfile, then the
+    # functions by the difference in own and cumulative time a step (off against opted out)
     python -P benchmarks/step_host_cost.py off STEPS --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 \
         --batch-size 16 --prompt-len 128
 """
@@ -50,17 +51,25 @@ class Setup:
                                                          target=self.runner)
         self.spec = speculation.spec_config(settings)
         self.overlap = self.runner.device.type == "cuda"
+        self.layers = self.drafter_layers = self.runner.capture_layers
         if self.overlap:
             self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
 
-    def engine(self, budget: int, new_tokens: int, speculate: bool = True):
-        """An engine at this budget with every prompt prefilled and ten decode steps run."""
+    def engine(self, budget: int, new_tokens: int, speculate: bool = True, drafter: bool = True):
+        """An engine at this budget with every prompt prefilled and ten decode steps run (drafter False: none, and
+        the target's graphs without the layers a drafter captures)."""
         from splitspec import engine_args
         from splitspec.runtime.sampling_params import SamplingParams
         from splitspec.verifier_svc.engine import Engine
 
-        engine = Engine(self.runner, self.drafter, self.spec, set(), engine_args.scheduler_config(self.args),
-                        overlap_schedule=self.overlap)
+        layers = self.drafter_layers if drafter else ()
+        if layers != self.layers:
+            self.runner.set_capture_layers(layers)
+            if self.overlap:
+                self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
+            self.layers = layers
+        engine = Engine(self.runner, self.drafter if drafter else None, self.spec, set(),
+                        engine_args.scheduler_config(self.args), overlap_schedule=self.overlap)
         engine.adaptive = None
         engine._choose_budget = lambda continuing=False: budget
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
@@ -126,18 +135,19 @@ def drafted(steps: int, budget: int, flags: list[str]) -> None:
 def off(steps: int, flags: list[str]) -> None:
     setup = Setup(flags, steps * 2 + 900)
     stats = {}
+    variants = {"drafting off": (True, True), "opted out": (False, True), "no drafter": (False, False)}
     for round_ in range(3):
-        for speculate in (True, False):
-            engine = setup.engine(1, steps + 50, speculate)
+        for label, (speculate, drafter) in variants.items():
+            engine = setup.engine(1, steps + 50, speculate, drafter)
             profile = cProfile.Profile() if round_ == 2 else None
             began = time.perf_counter()
             times, _ = timed(engine, steps, profile)
             setup.sync()
             wall = time.perf_counter() - began
-            print(f"speculate={speculate}: {steps} steps {wall * 1e3 / steps:.3f} ms/step wall, "
+            print(f"{label}: {steps} steps {wall * 1e3 / steps:.3f} ms/step wall, "
                   f"median {statistics.median(times) * 1e3:.3f}", flush=True)
             if profile is not None:
-                stats[speculate] = pstats.Stats(profile).stats
+                stats[speculate] = stats.get(speculate) or pstats.Stats(profile).stats
             for request in list(engine.running):
                 engine.abort(request)
     setup.drafter.close()
