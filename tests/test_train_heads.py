@@ -36,8 +36,8 @@ def tokens():
 
 
 def trainer(tmp_path, tokens, kind, **overrides) -> HeadTrainer:
-    cfg = HeadTrainConfig(kind=kind, steps=4, batch_size=2, seq_len=48, eval_every=2, eval_windows=2, save_every=2,
-                          draft_vocab_size=512, accept_prompts=0, **overrides)
+    cfg = HeadTrainConfig(kind=kind, **{**dict(steps=4, batch_size=2, seq_len=48, eval_every=2, eval_windows=2,
+                                            save_every=2, draft_vocab_size=512, accept_prompts=0), **overrides})
     return HeadTrainer(TARGET, tmp_path / kind, tokens[0][:20000], tokens[1][:5000], cfg)
 
 
@@ -128,8 +128,8 @@ def test_regenerated_windows_are_the_targets_own_continuations(tmp_path, tokens,
     from splitspec.train import regenerate
     from splitspec.train.heads import hot_tokens
 
-    tr = trainer(tmp_path, tokens, "eagle3", regenerate=3, regenerate_prompt_len=16, ttt_steps=2)
-    assert tr.windows.shape == (3, 49) and tr.held_out_windows.shape == (2, 49)
+    tr = trainer(tmp_path, tokens, "eagle3", regenerate=2, regenerate_prompt_len=16, ttt_steps=2, seq_len=32)
+    assert tr.windows.shape == (2, 33) and tr.held_out_windows.shape == (2, 33)
     reference = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     unlike_the_text = 0
     for text, windows in ((tokens[0][:20000], tr.windows), (tokens[1][:5000], tr.held_out_windows)):
@@ -138,13 +138,13 @@ def test_regenerated_windows_are_the_targets_own_continuations(tmp_path, tokens,
             prompt, written = window[:16], window[16:]
             at = (cuts == torch.tensor(prompt)).all(1).nonzero().flatten().tolist()
             assert at, "the prompt is not a cut of the text"
-            unlike_the_text += all(text[a + 16 : a + 49].tolist() != written for a in at)
+            unlike_the_text += all(text[a + 16 : a + 33].tolist() != written for a in at)
             ids = list(prompt)
             with torch.no_grad():
                 for _ in range(len(written)):
                     ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
             assert_greedy_match(written, ids[16:], reference, prompt, "regenerated window")
-    assert unlike_the_text == 5  # what the target writes, not what the text went on with
+    assert unlike_the_text == 4  # what the target writes, not what the text went on with
     batch = tr.batch(5)
     assert all(any(torch.equal(row, w) for w in tr.windows) for row in batch)
     assert torch.equal(tr.hot.cpu(), hot_tokens(tr.windows, 4096, 512))
@@ -153,10 +153,10 @@ def test_regenerated_windows_are_the_targets_own_continuations(tmp_path, tokens,
         raise AssertionError("the windows were generated again")
 
     monkeypatch.setattr(regenerate, "regenerate", no_generation)
-    again = trainer(tmp_path, tokens, "eagle3", regenerate=3, regenerate_prompt_len=16, ttt_steps=2)
+    again = trainer(tmp_path, tokens, "eagle3", regenerate=2, regenerate_prompt_len=16, ttt_steps=2, seq_len=32)
     assert torch.equal(again.windows, tr.windows) and torch.equal(again.held_out_windows, tr.held_out_windows)
     report = again.train()
-    assert report["regenerated_windows"] == 3 and report["steps"] == 4
+    assert report["regenerated_windows"] == 2 and report["steps"] == 4
     assert sorted(p.name for p in again.out_dir.iterdir()) == ["config.json", "model.safetensors", "training.json"]
 
 

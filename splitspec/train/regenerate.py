@@ -36,11 +36,18 @@ class Regeneration:
         return f"{self.windows}/{self.seq_len}/{self.prompt_len}/{self.temperature}/{self.seed}"
 
 
-def regenerate(target_dir: Path, tokens: torch.Tensor, plan: Regeneration, device: str,
-               desc: str = "regenerate") -> torch.Tensor:
-    """[plan.windows, plan.seq_len + 1] token ids: prompts of `tokens` completed by the target."""
-    from splitspec.generate import generate_ids
+def target_runner(target_dir: Path, plan: Regeneration, device: str):
+    """The target through the serving engine's runner, with KV room for one batch of windows."""
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype=dtype, device=device,
+                                          max_total_tokens=max(1, min(plan.batch_size, plan.windows)) * (plan.seq_len + 17)))
+
+
+def regenerate(runner, tokens: torch.Tensor, plan: Regeneration, desc: str = "regenerate") -> torch.Tensor:
+    """[plan.windows, plan.seq_len + 1] token ids: prompts of `tokens` completed by the target (target_runner)."""
+    from splitspec.generate import generate_ids
     from splitspec.runtime.sampling_params import SamplingParams
 
     length = plan.seq_len + 1
@@ -51,9 +58,6 @@ def regenerate(target_dir: Path, tokens: torch.Tensor, plan: Regeneration, devic
     generator = torch.Generator().manual_seed(plan.seed)
     starts = torch.randint(0, tokens.numel() - plan.prompt_len, (plan.windows,), generator=generator).tolist()
     batch = max(1, min(plan.batch_size, plan.windows))
-    dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype=dtype, device=device,
-                                            max_total_tokens=batch * (length + 16)))
     new = length - plan.prompt_len
     rows = []
     with tqdm(total=plan.windows * new, desc=desc, unit="tok", unit_scale=True, disable=None) as bar:
@@ -82,8 +86,10 @@ def regenerated(out_dir: Path, target_dir: Path, train: torch.Tensor, held_out: 
             return saved["train"], saved["held_out"]
     logger.info("the target writes %d training and %d held-out windows of %d tokens (prompts of %d, temperature %g)",
                 plan.windows, held_out_windows, plan.seq_len + 1, plan.prompt_len, plan.temperature)
-    windows = regenerate(target_dir, train, plan, device, "regenerate training windows")
-    held = regenerate(target_dir, held_out, held_plan, device, "regenerate held-out windows")
+    runner = target_runner(target_dir, plan, device)
+    windows = regenerate(runner, train, plan, "regenerate training windows")
+    held = regenerate(runner, held_out, held_plan, "regenerate held-out windows")
+    del runner  # its KV cache, before training allocates
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     torch.save({"train": windows, "held_out": held, "key": key}, path)
     return windows, held
