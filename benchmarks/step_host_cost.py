@@ -147,13 +147,13 @@ def off(steps: int, flags: list[str]) -> None:
             print(f"{label}: {steps} steps {wall * 1e3 / steps:.3f} ms/step wall, "
                   f"median {statistics.median(times) * 1e3:.3f}", flush=True)
             if profile is not None:
-                stats[speculate] = stats.get(speculate) or pstats.Stats(profile).stats
+                stats[label] = pstats.Stats(profile).stats
             for request in list(engine.running):
                 engine.abort(request)
     setup.drafter.close()
     rows = []
-    for key, v in stats[True].items():
-        w = stats[False].get(key, (0, 0, 0, 0, None))
+    for key, v in stats["drafting off"].items():
+        w = stats["opted out"].get(key, (0, 0, 0, 0, None))
         rows.append((v[2] - w[2], v[3] - w[3], v[1], w[1], name(key)))
     for title, column in (("speculating-off minus opted-out, ms/step: tottime, cumtime; calls/step each", 0),
                           ("by cumtime difference", 1)):

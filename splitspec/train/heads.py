@@ -260,12 +260,10 @@ class HeadTrainer:
 
     @torch.no_grad()
     def held_out(self) -> tuple[float, list[float]]:
-        windows = []
         n = self.cfg.seq_len + 1
-        for i in range(min(self.cfg.eval_windows, (self.held_out_tokens.numel() - 1) // n)):
-            windows.append(self.held_out_tokens[i * n : (i + 1) * n])
-        if self.held_out_windows is not None:
-            windows = list(self.held_out_windows)
+        windows = list(self.held_out_windows) if self.held_out_windows is not None else [
+            self.held_out_tokens[i * n : (i + 1) * n]
+            for i in range(min(self.cfg.eval_windows, (self.held_out_tokens.numel() - 1) // n))]
         losses, agreements = [], []
         for chunk in torch.stack(windows).split(self.cfg.batch_size):
             with self._autocast():

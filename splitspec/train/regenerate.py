@@ -32,9 +32,6 @@ class Regeneration:
     seed: int = 0
     batch_size: int = 512  # windows completed together
 
-    def key(self) -> str:
-        return f"{self.windows}/{self.seq_len}/{self.prompt_len}/{self.temperature}/{self.seed}"
-
 
 def target_runner(target_dir: Path, plan: Regeneration, device: str):
     """The target through the serving engine's runner, with KV room for one batch of windows."""
@@ -78,7 +75,7 @@ def regenerated(out_dir: Path, target_dir: Path, train: torch.Tensor, held_out: 
     path = Path(out_dir) / FILE
     held_plan = Regeneration(held_out_windows, plan.seq_len, plan.prompt_len, plan.temperature, plan.seed + 1,
                              plan.batch_size)
-    key = f"{plan.key()} held out {held_plan.key()}"
+    key = repr((plan, held_plan))  # every field of both: another plan's windows are not these
     if path.is_file():
         saved = torch.load(path, weights_only=True)
         if saved.get("key") == key:
