@@ -69,6 +69,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "--simulate-acceptance PROFILE` and records plain decoding's outputs, the served side replays them "
                         "(`up --speculative-replay`), drafts accepted per PROFILE on both sides; a dummy target loads as "
                         "--load-format dummy-decisive on both.")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="The served side's `splitspec bench --url --rounds`: plain and speculative alternate N times at "
+                        "each batch size, and served_speedup is the median of the rounds' paired ratios (the host's "
+                        "drift weighs on both alike). The in-process side runs each point once.")
     parser.add_argument("--port", type=int, default=31000, help="The gateway's port (up takes the next four too).")
     parser.add_argument("--timeout", type=float, default=900, help="Seconds for each of the three steps.")
     parser.add_argument("--log-level", default="warning", help="The services' log level (their logs go to OUT.log).")
@@ -262,18 +266,20 @@ class HostSpeed:
         self.stop.set()
         self.thread.join()
 
-    def during(self, window: list[float] | None) -> float | None:
-        """The median sample taken within a bench row's window_s (perf_counter is the system's monotonic clock, the
-        same in the bench's process as in this one); None without samples there."""
+    def during(self, windows: list[list[float]] | None) -> float | None:
+        """The median sample taken within a bench row's windows (its rounds' windows_s, else its window_s;
+        perf_counter is the system's monotonic clock, the same in the bench's process as in this one); None without
+        samples there."""
         import statistics
 
-        inside = [us for us, at in zip(self.samples, self.times) if window and window[0] <= at <= window[1]]
+        inside = [us for us, at in zip(self.samples, self.times)
+                  if any(w[0] <= at <= w[1] for w in windows or [])]
         return round(statistics.median(inside), 1) if inside else None
 
     def mark_rows(self, report: dict) -> None:
         """Each row of a bench report gets host_us: the machine's speed while that point ran."""
         for row in report.get("rows", []):
-            row["host_us"] = self.during(row.get("window_s"))
+            row["host_us"] = self.during(row.get("windows_s") or ([row["window_s"]] if row.get("window_s") else None))
 
     def report(self) -> dict:
         import statistics
@@ -315,6 +321,7 @@ def ratios(served: dict, in_process: dict) -> list[dict]:
         return row["batch_size"], row["speculative"] is not None
 
     inside = {}
+    speedups = {row["batch_size"]: row.get("speedup") for row in served["rows"] if row["speculative"] is not None}
     for row in in_process["rows"]:  # the first grid point's rows (served runs the server's one tree)
         inside.setdefault(key(row), row)
     out = []
@@ -333,7 +340,9 @@ def ratios(served: dict, in_process: dict) -> list[dict]:
     for row in out:  # speculation's gain as each side sees it
         plain = next((r for r in out if r["batch_size"] == row["batch_size"] and r["speculative"] is None), None)
         if row["speculative"] is not None and plain is not None:
-            row["served_speedup"] = round(row["served_tok_s"] / plain["served_tok_s"], 3) if plain["served_tok_s"] else None
+            # the served bench's own (with --rounds, the median of its rounds' paired ratios)
+            row["served_speedup"] = speedups.get(row["batch_size"]) or (
+                round(row["served_tok_s"] / plain["served_tok_s"], 3) if plain["served_tok_s"] else None)
             row["in_process_speedup"] = (round(row["in_process_tok_s"] / plain["in_process_tok_s"], 3)
                                          if plain["in_process_tok_s"] else None)
     return out
@@ -381,7 +390,8 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
         before, pids = loop_totals(metrics_url), descendants(up.pid)
         cpu_before, started = process_cpu(pids), time.perf_counter()
         with HostSpeed() as speed:
-            served = bench(["--url", url, "--model-path", model_path, *load], work / "served.json", args.timeout, log)
+            served = bench(["--url", url, "--model-path", model_path, *load, "--rounds", str(args.rounds)],
+                           work / "served.json", args.timeout, log)
         wall, requests = time.perf_counter() - started, sum(row.get("requests", 0) for row in served.get("rows", []))
         served["process_cpu"] = cpu_report(cpu_before, process_cpu(pids), wall, requests)  # is one process the queue?
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps

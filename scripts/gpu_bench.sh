@@ -68,7 +68,8 @@
 #             1, 8, 32, 64), 8b-eagle3-sim-local (--drafters 0) and 8b-eagle3-sim-remote (--drafters 1: the head in a
 #             drafter process); the in-process side runs the server's adaptive setting
 #             (auto: on for a GPU target); the demo cases serve 32 requests of 256 tokens a point (since 2026-12-03;
-#             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; each
+#             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; SERVED_ROUNDS=N measures the served side N
+#             times, plain and speculative alternating (served.py --rounds: served_speedup the median of paired rounds); each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
 #             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;
@@ -249,7 +250,7 @@ for stage in "${stages[@]}"; do
                     fi
                     SPLITSPEC_TORCH_PROFILE=${SERVED_TORCH_PROFILE:+$OUT/tprof_$tag} SPLITSPEC_TORCH_PROFILE_SERVED=${SERVED_TORCH_PROFILE:-} \
                     SPLITSPEC_STEP_LOG=${SERVED_STEP_LOG:+$OUT/steps_$tag} SPLITSPEC_SYNC_DEBUG=${SERVED_SYNCS:+$OUT/syncs_$tag.jsonl} \
-                    SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$tag" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$tag} timeout "${SERVED_TIMEOUT:-540}" "${pin[@]}" python3 -P benchmarks/served.py "${pre[@]}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$tag.json" \
+                    SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_$tag" SPLITSPEC_PROFILE_HOST=${SERVED_PROFILE:+$OUT/prof_$tag} timeout "${SERVED_TIMEOUT:-540}" "${pin[@]}" python3 -P benchmarks/served.py "${pre[@]}" --rounds "${SERVED_ROUNDS:-1}" --log-level "${SERVED_LOG_LEVEL:-warning}" --timeout "${SERVED_STEP_TIMEOUT:-300}" --out "$OUT/served_$tag.json" \
                         --load "--batch-size $bs --prompt-len 128 --output-len 128 $longer ${SERVED_LOAD:-}" \
                         -- --device cuda --dtype bfloat16 "${model[@]}" >> "$OUT/served.log" 2>&1 || stop=1
                     [[ -n "$sampler" ]] && { kill "$sampler"; wait "$sampler"; }

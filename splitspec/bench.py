@@ -21,7 +21,8 @@ One JSON row per point:
                             for the next trees; with overlap, waiting for the bets first), other, total; on
                             a GPU the engine waits for the device at each boundary, so phases hold their
                             kernels' time
-    speedup                 output_tok_s over plain's at the same batch size
+    speedup                 output_tok_s over plain's at the same batch size (--url --rounds N: the median of
+                            the rounds' paired ratios; rounds_tok_s, windows_s: each round's tok/s and time window)
     adaptive, budgets       whether the point ran load-adaptive (--speculative-adaptive on|both); decode steps per
                             tree budget the engine used (1: no drafts)
     profile                 simulated rows: the acceptance profile replayed
@@ -136,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "and --temperature apply). The requests stream from one asyncio event loop, each concurrent "
                         "slot over its own keep-alive connection, as SGLang's and vLLM's serving benchmarks send them.")
     remote.add_argument("--api-key", default=None, help="Bearer token for --url.")
+    remote.add_argument("--rounds", type=int, default=1,
+                        help="With --url: each batch size measured N times, plain and speculative alternating (plain, "
+                        "speculative, plain, ...), so that a host whose speed drifts over minutes weighs on both alike. A "
+                        "row pools its rounds (all tokens over their summed wall time; latencies over every request; "
+                        "rounds_tok_s: each round's), and its speedup is the median of each speculative round over the "
+                        "plain round just before it.")
     parser.add_argument("--out", default=None, help="Also write the JSON report here.")
     return parser
 
@@ -144,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         model_flags.check_sglang_server_flags(args, "splitspec bench")
+        if args.rounds < 1 or (args.rounds > 1 and not args.url):
+            raise ValueError(f"--rounds {args.rounds}: at least 1, and more only with --url")
         if args.url:
             from splitspec.bench_http import run_remote
 

@@ -271,6 +271,56 @@ async def _warm(client: Http, bodies: list[dict]) -> None:
         connection.close()
 
 
+def _measure(client: Http, model: str, args, prompts: list, batch_size: int, speculative: bool, log) -> dict:
+    """One round of one point: its warm-up, then every prompt at `batch_size` at a time. What it saw, unpooled."""
+    bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "stream": True,
+               "temperature": args.temperature, "seed": i, "ignore_eos": True, "speculative": speculative,
+               "stream_options": {"include_usage": True}} for i, p in enumerate(prompts)]
+    timelines = [Timeline() for _ in prompts]
+    extras: list[dict] = [{} for _ in prompts]
+    errors: list[str] = []
+    warm = [{"model": model, "prompt": prompts[w % len(prompts)], "max_tokens": 8, "stream": True,
+             "temperature": 0, "ignore_eos": True, "speculative": speculative}
+            for w in range(args.warmup_requests)]
+    event_loop.run(_warm(client, warm))
+    start, ended = event_loop.run(_point(client, bodies, batch_size, timelines, extras, errors))
+    if log is not None:
+        log.point(batch_size, speculative, start, ended, timelines)
+    return {"timelines": timelines, "extras": extras, "errors": errors, "window": (start, ended)}
+
+
+def _row(batch_size: int, speculative: bool, rounds: list[dict]) -> dict:
+    """A point's row from its rounds pooled: every request's timeline, tokens over the rounds' summed wall time."""
+    timelines = [t for r in rounds for t in r["timelines"]]
+    extras = [e for r in rounds for e in r["extras"]]
+    wall = sum(r["window"][1] - r["window"][0] for r in rounds)
+    windows = [[round(a, 3), round(b, 3)] for a, b in (r["window"] for r in rounds)]
+    row = {"batch_size": batch_size, "speculative": None, **latency_fields(timelines, wall),
+           "window_s": [windows[0][0], windows[-1][1]], "windows_s": windows,
+           "errors": [e for r in rounds for e in r["errors"]]}
+    if len(rounds) > 1:
+        row["rounds_tok_s"] = [latency_fields(r["timelines"], r["window"][1] - r["window"][0])["output_tok_s"]
+                               for r in rounds]
+    row["prompt_tokens_mean"] = round(statistics.fmean(
+        [e["usage"]["prompt_tokens"] for e in extras if e.get("usage")] or [0]), 1)
+    if speculative:
+        counts = [e["speculative"] for e in extras if e.get("speculative")]
+        steps = sum(c["verify_steps"] for c in counts)
+        accepted = sum(c["accepted_tokens"] for c in counts)
+        row.update(speculative=next((c["algorithm"] for c in counts if c.get("algorithm")), "off"),
+                   verify_steps=steps, accepted_tokens=accepted,
+                   accept_length=round(1 + accepted / steps, 4) if steps else None)
+    return row
+
+
+def _speedup(row: dict, plain: dict) -> float | None:
+    """Speculative over plain tok/s: over one round each, their ratio; over several, the median of each round's ratio
+    to the plain round just before it (a host whose speed drifts over minutes then weighs on both sides of a pair alike)."""
+    pairs = [s / p for s, p in zip(row.get("rounds_tok_s") or [row["output_tok_s"]],
+                                   plain.get("rounds_tok_s") or [plain["output_tok_s"]]) if s and p]
+    return round(statistics.median(pairs), 3) if pairs else None
+
+
 def run_remote(args) -> dict:
     client = Http(args.url, args.api_key)
     models = client.get("/v1/models")
@@ -281,35 +331,18 @@ def run_remote(args) -> dict:
     prompts_all = make_prompts(args, local, None, max(counts.values()))
     rows = []
     log = StepLog.from_env("client")  # SPLITSPEC_STEP_LOG
-    for batch_size, speculative in itertools.product(batch_sizes, (False, True)):
-        prompts = prompts_all[: counts[batch_size]]
-        bodies = [{"model": model, "prompt": p, "max_tokens": args.output_len, "stream": True,
-                   "temperature": args.temperature, "seed": i, "ignore_eos": True, "speculative": speculative,
-                   "stream_options": {"include_usage": True}} for i, p in enumerate(prompts)]
-        timelines = [Timeline() for _ in prompts]
-        extras: list[dict] = [{} for _ in prompts]
-        errors: list[str] = []
-        warm = [{"model": model, "prompt": prompts[w % len(prompts)], "max_tokens": 8, "stream": True,
-                 "temperature": 0, "ignore_eos": True, "speculative": speculative}
-                for w in range(args.warmup_requests)]
-        event_loop.run(_warm(client, warm))
-        start, ended = event_loop.run(_point(client, bodies, batch_size, timelines, extras, errors))
-        if log is not None:
-            log.point(batch_size, speculative, start, ended, timelines)
-        row = {"batch_size": batch_size, "speculative": None, **latency_fields(timelines, ended - start),
-               "window_s": [round(start, 3), round(ended, 3)], "errors": errors}
-        row["prompt_tokens_mean"] = round(statistics.fmean(
-            [e["usage"]["prompt_tokens"] for e in extras if e.get("usage")] or [0]), 1)
-        counts_ = [e["speculative"] for e in extras if e.get("speculative")]
-        steps = sum(c["verify_steps"] for c in counts_)
-        accepted = sum(c["accepted_tokens"] for c in counts_)
-        if speculative:
-            row.update(speculative=next((c["algorithm"] for c in counts_ if c.get("algorithm")), "off"),
-                       verify_steps=steps, accepted_tokens=accepted,
-                       accept_length=round(1 + accepted / steps, 4) if steps else None)
-            plain = next(r for r in rows if r["batch_size"] == batch_size and r["speculative"] is None)
-            row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
-        rows.append(row)
-        logger.info("batch %d %s: %s tok/s, ttft %s ms", batch_size, "speculative" if speculative else "plain",
-                    row["output_tok_s"], (row["ttft_ms"] or {}).get("p50"))
-    return {"url": args.url, "model": model, "rows": rows, "client": "asyncio, a keep-alive connection per slot"}
+    for batch_size in batch_sizes:
+        # plain and speculative alternate, round after round, at each batch size
+        measured: dict[bool, list[dict]] = {False: [], True: []}
+        for _, speculative in itertools.product(range(args.rounds), (False, True)):
+            measured[speculative].append(_measure(client, model, args, prompts_all[: counts[batch_size]], batch_size,
+                                                  speculative, log))
+        plain, spec = (_row(batch_size, s, measured[s]) for s in (False, True))
+        spec["speedup"] = _speedup(spec, plain)
+        for row in (plain, spec):
+            rows.append(row)
+            logger.info("batch %d %s: %s tok/s (rounds %s), ttft %s ms", batch_size,
+                        "speculative" if row["speculative"] else "plain", row["output_tok_s"],
+                        row.get("rounds_tok_s", "1"), (row["ttft_ms"] or {}).get("p50"))
+    return {"url": args.url, "model": model, "rows": rows, "client": "asyncio, a keep-alive connection per slot",
+            "rounds": args.rounds}

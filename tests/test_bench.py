@@ -189,12 +189,17 @@ def test_bench_refuses_what_it_cannot_measure():
     result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "ftp://x"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "expected http(s)://host:port" in result.stderr
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick", "--rounds", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--rounds 2: at least 1, and more only with --url" in result.stderr
 
 
 def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     """`splitspec up` with a drafter process replaying the target's recorded outputs over ZeroMQ, measured by
     `splitspec bench --url` with 1 and 2 concurrent streaming clients: every request completes, plain requests
-    (opted out) and speculative ones are both measured, and the accept length follows the profile."""
+    (opted out) and speculative ones are both measured, and the accept length follows the profile. Two rounds
+    (--rounds 2): plain and speculative alternate in time, each row pools its rounds, and the speedup is the median
+    of the paired rounds' ratios."""
     from test_launcher import Up
 
     rng = random.Random(3)
@@ -213,18 +218,26 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     try:
         up.wait_for_line(r"serving splitspec-demo at ")
         report = bench("--url", up.url, "--batch-size", "1,2", "--num-prompts", "4", "--output-len", "40",
-                       "--dataset", str(dataset), "--warmup-requests", "0")
+                       "--dataset", str(dataset), "--warmup-requests", "0", "--rounds", "2")
     finally:
         up.stop()
-    assert report["model"] == "splitspec-demo"
+    assert report["model"] == "splitspec-demo" and report["rounds"] == 2
     rows = report["rows"]
     assert [(r["batch_size"], r["speculative"]) for r in rows] == [(1, None), (1, "NGRAM"), (2, None), (2, "NGRAM")]
-    for row in rows:
-        assert row["errors"] == [] and row["completed"] == 4 and row["output_tokens"] == 160
+    for row in rows:  # 4 requests a round, two rounds pooled
+        assert row["errors"] == [] and row["requests"] == 8 and row["completed"] == 8 and row["output_tokens"] == 320
         assert row["prompt_tokens_mean"] == 12 and row["ttft_ms"]["p50"] > 0 and row["tpot_ms"] > 0
-    for row in rows[1::2]:
-        assert abs(row["accept_length"] - 3) < 0.4, row["accept_length"]
-        assert row["speedup"] > 0
+        assert len(row["rounds_tok_s"]) == 2 and all(x > 0 for x in row["rounds_tok_s"])
+        wall = sum(b - a for a, b in row["windows_s"])
+        assert abs(row["output_tok_s"] - 320 / wall) < 0.02 * row["output_tok_s"], (row["output_tok_s"], wall)
+    for plain, spec in zip(rows[0::2], rows[1::2]):
+        # alternating: plain round 1, speculative round 1, plain round 2, speculative round 2
+        p1, p2 = plain["windows_s"]
+        s1, s2 = spec["windows_s"]
+        assert p1[1] <= s1[0] and s1[1] <= p2[0] and p2[1] <= s2[0], (plain["windows_s"], spec["windows_s"])
+        assert abs(spec["accept_length"] - 3) < 0.4, spec["accept_length"]
+        pairs = sorted(s / p for s, p in zip(spec["rounds_tok_s"], plain["rounds_tok_s"]))
+        assert abs(spec["speedup"] - (pairs[0] + pairs[1]) / 2) < 2e-3, (spec["speedup"], pairs)
 
 
 def test_served_against_in_process_in_one_command(tmp_path):
@@ -501,11 +514,13 @@ def test_host_speed_per_point_takes_the_samples_inside_its_window():
         sys.path.remove(str(REPO / "benchmarks"))
     speed = HostSpeed()
     speed.samples, speed.times = [100.0, 300.0, 200.0, 250.0, 90.0], [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert speed.during([1.5, 4.5]) == 250.0  # 300, 200, 250
-    assert speed.during([5.5, 6.0]) is None and speed.during(None) is None
-    report = {"rows": [{"window_s": [0.0, 1.2]}, {"window_s": [2.5, 4.5]}, {}]}
+    assert speed.during([[1.5, 4.5]]) == 250.0  # 300, 200, 250
+    assert speed.during([[5.5, 6.0]]) is None and speed.during(None) is None
+    assert speed.during([[0.5, 1.5], [4.5, 5.5]]) == 95.0  # a point's rounds: 100 and 90, not the 300 between them
+    report = {"rows": [{"window_s": [0.0, 1.2]}, {"window_s": [2.5, 4.5]}, {},
+                       {"window_s": [0.5, 5.5], "windows_s": [[0.5, 1.5], [1.5, 2.5]]}]}
     speed.mark_rows(report)
-    assert [row["host_us"] for row in report["rows"]] == [100.0, 225.0, None]
+    assert [row["host_us"] for row in report["rows"]] == [100.0, 225.0, None, 200.0]
 
 
 def test_step_timeline_times_a_decode_cycle_from_one_decode_step_to_the_next():
