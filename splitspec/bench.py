@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_argument("--api-key", default=None, help="Bearer token for --url.")
     remote.add_argument("--rounds", type=int, default=1,
                         help="With --url: each batch size measured N times, plain and speculative alternating (plain, "
-                        "speculative, plain, ...), so that a host whose speed drifts over minutes weighs on both alike. A "
+                        "speculative, plain, ...), so that a host whose speed drifts over minutes weighs on both alike; each "
+                        "round sends its own prompts (plain and speculative the same ones). A "
                         "row pools its rounds (all tokens over their summed wall time; latencies over every request; "
                         "rounds_tok_s: each round's), and its speedup is the median of each speculative round over the "
                         "plain round just before it.")

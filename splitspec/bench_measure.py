@@ -76,11 +76,20 @@ def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: in
         from splitspec.train import corpus
 
         texts = corpus.read_texts([f for f in corpus.select_files() if f.held_out], held_out=True)
+        # every text's first window, then (where more prompts are asked for than there are texts: --rounds) the
+        # windows after it, so that prompts repeat only once the texts are used up
         if tokenizer is None:  # the server tokenizes: cut by characters (about 4 per token)
-            prompts = [t[: 4 * args.prompt_len] for t in texts if len(t) >= 4 * args.prompt_len]
+            width = 4 * args.prompt_len
+            windows = [[t[i : i + width] for i in range(0, len(t) - width + 1, width)] for t in texts]
         else:
-            cut = (t[: 16 * args.prompt_len] for t in texts)  # enough characters for prompt_len tokens
-            prompts = [ids[: args.prompt_len] for ids in map(tokenizer.encode, cut) if len(ids) >= args.prompt_len]
+            width = args.prompt_len
+            windows = [[ids[i : i + width] for i in range(0, len(ids) - width + 1, width)]
+                       for ids in (tokenizer.encode(t[: 16 * args.prompt_len * -(-count // len(texts))]) for t in texts)]
+        prompts = []
+        for k in range(max(map(len, windows), default=0)):
+            prompts += [w[k] for w in windows if len(w) > k]
+            if len(prompts) >= count:
+                break
     else:
         rows = [json.loads(line) for line in Path(dataset).read_text().splitlines() if line.strip()]
         prompts = [r["prompt_ids"] if "prompt_ids" in r else r.get("text") or r["prompt"] for r in rows]

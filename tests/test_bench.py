@@ -198,12 +198,13 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     """`splitspec up` with a drafter process replaying the target's recorded outputs over ZeroMQ, measured by
     `splitspec bench --url` with 1 and 2 concurrent streaming clients: every request completes, plain requests
     (opted out) and speculative ones are both measured, and the accept length follows the profile. Two rounds
-    (--rounds 2): plain and speculative alternate in time, each row pools its rounds, and the speedup is the median
-    of the paired rounds' ratios."""
+    (--rounds 2): plain and speculative alternate in time, each round sends its own prompts, each row pools its rounds,
+    and the speedup is the median of the paired rounds' ratios."""
     from test_launcher import Up
 
     rng = random.Random(3)
-    prompts = [[rng.randrange(4, 4000) for _ in range(12)] for _ in range(4)]
+    # a round's 4 prompts of 12 tokens, then the next round's own 4 of 14 (the dataset's next prompts, not the same again)
+    prompts = [[rng.randrange(4, 4000) for _ in range(12 if i < 4 else 14)] for i in range(8)]
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts))
     reference = tmp_path / "reference.jsonl"
@@ -226,7 +227,7 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     assert [(r["batch_size"], r["speculative"]) for r in rows] == [(1, None), (1, "NGRAM"), (2, None), (2, "NGRAM")]
     for row in rows:  # 4 requests a round, two rounds pooled
         assert row["errors"] == [] and row["requests"] == 8 and row["completed"] == 8 and row["output_tokens"] == 320
-        assert row["prompt_tokens_mean"] == 12 and row["ttft_ms"]["p50"] > 0 and row["tpot_ms"] > 0
+        assert row["prompt_tokens_mean"] == 13 and row["ttft_ms"]["p50"] > 0 and row["tpot_ms"] > 0
         assert len(row["rounds_tok_s"]) == 2 and all(x > 0 for x in row["rounds_tok_s"])
         wall = sum(b - a for a, b in row["windows_s"])
         assert abs(row["output_tok_s"] - 320 / wall) < 0.02 * row["output_tok_s"], (row["output_tok_s"], wall)
@@ -503,6 +504,40 @@ def test_bench_client_gives_up_on_a_silent_server(monkeypatch):
             asyncio.run(ask())
     finally:
         listener.close()
+
+
+def test_held_out_prompts_take_the_texts_next_windows_before_repeating():
+    """More prompts than held-out texts (bench --url --rounds): every text's first window first (what a single round
+    sends, as before), then their next windows, all distinct; as ids (a tokenizer here) and as text (--url without one)."""
+    import argparse
+
+    from splitspec.bench_measure import make_prompts
+    from splitspec.generate import load_tokenizer
+
+    from splitspec.demo import demo_model_dirs
+
+    target = demo_model_dirs()["target"]
+    tokenizer = load_tokenizer(target, required=True)
+    for model_dir in (target, None):
+        args = argparse.Namespace(dataset="auto", url="http://x" if model_dir is None else None, prompt_len=64, seed=0)
+        first = make_prompts(args, model_dir, None, 8)
+        many = make_prompts(args, model_dir, None, 400)
+        assert many[:8] == first
+        keys = [tuple(p) if model_dir else p for p in many]
+        assert len(set(keys)) == len(keys) == 400, len(set(keys))
+        if model_dir is None:  # a text's windows, 4 characters a token
+            assert all(len(p) == 256 for p in many)
+        else:
+            assert all(len(p) == 64 for p in many)
+            # the first window is the text's first 64 tokens
+            assert first[0] == tokenizer.encode(first_text_with(64, tokenizer))[:64]
+
+
+def first_text_with(tokens: int, tokenizer) -> str:
+    from splitspec.train import corpus
+
+    texts = corpus.read_texts([f for f in corpus.select_files() if f.held_out], held_out=True)
+    return next(t for t in texts if len(tokenizer.encode(t[: 16 * tokens])) >= tokens)[: 16 * tokens]
 
 
 def test_host_speed_per_point_takes_the_samples_inside_its_window():
