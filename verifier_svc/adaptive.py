@@ -44,7 +44,9 @@ own at the nearest load, else the nearest budget's there), tried, measured and k
 the acceptance cannot be measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the
 best budget (the second one's costs are timed: steady), when full acceptance could make speculation win at that load
 at all; each probe that leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes or the
-load moves to another power-of-two batch; between probes, at a load that holds, the choice reuses the predictions it
+load moves to another power-of-two batch; and where a probe was timed at that load, the wait is at least long enough
+that probing takes no more than probe_share (3%) of the time (a probe's first step catches a head up on everything
+it was fed while drafting was off: on an H200 serving the demo EAGLE-3 pair, 5.4 ms at batch 16, nine plain steps); between probes, at a load that holds, the choice reuses the predictions it
 was made from (up to repredict_off_every steps: with no tree running, only plain steps' own timings could move them).
 While it speculates, timings older than 256 steps with speculating requests (a run where all opted out ages nothing)
 are not trusted (a forward size or budget timed only that long ago is predicted optimistically again) and are dropped
@@ -118,6 +120,21 @@ class AdaptiveSpeculation(AdaptiveEstimates):
             seconds += self._spec_seconds(budget, batch_bucket(speculating), trusted=optimistic)
         tokens = speculating * self.expected_tokens(budget, optimistic) + plain
         return tokens / seconds if seconds > 0 else None
+
+    def _probe_wait(self, speculating: int, plain: int, predicted: dict[int, float]) -> int:
+        """Plain steps a probe at this load must wait for, so that probing takes at most probe_share of the time: its
+        measured cost (its first step's whole cycle, the drafter catching up on the off-run, and a steady drafted
+        cycle, less the two plain steps they stand for) over probe_share of a plain step. 0 before a probe or a switch
+        was timed here."""
+        batch = speculating + plain
+        first = self._first_drafted.get(batch_bucket(batch))
+        if first is None or not predicted.get(1):
+            return 0
+        plain_cycle = batch / predicted[1]
+        bucket = token_bucket(batch)
+        drafted = [self._cycles[(n, bucket)].value for n in self.ladder[1:] if (n, bucket) in self._cycles]
+        cost = first.value + (min(drafted) if drafted else plain_cycle) - 2 * plain_cycle
+        return int(cost / (self.config.probe_share * plain_cycle)) if cost > 0 else 0
 
     def _plain_stale(self, batch: int) -> bool:
         """Whether plain decoding was timed at this load (whole cycles), but not within stale_steps: judged long ago,
@@ -228,7 +245,10 @@ class AdaptiveSpeculation(AdaptiveEstimates):
             bucket = batch_bucket(speculating + plain)
             if bucket != self._probe_bucket:  # another load: probed at the configured interval again
                 self._probe_bucket, self._probe_every = bucket, self.config.probe_interval
-            if self._off_steps >= self._probe_every:  # refresh the acceptance if it could matter
+            wait = self._probe_wait(speculating, plain, predicted) if self._off_steps >= self._probe_every else 0
+            if wait > self._probe_every:  # a probe here costs more than the interval's share: it waits longer
+                self._probe_every = wait
+            elif self._off_steps >= self._probe_every:  # refresh the acceptance if it could matter
                 self._off_steps = 0
                 hopeful = {n: self.throughput(n, speculating, plain, prefill_tokens, optimistic=True)
                            for n in self.ladder[1:]}

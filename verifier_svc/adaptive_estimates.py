@@ -44,6 +44,9 @@ class AdaptiveConfig:
     repredict_every: int = 8  # steps a settled choice's predictions serve the same batch (a choice costs ~0.1 ms)
     # the same with drafting off and no probe due: only plain steps' own timings move the predictions then
     repredict_off_every: int = 64
+    # at most this share of the time between probes goes to probing: a probe's two drafted steps, the first catching
+    # the drafter up on the off-run (a head's backlog: ~2.5 ms at batch 1, ~5 ms at 16 on an H200 serving the demo pair)
+    probe_share: float = 0.03
 
 
 class AdaptiveEstimates:
@@ -65,6 +68,9 @@ class AdaptiveEstimates:
         # (budget, batch quarter-octave) -> whole decode cycles; plain decoding's never go stale (they do not depend
         # on the traffic), a budget's do, as its timings do
         self._cycles: dict[tuple[int, int], Cycle] = {}
+        # batch bucket -> whole cycles of a drafted step right after a plain one (a probe's, a switch's: the drafter
+        # catches up on what it was fed meanwhile); what a probe costs is priced from them
+        self._first_drafted: dict[int, Recent] = {}
         self._previous_budget = -1  # the last observed step's budget (-1: none yet; 0: it ran prompt chunks)
         self._steps = 0  # steps observed
         self._age = 0  # steps observed with requests that speculate: what timings age by (opted-out runs age nothing)
@@ -103,6 +109,9 @@ class AdaptiveEstimates:
         # kept drafting off for good)
         cold = self._previous_budget == 0 and batch and decode_only
         steady = step.budget == self._previous_budget or self._previous_budget < 0
+        if self._previous_budget == 1 and step.budget > 1 and step.speculating and decode_only:
+            self._first_drafted.setdefault(batch_bucket(batch), Recent()).add(
+                step.verify_seconds + step.spec_seconds + step.base_seconds)
         self._previous_budget = step.budget if batch and decode_only else 0
         if step.forward_tokens and not cold:
             key = token_bucket(step.forward_tokens)
