@@ -124,7 +124,7 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
                            "again (only when better acceptance could make speculation pay at that load); each probe that "
                            "leaves drafting off doubles the wait for the next, up to 8x, until drafting resumes or the "
                            "batch size moves to another power of two; and where a probe was timed at that load, the wait "
-                           "is long enough that probing costs at most 3% of the time (its first step catches a head up on "
+                           "is long enough that probing costs at most 3%% of the time (its first step catches a head up on "
                            "the whole run without drafts).")
     group.add_argument("--speculative-ngram-min-match-window-size", type=int, default=1, help="NGRAM: shortest suffix matched.")
     group.add_argument("--speculative-ngram-max-match-window-size", type=int, default=12, help="NGRAM: longest suffix matched.")

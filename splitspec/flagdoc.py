@@ -36,7 +36,8 @@ def _parser_section(title: str, summary: str, parser: argparse.ArgumentParser) -
             subcommands += [(f"{title} {name}", helps.get(name, ""), sub) for name, sub in action.choices.items()]
             continue
         choices = f" One of: {', '.join(map(str, action.choices))}." if action.choices else ""
-        rows.append(f"| {_flag_cell(action)} | {_default_cell(action)} | {action.help}{choices} |")
+        help_text = action.help.replace("%%", "%")  # argparse's escape, as --help prints it
+        rows.append(f"| {_flag_cell(action)} | {_default_cell(action)} | {help_text}{choices} |")
     if rows:
         lines += ["| flag | default | meaning |", "|---|---|---|", *rows, ""]
     for sub_title, sub_summary, sub in subcommands:

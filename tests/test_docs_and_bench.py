@@ -23,8 +23,10 @@ def test_every_command_flag_has_help():
     from splitspec.cli import COMMANDS, load_command
 
     for name in COMMANDS:
-        for action in load_command(name).build_parser()._actions:
+        parser = load_command(name).build_parser()
+        for action in parser._actions:
             assert action.help and action.help.strip(), f"splitspec {name} {action.option_strings}: no help"
+        assert "--help" in parser.format_help()  # `--help` renders (a bare % in a help text breaks argparse's formatting)
 
 
 def test_cli_lists_commands_and_refuses_unknown():
