@@ -209,9 +209,8 @@ def test_acceptance_faded_by_an_off_run_keeps_a_floor_of_evidence(seed):
 def test_probes_at_the_interval_again_when_the_load_moves():
     """Drafting loses at batch 16 (a drafter of 4 ms a step at any budget, a 0.6 ms forward) though full acceptance
     would win: the probes there back off; when the load moves to batch 4, the next probe comes at the configured
-    interval, not the backed-off one, or where a probe there was timed to cost more than probe_share of that
-    interval's plain steps (5.6 ms drafted steps against 1.6 ms plain ones: ~170 steps), at the interval that share
-    gives."""
+    interval, not the backed-off one (or, where a probe there was timed to cost more than probe_share of that
+    interval's plain steps, at the interval that share gives)."""
 
     class BeamGpu(ModelGpu):
         def verify(self, tokens):
@@ -228,7 +227,7 @@ def test_probes_at_the_interval_again_when_the_load_moves():
     chosen = run_policy(policy, gpu, 4, 250)
     assert policy.probes > before, chosen
     probe = next(i for i in range(3, len(chosen)) if chosen[i] > 1 and chosen[i - 1] == 1)  # after the load's first tries
-    assert probe < min(backed_off, 250) and 150 <= probe, (probe, backed_off, chosen)
+    assert probe < min(backed_off, 250), (probe, backed_off, chosen)
 
 
 def test_drafting_off_choices_skip_the_predictions_until_something_can_change_them():
@@ -525,6 +524,33 @@ def test_probes_wait_until_what_they_cost_is_a_small_share_of_the_time():
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert len(starts) >= 3 and min(gaps) >= 500, (starts, gaps)  # still measured, at the cost-based interval
     assert gpu.tokens / gpu.seconds >= 0.985 * batch / 0.0006, gpu.tokens / gpu.seconds
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_warm_ups_drafting_time_does_not_price_the_probes_trees_for_good(seed):
+    """As an H200 served the demo EAGLE-3 chain at batch 1 (a963cff): a warm-up's first drafted steps, at budget 5, took
+    1.5 ms of drafting (0.3 ms later), so drafting went off. Probes at budget 6 timed 0.3 ms, but one value each (a
+    probe's timing was cleared as stale by the next, 256+ steps on), never the min_timings that would let it stand, so
+    budget 5's warm-up priced every tree; with drafting off nothing aged, and drafting stayed off for 14339 of 17314
+    steps where it made 1.2x plain decoding. Now the probes' timings add up, and while drafting is off timings older
+    than stale_steps before the last drafted step are not trusted: the policy drafts."""
+
+    class ProbedGpu(ModelGpu):  # plain steps overlapped (0.63 ms whole cycles), drafted ones 2.1 ms
+        def step(self, budget, batch):
+            if budget == 1:
+                return StepShape(1, batch, 0, 0, 0.0, 0.0, 0.00063)
+            accepts = super().step(budget, batch).accepts
+            return StepShape(budget, batch, 0, batch * budget, 0.0008, 0.0003, 0.001, accepts)
+
+    gpu = ProbedGpu(q=0.85, seed=seed)
+    assert gpu.expected(6) / 0.0021 > 1.2 / 0.00063
+    policy = chain_policy()
+    for _ in range(4):  # the warm-up's drafted steps
+        warm = gpu.step(5, 1)
+        warm.spec_seconds, warm.base_seconds = 0.0015, 0.001
+        policy.observe(warm)
+    chosen = run_policy(policy, gpu, 1, 4000)
+    assert sum(b > 1 for b in chosen[-1000:]) >= 950, (policy.probes, chosen[-1000:])
 
 
 # the engine ----------------------------------------------------------------------------------------------

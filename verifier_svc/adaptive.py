@@ -51,7 +51,9 @@ was made from (up to repredict_off_every steps: with no tree running, only plain
 While it speculates, timings older than 256 steps with speculating requests (a run where all opted out ages nothing)
 are not trusted (a forward size or budget timed only that long ago is predicted optimistically again) and are dropped
 when a new one comes: a budget judged by its first, warming-up steps, or by a load that has passed, is measured again.
-Plain decoding too: drafting on, where it was last timed at this load that long ago, two plain steps re-time it (a plain
+While it does not, nothing is timed but plain steps and probes: timings older than 256 steps before the last drafted
+step (a probe's) are not trusted, and probes add to the probes' timings before them instead of replacing them (a
+budget timed only by a warm-up's slow first steps priced every probed tree for good). Plain decoding too: drafting on, where it was last timed at this load that long ago, two plain steps re-time it (a plain
 probe; drafting stays chosen unless plain now wins), and where it never ran at this load it is priced at most at a
 smaller load's cost (a larger batch's cycle would keep it from ever being tried).
 

@@ -74,6 +74,7 @@ class AdaptiveEstimates:
         self._previous_budget = -1  # the last observed step's budget (-1: none yet; 0: it ran prompt chunks)
         self._steps = 0  # steps observed
         self._age = 0  # steps observed with requests that speculate: what timings age by (opted-out runs age nothing)
+        self._drafted_at = -1  # _age at the last step with drafts (a probe's, while drafting is off)
         self._accepts_at = 0  # _age at the last step with verified drafts (the acceptance counts age by _age too)
         self._acceptance_cache: list[float] = []
         self._acceptance_at = -1  # the step it was computed at
@@ -100,6 +101,12 @@ class AdaptiveEstimates:
         self._steps += 1
         self._age += step.speculating > 0
         now, stale = self._age, cfg.stale_steps
+        if step.budget > 1 and step.speculating:
+            self._drafted_at = now
+        # a probe's steps (drafting off: the policy's budget stays 1) keep what the probes before timed: each probe times
+        # one steady step, and a budget probed at intervals longer than stale_steps, its timings cleared as stale at
+        # every probe, never held min_timings of its own (another budget's warm-up steps then priced it for good)
+        stale = 0 if self.budget == 1 and step.budget > 1 else stale
         batch = step.speculating + step.plain
         decode_only = step.forward_tokens <= step.speculating * step.budget + step.plain
         # a step at another budget than the one before (a probe, a try, a switch) pays the change (the drafter's
@@ -229,8 +236,14 @@ class AdaptiveEstimates:
         return points
 
     def _horizon(self) -> int:
-        """The oldest step whose timings are trusted: all while speculation is off, the last stale_steps while on."""
-        return self._age - self.config.stale_steps if self.budget > 1 else -1
+        """The oldest step whose timings are trusted: the last stale_steps while speculation is on; while it is off,
+        nothing replaces them, so all but those older than stale_steps before the last drafted step (a probe's): a
+        budget timed only in a warm-up's first steps, long before the probes, is not what drafting costs now (on an
+        H200 serving the demo EAGLE-3 pair, a budget-5 warm-up's 2.5 ms of drafting priced every tree at batch 1 for
+        the whole run, against ~0.3 ms probed, and drafting stayed off where it made 1.2x plain decoding)."""
+        if self.budget > 1:
+            return self._age - self.config.stale_steps
+        return self._drafted_at - self.config.stale_steps if self._drafted_at >= 0 else -1
 
     def _enough(self, timings: Recent) -> bool:
         """Whether these timings hold min_timings values (fewer are not yet what the thing costs: its first, odd steps)."""
