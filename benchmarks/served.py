@@ -72,7 +72,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--rounds", type=int, default=1,
                         help="The served side's `splitspec bench --url --rounds`: plain and speculative alternate N times at "
                         "each batch size, and served_speedup is the median of the rounds' paired ratios (the host's "
-                        "drift weighs on both alike). The in-process side runs each point once.")
+                        "drift weighs on both alike). The in-process side runs each point once. Not with "
+                        "--simulate-acceptance (each round sends new prompts, which the replayed reference lacks).")
     parser.add_argument("--port", type=int, default=31000, help="The gateway's port (up takes the next four too).")
     parser.add_argument("--timeout", type=float, default=900, help="Seconds for each of the three steps.")
     parser.add_argument("--log-level", default="warning", help="The services' log level (their logs go to OUT.log).")
@@ -418,6 +419,10 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
 
 def main(argv: list[str]) -> int:
     args, model_flags = parse_args(argv)
+    if args.rounds > 1 and args.simulate_acceptance:
+        # each served round sends its own prompts, and the replayed reference holds the in-process side's only
+        raise SystemExit("--rounds > 1 with --simulate-acceptance: the later rounds' prompts have no recorded outputs "
+                         "to replay (their drafts would be rejected); measure simulated points with --rounds 1")
     out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="splitspec-served-"))
     model_flags = model_flags_of(args, model_flags)
