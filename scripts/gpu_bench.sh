@@ -69,7 +69,8 @@
 #             drafter process); the in-process side runs the server's adaptive setting
 #             (auto: on for a GPU target); the demo cases serve 32 requests of 256 tokens a point (since 2026-12-03;
 #             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; SERVED_ROUNDS=N measures the served side N
-#             times, plain and speculative alternating (served.py --rounds: served_speedup the median of paired rounds); each
+#             times, plain and speculative alternating (served.py --rounds: served_speedup the median of paired rounds; not
+#             for the simulated 8b cases, whose replayed reference holds one round's prompts); each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
 #             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;
