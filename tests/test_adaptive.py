@@ -526,6 +526,28 @@ def test_probes_wait_until_what_they_cost_is_a_small_share_of_the_time():
     assert gpu.tokens / gpu.seconds >= 0.985 * batch / 0.0006, gpu.tokens / gpu.seconds
 
 
+def test_a_probes_cost_is_timed_after_an_off_run_not_after_a_plain_probe():
+    """What a probe waits for is priced from drafted steps that follow a run of plain ones (the head's catch-up of the
+    run): the drafted step after a plain probe's two steps, with little to catch up on, does not make probes look cheap."""
+    policy = chain_policy()
+    batch, plain, drafted = 16, 0.0006, 0.0027
+    accepts = [(5, 3)] * batch
+
+    def observe(budget: int, seconds: float) -> None:
+        if budget == 1:
+            policy.observe(StepShape(1, batch, 0, 0, 0.0, 0.0, seconds))
+        else:
+            policy.observe(StepShape(6, batch, 0, 6 * batch, 0.0012, seconds - 0.0017, 0.0005, accepts))
+
+    for budget, seconds, count in ((6, drafted, 8), (1, plain, 2), (6, drafted, 4), (1, plain, 40), (6, 0.0081, 1),
+                                   (6, drafted, 4), (1, plain, 2), (6, drafted, 1)):
+        for _ in range(count):
+            observe(budget, seconds)
+    predicted = {1: batch / plain}
+    # timed once, after the 40-step off-run: (8.1 + 2.7 - 2 x 0.6 ms) over 3% of a 0.6 ms plain step
+    assert policy._probe_wait(batch, 0, predicted) == int((0.0081 + drafted - 2 * plain) / (0.03 * plain))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_a_warm_ups_drafting_time_does_not_price_the_probes_trees_for_good(seed):
     """As an H200 served the demo EAGLE-3 chain at batch 1 (a963cff): a warm-up's first drafted steps, at budget 5, took

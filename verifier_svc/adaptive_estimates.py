@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from splitspec.verifier_svc.timings import Cycle, Recent, batch_bucket, token_bucket
 
 TRACE_ENV = "SPLITSPEC_ADAPTIVE_TRACE"  # a file path: every observation and choice as JSON lines, to replay offline
+OFF_RUN = 16  # plain steps in a row after which a drafted step is a probe's or a switch's first (the engine's FEED_EVERY)
 
 
 @dataclass
@@ -68,9 +69,10 @@ class AdaptiveEstimates:
         # (budget, batch quarter-octave) -> whole decode cycles; plain decoding's never go stale (they do not depend
         # on the traffic), a budget's do, as its timings do
         self._cycles: dict[tuple[int, int], Cycle] = {}
-        # batch bucket -> whole cycles of a drafted step right after a plain one (a probe's, a switch's: the drafter
-        # catches up on what it was fed meanwhile); what a probe costs is priced from them
+        # batch bucket -> whole cycles of a drafted step right after a run of plain ones (a probe's, a switch's: the
+        # drafter catches up on what it was fed meanwhile); what a probe costs is priced from them
         self._first_drafted: dict[int, Recent] = {}
+        self._plain_run = 0  # consecutive steps at budget 1 with speculating requests, up to the last one observed
         self._previous_budget = -1  # the last observed step's budget (-1: none yet; 0: it ran prompt chunks)
         self._steps = 0  # steps observed
         self._age = 0  # steps observed with requests that speculate: what timings age by (opted-out runs age nothing)
@@ -116,9 +118,12 @@ class AdaptiveEstimates:
         # kept drafting off for good)
         cold = self._previous_budget == 0 and batch and decode_only
         steady = step.budget == self._previous_budget or self._previous_budget < 0
-        if self._previous_budget == 1 and step.budget > 1 and step.speculating and decode_only:
+        if self._plain_run >= OFF_RUN and step.budget > 1 and step.speculating and decode_only:
+            # after an off-run, not a plain probe's two steps while drafting (those leave little to catch up on)
             self._first_drafted.setdefault(batch_bucket(batch), Recent()).add(
                 step.verify_seconds + step.spec_seconds + step.base_seconds)
+        if step.speculating:
+            self._plain_run = self._plain_run + 1 if step.budget == 1 else 0
         self._previous_budget = step.budget if batch and decode_only else 0
         if step.forward_tokens and not cold:
             key = token_bucket(step.forward_tokens)
