@@ -72,8 +72,10 @@ class VerifierClient:
         self._unwritten_since: float | None = None  # loop time of the oldest submission the writer has not taken
         self._taken: asyncio.Event | None = None  # set (and replaced) each time the writer takes what is queued
 
-    async def model_info(self, timeout: float = 5.0) -> pb.ModelInfo:
-        self.info = await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout)
+    async def model_info(self, timeout: float = 5.0, wait_for_ready: bool = False) -> pb.ModelInfo:
+        """The verifier's model info. wait_for_ready: the call waits (up to timeout) for the channel to connect
+        rather than failing at once while it is between reconnect attempts."""
+        self.info = await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
         return self.info
 
     async def serving(self, timeout: float = 2.0) -> bool:

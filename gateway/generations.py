@@ -116,10 +116,11 @@ class Gateway:
 
     async def _connect(self) -> None:
         """Wait for the verifier's model info (it may start after the gateway), then serve."""
-        delay, began, said = 0.2, time.monotonic(), -1.0
+        began, said = time.monotonic(), -1.0
         while True:
-            try:
-                info = await self.client.model_info()
+            try:  # waits for the channel: the first call after the verifier's port opens answers (gRPC reconnects
+                # by its own backoff, at most 1 s apart); a fixed retry delay on top of it added up to 3 s more
+                info = await self.client.model_info(timeout=2.0, wait_for_ready=True)
                 break
             except Exception as exc:  # noqa: BLE001 (grpc.aio raises several kinds while the verifier is down)
                 waited = time.monotonic() - began
@@ -127,8 +128,7 @@ class Gateway:
                     logger.info("waiting for the verifier at %s (%s; %.0f s so far)", self.config.verifier,
                                 type(exc).__name__, waited)
                     said = waited
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(0.1)  # an answer that was an error (a verifier still starting its server)
         self.model_name = self.model_name or info.model_id
         if self.codec is None:
             self.codec = TextCodec(self.config.tokenizer_path or info.model_path)

@@ -20,11 +20,11 @@ _KEEPALIVE = [
 
 
 def client_options() -> list[tuple[str, int]]:
-    # reconnect backoff capped at 2 s (gRPC's default grows to 120 s): a gateway started before a verifier that
-    # spends minutes loading and capturing CUDA graphs connects within 2 s of its serving, not up to 2 min later
+    # reconnect backoff capped at 1 s (gRPC's default grows to 120 s): a gateway started before a verifier that
+    # spends minutes loading and capturing CUDA graphs connects within 1 s of its serving, not up to 2 min later
     return [*_KEEPALIVE, ("grpc.http2.max_pings_without_data", 0), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000)]
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def server_options() -> list[tuple[str, int]]:
