@@ -3,13 +3,14 @@
     python -P benchmarks/served.py --out served.json --load "--batch-size 1,8 --prompt-len 128 --output-len 128" \
         -- --speculative-algorithm NGRAM --device cpu
 
-Starts `splitspec up` with the model flags after `--` (plus --serve's), measures it with
-`splitspec bench --url` (streaming completions through the gateway, the verifier's gRPC stream and the
-drafter processes), stops it, then runs `splitspec bench` in process with the same model flags and the same
-load (--load: batch sizes, prompt and output lengths; the same prompt token ids on both sides), and writes
-both reports and, for every point both measured (batch size, plain or speculative), served tok/s over in
-process tok/s. --dummy-preset builds a random-weight model of a published shape (e.g. llama-3.1-8b) with the
-demo tokenizer, so that the gateway can tokenize for it (its vocabulary cut to the tokenizer's).
+Loads the model in a `splitspec bench` process (in process, waiting between rounds), starts `splitspec up` with
+the model flags after `--` (plus --serve's) and measures both in rounds (--rounds): the in-process round, then the
+served one with `splitspec bench --url` (streaming completions through the gateway, the verifier's gRPC stream and
+the drafter processes), with the same model flags and the same load (--load: batch sizes, prompt and output
+lengths; the same prompt token ids on both sides); stops up, and writes both reports and, for every point both
+measured (batch size, plain or speculative), served tok/s over in process tok/s. --dummy-preset builds a
+random-weight model of a published shape (e.g. llama-3.1-8b) with the demo tokenizer, so that the gateway can
+tokenize for it (its vocabulary cut to the tokenizer's).
 
 Targets no draft fits (a dummy 8B) are measured with simulated acceptance on both sides:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shlex
 import shutil
 import signal
@@ -30,12 +32,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 from splitspec import lifeline
 from splitspec.bench import git_commit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P: this folder is not on the path by itself
+from served_measure import HostSpeed, cpu_report, descendants, loop_report, loop_totals, process_cpu  # noqa: E402
 
 # Flags `splitspec bench` and `splitspec up` both take that describe the model; the rest of `--` goes to up only.
 BENCH_MODEL_FLAGS = ("--model-path", "--load-format", "--dtype", "--device", "--speculative-algorithm",
@@ -70,10 +76,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         "(`up --speculative-replay`), drafts accepted per PROFILE on both sides; a dummy target loads as "
                         "--load-format dummy-decisive on both.")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="The served side's `splitspec bench --url --rounds`: plain and speculative alternate N times at "
-                        "each batch size, and served_speedup is the median of the rounds' paired ratios (the host's "
-                        "drift weighs on both alike). The in-process side runs each point once. Not with "
-                        "--simulate-acceptance (each round sends new prompts, which the replayed reference lacks).")
+                        help="Measure both sides N times, alternating: in-process round 0, served round 0, in-process round "
+                        "1, ... (the in-process bench keeps its model loaded and waits between its rounds; the server stays "
+                        "up), each round with its own prompts on both sides (a simulated acceptance's rounds repeat the "
+                        "first's). A point's served_over_in_process is the median of its rounds' paired ratios, and each "
+                        "side's speedup the median of its rounds' speculative over plain: a host whose speed drifts over "
+                        "minutes (a lent VM's moved 2x) weighs on both sides of a pair alike.")
     parser.add_argument("--port", type=int, default=31000, help="The gateway's port (up takes the next four too).")
     parser.add_argument("--timeout", type=float, default=900, help="Seconds for each of the three steps.")
     parser.add_argument("--log-level", default="warning", help="The services' log level (their logs go to OUT.log).")
@@ -136,61 +144,6 @@ def server_adaptive(model_flags: list[str]) -> list[str]:
     return ["--speculative-adaptive", "on" if on else "off"]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (Linux /proc; `up` starts each service in a session of its own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], list(children.get(pid, []))
-    while todo:
-        out.append(todo.pop())
-        todo += children.get(out[-1], [])
-    return out
-
-
-def service_name(argv: list[str]) -> str:
-    """A service's name from its command line: `python -m splitspec gateway ...` -> gateway, `python -m
-    splitspec.verifier_svc.front_process ...` -> front_process."""
-    if "-m" in argv[:-1]:
-        module = argv[argv.index("-m") + 1]
-        rest = argv[argv.index("-m") + 2:]
-        return rest[0] if module == "splitspec" and rest else module.rsplit(".", 1)[-1]
-    return Path(argv[0]).name if argv else "?"
-
-
-def process_cpu(pids: list[int]) -> dict[int, tuple[str, float]]:
-    """{pid: (service name, CPU seconds so far: user + system)} of these processes (Linux /proc)."""
-    ticks, out = os.sysconf("SC_CLK_TCK"), {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
-        except OSError:
-            continue
-        out[pid] = (service_name(argv), (int(fields[11]) + int(fields[12])) / ticks)
-    return out
-
-
-def cpu_report(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], wall: float,
-               requests: int) -> dict:
-    """Each service's CPU over the timed served run, summed over its processes: seconds, the share of the run's wall
-    time (near 1.0 per process: that process was the queue) and per request."""
-    out: dict[str, dict] = {}
-    for pid, (name, seconds) in after.items():
-        entry = out.setdefault(name, {"processes": 0, "cpu_s": 0.0})
-        entry["processes"] += 1
-        entry["cpu_s"] += seconds - before.get(pid, (name, 0.0))[1]
-    for entry in out.values():
-        entry["cpu_s"] = round(entry["cpu_s"], 2)
-        entry["share_of_wall"] = round(entry["cpu_s"] / wall, 3) if wall else None
-        entry["per_request_ms"] = round(1e3 * entry["cpu_s"] / requests, 3) if requests else None
-    return out
-
-
 def wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -240,112 +193,49 @@ def bench(argv: list[str], out: Path, timeout: float, log, env: dict[str, str] |
     return json.loads(out.read_text())
 
 
-class HostSpeed:
-    """The machine's CPU speed while a side runs: a thread of this (otherwise waiting) process times a fixed
-    plain-Python loop (splitspec.step_log.calibration_us) every `period` seconds. On a lent VM it moved by 2x within a
-    minute, between runs and within one (docs/performance.md, 2026-12-02), so a host-bound point's served/in-process
-    ratio compares CPUs as much as code unless both sides' speeds are alike; the report carries both."""
+def _median(values: list[float]) -> float | None:
+    import statistics
 
-    def __init__(self, period: float = 0.1):
-        import threading
-
-        self.period, self.samples, self.times, self.stop = period, [], [], threading.Event()
-        self.thread = threading.Thread(target=self._run, name="host-speed", daemon=True)
-
-    def _run(self) -> None:
-        from splitspec.step_log import calibration_us
-
-        while not self.stop.wait(self.period):
-            self.samples.append(calibration_us())
-            self.times.append(time.perf_counter())
-
-    def __enter__(self) -> "HostSpeed":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def during(self, windows: list[list[float]] | None) -> float | None:
-        """The median sample taken within a bench row's windows (its rounds' windows_s, else its window_s;
-        perf_counter is the system's monotonic clock, the same in the bench's process as in this one); None without
-        samples there."""
-        import statistics
-
-        inside = [us for us, at in zip(self.samples, self.times)
-                  if any(w[0] <= at <= w[1] for w in windows or [])]
-        return round(statistics.median(inside), 1) if inside else None
-
-    def mark_rows(self, report: dict) -> None:
-        """Each row of a bench report gets host_us: the machine's speed while that point ran."""
-        for row in report.get("rows", []):
-            row["host_us"] = self.during(row.get("windows_s") or ([row["window_s"]] if row.get("window_s") else None))
-
-    def report(self) -> dict:
-        import statistics
-
-        if not self.samples:
-            return {"samples": 0}
-        q = statistics.quantiles(self.samples, n=10) if len(self.samples) > 1 else [self.samples[0]] * 9
-        return {"samples": len(self.samples), "median_us": round(statistics.median(self.samples), 1),
-                "p10_us": round(q[0], 1), "p90_us": round(q[-1], 1)}
-
-
-def loop_totals(metrics_url: str) -> dict[str, float]:
-    """The verifier's engine-loop and step-phase histograms' sums and counts, by part and phase."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in ("splitspec:engine_loop_seconds", "splitspec:step_phase_seconds"):
-            continue
-        for sample in family.samples:
-            if sample.name.endswith(("_sum", "_count")):
-                key = f"{sample.labels.get('part') or sample.labels.get('phase')}{sample.name[sample.name.rindex('_'):]}"
-                totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
-
-
-def loop_report(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Per busy loop iteration (one engine step) over the served bench: mean ms of each part and phase."""
-    steps = after.get("step_count", 0.0) - before.get("step_count", 0.0)
-    names = sorted({k.rsplit("_", 1)[0] for k in after if k.endswith("_sum")})
-    return {"steps": int(steps), "mean_ms": {name: round((after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0))
-                                                          / steps * 1e3, 4) if steps else None for name in names}}
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
 
 
 def ratios(served: dict, in_process: dict) -> list[dict]:
-    def key(row: dict) -> tuple[int, bool]:
-        return row["batch_size"], row["speculative"] is not None
+    """Every point both sides measured (batch size, plain or speculative): each side's tok/s (the median of its rounds'),
+    served over in process (the median of the rounds' paired ratios) and, speculative, each side's speedup over its
+    own plain decoding (the median of the rounds' ratios)."""
+    def rounds_of(report: dict) -> dict[tuple[int, bool], dict[int, dict]]:
+        out: dict[tuple[int, bool], dict[int, dict]] = {}
+        for row in report["rows"]:  # the first grid point's rows (served runs the server's one tree)
+            out.setdefault((row["batch_size"], row["speculative"] is not None), {}).setdefault(row.get("round", 0), row)
+        return out
 
-    inside = {}
-    speedups = {row["batch_size"]: row.get("speedup") for row in served["rows"] if row["speculative"] is not None}
-    for row in in_process["rows"]:  # the first grid point's rows (served runs the server's one tree)
-        inside.setdefault(key(row), row)
+    outside, inside = rounds_of(served), rounds_of(in_process)
     out = []
-    for row in served["rows"]:
-        twin = inside.get(key(row))
-        if twin is None:
+    for key, rows in outside.items():
+        twins = inside.get(key, {})
+        pairs = [(rows[r], twins[r]) for r in sorted(rows) if r in twins]
+        if not pairs:
             continue
-        out.append({"batch_size": row["batch_size"], "speculative": row["speculative"],
-                    "served_tok_s": row["output_tok_s"], "in_process_tok_s": twin["output_tok_s"],
-                    "served_over_in_process": round(row["output_tok_s"] / twin["output_tok_s"], 3)
-                    if twin["output_tok_s"] else None,
-                    "served_accept_length": row.get("accept_length"), "in_process_accept_length": twin.get("accept_length"),
-                    "served_errors": len(row.get("errors") or []),
-                    # the host's speed during each side's point (HostSpeed, median us of its loop; lower is faster)
-                    "host_us": {"served": row.get("host_us"), "in_process": twin.get("host_us")}})
-    for row in out:  # speculation's gain as each side sees it
-        plain = next((r for r in out if r["batch_size"] == row["batch_size"] and r["speculative"] is None), None)
-        if row["speculative"] is not None and plain is not None:
-            # the served bench's own (with --rounds, the median of its rounds' paired ratios)
-            row["served_speedup"] = speedups.get(row["batch_size"]) or (
-                round(row["served_tok_s"] / plain["served_tok_s"], 3) if plain["served_tok_s"] else None)
-            row["in_process_speedup"] = (round(row["in_process_tok_s"] / plain["in_process_tok_s"], 3)
-                                         if plain["in_process_tok_s"] else None)
+        split = [(s["output_tok_s"], i["output_tok_s"]) for s, i in pairs]
+        point = {"batch_size": key[0], "speculative": pairs[0][0]["speculative"],
+                 "served_tok_s": _median([s for s, _ in split]), "in_process_tok_s": _median([i for _, i in split]),
+                 "served_over_in_process": _median([s / i if i else None for s, i in split]),
+                 "served_accept_length": _median([s.get("accept_length") for s, _ in pairs]),
+                 "in_process_accept_length": _median([i.get("accept_length") for _, i in pairs]),
+                 "served_errors": sum(len(s.get("errors") or []) for s, _ in pairs),
+                 # the host's speed during each side's point (HostSpeed, median us of its loop; lower is faster)
+                 "host_us": {"served": _median([s.get("host_us") for s, _ in pairs]),
+                             "in_process": _median([i.get("host_us") for _, i in pairs])}}
+        if len(pairs) > 1:
+            point["rounds"] = [{"served_tok_s": s, "in_process_tok_s": i, "ratio": round(s / i, 3) if i else None}
+                               for s, i in split]
+        if key[1]:  # speculation's gain as each side sees it, round by round
+            for side, plain_rows in (("served", outside.get((key[0], False), {})), ("in_process", inside.get((key[0], False), {}))):
+                mine = {r: row for r, row in (rows if side == "served" else twins).items()}
+                point[f"{side}_speedup"] = _median([mine[r]["output_tok_s"] / plain_rows[r]["output_tok_s"]
+                                                    for r in mine if r in plain_rows and plain_rows[r]["output_tok_s"]])
+        out.append(point)
     return out
 
 
@@ -368,9 +258,60 @@ def model_flags_of(args, model_flags: list[str]) -> list[str]:
     return model_flags
 
 
-def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[str], work: Path, log,
-                    replay: Path | None) -> dict:
-    """`splitspec up` measured by `splitspec bench --url` (after an untimed warm-up); up stopped after."""
+class InProcess:
+    """`splitspec bench` in process as one process for every round (--pause-before-rounds): it loads the model once and
+    runs each round when told, so that its rounds interleave with the served ones."""
+
+    def __init__(self, argv: list[str], out: Path, log, env: dict[str, str] | None, timeout: float):
+        self.out, self.log, self.timeout = out, log, timeout
+        command = [sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", *argv, "--pause-before-rounds",
+                   "--out", str(out)]
+        print("$ " + shlex.join(command[2:]), file=log, flush=True)
+        self.process = lifeline.spawn(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                      text=True)
+        self.said: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, name="in-process-stdout", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:  # `round K ready` lines, then the report (also written to --out)
+            if line.startswith("round ") and line.rstrip().endswith(" ready"):
+                self.said.put(line.strip())
+        self.said.put("")  # exited
+
+    def wait(self) -> None:
+        """Until it waits for its next round (its model loaded, or the last round done) or, after its last round, has
+        exited with its report written."""
+        try:
+            line = self.said.get(timeout=self.timeout)
+        except queue.Empty:  # its stacks and tasks to the log (cli's SIGUSR1, SIGUSR2), then it goes
+            print(f"the in-process bench timed out after {self.timeout} s: its stacks follow", file=self.log, flush=True)
+            for sig in (signal.SIGUSR1, signal.SIGUSR2):
+                self.process.send_signal(sig)
+                time.sleep(1)
+            raise subprocess.TimeoutExpired("splitspec bench", self.timeout) from None
+        if not line and self.process.wait() != 0:
+            raise RuntimeError(f"the in-process splitspec bench exited with {self.process.returncode} (see the log)")
+
+    def run_round(self) -> None:
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+        self.wait()
+
+    def report(self) -> dict:
+        self.process.wait(timeout=self.timeout)
+        return json.loads(self.out.read_text())
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def serve_rounds(args, model_flags: list[str], model_path: str, load: list[str], work: Path, log, replay: Path | None,
+                 inside: InProcess) -> dict:
+    """`splitspec up` measured by `splitspec bench --url` (after an untimed warm-up), round after round, each served
+    round right after the in-process side's round of the same prompts (simulated: the first in-process round ran
+    before, to record the reference); up stopped after."""
     if not free(args.port):
         raise SystemExit(f"port {args.port} is taken")
     simulated = (["--speculative-replay", str(replay), "--speculative-replay-profile", args.simulate_acceptance]
@@ -385,19 +326,29 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
         wait_ready(url, up, args.timeout)
         metrics_url = f"http://127.0.0.1:{args.port + 2}/metrics"  # the verifier's (up: the gateway's port + 2)
         # untimed: the same points with short outputs, so that one-time work (FlashInfer's JIT, the first
-        # shapes) is neither in the served figures nor in the engine-loop means below
-        bench(["--url", url, "--model-path", model_path, *load, "--output-len", "16"], work / "warmup.json", args.timeout,
-              log)
+        # shapes) is neither in the served figures nor in the engine-loop means below; on prompts no round sends (a
+        # drafter that learns from what it served, NGRAM's trie, would otherwise know the first round's answers'
+        # beginnings), except simulated, whose rounds all send the reference's
+        bench(["--url", url, "--model-path", model_path, *load, "--output-len", "16",
+               "--first-round", str(0 if replay is not None else args.rounds)], work / "warmup.json", args.timeout, log)
         before, pids = loop_totals(metrics_url), descendants(up.pid)
-        cpu_before, started = process_cpu(pids), time.perf_counter()
-        with HostSpeed() as speed:
-            served = bench(["--url", url, "--model-path", model_path, *load, "--rounds", str(args.rounds)],
-                           work / "served.json", args.timeout, log)
-        wall, requests = time.perf_counter() - started, sum(row.get("requests", 0) for row in served.get("rows", []))
-        served["process_cpu"] = cpu_report(cpu_before, process_cpu(pids), wall, requests)  # is one process the queue?
+        spent, wall, reports = {}, 0.0, []
+        for r in range(args.rounds):
+            if replay is None or r:
+                inside.run_round()
+            cpu_before, started = process_cpu(pids), time.perf_counter()
+            reports.append(bench(["--url", url, "--model-path", model_path, *load,
+                                  "--first-round", str(0 if replay is not None else r)], work / f"served_{r}.json",
+                                 args.timeout, log))
+            wall += time.perf_counter() - started
+            for pid, (name, seconds) in process_cpu(pids).items():  # the services' CPU in the served rounds only
+                spent[pid] = (name, spent.get(pid, (name, 0.0))[1] + seconds - cpu_before.get(pid, (name, seconds))[1])
+        served = {**reports[0], "rounds": args.rounds,
+                  "rows": [{**row, "round": r} if args.rounds > 1 else row for r, report in enumerate(reports)
+                           for row in report["rows"]]}
+        requests = sum(row.get("requests", 0) for row in served["rows"])
+        served["process_cpu"] = cpu_report({}, spent, wall, requests)  # is one process the queue?
         served["engine_loop"] = loop_report(before, loop_totals(metrics_url))  # the served verifier's steps
-        served["host_speed"] = speed.report()
-        speed.mark_rows(served)
         return served
     except subprocess.TimeoutExpired:  # stuck: every service prints its threads' stacks (cli's SIGUSR1) to the log
         print(f"served bench timed out after {args.timeout} s: the services' stacks follow", file=log, flush=True)
@@ -419,10 +370,8 @@ def serve_and_bench(args, model_flags: list[str], model_path: str, load: list[st
 
 def main(argv: list[str]) -> int:
     args, model_flags = parse_args(argv)
-    if args.rounds > 1 and args.simulate_acceptance:
-        # each served round sends its own prompts, and the replayed reference holds the in-process side's only
-        raise SystemExit("--rounds > 1 with --simulate-acceptance: the later rounds' prompts have no recorded outputs "
-                         "to replay (their drafts would be rejected); measure simulated points with --rounds 1")
+    if args.rounds < 1:
+        raise SystemExit("--rounds: at least 1")
     out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="splitspec-served-"))
     model_flags = model_flags_of(args, model_flags)
@@ -435,24 +384,28 @@ def main(argv: list[str]) -> int:
     load = shlex.split(args.load)
     log = open(out.with_suffix(".log"), "w")
     # the engine as the server runs it: no device synchronisation at every phase boundary
-    in_process_argv = [*bench_flags(model_flags), *server_adaptive(model_flags), "--no-phase-sync", *load]
+    in_process_argv = [*bench_flags(model_flags), *server_adaptive(model_flags), "--no-phase-sync", *load,
+                       "--rounds", str(args.rounds)]
     replay = None
-    speed = HostSpeed()
-    if args.simulate_acceptance:  # in process first: its plain outputs are the reference the server replays
+    if args.simulate_acceptance:  # its plain outputs are the reference the server replays
         replay = work / "reference.jsonl"
         in_process_argv += ["--simulate-acceptance", args.simulate_acceptance, "--simulate-reference-out", str(replay)]
-        with speed:
-            in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
-        served = serve_and_bench(args, model_flags, model_path, load, work, log, replay)
-    else:
-        served = serve_and_bench(args, model_flags, model_path, load, work, log, None)
-        with speed:
-            in_process = bench(in_process_argv, work / "in_process.json", args.timeout, log, traced("in_process"))
-    in_process["host_speed"] = speed.report()  # the whole in-process run (its model load included)
-    speed.mark_rows(in_process)
+    with HostSpeed() as speed:
+        inside = InProcess(in_process_argv, work / "in_process.json", log, traced("in_process"), args.timeout)
+        try:
+            inside.wait()  # loaded first: a server on the same GPU sizes its KV cache from the memory left
+            if replay is not None:
+                inside.run_round()  # round 0 records the reference before the server starts
+            served = serve_rounds(args, model_flags, model_path, load, work, log, replay, inside)
+            in_process = inside.report()
+        finally:
+            inside.close()
+    for side in (served, in_process):  # each row's host speed while it ran; each side's over its rows
+        speed.mark_rows(side)
+        side["host_speed"] = speed.report([row["window_s"] for row in side["rows"] if row.get("window_s")])
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
               "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
-              "simulated": args.simulate_acceptance,
+              "simulated": args.simulate_acceptance, "rounds": args.rounds,
               "points": ratios(served, in_process), "served_engine_loop": served.get("engine_loop"),
               # a fixed plain-Python loop's time on this machine while each side ran (HostSpeed): compare ratios of
               # host-bound points only where the two are alike
@@ -462,10 +415,11 @@ def main(argv: list[str]) -> int:
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"served engine loop: {report['served_engine_loop']}")
     print(f"host speed (plain-Python loop, us): {report['host_speed']}")
-    print(f"served services' CPU over the timed run: {report['served_process_cpu']}")
+    print(f"served services' CPU over the timed rounds: {report['served_process_cpu']}")
     for point in report["points"]:
         print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
               f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}"
+              + (f" (rounds {[r['ratio'] for r in point['rounds']]})" if point.get("rounds") else "")
               + (f"  accept length served {point['served_accept_length']} in process {point['in_process_accept_length']}"
                  if point["speculative"] else "")
               + f"  host us served {point['host_us']['served']} in process {point['host_us']['in_process']}")

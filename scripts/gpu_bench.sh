@@ -48,9 +48,9 @@
 #             --quantization fp8 (W8A8 torch._scaled_mm): batch-1 decode tok/s with CUDA graphs, weight bytes and the
 #             weight floor at the H100's 3.35e12 B/s (its agreement says little: random weights are chaotic, so any
 #             perturbation flips their flat logits); then the accuracy on the trained demo target over 256 prompts
-#   served    issue 31: what a user gets over HTTP next to the engine, in one run (benchmarks/served.py: `splitspec up` on
-#             the GPU measured by `splitspec bench --url`, then `splitspec bench` in process with the same model flags
-#             and load; one JSON per case with both reports and served/in-process per point). SERVED_CASES picks among
+#   served    issue 31: what a user gets over HTTP next to the engine, in one run (benchmarks/served.py: `splitspec bench`
+#             in process and `splitspec up` on the GPU measured by `splitspec bench --url`, round after round with the
+#             same model flags and load; one JSON per case with both reports and served/in-process per point). SERVED_CASES picks among
 #             demo-ngram, demo-eagle3 (the demo target, plain and speculative, batch 1 and 16), demo-plain (the demo
 #             target served without a drafter: `up --speculative-algorithm none`), 8b-plain (the
 #             8B-shaped dummy target with the demo tokenizer, batch 1, 8, 32, 64) and 8b-plain-serial (the same served
@@ -68,9 +68,9 @@
 #             1, 8, 32, 64), 8b-eagle3-sim-local (--drafters 0) and 8b-eagle3-sim-remote (--drafters 1: the head in a
 #             drafter process); the in-process side runs the server's adaptive setting
 #             (auto: on for a GPU target); the demo cases serve 32 requests of 256 tokens a point (since 2026-12-03;
-#             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; SERVED_ROUNDS=N measures the served side N
-#             times, plain and speculative alternating (served.py --rounds: served_speedup the median of paired rounds; not
-#             for the simulated 8b cases, whose replayed reference holds one round's prompts); each
+#             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; SERVED_ROUNDS=N measures both sides N
+#             times, alternating (served.py --rounds: in-process round, served round, ...; each ratio the median of the
+#             paired rounds'; the simulated 8b cases' rounds repeat the reference's prompts); each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
 #             the services' (default warning), SERVED_STEP_TIMEOUT each step's (a stuck served bench prints the stacks);
 #             SERVED_PROFILE=1 runs the services' loops under cProfile (splitspec/host_profile.py: prof_<case>.*.prof;

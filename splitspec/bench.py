@@ -22,7 +22,9 @@ One JSON row per point:
                             a GPU the engine waits for the device at each boundary, so phases hold their
                             kernels' time
     speedup                 output_tok_s over plain's at the same batch size (--url --rounds N: the median of
-                            the rounds' paired ratios; rounds_tok_s, windows_s: each round's tok/s and time window)
+                            the rounds' paired ratios; rounds_tok_s, windows_s: each round's tok/s and time window;
+                            in process --rounds N: over the same round's plain row)
+    round                   in process with --rounds N: the row's round (0-based)
     adaptive, budgets       whether the point ran load-adaptive (--speculative-adaptive on|both); decode steps per
                             tree budget the engine used (1: no drafts)
     profile                 simulated rows: the acceptance profile replayed
@@ -137,13 +139,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "and --temperature apply). The requests stream from one asyncio event loop, each concurrent "
                         "slot over its own keep-alive connection, as SGLang's and vLLM's serving benchmarks send them.")
     remote.add_argument("--api-key", default=None, help="Bearer token for --url.")
-    remote.add_argument("--rounds", type=int, default=1,
-                        help="With --url: each batch size measured N times, plain and speculative alternating (plain, "
-                        "speculative, plain, ...), so that a host whose speed drifts over minutes weighs on both alike; each "
-                        "round sends its own prompts (plain and speculative the same ones). A "
-                        "row pools its rounds (all tokens over their summed wall time; latencies over every request; "
-                        "rounds_tok_s: each round's), and its speedup is the median of each speculative round over the "
-                        "plain round just before it.")
+    rounds = parser.add_argument_group("rounds (a host whose speed drifts)")
+    rounds.add_argument("--rounds", type=int, default=1,
+                        help="Each batch size measured N times, each round with its own prompts (the dataset's next "
+                        "ones; a simulated acceptance's rounds repeat the first round's, which its reference holds). With "
+                        "--url plain and speculative alternate (plain, speculative, plain, ...), so that a host whose speed "
+                        "drifts over minutes weighs on both alike; a row pools its rounds (all tokens over their summed wall "
+                        "time; latencies over every request; rounds_tok_s: each round's), and its speedup is the median of "
+                        "each speculative round over the plain round just before it. In process every point runs once a "
+                        "round (plain at every batch size, then the grid), rows carry their round and a speculative row's "
+                        "speedup is over the same round's plain row.")
+    rounds.add_argument("--first-round", type=int, default=0,
+                        help="Start at this round's prompts (--url: rounds K.. of the dataset's order; benchmarks/served.py "
+                        "measures the served side of its round K this way, next to the in-process side's round K).")
+    rounds.add_argument("--pause-before-rounds", action="store_true",
+                        help="In process: once the model is loaded, before each round, print `round K ready` on stdout and "
+                        "wait for a line on stdin (benchmarks/served.py starts the server and runs a served round between "
+                        "two, the model staying loaded here).")
     parser.add_argument("--out", default=None, help="Also write the JSON report here.")
     return parser
 
@@ -152,8 +164,10 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         model_flags.check_sglang_server_flags(args, "splitspec bench")
-        if args.rounds < 1 or (args.rounds > 1 and not args.url):
-            raise ValueError(f"--rounds {args.rounds}: at least 1, and more only with --url")
+        if args.rounds < 1 or args.first_round < 0:
+            raise ValueError(f"--rounds {args.rounds} --first-round {args.first_round}: at least 1 round, from round 0 on")
+        if args.pause_before_rounds and args.url:
+            raise ValueError("--pause-before-rounds is for the in-process bench (its model stays loaded between rounds)")
         if args.url:
             from splitspec.bench_http import run_remote
 

@@ -330,7 +330,8 @@ def run_remote(args) -> dict:
     local = Path(args.model_path) if args.model_path else None
     # each round its own prompts (the held-out texts' next windows): a drafter that learns from what it served (NGRAM's
     # trie) would otherwise meet the same answers again
-    prompts_all = make_prompts(args, local, None, max(counts.values()) * args.rounds)
+    first = args.first_round
+    prompts_all = make_prompts(args, local, None, max(counts.values()) * (first + args.rounds))
     rows = []
     log = StepLog.from_env("client")  # SPLITSPEC_STEP_LOG
     for batch_size in batch_sizes:
@@ -338,7 +339,7 @@ def run_remote(args) -> dict:
         measured: dict[bool, list[dict]] = {False: [], True: []}
         count = counts[batch_size]
         for r, speculative in itertools.product(range(args.rounds), (False, True)):
-            measured[speculative].append(_measure(client, model, args, prompts_all[r * count: (r + 1) * count],
+            measured[speculative].append(_measure(client, model, args, prompts_all[(first + r) * count: (first + r + 1) * count],
                                                   batch_size, speculative, log))
         plain, spec = (_row(batch_size, s, measured[s]) for s in (False, True))
         spec["speedup"] = _speedup(spec, plain)
@@ -348,4 +349,4 @@ def run_remote(args) -> dict:
                         "speculative" if row["speculative"] else "plain", row["output_tok_s"],
                         row.get("rounds_tok_s", "1"), (row["ttft_ms"] or {}).get("p50"))
     return {"url": args.url, "model": model, "rows": rows, "client": "asyncio, a keep-alive connection per slot",
-            "rounds": args.rounds}
+            "rounds": args.rounds, "first_round": first}

@@ -88,7 +88,8 @@ def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, para
                 del index[event.request_id]
                 if event.finish_reason == "error":
                     logger.error("request %d failed: %s", i, event.error)
-    row = {**latency_fields(timelines, time.perf_counter() - start), "window_s": [round(start, 3), round(time.perf_counter(), 3)]}
+    row = {**latency_fields(timelines, time.perf_counter() - start), "window_s": [round(start, 3), round(time.perf_counter(), 3)],
+           "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1)}
     if syncs is not None:
         syncs.stop()
     if log is not None:
@@ -341,7 +342,6 @@ def _reference(args, loads: dict, plain_outputs: dict):
 def run_in_process(args) -> dict:
 
     from splitspec.runtime.runner import ModelRunner
-    from splitspec.runtime.sampling_params import SamplingParams
 
     _resolve_models(args)
     model_dir = model_flags.resolve_model(args)
@@ -359,55 +359,86 @@ def run_in_process(args) -> dict:
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
     overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule  # as the served verifier's
     heap.freeze("bench")  # as the served verifier does: the same garbage collection on both sides
-    prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size, max(counts.values()))
+    # each round its own prompts, as --url's rounds; a simulated acceptance's rounds repeat the first's (its reference)
+    distinct = 1 if args.simulate_acceptance else args.first_round + args.rounds
+    prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size,
+                               max(counts.values()) * distinct)
     scheduler = engine_args.scheduler_config(args)
-    draft_tokens = max(batch_sizes) * (per_request + 64)
-    loads = {}  # batch size -> (prompts, params, warm-up params)
-    for batch_size in batch_sizes:
-        prompts = prompts_all[: counts[batch_size]]
-        loads[batch_size] = (prompts, [SamplingParams(temperature=args.temperature, seed=i, max_new_tokens=args.output_len,
-                                                      ignore_eos=True) for i in range(len(prompts))],
-                             [SamplingParams(temperature=args.temperature, seed=0, max_new_tokens=8, ignore_eos=True)]
-                             * args.warmup_requests)
-    # plain decoding at every batch size first, then each grid point at every batch size: the target's graphs
-    # are captured once per point (a drafter may change what the target's forward returns)
-    plain_rows, plain_outputs = _plain(args, runner, loads, scheduler, sync, overlap)
-    rows = [{"batch_size": b, "speculative": None, **row} for b, row in plain_rows.items()]
-    reference = _reference(args, loads, plain_outputs) if args.simulate_acceptance else None
+    rows, reference = [], None
+    try:
+        for r in range(args.rounds):
+            if args.pause_before_rounds:
+                _wait_for_round(r)
+            at = 0 if args.simulate_acceptance else args.first_round + r
+            loads = _loads(args, {b: prompts_all[at * n: (at + 1) * n] for b, n in counts.items()})
+            # plain decoding at every batch size first, then each grid point at every batch size: the target's graphs
+            # are captured once per point (a drafter may change what the target's forward returns)
+            plain_rows, plain_outputs = _plain(args, runner, loads, scheduler, sync, overlap)
+            round_rows = [{"batch_size": b, "speculative": None, **row} for b, row in plain_rows.items()]
+            if args.simulate_acceptance and reference is None:
+                reference = _reference(args, loads, plain_outputs)
+            round_rows += _spec_points(args, runner, points, loads, scheduler, sync, overlap, plain_rows, plain_outputs,
+                                       reference, max(batch_sizes) * (per_request + 64))
+            rows += [{**row, "round": r} for row in round_rows] if args.rounds > 1 else round_rows
+    finally:
+        if reference is not None:
+            Path(reference.name).unlink()
+    return {**_report(args, runner, model_dir, rows), "rounds": args.rounds}
+
+
+def _wait_for_round(r: int) -> None:
+    """--pause-before-rounds: say so on stdout, then wait for a line on stdin (benchmarks/served.py's go)."""
+    print(f"round {r} ready", flush=True)
+    logger.info("round %d: waiting for a line on stdin", r)
+    if not sys.stdin.readline():
+        raise RuntimeError(f"stdin closed before round {r}")
+
+
+def _loads(args, prompts: dict[int, list]) -> dict:
+    """batch size -> (its prompts, their sampling params, the warm-up's params)."""
+    from splitspec.runtime.sampling_params import SamplingParams
+
+    return {b: (p, [SamplingParams(temperature=args.temperature, seed=i, max_new_tokens=args.output_len, ignore_eos=True)
+                    for i in range(len(p))],
+                [SamplingParams(temperature=args.temperature, seed=0, max_new_tokens=8, ignore_eos=True)]
+                * args.warmup_requests) for b, p in prompts.items()}
+
+
+def _spec_points(args, runner, points, loads: dict, scheduler, sync: bool, overlap: bool, plain_rows: dict,
+                 plain_outputs: dict, reference, draft_tokens: int) -> list[dict]:
+    """Every grid point (under every simulated profile, fixed and/or adaptive) at every batch size: their rows."""
     from splitspec.verifier_svc.adaptive import adaptive_policy, verify_tree_sizes
 
     profiles = [p.strip() for p in args.simulate_acceptance.split(";") if p.strip()] if args.simulate_acceptance else [None]
     series = {"off": [False], "on": [True], "both": [False, True]}[args.speculative_adaptive or "off"]
-    try:
-        for point, profile in itertools.product(points, profiles):
-            ns = copy.copy(point)
-            if reference is not None:
-                ns.speculative_replay, ns.speculative_replay_profile = reference.name, profile
-            settings = speculation.resolve(ns, runner.config)
-            drafter = (RemoteDrafter(ns, settings, runner, draft_tokens, max(batch_sizes)) if args.drafter_transport == "zmq"
-                       else engine_args.in_process_drafter(settings, max_total_tokens=draft_tokens, target=runner)[0])
-            try:
-                for adaptive in series:
-                    ns.speculative_adaptive = "on" if adaptive else "off"
-                    spec = speculation.spec_config(dataclasses.replace(settings, adaptive=adaptive))
-                    policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
-                    runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec))
-                    for batch_size, (prompts, params, warm) in loads.items():
-                        drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy,
-                              sync_phases=sync, overlap=overlap)
-                        drafter.stats.__init__()
-                        row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy,
-                                              sync_phases=sync, overlap=overlap)
-                        rows.append(_spec_row(args, ns, row, requests, drafter, plain_rows[batch_size],
-                                              plain_outputs[batch_size], batch_size, adaptive, reference, profile))
-            finally:
-                runner.set_capture_layers(())
-                drafter.close()
-            del drafter
-    finally:
+    batch_max = max(loads)
+    rows = []
+    for point, profile in itertools.product(points, profiles):
+        ns = copy.copy(point)
         if reference is not None:
-            Path(reference.name).unlink()
-    return _report(args, runner, model_dir, rows)
+            ns.speculative_replay, ns.speculative_replay_profile = reference.name, profile
+        settings = speculation.resolve(ns, runner.config)
+        drafter = (RemoteDrafter(ns, settings, runner, draft_tokens, batch_max) if args.drafter_transport == "zmq"
+                   else engine_args.in_process_drafter(settings, max_total_tokens=draft_tokens, target=runner)[0])
+        try:
+            for adaptive in series:
+                ns.speculative_adaptive = "on" if adaptive else "off"
+                spec = speculation.spec_config(dataclasses.replace(settings, adaptive=adaptive))
+                policy = adaptive_policy(spec)  # one for the whole load sweep, as a server keeps one
+                runner.capture_cuda_graphs(tree_nodes=verify_tree_sizes(spec))
+                for batch_size, (prompts, params, warm) in loads.items():
+                    drive(runner, drafter, spec, prompts[: args.warmup_requests], batch_size, warm, scheduler, policy,
+                          sync_phases=sync, overlap=overlap)
+                    drafter.stats.__init__()
+                    row, requests = drive(runner, drafter, spec, prompts, batch_size, params, scheduler, policy,
+                                          sync_phases=sync, overlap=overlap)
+                    rows.append(_spec_row(args, ns, row, requests, drafter, plain_rows[batch_size],
+                                          plain_outputs[batch_size], batch_size, adaptive, reference, profile))
+        finally:
+            runner.set_capture_layers(())
+            drafter.close()
+        del drafter
+    return rows
 
 
 # against a deployment --------------------------------------------------------------------------------

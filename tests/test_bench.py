@@ -189,9 +189,12 @@ def test_bench_refuses_what_it_cannot_measure():
     result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "ftp://x"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "expected http(s)://host:port" in result.stderr
-    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick", "--rounds", "2"],
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick", "--rounds", "0"],
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--rounds 2: at least 1, and more only with --url" in result.stderr
+    assert result.returncode == 2 and "--rounds 0 --first-round 0: at least 1 round" in result.stderr
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "http://127.0.0.1:9",
+                           "--pause-before-rounds"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--pause-before-rounds is for the in-process bench" in result.stderr
 
 
 def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
@@ -242,30 +245,55 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
 
 
 def test_served_against_in_process_in_one_command(tmp_path):
-    """benchmarks/served.py: `splitspec up` measured by `splitspec bench --url`, then the same model and load in
-    process; the report pairs every point (plain and NGRAM) with its served/in-process ratio, and both sides
-    speculated. With SPLITSPEC_STEP_LOG, the served verifier, the bench's client and the in-process bench write their
-    step timelines, and benchmarks/step_timeline.py accounts for every measured request on both sides."""
+    """benchmarks/served.py: the model loaded in process and `splitspec up` measured by `splitspec bench --url`, in two
+    rounds (--rounds 2): in-process round 0, served round 0, in-process round 1, served round 1, each round with its
+    own prompts on both sides (the served warm-up with prompts neither sends); the report pairs every point (plain and
+    NGRAM) with its served/in-process ratio, the median of its rounds' ratios, and both sides speculated. With
+    SPLITSPEC_STEP_LOG, the served verifier, the bench's client and the in-process bench write their step timelines,
+    and benchmarks/step_timeline.py accounts for every measured request on both sides."""
     from test_launcher import free_port_block
 
+    rng = random.Random(5)
+    # two prompts a round: round 0's of 30 tokens, round 1's of 32, the served warm-up's (round 2) of 34
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt_ids": [rng.randrange(4, 4000) for _ in range(30 + 2 * (i // 2))]}) + "\n"
+                               for i in range(6)))
     out = tmp_path / "served.json"
     port = free_port_block(4)
     result = lifeline.run([sys.executable, "-P", "benchmarks/served.py", "--out", str(out), "--port", str(port),
-                           "--load", "--batch-size 2 --prompt-len 32 --output-len 12 --num-prompts 2 --warmup-requests 1",
+                           "--rounds", "2", "--load", f"--batch-size 2 --prompt-len 40 --output-len 12 --num-prompts 2 "
+                           f"--warmup-requests 1 --dataset {dataset}",
                            "--", "--speculative-algorithm", "NGRAM", "--device", "cpu"],
                           capture_output=True, text=True, timeout=600, cwd=str(REPO),
                           env={**os.environ, "SPLITSPEC_STEP_LOG": str(tmp_path / "steps")})
     log = (tmp_path / "served.log").read_text() if (tmp_path / "served.log").exists() else ""
     assert result.returncode == 0, result.stderr[-3000:] + log[-3000:]
     report = json.loads(out.read_text())
+    assert report["rounds"] == 2
     points = {(p["batch_size"], p["speculative"]): p for p in report["points"]}
     assert set(points) == {(2, None), (2, "NGRAM")}, report["points"]
-    for point in points.values():
+    rows = {side: {(r["round"], r["speculative"] is not None): r for r in report[side]["rows"]}
+            for side in ("served", "in_process")}
+    assert all(set(rows[side]) == {(0, False), (0, True), (1, False), (1, True)} for side in rows), rows
+    for (r, _), row in rows["served"].items():  # each round its own prompts, the same on both sides
+        assert row["prompt_tokens_mean"] == 30 + 2 * r == rows["in_process"][(r, _)]["prompt_tokens_mean"], row
+    # alternating: each in-process round just before the served round of the same prompts
+    spans = {(side, r): (min(rows[side][(r, s)]["window_s"][0] for s in (False, True)),
+                         max(rows[side][(r, s)]["window_s"][1] for s in (False, True))) for side in rows for r in (0, 1)}
+    order = [("in_process", 0), ("served", 0), ("in_process", 1), ("served", 1)]
+    assert all(spans[a][1] <= spans[b][0] for a, b in zip(order, order[1:])), spans
+    for (batch, algorithm), point in points.items():
+        spec = algorithm is not None
         assert point["served_errors"] == 0 and point["served_tok_s"] > 0 and point["in_process_tok_s"] > 0
-        assert point["served_over_in_process"] == round(point["served_tok_s"] / point["in_process_tok_s"], 3)
+        ratios = [rows["served"][(r, spec)]["output_tok_s"] / rows["in_process"][(r, spec)]["output_tok_s"] for r in (0, 1)]
+        assert [x["ratio"] for x in point["rounds"]] == [round(x, 3) for x in ratios], point
+        assert abs(point["served_over_in_process"] - sum(ratios) / 2) < 2e-3, point  # the median of two
         # each side's host speed while the point ran (None where no sample fell in a point this short)
         assert set(point["host_us"]) == {"served", "in_process"}, point
         assert all(us is None or us > 0 for us in point["host_us"].values()), point
+    for side in rows:  # speculation's gain on each side: the median of its rounds' speculative over plain
+        gains = [rows[side][(r, True)]["output_tok_s"] / rows[side][(r, False)]["output_tok_s"] for r in (0, 1)]
+        assert abs(points[(2, "NGRAM")][f"{side}_speedup"] - sum(gains) / 2) < 2e-3, (side, gains)
     for side in ("served", "in_process"):
         for row in report[side]["rows"]:
             began, ended = row["window_s"]
@@ -306,14 +334,15 @@ def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_r
     """benchmarks/served.py --simulate-acceptance (issue 31's 8B EAGLE-3 served figure, shrunk): the in-process side
     runs first and records plain decoding's outputs of a decisive dummy target; `up` replays them through a real
     dummy EAGLE-3 head in a drafter process, so both sides accept the same drafts (the replay's draws are seeded per
-    reference) and no served request leaves its reference."""
+    reference) and no served request leaves its reference; a second round (--rounds 2) sends the reference's prompts
+    again on both sides and accepts the same."""
     from test_launcher import free_port_block
 
     out = tmp_path / "sim.json"
     port = free_port_block(4)
     result = lifeline.run([sys.executable, "-P", "benchmarks/served.py", "--out", str(out), "--port", str(port),
                            "--dummy-preset", "quick", "--dummy-draft-preset", "eagle3-quick",
-                           "--simulate-acceptance", "accept-length:3", "--log-level", "info",
+                           "--simulate-acceptance", "accept-length:3", "--log-level", "info", "--rounds", "2",
                            "--load", "--batch-size 2 --prompt-len 16 --output-len 40 --num-prompts 2 --warmup-requests 1",
                            "--", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
                            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4", "--device", "cpu"],
@@ -329,8 +358,11 @@ def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_r
     spec = points[(2, "EAGLE3")]
     assert spec["served_errors"] == 0 and abs(spec["in_process_accept_length"] - 3) < 0.4, spec
     assert spec["served_accept_length"] == spec["in_process_accept_length"], spec
-    inside = next(r for r in report["in_process"]["rows"] if r["speculative"])
-    assert inside["outputs_equal_plain"] == 2 and inside["off_reference"] == 0 and inside["step_ms"]["draft"] > 0
+    for r in (0, 1):
+        served, inside = (next(row for row in report[side]["rows"] if row["speculative"] and row["round"] == r)
+                          for side in ("served", "in_process"))
+        assert served["accept_length"] == inside["accept_length"] and served["prompt_tokens_mean"] == 16, (served, inside)
+        assert inside["outputs_equal_plain"] == 2 and inside["off_reference"] == 0 and inside["step_ms"]["draft"] > 0
     assert "SIMULATED speculation: EAGLE3 drafts for real" in log  # the drafter process's replay
     # the in-process side runs the engine as the server does (no device synchronisation at phase boundaries)
     assert any(line.startswith("$ ") and " bench " in line and "--url" not in line and "--no-phase-sync" in line
