@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from splitspec import event_loop
-from splitspec.bench_measure import Timeline, latency_fields, make_prompts
+from splitspec.bench_measure import Timeline, latency_fields, make_prompts, prompts_for, round_prompts
 from splitspec.step_log import StepLog
 
 logger = logging.getLogger("splitspec.bench")
@@ -328,18 +328,17 @@ def run_remote(args) -> dict:
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
     counts = {b: args.num_prompts or max(4, 2 * b) for b in batch_sizes}
     local = Path(args.model_path) if args.model_path else None
-    # each round its own prompts (the held-out texts' next windows): a drafter that learns from what it served (NGRAM's
-    # trie) would otherwise meet the same answers again
+    # every round and batch size its own prompts (the held-out texts' next windows: round_prompts)
     first = args.first_round
-    prompts_all = make_prompts(args, local, None, max(counts.values()) * (first + args.rounds))
+    prompts_all = make_prompts(args, local, None, prompts_for(counts, first + args.rounds))
+    rounds = [round_prompts(prompts_all, counts, first + r) for r in range(args.rounds)]
     rows = []
     log = StepLog.from_env("client")  # SPLITSPEC_STEP_LOG
     for batch_size in batch_sizes:
         # plain and speculative alternate, round after round, at each batch size
         measured: dict[bool, list[dict]] = {False: [], True: []}
-        count = counts[batch_size]
         for r, speculative in itertools.product(range(args.rounds), (False, True)):
-            measured[speculative].append(_measure(client, model, args, prompts_all[(first + r) * count: (first + r + 1) * count],
+            measured[speculative].append(_measure(client, model, args, rounds[r][batch_size],
                                                   batch_size, speculative, log))
         plain, spec = (_row(batch_size, s, measured[s]) for s in (False, True))
         spec["speedup"] = _speedup(spec, plain)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from splitspec import engine_args, heap, model_flags, speculation
-from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts
+from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts, prompts_for, round_prompts
 from splitspec.lifeline import spawn
 from splitspec.step_log import StepLog
 
@@ -362,7 +362,7 @@ def run_in_process(args) -> dict:
     # each round its own prompts, as --url's rounds; a simulated acceptance's rounds repeat the first's (its reference)
     distinct = 1 if args.simulate_acceptance else args.first_round + args.rounds
     prompts_all = make_prompts(args, None if args.preset else model_dir, runner.config.vocab_size,
-                               max(counts.values()) * distinct)
+                               prompts_for(counts, distinct))
     scheduler = engine_args.scheduler_config(args)
     rows, reference = [], None
     try:
@@ -370,7 +370,7 @@ def run_in_process(args) -> dict:
             if args.pause_before_rounds:
                 _wait_for_round(r)
             at = 0 if args.simulate_acceptance else args.first_round + r
-            loads = _loads(args, {b: prompts_all[at * n: (at + 1) * n] for b, n in counts.items()})
+            loads = _loads(args, round_prompts(prompts_all, counts, at))
             # plain decoding at every batch size first, then each grid point at every batch size: the target's graphs
             # are captured once per point (a drafter may change what the target's forward returns)
             plain_rows, plain_outputs = _plain(args, runner, loads, scheduler, sync, overlap)

@@ -104,6 +104,22 @@ def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: in
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
+def round_prompts(prompts: list, counts: dict[int, int], round_: int) -> dict[int, list]:
+    """Each batch size's prompts in this round: every (round, batch size) its own slice of the dataset's order, round
+    after round, a round's batch sizes in order, so that no point sends what another sent (a drafter that learns from
+    what it served, NGRAM's trie, would meet those answers again). `prompts` holds at least prompts_for(counts, R)."""
+    at = round_ * sum(counts.values())
+    out = {}
+    for batch_size, count in counts.items():
+        out[batch_size], at = prompts[at: at + count], at + count
+    return out
+
+
+def prompts_for(counts: dict[int, int], rounds: int) -> int:
+    """How many prompts round_prompts takes for rounds 0..rounds-1."""
+    return rounds * sum(counts.values())
+
+
 # in process ----------------------------------------------------------------------------------------
 
 
