@@ -26,11 +26,10 @@ logger = logging.getLogger("splitspec.bench")
 
 def drive(runner, drafter, spec, prompts: list[list[int]], batch_size: int, params: list, scheduler,
           policy=None, sync_phases: bool = True, overlap: bool = False) -> tuple[dict, list]:
-    """Serve the prompts with at most batch_size running; (row fields, requests). policy: an adaptive policy to
-    go on learning with (a server keeps one for its life), else the engine's own. sync_phases: on a GPU, wait for
-    the device at every phase boundary so that step_ms splits the step by phase (a server does not: the host
-    runs ahead of the device; off, the phases are host time and only the step total is the device's). overlap: the
-    overlap schedule (a server's default on a GPU; not with sync_phases)."""
+    """Serve the prompts with at most batch_size running; (row fields, requests). policy: an adaptive policy to go on
+    learning with (a server keeps one for its life), else the engine's own. sync_phases: on a GPU, wait for the device
+    at every phase boundary so that step_ms splits the step by phase (a server does not; off, the phases are host time
+    and only the step total is the device's). overlap: the overlap schedule (a server's on a GPU; not with sync_phases)."""
     from splitspec.device_profile import StepProfiler
     from splitspec.sync_debug import SyncCounter
     from splitspec.verifier_svc.engine import Engine, SpecConfig
