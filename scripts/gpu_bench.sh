@@ -85,6 +85,10 @@
 #             (taskset); SERVED_SYNCS=1 counts each side's synchronizing CUDA calls by call site (splitspec/sync_debug.py:
 #             syncs_<case>.jsonl; a counted run's speeds are not figures); SERVED_TAG suffixes the case's file names (two runs of one case in one call); SERVED_UP adds
 #             `splitspec up` flags to every case (e.g. SERVED_UP='--tokenizer-worker-num 4')
+#   tracecost whether recording the load-adaptive policy's trace (SPLITSPEC_ADAPTIVE_TRACE, which every served case
+#             writes) slows the steps it records: the demo EAGLE-3 chain in process as a server runs it (--no-phase-sync,
+#             adaptive on), batch 1 and 16, 32 requests of 256 tokens, two rounds each way, untraced then traced then
+#             untraced (tracecost_{off,on,off2}.json)
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -257,6 +261,14 @@ for stage in "${stages[@]}"; do
                     [[ -n "$sampler" ]] && { kill "$sampler"; wait "$sampler"; }
                     if [[ $stop -ne 0 ]]; then break; fi
                 done ;;
+        tracecost) for mode in off on off2; do
+                       SPLITSPEC_ADAPTIVE_TRACE=$([[ $mode == on ]] && echo "$OUT/tracecost_trace.jsonl") \
+                       timeout 200 python3 -P -m splitspec bench --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 \
+                           --steps 5 --topk 1 --num-draft-tokens 6 --speculative-adaptive on --no-phase-sync --batch-size 1,16 \
+                           --num-prompts 32 --prompt-len 128 --output-len 256 --rounds 2 --out "$OUT/tracecost_$mode.json" \
+                           >> "$OUT/tracecost.log" 2>&1 || stop=1
+                   done
+                   gzip -f "$OUT/tracecost_trace.jsonl" ;;
         jitcache) # FlashInfer's JIT modules of the 8B shape (head dim 128) and the demo's (64), as one .txz (back in $OUT;
                   # keep it in .ficache/, carried: scripts/gpu_env.sh installs it as FlashInfer's AOT modules)
                   for shape in "--preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b" ""; do
