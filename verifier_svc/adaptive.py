@@ -90,6 +90,7 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         self._probing = 0  # a probe's budget, for its second step (1: plain decoding's, re-timed while drafting)
         self.plain_probes = 0
         self._probe_every, self._probe_bucket = config.probe_interval, -1  # off steps to the next probe; its load
+        self._probe_intervals: dict[int, int] = {}  # batch bucket -> its probe interval, kept while another load runs
         self.tries = 0  # single steps at a budget not used lately, to measure it before switching to it
         self.predicted: dict[int, float] = {}  # the last choice's predicted tokens/s per budget
         self._predicted_for: tuple | None = None  # the (speculating, plain, prefill, step) self.predicted is for
@@ -159,11 +160,20 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         sum overrated those that were (tokens per step: the acceptance's estimate). So drafting is kept only where
         the phases and the cycles as they ran both say it pays: never slower than plain decoding."""
         batch = speculating + plain
-        bucket, ratios = token_bucket(batch), []
+        bucket, ratios, known = token_bucket(batch), [], set()
         for n in self.ladder:
+            cycle = self._cycles.get((n, bucket))
             if not self._timed(n, batch):
+                if n > 1 and cycle is not None and self._enough(cycle) and predicted[n]:
+                    # timed here, longer ago than stale_steps: what a tree cost then still caps it (at today's
+                    # acceptance), so that a load met again is not drafted on hope until min_timings fresh cycles say
+                    # again what they said (served, the demo EAGLE-3 chain drafted 10-26 steps of ~3 ms against ~0.7 ms
+                    # drafting off at every return to batch 16, and each such run broke the batch's lockstep)
+                    measured = (speculating * self.expected_tokens(n) + plain) / cycle.value
+                    ratios.append(measured / predicted[n])  # and the trees not timed here with it (below)
+                    predicted[n] = min(predicted[n], measured)
+                    known.add(n)
                 continue
-            cycle = self._cycles[(n, bucket)]
             if n == 1:
                 predicted[1] = max(predicted[1], batch / cycle.value)
                 continue
@@ -174,7 +184,7 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         scale = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
         if scale < 1.0:
             for n in self.ladder[1:]:
-                if not self._timed(n, batch):
+                if not self._timed(n, batch) and n not in known:
                     predicted[n] *= scale
 
     def _bound(self, predicted: dict[int, float], speculating: int, plain: int) -> None:
@@ -247,8 +257,13 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         if choice == 1:
             self._off_steps += 1
             bucket = batch_bucket(speculating + plain)
-            if bucket != self._probe_bucket:  # another load: probed at the configured interval again
-                self._probe_bucket, self._probe_every = bucket, self.config.probe_interval
+            if bucket != self._probe_bucket:  # another load: probed at the interval its own probes earned (a load met
+                # before keeps its back-off: a benchmark's waves at batch 16 pass through smaller loads at every tail,
+                # and each wave was probed at the configured interval again; served, a probe there also breaks the
+                # wave's lockstep), a new one at the configured interval
+                self._probe_intervals[self._probe_bucket] = self._probe_every
+                self._probe_bucket = bucket
+                self._probe_every = self._probe_intervals.get(bucket, self.config.probe_interval)
             wait = self._probe_wait(speculating, plain, predicted) if self._off_steps >= self._probe_every else 0
             if wait > self._probe_every:  # a probe here costs more than the interval's share: it waits longer
                 self._probe_every = wait
