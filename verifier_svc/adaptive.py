@@ -43,15 +43,17 @@ optimistically (its acceptance from the larger budgets, its drafting time the ne
 own at the nearest load, else the nearest budget's there), tried, measured and kept or left. While speculation is off
 the acceptance cannot be measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the
 best budget (the second one's costs are timed: steady), when full acceptance could make speculation win at that load
-at all; each probe that leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes or the
-load moves to another power-of-two batch; and where a probe was timed at that load, the wait is at least long enough
+at all; each probe that leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes at that
+load (a power-of-two batch; it keeps its wait while others run); and where a probe was timed at that load, the wait is at least long enough
 that probing takes no more than probe_share (3%) of the time (a probe's first step catches a head up on everything it
 was fed while drafting was off: on an H200 serving the demo EAGLE-3 pair, 5.4 ms at batch 16, nine plain steps);
 between probes, at a load that holds, the choice reuses the predictions it was made from (up to repredict_off_every
 steps: with no tree running, only plain steps' own timings could move them). While it speculates, timings older than
 256 steps with speculating requests (a run where all opted out ages nothing) are not trusted (a forward size or budget
 timed only that long ago is predicted optimistically again) and are dropped when a new one comes: a budget judged by
-its first, warming-up steps, or by a load that has passed, is measured again. While it does not, nothing is timed but
+its first, warming-up steps, or by a load that has passed, is measured again; but a tree's whole cycles timed at a load
+still cap that load's trees when it comes back (at the acceptance of now), and the trees not timed there with them,
+so that a load met again is not drafted on hope for min_timings steps. While it does not, nothing is timed but
 plain steps and probes: timings older than 256 steps before the last drafted step (a probe's) are not trusted, and
 probes add to the probes' timings before them instead of replacing them (a budget timed only by a warm-up's slow first
 steps priced every probed tree for good). Plain decoding too: drafting on, where it was last timed at this load that
