@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -574,7 +575,8 @@ def _cmdline(pid: int) -> list[str]:
 def test_grpc_runs_in_a_front_process_that_lives_and_dies_with_the_engine(verifier):
     """The gRPC server (streams, protobuf) is the verifier's child process, not a thread beside the engine;
     the same requests give the same tokens with --disable-frontend-multiprocessing (gRPC on the engine's
-    process); a front that dies ends its verifier, and a verifier that dies takes its front with it."""
+    process); a front that dies ends its verifier, and a verifier that dies takes its front with it; SIGTERM (how `up`
+    and docker stop it) stops both, and the verifier removes the link's socket directory whenever it can."""
     process, stub = start_verifier("--max-total-tokens", "2048", "--disable-frontend-multiprocessing")
     try:
         assert not [c for c in _children(process.pid) if "front_process" in " ".join(_cmdline(c))]
@@ -588,21 +590,30 @@ def test_grpc_runs_in_a_front_process_that_lives_and_dies_with_the_engine(verifi
     assert sum(r["spec"].accepted_tokens for r in apart.values()) > 0  # speculation ran on both
     assert sum(r["spec"].accepted_tokens for r in here.values()) > 0
 
-    for victim in ("front", "engine"):
+    for victim in ("front", "engine", "terminated"):
         process, stub = start_verifier("--max-total-tokens", "2048")
         fronts = [c for c in _children(process.pid) if "splitspec.verifier_svc.front_process" in _cmdline(c)]
         assert len(fronts) == 1 and f"127.0.0.1:{stub.port}" in _cmdline(fronts[0])
         front = fronts[0]
         assert "libtorch" not in Path(f"/proc/{front}/maps").read_text()  # a light process: gRPC and protobuf only
-        os.kill(front if victim == "front" else process.pid, signal.SIGKILL)
+        argv = _cmdline(front)
+        sockets = Path(argv[argv.index("--engine") + 1].removeprefix("ipc://")).parent  # the link's socket directory
+        assert sockets.is_dir()
+        if victim == "terminated":  # as `up` and docker stop it
+            process.terminate()
+        else:
+            os.kill(front if victim == "front" else process.pid, signal.SIGKILL)
         try:
-            process.wait(timeout=30)  # the engine ends with its front (exit 1), or was killed
+            process.wait(timeout=30)  # the engine ends with its front (exit 1), or was killed, or stopped
         finally:
             stub.channel.close()
-        assert process.returncode == (1 if victim == "front" else -signal.SIGKILL)
+        assert process.returncode == {"front": 1, "engine": -signal.SIGKILL, "terminated": 128 + signal.SIGTERM}[victim]
         deadline = time.time() + 5
         while _cmdline(front) and time.time() < deadline:
             time.sleep(0.1)
-        assert not _cmdline(front), f"the front outlived its verifier ({victim} killed)"
+        assert not _cmdline(front), f"the front outlived its verifier ({victim})"
         if victim == "front":
             assert "the gRPC front process exited" in process.stderr.read()
+        # stopped or ended by its front, the verifier removes its sockets (killed, it cannot: the test does)
+        assert sockets.is_dir() == (victim == "engine"), victim
+        shutil.rmtree(sockets, ignore_errors=True)

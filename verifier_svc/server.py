@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from splitspec import engine_args, event_loop, heap, model_flags, speculation
@@ -292,8 +293,15 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
     return 0
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    # SIGTERM (how `up` and docker stop a service) ends the process as an exception: its finally blocks run, so the gRPC
+    # front process is stopped and its socket directory removed (a bare exit left one /tmp directory per stop)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         model_flags.check_sglang_server_flags(args, "splitspec verifier")
         settings = speculation.resolve(args)  # the flags' speculation, resolved once, before anything loads
