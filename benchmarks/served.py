@@ -41,7 +41,8 @@ from splitspec import lifeline
 from splitspec.bench import git_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P: this folder is not on the path by itself
-from served_measure import HostSpeed, cpu_report, descendants, loop_report, loop_totals, process_cpu  # noqa: E402
+from served_measure import (HostSpeed, cpu_report, descendants, loop_report, loop_totals,  # noqa: E402
+                            process_cpu, ratios)
 
 # Flags `splitspec bench` and `splitspec up` both take that describe the model; the rest of `--` goes to up only.
 BENCH_MODEL_FLAGS = ("--model-path", "--load-format", "--dtype", "--device", "--speculative-algorithm",
@@ -173,70 +174,29 @@ def traced(side: str) -> dict[str, str] | None:
     return {**os.environ, TRACE_ENV: f"{prefix}.{side}.jsonl"} if prefix else None
 
 
+def dump_and_kill(process: subprocess.Popen, what: str, timeout: float, log) -> None:
+    """A stuck bench process: its threads' stacks and its tasks into the log (cli's SIGUSR1, SIGUSR2), then it goes."""
+    print(f"{what} timed out after {timeout} s: its stacks and tasks follow", file=log, flush=True)
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        process.send_signal(sig)
+        time.sleep(1)
+    time.sleep(1)
+    process.kill()
+    process.wait()
+
+
 def bench(argv: list[str], out: Path, timeout: float, log, env: dict[str, str] | None = None) -> dict:
     command = [sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", *argv, "--out", str(out)]
     print("$ " + shlex.join(command[2:]), file=log, flush=True)
     client = lifeline.spawn(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
     try:
         code = client.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:  # the client's own stacks and tasks first (cli's SIGUSR1, SIGUSR2), then the services'
-        print(f"the bench client timed out after {timeout} s: its stacks and tasks follow", file=log, flush=True)
-        client.send_signal(signal.SIGUSR1)
-        time.sleep(1)
-        client.send_signal(signal.SIGUSR2)
-        time.sleep(2)
-        client.kill()
-        client.wait()
+    except subprocess.TimeoutExpired:  # the client's own stacks first, then (serve_rounds) the services'
+        dump_and_kill(client, "the bench client", timeout, log)
         raise
     if code != 0:
         raise RuntimeError(f"splitspec bench exited with {code} (see the log)")
     return json.loads(out.read_text())
-
-
-def _median(values: list[float]) -> float | None:
-    import statistics
-
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 3) if values else None
-
-
-def ratios(served: dict, in_process: dict) -> list[dict]:
-    """Every point both sides measured (batch size, plain or speculative): each side's tok/s (the median of its rounds'),
-    served over in process (the median of the rounds' paired ratios) and, speculative, each side's speedup over its
-    own plain decoding (the median of the rounds' ratios)."""
-    def rounds_of(report: dict) -> dict[tuple[int, bool], dict[int, dict]]:
-        out: dict[tuple[int, bool], dict[int, dict]] = {}
-        for row in report["rows"]:  # the first grid point's rows (served runs the server's one tree)
-            out.setdefault((row["batch_size"], row["speculative"] is not None), {}).setdefault(row.get("round", 0), row)
-        return out
-
-    outside, inside = rounds_of(served), rounds_of(in_process)
-    out = []
-    for key, rows in outside.items():
-        twins = inside.get(key, {})
-        pairs = [(rows[r], twins[r]) for r in sorted(rows) if r in twins]
-        if not pairs:
-            continue
-        split = [(s["output_tok_s"], i["output_tok_s"]) for s, i in pairs]
-        point = {"batch_size": key[0], "speculative": pairs[0][0]["speculative"],
-                 "served_tok_s": _median([s for s, _ in split]), "in_process_tok_s": _median([i for _, i in split]),
-                 "served_over_in_process": _median([s / i if i else None for s, i in split]),
-                 "served_accept_length": _median([s.get("accept_length") for s, _ in pairs]),
-                 "in_process_accept_length": _median([i.get("accept_length") for _, i in pairs]),
-                 "served_errors": sum(len(s.get("errors") or []) for s, _ in pairs),
-                 # the host's speed during each side's point (HostSpeed, median us of its loop; lower is faster)
-                 "host_us": {"served": _median([s.get("host_us") for s, _ in pairs]),
-                             "in_process": _median([i.get("host_us") for _, i in pairs])}}
-        if len(pairs) > 1:
-            point["rounds"] = [{"served_tok_s": s, "in_process_tok_s": i, "ratio": round(s / i, 3) if i else None}
-                               for s, i in split]
-        if key[1]:  # speculation's gain as each side sees it, round by round
-            for side, plain_rows in (("served", outside.get((key[0], False), {})), ("in_process", inside.get((key[0], False), {}))):
-                mine = {r: row for r, row in (rows if side == "served" else twins).items()}
-                point[f"{side}_speedup"] = _median([mine[r]["output_tok_s"] / plain_rows[r]["output_tok_s"]
-                                                    for r in mine if r in plain_rows and plain_rows[r]["output_tok_s"]])
-        out.append(point)
-    return out
 
 
 def model_flags_of(args, model_flags: list[str]) -> list[str]:
@@ -283,11 +243,8 @@ class InProcess:
         exited with its report written."""
         try:
             line = self.said.get(timeout=self.timeout)
-        except queue.Empty:  # its stacks and tasks to the log (cli's SIGUSR1, SIGUSR2), then it goes
-            print(f"the in-process bench timed out after {self.timeout} s: its stacks follow", file=self.log, flush=True)
-            for sig in (signal.SIGUSR1, signal.SIGUSR2):
-                self.process.send_signal(sig)
-                time.sleep(1)
+        except queue.Empty:
+            dump_and_kill(self.process, "the in-process bench", self.timeout, self.log)
             raise subprocess.TimeoutExpired("splitspec bench", self.timeout) from None
         if not line and self.process.wait() != 0:
             raise RuntimeError(f"the in-process splitspec bench exited with {self.process.returncode} (see the log)")

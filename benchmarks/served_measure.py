@@ -1,5 +1,6 @@
 """What benchmarks/served.py measures beside the benches' own reports: the served services' processes and their
-CPU, the machine's host speed while each side runs, the served verifier's engine loop from its /metrics."""
+CPU, the machine's host speed while each side runs, the served verifier's engine loop from its /metrics; and the two
+reports' points paired round by round (ratios)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,50 @@ def loop_report(before: dict[str, float], after: dict[str, float]) -> dict:
     names = sorted({k.rsplit("_", 1)[0] for k in after if k.endswith("_sum")})
     return {"steps": int(steps), "mean_ms": {name: round((after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0))
                                                           / steps * 1e3, 4) if steps else None for name in names}}
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def ratios(served: dict, in_process: dict) -> list[dict]:
+    """Every point both sides measured (batch size, plain or speculative): each side's tok/s (the median of its rounds'),
+    served over in process (the median of the rounds' paired ratios) and, speculative, each side's speedup over its
+    own plain decoding (the median of the rounds' ratios)."""
+    def rounds_of(report: dict) -> dict[tuple[int, bool], dict[int, dict]]:
+        out: dict[tuple[int, bool], dict[int, dict]] = {}
+        for row in report["rows"]:  # the first grid point's rows (served runs the server's one tree)
+            out.setdefault((row["batch_size"], row["speculative"] is not None), {}).setdefault(row.get("round", 0), row)
+        return out
+
+    outside, inside = rounds_of(served), rounds_of(in_process)
+    out = []
+    for key, rows in outside.items():
+        twins = inside.get(key, {})
+        pairs = [(rows[r], twins[r]) for r in sorted(rows) if r in twins]
+        if not pairs:
+            continue
+        split = [(s["output_tok_s"], i["output_tok_s"]) for s, i in pairs]
+        point = {"batch_size": key[0], "speculative": pairs[0][0]["speculative"],
+                 "served_tok_s": _median([s for s, _ in split]), "in_process_tok_s": _median([i for _, i in split]),
+                 "served_over_in_process": _median([s / i if i else None for s, i in split]),
+                 "served_accept_length": _median([s.get("accept_length") for s, _ in pairs]),
+                 "in_process_accept_length": _median([i.get("accept_length") for _, i in pairs]),
+                 "served_errors": sum(len(s.get("errors") or []) for s, _ in pairs),
+                 # the host's speed during each side's point (HostSpeed, median us of its loop; lower is faster)
+                 "host_us": {"served": _median([s.get("host_us") for s, _ in pairs]),
+                             "in_process": _median([i.get("host_us") for _, i in pairs])}}
+        if len(pairs) > 1:
+            point["rounds"] = [{"served_tok_s": s, "in_process_tok_s": i, "ratio": round(s / i, 3) if i else None}
+                               for s, i in split]
+        if key[1]:  # speculation's gain as each side sees it, round by round
+            for side, plain_rows in (("served", outside.get((key[0], False), {})),
+                                     ("in_process", inside.get((key[0], False), {}))):
+                mine = rows if side == "served" else twins
+                point[f"{side}_speedup"] = _median([mine[r]["output_tok_s"] / plain_rows[r]["output_tok_s"]
+                                                    for r in mine if r in plain_rows and plain_rows[r]["output_tok_s"]])
+        out.append(point)
+    return out

@@ -44,9 +44,10 @@ own at the nearest load, else the nearest budget's there), tried, measured and k
 the acceptance cannot be measured, so after --speculative-adaptive-probe-interval steps two steps speculate with the
 best budget (the second one's costs are timed: steady), when full acceptance could make speculation win at that load
 at all; each probe that leaves drafting off doubles the wait for the next (up to 8x) until drafting resumes at that
-load (a power-of-two batch; it keeps its wait while others run); and where a probe was timed at that load, the wait is at least long enough
-that probing takes no more than probe_share (3%) of the time (a probe's first step catches a head up on everything it
-was fed while drafting was off: on an H200 serving the demo EAGLE-3 pair, 5.4 ms at batch 16, nine plain steps);
+load (a power-of-two batch; it keeps its wait while others run); and where a probe was timed at that load, the wait is
+at least long enough that probing takes no more than probe_share (3%) of the time (a probe's first step catches a head
+up on everything it was fed while drafting was off: on an H200 serving the demo EAGLE-3 pair, 5.4 ms at batch 16, nine
+plain steps);
 between probes, at a load that holds, the choice reuses the predictions it was made from (up to repredict_off_every
 steps: with no tree running, only plain steps' own timings could move them). While it speculates, timings older than
 256 steps with speculating requests (a run where all opted out ages nothing) are not trusted (a forward size or budget
