@@ -23,21 +23,29 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                        help="Requests decoding at once; the rest wait (0 = no limit).")
     group.add_argument("--chunked-prefill-size", type=int, default=8192,
                        help="Prompt tokens one step prefills at most; a longer prompt is prefilled over several steps "
-                       "(-1 = no limit). With --enable-mixed-chunk each decoding request's tree counts first "
-                       "(--speculative-num-draft-tokens each, 1 without speculation) and prompt chunks share the rest.")
-    group.add_argument("--enable-mixed-chunk", action="store_true",
-                       help="Verify the decoding requests' trees in the same steps as prompt chunks (vLLM's chunked "
-                       "prefill: decoding never pauses for a prompt). Default: prompts that all fit one step's "
-                       "--chunked-prefill-size prefill alone and the batch decodes again next step (SGLang's way: a wave "
-                       "of arrivals joins one decoding batch instead of trickling in over mixed steps); a longer "
-                       "backlog (a long prompt over several chunks) is mixed with the decodes, which wait at most one step.")
+                       "(-1 = no limit). A step that mixes prompt chunks with decoding requests counts each decoding "
+                       "request's tree first (--speculative-num-draft-tokens each, 1 without speculation) and prompt "
+                       "chunks share the rest.")
+    mixed = group.add_mutually_exclusive_group()
+    mixed.add_argument("--enable-mixed-chunk", dest="mixed_chunk", action="store_const", const="always",
+                       default="auto",
+                       help="Verify the decoding requests' trees in every step with prompt chunks (vLLM's chunked "
+                       "prefill: decoding never pauses for a prompt). Default: mixed when the decoding requests "
+                       "outnumber the arriving ones (a request joining a running batch: the batch keeps decoding "
+                       "beside its prompt), else the prompts prefill alone and the batch decodes again next step (a "
+                       "wave of arrivals joins one decoding batch instead of trickling in over mixed steps); a backlog "
+                       "over --chunked-prefill-size (a long prompt over several chunks) is always mixed.")
+    mixed.add_argument("--disable-mixed-chunk", dest="mixed_chunk", action="store_const", const="prefill-first",
+                       help="SGLang's default scheduling: prompts that fit one step's --chunked-prefill-size prefill "
+                       "alone, the decoding requests paused for that step, however many they are; only a longer "
+                       "backlog is mixed.")
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     from splitspec.verifier_svc.step_types import SchedulerConfig
 
     return SchedulerConfig(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-                           enable_mixed_chunk=args.enable_mixed_chunk)
+                           mixed_chunk=args.mixed_chunk)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier") -> None:

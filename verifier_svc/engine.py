@@ -130,9 +130,9 @@ class Engine(Scheduling, OverlapSchedule):
     def step(self) -> list[StepEvent]:
         """schedule -> draft (collect the trees asked for) -> verify, accept and commit (one forward) -> ask
         (the next trees, as soon as acceptance is known); each phase timed into the step's report. A step
-        with prompt chunks that all fit its budget prefills alone (a wave of arrivals is prefilled before the
-        batch decodes again, as SGLang does), and the decoding requests' asked trees wait for the next; a longer
-        backlog, or --enable-mixed-chunk, mixes them (scheduling._schedule)."""
+        with prompt chunks verifies the decoding requests' trees beside them when scheduling._mixes says so (a
+        request joining a running batch); else it prefills alone and the asked trees wait for the next step (a
+        wave of arrivals is prefilled before the batch decodes again, as SGLang does)."""
         self.report = StepReport(budget=self.budget)
         start = self._clock()
         self._observe_last(start)

@@ -32,18 +32,13 @@ class Scheduling:
 
     def _schedule(self) -> list[Chunk]:
         """Admit, then reserve this step's pages oldest request first, preempting the newest when the
-        pool runs dry. Prompt chunks share the step's token budget (--chunked-prefill-size). A step whose
-        prompts all fit the budget prefills alone (the trees' pages are reserved all the same): a wave of
-        arrivals joins one decoding batch. With --enable-mixed-chunk, or a backlog of prompt tokens over the
-        budget (a long prompt), the decoding requests' trees go in the same step and count first."""
+        pool runs dry. Prompt chunks share the step's token budget (--chunked-prefill-size); whether the
+        decoding requests' trees go in the same step is _mixes'."""
         self._admit()
         limit = self.scheduler.chunked_prefill_size
-        # prompts that fit this step prefill alone; a longer backlog (a long prompt over several chunks) goes beside the
-        # decodes, so that they never wait more than one step for it
-        pending = sum(r.fill_len - r.num_prefilled for r in self.running if not r.decoding)
-        self.mixed = self.scheduler.enable_mixed_chunk or 0 < limit < pending
-        budget = None if limit <= 0 else limit - (sum(self._tree_tokens(r) for r in self.running if r.decoding)
-                                                  if self.mixed else 0)
+        trees = sum(self._tree_tokens(r) for r in self.running if r.decoding)
+        self.mixed = self._mixes(limit, trees)
+        budget = None if limit <= 0 else limit - (trees if self.mixed else 0)
         chunks = []
         for request in sorted(self.running, key=lambda r: r.arrival):
             if request not in self.running:  # preempted by an older request this step
@@ -61,6 +56,22 @@ class Scheduling:
                 if budget is not None:
                     budget -= size
         return chunks
+
+    def _mixes(self, limit: int, trees: int) -> bool:
+        """Whether this step's prompt chunks go beside the decoding requests' trees. Always with --enable-mixed-chunk;
+        with a backlog of prompt tokens over the step's budget (a long prompt: the decodes never wait more than one
+        step for it); and by default when the decoding requests outnumber the arriving ones and the budget leaves the
+        prompts room: a request joining a running batch (a finished one's successor; in a speculating batch the
+        requests end at different steps, so they arrive one by one) would otherwise pause every other for a step of
+        its own, while a wave of arrivals into a small batch prefills alone and joins one decoding batch (SGLang's
+        default, --disable-mixed-chunk: its mixed steps would each pay a drafting cycle for the few decoding)."""
+        prefilling = [r for r in self.running if not r.decoding and r.fill_len > r.num_prefilled]
+        pending = sum(r.fill_len - r.num_prefilled for r in prefilling)
+        if self.scheduler.mixed_chunk == "always" or 0 < limit < pending:
+            return True
+        decoding = sum(r.decoding for r in self.running)
+        return (self.scheduler.mixed_chunk == "auto" and decoding > len(prefilling) > 0
+                and (limit <= 0 or trees < limit))
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Pages for num_tokens slots of request, preempting newer requests as needed. False when the

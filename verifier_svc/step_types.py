@@ -33,9 +33,10 @@ class SchedulerConfig:
 
     max_running_requests: int = 0  # 0 = no limit (--max-running-requests)
     chunked_prefill_size: int = 0  # tokens per step in all: tree tokens first, prompt chunks in the rest; <= 0 = no limit
-    # every step with prompt chunks verifies the decoding requests' trees too (vLLM's way); off: a step whose prompts
-    # fit its budget prefills alone, a longer backlog is mixed (scheduling._schedule; --enable-mixed-chunk)
-    enable_mixed_chunk: bool = False
+    # when a step with prompt chunks verifies the decoding requests' trees too (scheduling._schedule): "auto" when the
+    # decoding requests outnumber the arriving ones, "always" (--enable-mixed-chunk, vLLM's way), "prefill-first"
+    # (--disable-mixed-chunk, SGLang's default); any of them mixes a backlog over the step's budget
+    mixed_chunk: str = "auto"
 
 
 @dataclass
