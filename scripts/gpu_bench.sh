@@ -291,9 +291,16 @@ for stage in "${stages[@]}"; do
 done
 # the device tool brings back only a few files per call: step logs (SERVED_STEP_LOG), thread samples (SERVED_THREADS)
 # and the adaptive policy's traces travel as one archive
+[[ -f "$OUT/results.tgz" ]] && (cd "$OUT" && tar xzf results.tgz && rm results.tgz)  # an earlier run's in this call
 [[ -f "$OUT/steps.tgz" ]] && (cd "$OUT" && tar xzf steps.tgz && rm steps.tgz)  # an earlier run's in this call: kept
 packed=$(cd "$OUT" && compgen -G "steps_*.jsonl"; compgen -G "threads_*.txt"; compgen -G "adaptive_*.jsonl"; compgen -G "syncs_*.jsonl")
 if [[ -n "$packed" ]]; then
     (cd "$OUT" && tar czf steps.tgz $packed && rm -f $packed)
+fi
+# and at most 8 files in all: past that (several served cases, tagged runs in one call), the served cases' JSON and logs
+# and steps.tgz travel in results.tgz (a call that ran 4 served cases got 8 of its 11 files back, not its traces)
+if (( $(find "$OUT" -type f | wc -l) > 8 )); then
+    (cd "$OUT" && rest=$(compgen -G "served_*.json"; compgen -G "served_*.log"; compgen -G "steps.tgz"; true) &&
+     [[ -n "$rest" ]] && tar czf results.tgz $rest && rm -f $rest)
 fi
 exit $failed

@@ -32,9 +32,11 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                        help="Verify the decoding requests' trees in every step with prompt chunks (vLLM's chunked "
                        "prefill: decoding never pauses for a prompt). Default: mixed when the decoding requests "
                        "outnumber the arriving ones and verify no drafts that step (a request joining a running batch "
-                       "that is not drafting: the batch keeps decoding beside its prompt), else the prompts prefill alone and the batch decodes again next step (a "
-                       "wave of arrivals joins one decoding batch instead of trickling in over mixed steps); a backlog "
-                       "over --chunked-prefill-size (a long prompt over several chunks) is always mixed.")
+                       "that is not drafting: the batch keeps decoding beside its prompt), else the prompts prefill "
+                       "alone and the batch decodes again next step (a wave of arrivals joins one decoding batch "
+                       "instead of trickling in over mixed steps; a mixed step runs tree rows outside the captured "
+                       "graphs); a backlog over --chunked-prefill-size (a long prompt over several chunks) is always "
+                       "mixed.")
     mixed.add_argument("--disable-mixed-chunk", dest="mixed_chunk", action="store_const", const="prefill-first",
                        help="SGLang's default scheduling: prompts that fit one step's --chunked-prefill-size prefill "
                        "alone, the decoding requests paused for that step, however many they are; only a longer "

@@ -65,9 +65,9 @@ class Scheduling:
         finished one's successor; in a speculating batch requests end at different steps, so they arrive one by one)
         would otherwise pause every other for a step of its own. Not a wave of arrivals into a small batch (it prefills
         alone and joins one decoding batch, SGLang's default, --disable-mixed-chunk), nor beside trees, whose rows a
-        mixed step runs outside the captured graphs (served on an H200, the demo NGRAM batch at 16 drafting: a mixed
-        step and the next took 10.1 ms an arrival against 7.4 ms for a prompt step and the next; the EAGLE-3 chain,
-        drafting off there: 7.9 against 10.5)."""
+        mixed step runs outside the captured graphs (served on an H200, the demo pair at batch 16, medians an arrival of
+        its prompt step and the next: NGRAM beside trees 10.2 ms mixed against 7.5 prefilled alone; the EAGLE-3 chain
+        with drafting off 5.4 against 8.0-10.8; docs/performance.md)."""
         prefilling = [r for r in self.running if not r.decoding and r.fill_len > r.num_prefilled]
         pending = sum(r.fill_len - r.num_prefilled for r in prefilling)
         if self.scheduler.mixed_chunk == "always" or 0 < limit < pending:

@@ -34,7 +34,7 @@ class SchedulerConfig:
     max_running_requests: int = 0  # 0 = no limit (--max-running-requests)
     chunked_prefill_size: int = 0  # tokens per step in all: tree tokens first, prompt chunks in the rest; <= 0 = no limit
     # when a step with prompt chunks verifies the decoding requests' trees too (scheduling._schedule): "auto" when the
-    # decoding requests outnumber the arriving ones, "always" (--enable-mixed-chunk, vLLM's way), "prefill-first"
+    # decoding requests outnumber the arriving ones and verify no drafts, "always" (--enable-mixed-chunk, vLLM's way), "prefill-first"
     # (--disable-mixed-chunk, SGLang's default); any of them mixes a backlog over the step's budget
     mixed_chunk: str = "auto"
 
