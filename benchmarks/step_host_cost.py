@@ -11,6 +11,11 @@ prompts, the budget forced, no policy. No assertions.
     # functions by the difference in own and cumulative time a step (off against opted out)
     python -P benchmarks/step_host_cost.py off STEPS --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 \
         --batch-size 16 --prompt-len 128
+    # a request joining a running batch: --batch-size less one requests decoding at BUDGET (1: drafting off), then
+    # COUNT times a prompt added, the step that prefills it (mixed or alone, as the scheduling flags say) and the next
+    # timed, the newcomer aborted and two steps run; then the same under cProfile (ms an arrival by function)
+    python -P benchmarks/step_host_cost.py arrival COUNT BUDGET --device cuda --dtype bfloat16 \
+        --speculative-algorithm EAGLE3 --batch-size 16 --prompt-len 128 [--disable-mixed-chunk]
 """
 
 from __future__ import annotations
@@ -162,10 +167,56 @@ def off(steps: int, flags: list[str]) -> None:
             print(f"{r[0] / steps * 1e3:8.4f} {r[1] / steps * 1e3:8.4f} {r[2] / steps:7.1f} {r[3] / steps:7.1f} {r[4]}")
 
 
+def arrival(count: int, budget: int, flags: list[str]) -> None:
+    from splitspec.runtime.sampling_params import SamplingParams
+
+    setup = Setup(flags, count * 8 + 900)
+    engine = setup.engine(budget, count * 6 + 400)
+    engine.abort(engine.running[-1])  # a slot for the newcomer
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+
+    def arrive(profile: cProfile.Profile | None) -> tuple[float, float, bool]:
+        newcomer = engine.add_request(setup.prompts[-1], params)
+        if profile is not None:
+            profile.enable()
+        began = time.perf_counter()
+        engine.step()
+        mixed = engine.report.forward_tokens > engine.report.prefill_tokens > 0
+        prompt_step = time.perf_counter()
+        engine.step()
+        ended = time.perf_counter()
+        if profile is not None:
+            profile.disable()
+        engine.abort(newcomer)
+        for _ in range(2):
+            engine.step()
+        setup.sync()
+        return prompt_step - began, ended - prompt_step, mixed
+
+    decode, _ = timed(engine, 20)
+    for label, profile in (("unprofiled", None), ("cProfile", cProfile.Profile())):
+        runs = [arrive(profile) for _ in range(count)]
+        print(f"{label}: {count} arrivals into {setup.batch - 1} decoding at budget {budget}, {sum(r[2] for r in runs)} "
+              f"mixed: median prompt step {statistics.median(r[0] for r in runs) * 1e3:.3f} ms, the next "
+              f"{statistics.median(r[1] for r in runs) * 1e3:.3f}, both {statistics.median(r[0] + r[1] for r in runs) * 1e3:.3f}"
+              f" (a decode step before them {statistics.median(decode) * 1e3:.3f})", flush=True)
+    stats = pstats.Stats(profile).stats
+    rows = [(v[2], v[3], v[1], name(k), k[0]) for k, v in stats.items()]
+    print("by tottime (ms an arrival: tottime, cumtime, calls)")
+    for r in sorted(rows, reverse=True)[:40]:
+        print(f"{r[0] / count * 1e3:8.3f} {r[1] / count * 1e3:8.3f} {r[2] / count:7.1f}  {r[3]}")
+    print("by cumtime, project functions")
+    for r in sorted([r for r in rows if "splitspec" in r[4] or "_svc/" in r[4]], key=lambda r: -r[1])[:40]:
+        print(f"{r[0] / count * 1e3:8.3f} {r[1] / count * 1e3:8.3f} {r[2] / count:7.1f}  {r[3]}")
+    setup.drafter.close()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("drafted", "off"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("drafted", "off", "arrival"):
         raise SystemExit(__doc__)
     if sys.argv[1] == "drafted":
         drafted(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    elif sys.argv[1] == "arrival":
+        arrival(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
     else:
         off(int(sys.argv[2]), sys.argv[3:])

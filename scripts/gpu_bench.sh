@@ -89,6 +89,10 @@
 #             writes) slows the steps it records: the demo EAGLE-3 chain in process as a server runs it (--no-phase-sync,
 #             adaptive on), batch 1 and 16, 32 requests of 256 tokens, two rounds each way, untraced then traced then
 #             untraced (tracecost_{off,on,off2}.json)
+#   arrivals  what a request joining a running batch costs, in process (benchmarks/step_host_cost.py arrival: 15 requests
+#             of the demo pair decoding at batch 16, 30 arrivals of a 128-token prompt, the prompt step and the next
+#             timed, then under cProfile): NGRAM and the EAGLE-3 chain, drafting off (budget 1) and drafting (12; 6),
+#             the default scheduling (mixed beside a batch verifying no drafts) and --disable-mixed-chunk (arrivals.log)
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -261,6 +265,17 @@ for stage in "${stages[@]}"; do
                     [[ -n "$sampler" ]] && { kill "$sampler"; wait "$sampler"; }
                     if [[ $stop -ne 0 ]]; then break; fi
                 done ;;
+        arrivals) for run in "NGRAM 1" "NGRAM 12" "EAGLE3 1" "EAGLE3 6"; do
+                      read -r algorithm budget <<< "$run"
+                      chain=(); [[ $algorithm == EAGLE3 ]] && chain=(--speculative-num-steps 5 --speculative-eagle-topk 1
+                                                                   --speculative-num-draft-tokens 6)
+                      for mode in "" --disable-mixed-chunk; do
+                          echo "== $algorithm budget $budget ${mode:-default}" >> "$OUT/arrivals.log"
+                          timeout "${ARRIVALS_TIMEOUT:-120}" python3 -P benchmarks/step_host_cost.py arrival 30 "$budget" \
+                              --device cuda --dtype bfloat16 --speculative-algorithm "$algorithm" "${chain[@]}" \
+                              --batch-size 16 --prompt-len 128 $mode >> "$OUT/arrivals.log" 2>&1 || { stop=1; break 2; }
+                      done
+                  done ;;
         tracecost) for mode in off on off2; do
                        SPLITSPEC_ADAPTIVE_TRACE=$([[ $mode == on ]] && echo "$OUT/tracecost_trace.jsonl") \
                        timeout 200 python3 -P -m splitspec bench --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 \
