@@ -41,14 +41,22 @@ def tokens(step: dict) -> int:
 
 
 def points(steps: list[dict]) -> list[tuple[str, list[dict]]]:
-    """Consecutive steps of plain requests or of speculating ones (a prompt-only step joins the point it falls in)."""
+    """Consecutive steps of plain requests or of speculating ones; prompt-only steps go with the point of the step after
+    them (a point's first prompts begin it; those of its arrivals are its own)."""
     out: list[tuple[str, list[dict]]] = []
+    held: list[dict] = []
     for step in steps:
         kind = "plain" if step["plain"] and not step["speculating"] else "spec" if step["speculating"] else None
-        kind = kind or (out[-1][0] if out else "prefill")
+        if kind is None:
+            held.append(step)
+            continue
         if not out or out[-1][0] != kind:
             out.append((kind, []))
+        out[-1][1].extend(held)
         out[-1][1].append(step)
+        held = []
+    if held and out:
+        out[-1][1].extend(held)
     return out
 
 
@@ -59,35 +67,57 @@ def category(step: dict, full: int) -> str:
     return ("drafted " if drafted(step) else "off ") + size
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace")
-    parser.add_argument("--skip", type=int, default=3, help="Points to leave out first (the warm-up's, by default).")
-    args = parser.parse_args()
-    with (gzip.open(args.trace, "rt") if args.trace.endswith(".gz") else open(args.trace)) as f:
-        steps = [s for s in (json.loads(line) for line in f) if s["kind"] == "observe"]
+def report(steps: list[dict], skip: int) -> dict:
+    """The points (each part's steps, ms and tokens a ms), the pairs' ratios and the arrivals' costs."""
     full = max(batch(s) for s in steps)
-    rates = []
-    for kind, point in points(steps)[args.skip:]:
-        parts: dict[str, list[float]] = {}
+    out, rates = {"full_batch": full, "points": []}, []
+    for kind, point in points(steps)[skip:]:
+        parts: dict[str, dict] = {}
         for step in point:
-            part = parts.setdefault(category(step, full), [0, 0.0, 0])
-            part[0], part[1], part[2] = part[0] + 1, part[1] + cycle(step), part[2] + tokens(step)
-        print(f"{kind:5} {sum(p[1] for p in parts.values()):7.1f} ms  " + "  ".join(
-            f"{name} {n}/{ms:.0f}ms/{made / ms:.1f}" for name, (n, ms, made) in sorted(parts.items()) if ms))
+            part = parts.setdefault(category(step, full), {"steps": 0, "ms": 0.0, "tokens": 0})
+            part["steps"], part["ms"], part["tokens"] = part["steps"] + 1, part["ms"] + cycle(step), part["tokens"] + tokens(step)
+        out["points"].append({"kind": kind, "ms": sum(p["ms"] for p in parts.values()), "parts": parts})
         at_full = [s for s in point if batch(s) >= full - 1]
         rates.append((sum(map(tokens, point)) / sum(map(cycle, point)),
                       sum(map(tokens, at_full)) / max(sum(map(cycle, at_full)), 1e-9)))
     pairs = list(zip(rates[::2], rates[1::2]))
-    print("(each part: steps/ms/tokens a ms)")
-    print("speculating over plain, tokens a ms, every step:", [round(s[0] / p[0], 3) for p, s in pairs])
-    print(f"the same, steps at batch {full - 1}-{full} only:", [round(s[1] / p[1], 3) for p, s in pairs])
+    out["ratio_every_step"] = [s[0] / p[0] for p, s in pairs]
+    out["ratio_full_batch"] = [s[1] / p[1] for p, s in pairs]
     arrivals = [(cycle(step), cycle(steps[i + 1]), batch(step) > 0) for i, step in enumerate(steps[:-1])
                 if i and prompt(step) and steps[i - 1]["speculating"] >= full - 2]
     if arrivals:
-        print(f"arrivals into a speculating batch of {full - 2}+: {len(arrivals)}, {sum(a[2] for a in arrivals)} mixed; "
-              f"median prompt step {statistics.median(a[0] for a in arrivals):.2f} ms, the next "
-              f"{statistics.median(a[1] for a in arrivals):.2f}, both {statistics.median(a[0] + a[1] for a in arrivals):.2f}")
+        out["arrivals"] = {"count": len(arrivals), "mixed": sum(a[2] for a in arrivals),
+                           "prompt_ms": statistics.median(a[0] for a in arrivals),
+                           "next_ms": statistics.median(a[1] for a in arrivals),
+                           "both_ms": statistics.median(a[0] + a[1] for a in arrivals)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--skip", type=int, default=2,
+                        help="Points to leave out first (served.py's warm-up: its plain and speculative points).")
+    parser.add_argument("--json", action="store_true", help="The report as JSON.")
+    args = parser.parse_args()
+    with (gzip.open(args.trace, "rt") if args.trace.endswith(".gz") else open(args.trace)) as f:
+        steps = [s for s in (json.loads(line) for line in f) if s["kind"] == "observe"]
+    out = report(steps, args.skip)
+    if args.json:
+        print(json.dumps(out))
+        return
+    for point in out["points"]:
+        print(f"{point['kind']:5} {point['ms']:7.1f} ms  " + "  ".join(
+            f"{name} {p['steps']}/{p['ms']:.0f}ms/{p['tokens'] / p['ms']:.1f}" for name, p in sorted(point["parts"].items())
+            if p["ms"]))
+    print("(each part: steps/ms/tokens a ms)")
+    print("speculating over plain, tokens a ms, every step:", [round(r, 3) for r in out["ratio_every_step"]])
+    print(f"the same, steps at batch {out['full_batch'] - 1}-{out['full_batch']} only:",
+          [round(r, 3) for r in out["ratio_full_batch"]])
+    if "arrivals" in out:
+        a = out["arrivals"]
+        print(f"arrivals into a speculating batch of {out['full_batch'] - 2}+: {a['count']}, {a['mixed']} mixed; median "
+              f"prompt step {a['prompt_ms']:.2f} ms, the next {a['next_ms']:.2f}, both {a['both_ms']:.2f}")
 
 
 if __name__ == "__main__":

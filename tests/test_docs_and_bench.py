@@ -153,3 +153,34 @@ def test_trace_gaps_attributes_the_devices_idle_time_to_the_host_phase(tmp_path)
     ops = report["idle_by_phase_and_op_ms"]
     assert math.isclose(ops["draft.catch_up | aten::copy_"], 1.0, abs_tol=0.35)
     assert math.isclose(ops["draft.catch_up | <python>"], 2.0, abs_tol=0.35)
+
+
+def test_trace_rounds_splits_a_served_trace_into_points_and_prices_an_arrival(tmp_path):
+    """benchmarks/trace_rounds.py on a hand-written trace of a plain point (4 prompts prefilled, 10 plain steps of 1 ms at
+    batch 4) and a speculative one (prefill, 5 drafted steps of 2 ms making 12 tokens each, a request leaving and its
+    successor mixed in a 3 ms step, a 1 ms step after it, a tail of 2 drafted steps at batch 1): tokens a ms 71/17
+    against 40/11 over every step, 67/14 against 40/10 at the full batch, one arrival of 3 + 1 ms, mixed."""
+
+    def step(speculating=0, plain=0, budget=1, forward=0, seconds=0.001, accepts=()):
+        return {"kind": "observe", "budget": budget, "speculating": speculating, "plain": plain,
+                "forward_tokens": forward, "verify_seconds": 0.0, "spec_seconds": 0.0, "base_seconds": seconds,
+                "accepts": [list(a) for a in accepts]}
+
+    trace = [step(forward=512)] + [step(plain=4) for _ in range(10)]
+    trace += [step(forward=512)] + [step(4, budget=4, forward=16, seconds=0.002, accepts=[(3, 2)] * 4)] * 5
+    trace += [step(3, forward=3 + 128, seconds=0.003), step(4, forward=4)]
+    trace += [step(1, budget=4, forward=4, accepts=[(3, 1)])] * 2
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in trace))
+    result = lifeline.run([sys.executable, str(REPO / "benchmarks" / "trace_rounds.py"), "--skip", "0", "--json",
+                           str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [p["kind"] for p in report["points"]] == ["plain", "spec"]
+    parts = report["points"][1]["parts"]
+    assert {name: (p["steps"], p["tokens"]) for name, p in parts.items()} == {
+        "prompt": (1, 0), "drafted full": (5, 60), "mixed": (1, 3), "off full": (1, 4), "drafted <8": (2, 4)}
+    assert math.isclose(report["ratio_every_step"][0], (71 / 17) / (40 / 11))
+    assert math.isclose(report["ratio_full_batch"][0], (67 / 14) / (40 / 10))
+    assert report["arrivals"]["count"] == 1 and report["arrivals"]["mixed"] == 1
+    assert math.isclose(report["arrivals"]["both_ms"], 4.0)
