@@ -368,7 +368,7 @@ def test_a_request_joining_a_running_batch_is_prefilled_beside_it(demo, plain_gr
     assert decoding == 6 and prefilled == len(prompts[13])
     assert verified == (6 if mode == "auto" else 0)
     engine.step()
-    decoding, prefilled, verified = add_and_step([18, 22], False)  # two joining 7, one of them verifying a tree
+    decoding, prefilled, verified = add_and_step([18, 22], False)  # two joining 7, of which 13 verifies a tree
     assert decoding == 7 and prefilled == len(prompts[18]) + len(prompts[22]) and verified == 0
     while engine.has_work:
         engine.step()
