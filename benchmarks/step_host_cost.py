@@ -113,6 +113,19 @@ def name(key: tuple) -> str:
     return f"{'/'.join(key[0].split('/')[-2:])}:{key[1]}({key[2]})"
 
 
+def print_profile(profile: cProfile.Profile, per: int, unit: str, top: int) -> list[tuple]:
+    """The top functions by own time, then the project's by cumulative time, in ms (and calls) per `unit` over `per`
+    of them; the rows (tottime, cumtime, calls, name, file) for more sums."""
+    rows = [(v[2], v[3], v[1], name(k), k[0]) for k, v in pstats.Stats(profile).stats.items()]
+    print(f"by tottime (ms/{unit} tottime, cumtime, calls/{unit})")
+    for r in sorted(rows, reverse=True)[:top]:
+        print(f"{r[0] / per * 1e3:8.3f} {r[1] / per * 1e3:8.3f} {r[2] / per:7.1f}  {r[3]}")
+    print("by cumtime, project functions")
+    for r in sorted([r for r in rows if "splitspec" in r[4] or "_svc/" in r[4]], key=lambda r: -r[1])[:top]:
+        print(f"{r[0] / per * 1e3:8.3f} {r[1] / per * 1e3:8.3f} {r[2] / per:7.1f}  {r[3]}")
+    return rows
+
+
 def drafted(steps: int, budget: int, flags: list[str]) -> None:
     setup = Setup(flags, steps * 16 + 600)
     engine = setup.engine(budget, steps * 15 + 60)
@@ -124,16 +137,9 @@ def drafted(steps: int, budget: int, flags: list[str]) -> None:
     times, tokens = timed(engine, steps, profile)
     print(f"budget {budget} batch {setup.batch}: median step {statistics.median(times) * 1e3:.2f} ms, "
           f"{tokens / steps / setup.batch:.2f} tokens/request/step")
-    stats = pstats.Stats(profile).stats
-    rows = [(v[2], v[3], v[1], name(k), k[0]) for k, v in stats.items()]
+    rows = print_profile(profile, steps, "step", 45)
     torch_time = sum(r[0] for r in rows if r[4] == "~" or "torch" in r[4])
     print(f"total profiled {sum(r[0] for r in rows) / steps * 1e3:.2f} ms/step; torch+builtins {torch_time / steps * 1e3:.2f}")
-    print("by tottime (ms/step tottime, cumtime, calls/step)")
-    for r in sorted(rows, reverse=True)[:45]:
-        print(f"{r[0] / steps * 1e3:8.3f} {r[1] / steps * 1e3:8.3f} {r[2] / steps:7.1f}  {r[3]}")
-    print("by cumtime, project functions")
-    for r in sorted([r for r in rows if "splitspec" in r[4] or "_svc/" in r[4]], key=lambda r: -r[1])[:45]:
-        print(f"{r[0] / steps * 1e3:8.3f} {r[1] / steps * 1e3:8.3f} {r[2] / steps:7.1f}  {r[3]}")
     setup.drafter.close()
 
 
@@ -200,14 +206,7 @@ def arrival(count: int, budget: int, flags: list[str]) -> None:
               f"mixed: median prompt step {statistics.median(r[0] for r in runs) * 1e3:.3f} ms, the next "
               f"{statistics.median(r[1] for r in runs) * 1e3:.3f}, both {statistics.median(r[0] + r[1] for r in runs) * 1e3:.3f}"
               f" (a decode step before them {statistics.median(decode) * 1e3:.3f})", flush=True)
-    stats = pstats.Stats(profile).stats
-    rows = [(v[2], v[3], v[1], name(k), k[0]) for k, v in stats.items()]
-    print("by tottime (ms an arrival: tottime, cumtime, calls)")
-    for r in sorted(rows, reverse=True)[:40]:
-        print(f"{r[0] / count * 1e3:8.3f} {r[1] / count * 1e3:8.3f} {r[2] / count:7.1f}  {r[3]}")
-    print("by cumtime, project functions")
-    for r in sorted([r for r in rows if "splitspec" in r[4] or "_svc/" in r[4]], key=lambda r: -r[1])[:40]:
-        print(f"{r[0] / count * 1e3:8.3f} {r[1] / count * 1e3:8.3f} {r[2] / count:7.1f}  {r[3]}")
+    print_profile(profile, count, "arrival", 40)
     setup.drafter.close()
 
 

@@ -36,9 +36,8 @@ class Scheduling:
         decoding requests' trees go in the same step is _mixes'."""
         self._admit()
         limit = self.scheduler.chunked_prefill_size
-        trees = sum(self._tree_tokens(r) for r in self.running if r.decoding)
-        self.mixed = self._mixes(limit, trees)
-        budget = None if limit <= 0 else limit - (trees if self.mixed else 0)
+        self.mixed, trees = self._mixes(limit)
+        budget = None if limit <= 0 else limit - trees
         chunks = []
         for request in sorted(self.running, key=lambda r: r.arrival):
             if request not in self.running:  # preempted by an older request this step
@@ -57,8 +56,9 @@ class Scheduling:
                     budget -= size
         return chunks
 
-    def _mixes(self, limit: int, trees: int) -> bool:
-        """Whether this step's prompt chunks go beside the decoding requests' trees. Always with --enable-mixed-chunk;
+    def _mixes(self, limit: int) -> tuple[bool, int]:
+        """Whether this step's prompt chunks go beside the decoding requests' trees, and the tokens those take of the
+        step's budget then (0 otherwise; a step with no prompt is neither: nothing counted). Always with --enable-mixed-chunk;
         with a backlog of prompt tokens over the step's budget (a long prompt: the decodes never wait more than one
         step for it); and by default when the decoding requests outnumber the arriving ones, verify no drafts this step
         (drafting off, or none asked) and the budget leaves the prompts room: a request joining a running batch (a
@@ -69,12 +69,15 @@ class Scheduling:
         its prompt step and the next: NGRAM beside trees 10.2 ms mixed against 7.5 prefilled alone; the EAGLE-3 chain
         with drafting off 5.4 against 8.0-10.8; docs/performance.md)."""
         prefilling = [r for r in self.running if not r.decoding and r.fill_len > r.num_prefilled]
+        if not prefilling:  # a decode-only step, the usual one: nothing to weigh
+            return False, 0
+        decoding = [r for r in self.running if r.decoding]
+        trees = sum(self._tree_tokens(r) for r in decoding)
         pending = sum(r.fill_len - r.num_prefilled for r in prefilling)
-        if self.scheduler.mixed_chunk == "always" or 0 < limit < pending:
-            return True
-        decoding = sum(r.decoding for r in self.running)
-        return (self.scheduler.mixed_chunk == "auto" and decoding > len(prefilling) > 0 and trees == decoding
-                and (limit <= 0 or trees < limit))
+        mixed = self.scheduler.mixed_chunk == "always" or 0 < limit < pending or (
+            self.scheduler.mixed_chunk == "auto" and len(decoding) > len(prefilling) and trees == len(decoding)
+            and (limit <= 0 or trees < limit))
+        return mixed, trees if mixed else 0
 
     def _reserve(self, request: Request, num_tokens: int) -> bool:
         """Pages for num_tokens slots of request, preempting newer requests as needed. False when the
