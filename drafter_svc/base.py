@@ -15,6 +15,13 @@ from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.tree import DraftTree
 
 
+# drafting off (the load-adaptive policy's budget below 2), the verifier still sends each speculating request's new
+# tokens (and a head's states) once one request has this many unsent, every request's in the same feed: a head
+# catches them all up in one forward (rounds of this many rows a request replay a captured graph) and speculation
+# resumes without a catch-up
+FEED_EVERY = 16
+
+
 @dataclass(frozen=True)
 class Bet:
     """Overlap: the tree a drafter would propose if the request's sequence grows by exactly `outcome`

@@ -165,10 +165,10 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         if self.pad_catch_ups == "always":
             return q
         graphs = self.runner.graphs
-        if graphs is None or len(taken) > graphs.max_bs or not graphs.has(q, width):
+        if graphs is None or not graphs.has(q, width, len(taken)):
             return 0
-        kv = self.runner.kv_cache  # the padding's rows need room too (a page each at most)
-        return q if kv.allocator.num_free >= len(taken) else 0
+        kv = self.runner.kv_cache  # the padding's rows need room too
+        return q if kv.allocator.num_free >= len(taken) * kv.pages_for(q) else 0
 
     def _root_logits(self, states: list[_State]) -> list[torch.Tensor]:
         """Each (caught-up or catching-up) state's root logits."""

@@ -12,9 +12,13 @@ from pathlib import Path
 
 import torch
 
+from splitspec.drafter_svc.base import FEED_EVERY
 from splitspec.speculation import FINAL_NORMED_STATE, FlagError, Speculation
 
 logger = logging.getLogger(__name__)
+# a head's feed rounds (drafting off, FEED_EVERY rows a request) replay captured graphs up to this many rows (batch 32):
+# such a graph holds every row's logits, and past it the eager round's launches weigh little against its own work
+FEED_GRAPH_ROWS = 512
 
 
 def capture_for(runner, layers: tuple[int, ...]) -> None:
@@ -106,9 +110,12 @@ def _build_drafter(speculation: Speculation, max_total_tokens: int | None, targe
             logger.exception("capturing the draft's CUDA graphs failed; its steps run eagerly")
             loop.graphs = {}
         if kind != "standalone":  # a head's catch-ups (the target's features) and bets (its own) of up to S+1 tokens
-            widths = sorted({runner.config.hidden_size, getattr(runner.model, "fc_input_size", runner.config.hidden_size)})
+            fed = getattr(runner.model, "fc_input_size", runner.config.hidden_size)  # the target's features' width
+            widths = sorted({runner.config.hidden_size, fed})
             try:
                 runner.capture_feature_graphs(range(1, steps + 2), widths)
+                if s.adaptive and FEED_EVERY > steps + 1:  # drafting off: the verifier's feeds, FEED_EVERY rows each
+                    runner.capture_feature_graphs([FEED_EVERY], [fed], max_rows=FEED_GRAPH_ROWS)
             except Exception:  # noqa: BLE001
                 logger.exception("capturing the head's catch-up CUDA graphs failed; its catch-ups run eagerly")
                 runner.graphs = None

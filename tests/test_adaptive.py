@@ -726,7 +726,7 @@ def test_engine_turns_speculation_off_when_it_cannot_pay_and_stays_lossless(demo
 def test_speculation_off_still_feeds_the_drafter(demo):
     """With speculation off (the policy's choice forced to 1), the drafter still gets every request's tokens, in
     batches of FEED_EVERY, so drafting can resume at once; no drafts are verified."""
-    from splitspec.verifier_svc.engine import FEED_EVERY
+    from splitspec.drafter_svc.base import FEED_EVERY
 
     runner, prompts = demo
     params = [SamplingParams(temperature=0.0, max_new_tokens=3 * FEED_EVERY + 5, ignore_eos=True) for _ in prompts[:2]]
@@ -745,7 +745,7 @@ def test_speculation_off_feeds_staggered_requests_together(demo):
     """Requests that began decoding at different steps are fed in the same steps (when one has FEED_EVERY tokens
     unsent, all go), so the drafter catches up in one forward per feed, not one per request as each reaches the
     mark; every token still reaches it, in order, and outputs equal plain decoding's."""
-    from splitspec.verifier_svc.engine import FEED_EVERY
+    from splitspec.drafter_svc.base import FEED_EVERY
 
     runner, prompts = demo
     drafter = Recording()

@@ -358,6 +358,7 @@ def test_head_catch_up_graphs_equal_eager():
     """A draft head's forwards fed features (catch-ups with the target's, overlap's bets with its own) replay
     the graphs capture_feature_graphs captured, chains included, and equal the same forwards run eagerly."""
     from splitspec.draft_models import build_drafter
+    from splitspec.drafter_svc.base import FEED_EVERY
     from splitspec.speculation import resolve
     from splitspec.drafter_svc.server import build_parser
     from splitspec.model_shapes import dummy_model_dir
@@ -373,7 +374,11 @@ def test_head_catch_up_graphs_equal_eager():
     eager, graphed = head(False), head(True)
     assert eager.graphs is None
     hidden, wide = graphed.config.hidden_size, graphed.model.fc_input_size
-    assert sorted(graphed.graphs.feature_seconds) == sorted((q, w) for w in (hidden, wide) for q in (1, 2, 3, 4))
+    # chains of 1..steps+1 both widths, and (adaptive on a GPU) the verifier's feeds: FEED_EVERY rows of the target's
+    assert sorted(graphed.graphs.feature_seconds) == sorted(
+        [(q, w) for w in (hidden, wide) for q in (1, 2, 3, 4)] + [(FEED_EVERY, wide)])
+    graphed.capture_feature_graphs([32], [wide], max_rows=64)  # batches of 64 rows at most: 1 and 2 requests
+    assert graphed.graphs.has(32, wide, 2) and not graphed.graphs.has(32, wide, 3)
     g = torch.Generator().manual_seed(4)
     tables = {id(r): [BlockTable() for _ in range(5)] for r in (eager, graphed)}
 
@@ -400,3 +405,6 @@ def test_head_catch_up_graphs_equal_eager():
     compare([2, 2], hidden, "all")  # bets' paths, fed the head's own outputs
     compare([1, 1, 1, 1, 1], hidden, "last")  # bets' guesses: padded to 8
     compare([2, 3], wide, "last", replay=False)  # unequal chains: eager
+    compare([FEED_EVERY] * 5, wide, "last")  # drafting off: a feed of every request's last FEED_EVERY tokens
+    compare([32, 32], wide, "last")  # within max_rows
+    compare([32, 32, 32], wide, "last", replay=False)  # past it: eager

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from splitspec.verifier_svc.timings import Cycle, Recent, batch_bucket, token_bucket
 
 TRACE_ENV = "SPLITSPEC_ADAPTIVE_TRACE"  # a file path: every observation and choice as JSON lines, to replay offline
-OFF_RUN = 16  # plain steps in a row after which a drafted step is a probe's or a switch's first (the engine's FEED_EVERY)
+OFF_RUN = 16  # plain steps in a row after which a drafted step is a probe's or a switch's first (drafter_svc.base.FEED_EVERY)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from splitspec.device_profile import phase as device_phase
+from splitspec.drafter_svc.base import FEED_EVERY
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.launched_draft import PendingChain, write_chains
 from splitspec.runtime.penalties import apply_penalties
@@ -44,9 +45,6 @@ from splitspec.verifier_svc.verification import (Verify, accept_tree, by_target,
                                                  target_rows, token_logprobs, usable)
 
 logger = logging.getLogger(__name__)
-
-
-FEED_EVERY = 16  # adaptive, speculation off: new tokens go to the drafter once a request has this many unsent
 
 
 class Engine(Scheduling, OverlapSchedule):

@@ -15,7 +15,8 @@ trees of another size) run eagerly. A draft's steps have graphs of their own (ru
 A draft head's forwards outside its steps are fed features (a catch-up: the target's; overlap's bets:
 the head's own outputs) and add a chain of q tokens per request: `capture(q, width)` captures those with
 a static feature input of that width, planned causally (no mask), so catch-ups and bets of a few tokens
-per request replay too.
+per request replay too, and so do the feeds of a head whose drafting is off (drafter_svc.base.FEED_EVERY
+tokens a request; their batch sizes capped by rows: `capture(q, width, max_rows)`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class StepGraphs:
         self.scratch_pages: list[int] = []  # the padding requests' own pages, never freed
         self.inputs: dict[tuple[int, int], tuple] = {}  # (q, width) -> static (ids, positions, features or None)
         self.dummies: dict[int, tuple] = {}  # q -> the padding request of q tokens
+        self.max_bs_of: dict[tuple[int, int], int] = {}  # (q, width) -> its largest captured batch (max_rows)
         self.pool = None
         self.replays = 0
 
@@ -118,15 +120,21 @@ class StepGraphs:
             self.dummies[q] = (q + 1, pages, slots, torch.arange(1, q + 1), chain)
         return self.dummies[q]
 
-    def has(self, q: int, width: int = 0) -> bool:
-        return q in self.capture_seconds if not width else (q, width) in self.feature_seconds
+    def has(self, q: int, width: int = 0, num_requests: int = 1) -> bool:
+        """Whether a batch of num_requests requests of q new tokens each, fed features this wide, replays a graph."""
+        captured = q in self.capture_seconds if not width else (q, width) in self.feature_seconds
+        return captured and num_requests <= self.max_bs_of.get((q, width), self.max_bs)
 
     @torch.inference_mode()
-    def capture(self, q: int = 1, width: int = 0) -> None:
+    def capture(self, q: int = 1, width: int = 0, max_rows: int | None = None) -> None:
         """Capture every batch size for requests of q new tokens (1: decode; more: trees of q nodes), fed
-        features of this width (0: none; a head's catch-ups and bets)."""
+        features of this width (0: none; a head's catch-ups and bets); max_rows: only the batch sizes of at most
+        that many rows (bs * q; at least batch 1): a long chain's graphs hold every row's logits, so their memory
+        grows with q."""
         if self.has(q, width):
             return
+        sizes = self.sizes if max_rows is None else [b for b in self.sizes if b * q <= max_rows] or self.sizes[:1]
+        self.max_bs_of[(q, width)] = sizes[-1]
         runner = self.runner
         config = runner.config
         device = runner.device
@@ -136,9 +144,10 @@ class StepGraphs:
         start = time.perf_counter()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        ids = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
-        positions = torch.zeros(self.max_bs * q, dtype=torch.long, device=device)
-        features = torch.zeros(self.max_bs * q, width, dtype=runner.dtype, device=device) if width else None
+        max_bs = sizes[-1]
+        ids = torch.zeros(max_bs * q, dtype=torch.long, device=device)
+        positions = torch.zeros(max_bs * q, dtype=torch.long, device=device)
+        features = torch.zeros(max_bs * q, width, dtype=runner.dtype, device=device) if width else None
         self.inputs[(q, width)] = (ids, positions, features)
         max_kv = min(runner.kv_cache.capacity_tokens, config.max_position_embeddings + q)
         kv = runner.kv_cache
@@ -148,7 +157,7 @@ class StepGraphs:
         # taken after the KV cache is sized: an 8B target's with its EAGLE-3 head's, up to 256 requests, took 14.8 GiB
         # with per-size outputs and ran a served verifier out of memory; shared, 5.3 GiB less
         shared = None
-        for bs in sorted(self.sizes, reverse=True):
+        for bs in sorted(sizes, reverse=True):
             # page-table entries, listed per request: at most a longest context each (overlap's bets fork a request's
             # KV, so requests share pages and the pool does not bound them), plus the padding requests' scratch pages
             max_pages = bs * (min(kv.num_pages, kv.pages_for(max_kv)) + kv.pages_for(q + 1))
@@ -184,7 +193,7 @@ class StepGraphs:
             self.capture_seconds[q], self.memory_bytes[q] = seconds, memory
             what = "decode step" if q == 1 else f"{q}-node tree verification step"
         logger.info("captured CUDA graphs of the %s for batch sizes %s in %.1f s (%.0f MiB of GPU memory)",
-                    what, self.sizes, seconds, memory / 2**20)
+                    what, sizes, seconds, memory / 2**20)
 
     def _pad(self, attention: AttentionBatch | None, bs: int, q: int) -> AttentionBatch:
         """The attention batch (None: no request) with padding requests appended up to bs requests."""

@@ -253,10 +253,11 @@ class ModelRunner:
             sizes = (*sizes, *self.graphs.tree_sizes)
         return min((q for q in sizes if q >= largest), default=None)
 
-    def capture_feature_graphs(self, token_counts, widths) -> None:
+    def capture_feature_graphs(self, token_counts, widths, max_rows: int | None = None) -> None:
         """A draft head's forwards fed features (catch-ups, overlap's bets): CUDA graphs for batches whose
         requests each add the same number of tokens, one of token_counts, fed features of one of widths
-        (e.g. the target's and the head's own); other such forwards run eagerly."""
+        (e.g. the target's and the head's own), for batches of at most max_rows rows (None: every captured batch
+        size); other such forwards run eagerly."""
         if not self.cuda_graph_max_bs:
             return
         from splitspec.runtime.cuda_graph import StepGraphs
@@ -265,7 +266,7 @@ class ModelRunner:
             self.graphs = StepGraphs(self, self.cuda_graph_max_bs)
         for width in widths:
             for q in token_counts:
-                self.graphs.capture(q, width)
+                self.graphs.capture(q, width, max_rows)
 
     @classmethod
     def load(cls, rc: RuntimeConfig) -> "ModelRunner":
@@ -336,8 +337,8 @@ class ModelRunner:
         q = lengths.pop() if len(lengths) == 1 else 0
         width = 0 if features is None else features.shape[-1]
         # a captured graph replays it as it is: a head's chains of q tokens, or one token each (decode-shaped)
-        if size <= rows or (graphs and self.graphs is not None and len(sequences) <= self.graphs.max_bs
-                            and (q == 1 or (q and width)) and self.graphs.has(q, width)):
+        if size <= rows or (graphs and self.graphs is not None and (q == 1 or (q and width))
+                            and self.graphs.has(q, width, len(sequences))):
             return self.forward(self.batch(sequences), features=features, **kwargs)
         scratch = BlockTable()
         try:
@@ -371,7 +372,7 @@ class ModelRunner:
             chains = features is not None  # a head's catch-up or bets: graphs captured by capture_feature_graphs
             q = self.graphs.tokens_per_request(batch, chains) if self.graphs is not None else None
             width = 0 if features is None else features.shape[-1]
-            if q is not None and self.graphs.has(q, width):
+            if q is not None and self.graphs.has(q, width, batch.attention.num_requests):
                 hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device),
                                                            return_hidden)
                 return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
