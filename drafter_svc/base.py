@@ -16,9 +16,10 @@ from splitspec.runtime.tree import DraftTree
 
 
 # drafting off (the load-adaptive policy's budget below 2), the verifier still sends each speculating request's new
-# tokens (and a head's states) once one request has this many unsent, every request's in the same feed: a head
-# catches them all up in one forward (rounds of this many rows a request replay a captured graph) and speculation
-# resumes without a catch-up
+# tokens (and a head's states) once one request has this many unsent, every request's in the same feed, so that
+# drafting resumes without a backlog to send: a drafter process's head catches the feed up as it comes, in one forward
+# (rounds of this many rows a request replay a captured graph); a head in the verifier's process keeps the rows on the
+# device until its next draft (or a bound on their bytes)
 FEED_EVERY = 16
 
 

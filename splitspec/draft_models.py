@@ -16,8 +16,8 @@ from splitspec.drafter_svc.base import FEED_EVERY
 from splitspec.speculation import FINAL_NORMED_STATE, FlagError, Speculation
 
 logger = logging.getLogger(__name__)
-# a head's feed rounds (drafting off, FEED_EVERY rows a request) replay captured graphs up to this many rows (batch 32):
-# such a graph holds every row's logits, and past it the eager round's launches weigh little against its own work
+# a drafter process's feed rounds (drafting off, FEED_EVERY rows a request) replay captured graphs up to this many rows
+# (batch 32): such a graph holds every row's logits, and past it the eager round's launches weigh little against its work
 FEED_GRAPH_ROWS = 512
 
 
