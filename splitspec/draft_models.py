@@ -114,7 +114,9 @@ def _build_drafter(speculation: Speculation, max_total_tokens: int | None, targe
             widths = sorted({runner.config.hidden_size, fed})
             try:
                 runner.capture_feature_graphs(range(1, steps + 2), widths)
-                if s.adaptive and FEED_EVERY > steps + 1:  # drafting off: the verifier's feeds, FEED_EVERY rows each
+                # a drafter process with drafting off catches the verifier's feeds up as they come (FEED_EVERY rows a
+                # request); a head beside its target (target given) leaves them for its next draft
+                if target is None and s.adaptive and FEED_EVERY > steps + 1:
                     runner.capture_feature_graphs([FEED_EVERY], [fed], max_rows=FEED_GRAPH_ROWS)
             except Exception:  # noqa: BLE001
                 logger.exception("capturing the head's catch-up CUDA graphs failed; its catch-ups run eagerly")
