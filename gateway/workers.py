@@ -17,6 +17,8 @@ This process is their supervisor:
    (PROMETHEUS_MULTIPROC_DIR), and whichever worker answers /metrics sums every worker's (counters and histograms
    over all of them, dead ones included; the in-flight gauge over live ones: a dead worker's is dropped).
 5. SIGTERM or SIGINT: every worker gets SIGTERM (uvicorn's graceful stop, 5 s), then SIGKILL; the directory goes.
+   A supervisor killed outright cannot remove it: its name holds the supervisor's pid, and the next gateway to start
+   removes the directories of supervisors no longer alive.
 
 Per worker: --max-queued-requests is shared out (each takes its ceiling share), and /get_server_info's accept
 length is the answering worker's own requests'.
@@ -62,12 +64,45 @@ def worker_argv(flags: list[str], fd: int, workers: int, max_queued_requests: in
             "--workers", str(workers), *flags, "--max-queued-requests", str(share)]
 
 
+METRICS_DIR_PREFIX = "splitspec-gateway-metrics-"
+
+
+def remove_orphaned_metrics_dirs(directory: str | None = None) -> list[str]:
+    """Remove the metrics directories (in the temporary directory) that a supervisor no longer alive left: its pid is in
+    the name (METRICS_DIR_PREFIX + pid + "-"), and only this user's are touched; the paths removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    for entry in os.scandir(directory):
+        if not entry.name.startswith(METRICS_DIR_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = entry.name[len(METRICS_DIR_PREFIX):].partition("-")[0]
+        if not pid.isdigit() or entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    if removed:
+        logger.info("removed %d metrics director%s of gateways no longer running", len(removed),
+                    "y" if len(removed) == 1 else "ies")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds the pid now
+        return True
+    return True
+
+
 class Supervisor:
     def __init__(self, flags: list[str], host: str, port: int, workers: int, max_queued_requests: int):
         self.sockets = [listening_socket(host, port)]
         port = self.sockets[0].getsockname()[1]  # --port 0: the port the first one got
         self.sockets += [listening_socket(host, port) for _ in range(workers - 1)]
-        self.metrics_dir = tempfile.mkdtemp(prefix="splitspec-gateway-metrics-")
+        remove_orphaned_metrics_dirs()
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
         self.workers_dir = os.path.join(self.metrics_dir, "workers")  # each worker's mark once it serves
         os.mkdir(self.workers_dir)
         self.commands = [worker_argv(flags, s.fileno(), workers, max_queued_requests, self.workers_dir)

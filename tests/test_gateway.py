@@ -1133,13 +1133,20 @@ def test_several_gateway_processes_serve_one_port_with_summed_metrics(tmp_path):
     are spread over both by the kernel (each worker's step log records the submissions it made) and every answer for a
     prompt is the same; a real Prometheus server scraping the port sees every request counted, whichever worker
     answers its scrapes; a worker killed with SIGKILL is started again on its socket while the requests sent meanwhile
-    are answered; SIGTERM stops every worker, and a supervisor killed with SIGKILL takes its workers with it."""
+    are answered; SIGTERM stops every worker and removes their metrics directory, and a supervisor killed with SIGKILL
+    takes its workers with it, its directory removed by the next gateway to start."""
     from test_verifier_service import Prometheus
 
     process, stub = start_verifier("--max-total-tokens", "16384", "--served-model-name", MODEL)
     prefix = tmp_path / "steps"
-    gateway, url = start_gateway(stub.port, "--tokenizer-worker-num", "2",
-                                 env={**os.environ, "SPLITSPEC_STEP_LOG": str(prefix)})
+    temp = tmp_path / "tmp"  # the gateways' temporary directory (TMPDIR): their metrics directories, and nothing else
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+
+    def metrics_dirs() -> list[str]:
+        return sorted(p.name for p in temp.iterdir() if p.name.startswith("splitspec-gateway-metrics-"))
+
+    gateway, url = start_gateway(stub.port, "--tokenizer-worker-num", "2", env={**env, "SPLITSPEC_STEP_LOG": str(prefix)})
     server = None
     try:
         workers = _children(gateway.pid)
@@ -1189,11 +1196,14 @@ def test_several_gateway_processes_serve_one_port_with_summed_metrics(tmp_path):
         assert q('sum(splitspec:gateway_http_requests_total{endpoint="/v1/completions",status_code="200"})', 36) == 36
 
         workers = _children(gateway.pid)
+        serving = metrics_dirs()
+        assert len(serving) == 1 and serving[0].startswith(f"splitspec-gateway-metrics-{gateway.pid}-"), serving
         gateway.terminate()
         assert gateway.wait(timeout=60) == 0
         assert not any(Path(f"/proc/{pid}").exists() for pid in workers), workers  # stopped and reaped
+        assert metrics_dirs() == []
 
-        gateway, url = start_gateway(stub.port, "--tokenizer-worker-num", "2")
+        gateway, url = start_gateway(stub.port, "--tokenizer-worker-num", "2", env=env)
         workers = _children(gateway.pid)
         gateway.kill()
         gateway.wait(timeout=30)
@@ -1201,6 +1211,11 @@ def test_several_gateway_processes_serve_one_port_with_summed_metrics(tmp_path):
         while any(Path(f"/proc/{pid}").exists() for pid in workers):
             assert time.time() < deadline, "workers outlived their killed supervisor"
             time.sleep(0.1)
+        orphan = metrics_dirs()
+        assert len(orphan) == 1 and orphan[0].startswith(f"splitspec-gateway-metrics-{gateway.pid}-"), orphan
+        gateway, url = start_gateway(stub.port, "--tokenizer-worker-num", "2", env=env)
+        mine = metrics_dirs()
+        assert len(mine) == 1 and mine[0].startswith(f"splitspec-gateway-metrics-{gateway.pid}-"), (orphan, mine)
     finally:
         if server is not None:
             server.close()

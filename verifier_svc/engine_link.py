@@ -8,7 +8,8 @@ in a private directory, starts the front on them, and from then on
   (submissions and aborts join its inbox; nothing blocks on the engine).
 
 The front dies with this process (splitspec.lifeline); `run()` returns when the front exits, and the
-verifier ends with it (a supervisor such as `splitspec up` restarts both).
+verifier ends with it (a supervisor such as `splitspec up` restarts both). The sockets' directory goes as soon as both
+links are connected (connections outlive their socket files): however the verifier ends, it leaves none behind.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class FrontLink:
                 raise OSError(f"the gRPC front process did not start in {timeout:.0f} s")
         if self.start_error:
             raise OSError(self.start_error)
+        # both links are connected now (the front read the hello on one and said it started on the other): their socket
+        # files are no longer needed, and a verifier killed outright (SIGKILL, its launcher's death) leaves nothing in /tmp
+        shutil.rmtree(self.directory, ignore_errors=True)
         threading.Thread(target=self._beat, name="front-beat", daemon=True).start()
 
     def serving(self) -> None:
