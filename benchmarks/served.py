@@ -22,6 +22,7 @@ Targets no draft fits (a dummy 8B) are measured with simulated acceptance on bot
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import queue
@@ -102,6 +103,7 @@ def dummy_with_demo_tokenizer(preset: str) -> Path:
     target = demo_model_dirs()["target"]
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     folder = Path(tempfile.mkdtemp(prefix=f"splitspec-served-{preset}-"))
+    atexit.register(shutil.rmtree, folder, True)
     config = {**PRESETS[preset], "vocab_size": vocab}
     if "draft_vocab_size" in config:
         config["draft_vocab_size"] = min(config["draft_vocab_size"], vocab)
@@ -330,7 +332,8 @@ def main(argv: list[str]) -> int:
     if args.rounds < 1:
         raise SystemExit("--rounds: at least 1")
     out = Path(args.out)
-    work = Path(tempfile.mkdtemp(prefix="splitspec-served-"))
+    work = Path(tempfile.mkdtemp(prefix="splitspec-served-"))  # each side's reports, merged into --out
+    atexit.register(shutil.rmtree, work, True)
     model_flags = model_flags_of(args, model_flags)
     if "--model-path" in model_flags:
         model_path = model_flags[model_flags.index("--model-path") + 1]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -39,7 +41,12 @@ PRESETS.update({f"eagle3-{name}": eagle3_head(shape) for name, shape in list(PRE
 
 
 def dummy_model_dir(preset: str, directory: str | Path | None = None) -> Path:
-    """A directory (new, unless given) holding only the preset's config.json: load it with load_format "dummy"."""
-    path = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix=f"splitspec-{preset}-"))
+    """A directory (new, unless given) holding only the preset's config.json: load it with load_format "dummy". A new
+    one is removed when this process exits (what loads it reads the config at its start)."""
+    if directory is None:
+        path = Path(tempfile.mkdtemp(prefix=f"splitspec-{preset}-"))
+        atexit.register(shutil.rmtree, path, True)
+    else:
+        path = Path(directory)
     (path / "config.json").write_text(json.dumps(PRESETS[preset]))
     return path

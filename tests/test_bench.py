@@ -19,9 +19,9 @@ from splitspec.drafter_svc.replay import ReplayDrafter, load_references, parse_p
 from splitspec.runtime.tree import depths, validate_parents
 
 
-def bench(*flags: str, timeout: float = 600) -> dict:
+def bench(*flags: str, timeout: float = 600, env: dict | None = None) -> dict:
     result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "warning", *flags],
-                            capture_output=True, text=True, timeout=timeout)
+                            capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -133,13 +133,17 @@ def test_in_process_without_a_warm_up():
 
 def test_simulated_acceptance_on_a_dummy_target_with_a_dummy_eagle3_head(tmp_path):
     """--preset/--draft-preset: random-weight target and head; the head drafts for real (its time is in
-    step_ms.draft), the replay proposes plain decoding's own continuation at accept length 3."""
+    step_ms.draft), the replay proposes plain decoding's own continuation at accept length 3. The presets' model
+    directories go with the run."""
     out = tmp_path / "sim.json"
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     report = bench("--preset", "quick", "--draft-preset", "eagle3-quick", "--speculative-algorithm", "EAGLE3",
                    "--simulate-acceptance", "accept-length:3", "--steps", "4", "--topk", "2", "--num-draft-tokens", "8",
                    "--batch-size", "1,3", "--num-prompts", "3", "--prompt-len", "16", "--output-len", "96",
-                   "--out", str(out))
+                   "--out", str(out), env={**os.environ, "TMPDIR": str(temp)})
     assert json.loads(out.read_text()) == report
+    assert not [p.name for p in temp.iterdir() if p.name.startswith("splitspec-")]
     assert report["simulated"] is True and report["model"].startswith("dummy quick (random weights); dummy weights made decisive")
     assert report["draft"] == "dummy eagle3-quick (random weights)"
     spec = [r for r in report["rows"] if r["speculative"]]
