@@ -84,7 +84,9 @@
 #             alone on CPU 0's physical core (SPLITSPEC_ENGINE_CPUS) and every other process on the other CPUs
 #             (taskset); SERVED_SYNCS=1 counts each side's synchronizing CUDA calls by call site (splitspec/sync_debug.py:
 #             syncs_<case>.jsonl; a counted run's speeds are not figures); SERVED_TAG suffixes the case's file names (two runs of one case in one call); SERVED_UP adds
-#             `splitspec up` flags to every case (e.g. SERVED_UP='--tokenizer-worker-num 4')
+#             `splitspec up` flags to every case (e.g. SERVED_UP='--tokenizer-worker-num 4'); SERVED_MODEL adds model flags to
+#             both sides of every case (later flags win: e.g. SERVED_CASES=demo-eagle3-chain SERVED_MODEL='--speculative-num-steps 8
+#             --speculative-num-draft-tokens 9', a longer chain)
 #   tracecost whether recording the load-adaptive policy's trace (SPLITSPEC_ADAPTIVE_TRACE, which every served case
 #             writes) slows the steps it records: the demo EAGLE-3 chain in process as a server runs it (--no-phase-sync,
 #             adaptive on), batch 1 and 16, 32 requests of 256 tokens, two rounds each way, untraced then traced then
@@ -244,6 +246,7 @@ for stage in "${stages[@]}"; do
                         *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
                     [[ -n "${SERVED_UP:-}" ]] && pre+=(--serve="$SERVED_UP")
+                    [[ -n "${SERVED_MODEL:-}" ]] && read -r -a extra_model <<< "$SERVED_MODEL" && model+=("${extra_model[@]}")
                     # the demo pair's points last 0.2-0.3 s at 2 requests per batch slot of 128 tokens: a policy's first
                     # tries and the host's minute dominate them; 32 requests of 256 tokens run each for 0.3-5 s
                     longer=; [[ $case == demo-* ]] && longer="--num-prompts 32 --output-len 256"
