@@ -15,8 +15,8 @@ trees of another size) run eagerly. A draft's steps have graphs of their own (ru
 A draft head's forwards outside its steps are fed features (a catch-up: the target's; overlap's bets:
 the head's own outputs) and add a chain of q tokens per request: `capture(q, width)` captures those with
 a static feature input of that width, planned causally (no mask), so catch-ups and bets of a few tokens
-per request replay too, and so do the feeds of a head whose drafting is off (drafter_svc.base.FEED_EVERY
-tokens a request; their batch sizes capped by rows: `capture(q, width, max_rows)`).
+per request replay too, and so do a drafter process's catch-ups of its feeds while drafting is off
+(drafter_svc.base.FEED_EVERY tokens a request; their batch sizes capped by rows: `capture(q, width, max_rows)`).
 """
 
 from __future__ import annotations
