@@ -329,6 +329,7 @@ def serve_rounds(args, model_flags: list[str], model_path: str, load: list[str],
 
 def main(argv: list[str]) -> int:
     args, model_flags = parse_args(argv)
+    commit = git_commit()  # the code that runs: a commit made while it runs is not it
     if args.rounds < 1:
         raise SystemExit("--rounds: at least 1")
     out = Path(args.out)
@@ -364,7 +365,7 @@ def main(argv: list[str]) -> int:
         speed.mark_rows(side)
         side["host_speed"] = speed.report([row["window_s"] for row in side["rows"] if row.get("window_s")])
     report = {"benchmark": "served vs in process", "command": "python -P benchmarks/served.py " + shlex.join(argv),
-              "commit": git_commit(), "device": in_process.get("device"), "model_flags": model_flags, "load": load,
+              "commit": commit, "device": in_process.get("device"), "model_flags": model_flags, "load": load,
               "simulated": args.simulate_acceptance, "rounds": args.rounds,
               "points": ratios(served, in_process), "served_engine_loop": served.get("engine_loop"),
               # a fixed plain-Python loop's time on this machine while each side ran (HostSpeed): compare ratios of

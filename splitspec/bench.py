@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
+    commit = git_commit()  # the code that runs: a commit made while it runs is not it
     try:
         model_flags.check_sglang_server_flags(args, "splitspec bench")
         if args.rounds < 1 or args.first_round < 0:
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitspec bench: error: {exc}", file=sys.stderr)
         return 2
     report = {"benchmark": "splitspec bench", "command": "splitspec bench " + " ".join(sys.argv[2:]),
-              "commit": git_commit(), "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "commit": commit, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "temperature": args.temperature, **report}
     text = json.dumps(report, indent=2)
     print(text)
