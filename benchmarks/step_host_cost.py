@@ -13,7 +13,8 @@ prompts, the budget forced, no policy. No assertions.
         --batch-size 16 --prompt-len 128
     # a request joining a running batch: --batch-size less one requests decoding at BUDGET (1: drafting off), then
     # COUNT times a prompt added, the step that prefills it (mixed or alone, as the scheduling flags say) and the next
-    # timed, the newcomer aborted and two steps run; then the same under cProfile (ms an arrival by function)
+    # timed, the newcomer aborted and two steps run; then the same under cProfile (ms an arrival by function), then
+    # under torch.profiler (the device's busy time and kernels against the wall: host or device)
     python -P benchmarks/step_host_cost.py arrival COUNT BUDGET --device cuda --dtype bfloat16 \
         --speculative-algorithm EAGLE3 --batch-size 16 --prompt-len 128 [--disable-mixed-chunk]
 """
@@ -207,7 +208,37 @@ def arrival(count: int, budget: int, flags: list[str]) -> None:
               f"{statistics.median(r[1] for r in runs) * 1e3:.3f}, both {statistics.median(r[0] + r[1] for r in runs) * 1e3:.3f}"
               f" (a decode step before them {statistics.median(decode) * 1e3:.3f})", flush=True)
     print_profile(profile, count, "arrival", 40)
+    torch_profile(arrive, count)
     setup.drafter.close()
+
+
+def torch_profile(arrive, count: int) -> None:
+    """The same arrivals under torch.profiler: the device's busy time against the wall, the kernels launched, the ops
+    by host time and by device time, an arrival's prompt step and the next together: whether its milliseconds are the
+    host's (Python, launches) or the device's."""
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    walls = []
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(count):
+            prompt, after, _ = arrive(None)
+            walls.append(prompt + after)
+    events = profiler.key_averages()
+    device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    on_device = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in on_device)
+    # arrive() also aborts the newcomer and runs two steps after it: the device's count and time are over all four
+    print(f"torch.profiler: {count} arrivals, median {statistics.median(walls) * 1e3:.3f} ms wall (prompt step + next, "
+          f"profiled); on the device {len(on_device) / count:.0f} kernels and copies in an arrival's four steps, busy "
+          f"{busy_us / 1e3 / count:.3f} ms of them")
+    print("by self host time (all four steps of each arrival)")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    if len(activities) > 1:
+        print("by device time")
+        print(events.table(sort_by=device_key, row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":

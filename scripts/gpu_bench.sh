@@ -93,7 +93,7 @@
 #             untraced (tracecost_{off,on,off2}.json)
 #   arrivals  what a request joining a running batch costs, in process (benchmarks/step_host_cost.py arrival: 15 requests
 #             of the demo pair decoding at batch 16, 30 arrivals of a 128-token prompt, the prompt step and the next
-#             timed, then under cProfile): NGRAM and the EAGLE-3 chain, drafting off (budget 1) and drafting (12; 6),
+#             timed, then under cProfile, then under torch.profiler: the device's busy time and kernels against the wall): NGRAM and the EAGLE-3 chain, drafting off (budget 1) and drafting (12; 6),
 #             the default scheduling (mixed beside a batch verifying no drafts) and --disable-mixed-chunk (arrivals.log)
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
