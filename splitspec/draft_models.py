@@ -114,13 +114,17 @@ def _build_drafter(speculation: Speculation, max_total_tokens: int | None, targe
             widths = sorted({runner.config.hidden_size, fed})
             try:
                 runner.capture_feature_graphs(range(1, steps + 2), widths)
-                # a drafter process with drafting off catches the verifier's feeds up as they come (FEED_EVERY rows a
-                # request); a head beside its target (target given) leaves them for its next draft
-                if target is None and s.adaptive and FEED_EVERY > steps + 1:
-                    runner.capture_feature_graphs([FEED_EVERY], [fed], max_rows=FEED_GRAPH_ROWS)
             except Exception:  # noqa: BLE001
                 logger.exception("capturing the head's catch-up CUDA graphs failed; its catch-ups run eagerly")
                 runner.graphs = None
+            # a drafter process with drafting off catches the verifier's feeds up as they come (FEED_EVERY rows a
+            # request); a head beside its target (target given) leaves them for its next draft
+            if runner.graphs is not None and target is None and s.adaptive and FEED_EVERY > steps + 1:
+                try:
+                    runner.capture_feature_graphs([FEED_EVERY], [fed], max_rows=FEED_GRAPH_ROWS)
+                except Exception:  # noqa: BLE001 (the catch-ups' graphs stay; feeds run eagerly)
+                    logger.exception("capturing the head's feed CUDA graphs failed; its feeds run eagerly")
+                    runner.graphs.forget(FEED_EVERY, fed)
     logger.info("%s drafter (%s from %s): %d steps, top-%d, %d tree nodes%s", s.algorithm, kind, path,
                 steps, topk, tokens, f", captures {list(drafter.hidden_state_layers)}" if drafter.hidden_state_layers else "")
     return drafter

@@ -365,6 +365,28 @@ def test_prompt_states_reach_the_drafter_chunk_by_chunk():
     assert drafter.tokens[request.request_id][:100] == prompt
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the capture fails at once only where torch has no CUDA")
+def test_a_shape_whose_graphs_failed_to_capture_is_forgotten_and_the_others_still_replay(tmp_path):
+    """A head's graphs are captured shape by shape; the feeds' shape (16 rows a request, capped by rows) is captured
+    after the catch-ups', and when its capture fails part-way (here at once: a CPU has no CUDA) it is forgotten: its
+    batches run eagerly, the catch-ups' shapes still replay, each up to its own largest batch."""
+    from splitspec.drafter_svc.base import FEED_EVERY
+    from splitspec.runtime.cuda_graph import StepGraphs
+
+    head = ModelRunner.load(RuntimeConfig(model_path=eagle_head_dir(tmp_path), dtype="float32", device="cpu",
+                                          max_total_tokens=2048, family="eagle"))
+    graphs = StepGraphs(head, 32)
+    width = head.config.hidden_size
+    graphs.feature_seconds[(4, width)] = 0.1  # a catch-up shape as capture() leaves it, every batch size captured
+    with pytest.raises(AssertionError, match="CUDA"):  # torch's own: "Torch not compiled with CUDA enabled"
+        graphs.capture(FEED_EVERY, width, max_rows=128)
+    assert graphs.max_bs_of[(FEED_EVERY, width)] == 8  # batches of at most 128 rows: 1, 2, 4, 8
+    assert not graphs.has(FEED_EVERY, width)  # never captured whole
+    graphs.forget(FEED_EVERY, width)
+    assert (FEED_EVERY, width) not in graphs.max_bs_of and (FEED_EVERY, width) not in graphs.inputs
+    assert graphs.has(4, width, 32) and not graphs.has(4, width, 33) and not graphs.has(4, 2 * width)
+
+
 def test_catch_ups_of_unequal_lengths_padded_to_one_shape_draft_the_same_trees(tmp_path):
     """A catch-up round whose requests add unequal numbers of rows is padded to the longest (so that on a GPU it
     replays one captured graph): each shorter request repeats its last row past its length. The padding path

@@ -125,6 +125,18 @@ class StepGraphs:
         captured = q in self.capture_seconds if not width else (q, width) in self.feature_seconds
         return captured and num_requests <= self.max_bs_of.get((q, width), self.max_bs)
 
+    def forget(self, q: int, width: int = 0) -> None:
+        """Drop the graphs of one shape (a capture that failed part-way): its batches run eagerly, the others' replay."""
+        for key in [k for k in self.graphs if k[1:] == (q, width)]:
+            del self.graphs[key]
+        self.inputs.pop((q, width), None)
+        self.max_bs_of.pop((q, width), None)
+        if width:
+            self.feature_seconds.pop((q, width), None)
+        else:
+            self.capture_seconds.pop(q, None)
+            self.memory_bytes.pop(q, None)
+
     @torch.inference_mode()
     def capture(self, q: int = 1, width: int = 0, max_rows: int | None = None) -> None:
         """Capture every batch size for requests of q new tokens (1: decode; more: trees of q nodes), fed
