@@ -104,30 +104,38 @@ def _build_drafter(speculation: Speculation, max_total_tokens: int | None, targe
     drafter.hidden_state_layers = layers
     loop = getattr(drafter, "loop", None)
     if loop is not None and runner.cuda_graph_max_bs:
-        try:  # every step of the draft in one graph per batch size
-            loop.capture(runner.cuda_graph_max_bs)
-        except Exception:  # noqa: BLE001 (a capture failure costs speed, not service)
-            logger.exception("capturing the draft's CUDA graphs failed; its steps run eagerly")
-            loop.graphs = {}
-        if kind != "standalone":  # a head's catch-ups (the target's features) and bets (its own) of up to S+1 tokens
-            fed = getattr(runner.model, "fc_input_size", runner.config.hidden_size)  # the target's features' width
-            widths = sorted({runner.config.hidden_size, fed})
-            try:
-                runner.capture_feature_graphs(range(1, steps + 2), widths)
-            except Exception:  # noqa: BLE001
-                logger.exception("capturing the head's catch-up CUDA graphs failed; its catch-ups run eagerly")
-                runner.graphs = None
-            # a drafter process with drafting off catches the verifier's feeds up as they come (FEED_EVERY rows a
-            # request); a head beside its target (target given) leaves them for its next draft
-            if runner.graphs is not None and target is None and s.adaptive and FEED_EVERY > steps + 1:
-                try:
-                    runner.capture_feature_graphs([FEED_EVERY], [fed], max_rows=FEED_GRAPH_ROWS)
-                except Exception:  # noqa: BLE001 (the catch-ups' graphs stay; feeds run eagerly)
-                    logger.exception("capturing the head's feed CUDA graphs failed; its feeds run eagerly")
-                    runner.graphs.forget(FEED_EVERY, fed)
+        _capture_graphs(loop, runner, head=kind != "standalone", steps=steps,
+                        feeds=target is None and s.adaptive)
     logger.info("%s drafter (%s from %s): %d steps, top-%d, %d tree nodes%s", s.algorithm, kind, path,
                 steps, topk, tokens, f", captures {list(drafter.hidden_state_layers)}" if drafter.hidden_state_layers else "")
     return drafter
+
+
+def _capture_graphs(loop, runner, head: bool, steps: int, feeds: bool) -> None:
+    """A drafter's CUDA graphs: the whole draft per batch size; for a head (fed features) its catch-ups (the target's
+    features) and bets (its own) of up to S+1 tokens, and with feeds (a drafter process, load-adaptive: drafting off,
+    it catches the verifier's feeds up as they come) those of FEED_EVERY rows a request. A capture that fails costs
+    speed, not service: what it would have replayed runs eagerly."""
+    try:
+        loop.capture(runner.cuda_graph_max_bs)
+    except Exception:  # noqa: BLE001
+        logger.exception("capturing the draft's CUDA graphs failed; its steps run eagerly")
+        loop.graphs = {}
+    if not head:
+        return
+    fed = getattr(runner.model, "fc_input_size", runner.config.hidden_size)  # the target's features' width
+    try:
+        runner.capture_feature_graphs(range(1, steps + 2), sorted({runner.config.hidden_size, fed}))
+    except Exception:  # noqa: BLE001
+        logger.exception("capturing the head's catch-up CUDA graphs failed; its catch-ups run eagerly")
+        runner.graphs = None
+    # a head beside its target never forwards its feeds: they wait for its next draft
+    if runner.graphs is not None and feeds and FEED_EVERY > steps + 1:
+        try:
+            runner.capture_feature_graphs([FEED_EVERY], [fed], max_rows=FEED_GRAPH_ROWS)
+        except Exception:  # noqa: BLE001 (the catch-ups' graphs stay)
+            logger.exception("capturing the head's feed CUDA graphs failed; its feeds run eagerly")
+            runner.graphs.forget(FEED_EVERY, fed)
 
 
 def _target_embed_and_head(s: Speculation, target, runner, kind):
