@@ -36,6 +36,12 @@ def _map_source_tree() -> None:
         return  # installed (the sub-packages are inside), or not a source tree
     if not any(isinstance(finder, _SourceTreeFinder) for finder in sys.meta_path):
         sys.meta_path.append(_SourceTreeFinder(root))  # last: an installed finder that knows them goes first
+    # `python -m splitspec ...` (how `up` starts its services, and how a user may start one) in the repository's root
+    # puts the root on sys.path, where its top-level folders shadow other projects' packages: transformers requires
+    # Hugging Face's `kernels`, and with the root's kernels/ found first AutoTokenizer failed to import (structured
+    # outputs went unavailable in every service `bash scripts/run.sh up` started from a clone). splitspec is imported
+    # by now and finds its sub-packages through its own path: the root leaves sys.path.
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != root]
 
 
 _map_source_tree()

@@ -15,16 +15,21 @@ import threading
 import time
 
 import httpx
+import openai
 
 from splitspec import lifeline
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Up:
     def __init__(self, *flags: str, port: int | None = None):
         self.port = port or free_port_block(4)  # gateway, verifier, metrics, drafters: port .. port + 3
+        # in a clone's root, as `bash scripts/run.sh up` runs there: the services it starts (`python -m splitspec ...`)
+        # then begin with that root on sys.path
         self.process = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "up", "--port", str(self.port), *flags],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                        start_new_session=True)
+                                        start_new_session=True, cwd=REPO)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -118,6 +123,15 @@ def test_up_serves_survives_a_killed_drafter_and_stops_on_sigint():
         body = json.loads(up.wait_for_line(r"-d '(\{.*\})'").group(1))
         answer = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=120).json()
         assert answer["choices"][0]["message"]["content"] and answer["speculative"]["algorithm"] == "NGRAM"
+        # structured outputs load the tokenizer through transformers, which imports Hugging Face's `kernels`: the
+        # clone's kernels/ folder on a service's sys.path shadowed it and every response_format was refused
+        client = openai.OpenAI(base_url=up.url + "/v1", api_key="none")
+        shaped = client.chat.completions.create(
+            model="splitspec-demo", messages=[{"role": "user", "content": "A JSON object with a number:"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}},
+            max_tokens=32, temperature=0)
+        assert isinstance(json.loads(shaped.choices[0].message.content)["n"], int)
         prompts = [f"def job_{i}(items):\n    for item in items:\n" for i in range(24)]
 
         async def load(kill_after: float | None):
