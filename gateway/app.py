@@ -32,7 +32,7 @@ from splitspec.gateway.tokenize_models import parse_detokenize, parse_tokenize
 from splitspec.gateway.generations import Gateway, GatewayConfig
 from splitspec.gateway.ids import unique_hex
 from splitspec.gateway.responses import EventStream, collect, stream, watch_disconnect, whole_response
-from splitspec.gateway.text import TextCodec
+from splitspec.gateway.text import ChatMessages, TextCodec
 
 logger = logging.getLogger("splitspec.gateway")
 
@@ -157,7 +157,8 @@ async def tokenize(gateway: Gateway, request: Request):
         asked = parse_tokenize(body)
         if asked.model is not None:
             gateway.check_model(asked.model)
-        job = template_messages(asked.messages) if asked.messages else asked.prompt
+        job = ChatMessages(template_messages(asked.messages), options=asked.template_options()) if asked.messages \
+            else asked.prompt
         ids = await gateway.tokenizing.encode(job, asked.add_special_tokens)
     except APIError as exc:
         return error_response(gateway, exc, "/tokenize")

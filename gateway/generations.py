@@ -248,7 +248,7 @@ class Gateway:
             if g.echo and (g.logprobs or most == 0):  # the verifier computes the prompt's logprobs (0: nothing else)
                 sampling.prompt_logprobs = g.top_logprobs
             choice = Choice(index, f"{base}-{index}", IncrementalDecoder(self.codec, g.skip_special_tokens),
-                            StopMatcher(g.stop), prompt=prompt)
+                            StopMatcher(g.stop, g.include_stop), prompt=prompt)
             if g.echo:
                 source = g.prompts[index // g.n] if g.prompts else None
                 choice.echo = source if isinstance(source, str) else self.codec.decode(prompt, skip_special_tokens=False)

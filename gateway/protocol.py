@@ -20,6 +20,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from pydantic.json_schema import models_json_schema
 from pydantic_core import PydanticCustomError
 
+from splitspec.gateway.chat_template_options import ChatTemplateFields, TemplateOptions
 from splitspec.gateway.numbers import integer, integers, number
 from splitspec.gateway.structured import StructuredFields
 from splitspec.gateway.text import ChatMessages
@@ -84,6 +85,7 @@ class Generation:
     min_p: float = 0.0
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    include_stop: bool = False  # the stop string that ended the output stays in it
     echo: bool = False  # completions: the prompt's text (and logprobs) before the completion
     grammar: tuple[str, str] | None = None  # structured outputs: (kind, text), gateway/structured.py
     grammar_field: str | None = None  # the request field that carried it (a grammar the verifier refuses names it)
@@ -207,6 +209,9 @@ class _Request(_Strict, StructuredFields):
     spaces_between_special_tokens: bool | None = Field(
         default=None, description="vLLM's: accepted; this server's fast tokenizers decode special tokens adjacent either "
         "way, as vLLM's fast detokenizer does")
+    include_stop_str_in_output: bool | None = Field(default=None, description="vLLM's: the stop string that ended the "
+                                                    "output stays in it")
+    no_stop_trim: bool | None = Field(default=None, description="SGLang's name for include_stop_str_in_output")
 
     _grammar: tuple[str, tuple[str, str]] | None = PrivateAttr(default=None)  # (field, (kind, text))
 
@@ -253,11 +258,12 @@ class _Request(_Strict, StructuredFields):
         g.min_p = self.min_p or 0.0
         g.min_tokens = self.min_tokens or 0
         g.skip_special_tokens = self.skip_special_tokens is not False
+        g.include_stop = bool(self.include_stop_str_in_output or self.no_stop_trim)
         g.grammar_field, g.grammar = self._grammar or (None, None)
         return g
 
 
-class ChatCompletionRequest(_Request, ToolFields):
+class ChatCompletionRequest(_Request, ToolFields, ChatTemplateFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[AnyMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -281,11 +287,13 @@ class ChatCompletionRequest(_Request, ToolFields):
     safety_identifier: str | None = None
 
     _tools: ToolPlan | None = PrivateAttr(default=None)
+    _template: TemplateOptions | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _top_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise PydanticCustomError("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+        self._template = self.template_options()
         self._tools = self.tool_plan()
         if self._tools is not None and self._tools.mode != "auto" and self._grammar is not None:
             raise PydanticCustomError("tool_choice", "'tool_choice' {mode} constrains the output, and so does '{field}': "
@@ -298,7 +306,8 @@ class ChatCompletionRequest(_Request, ToolFields):
         grammar = g.tools.grammar() if g.tools is not None else None
         if grammar is not None:
             g.grammar_field, g.grammar = "tools", grammar
-        g.messages = ChatMessages(template_messages(self.messages), tools=g.tools.tools if g.tools is not None else None)
+        g.messages = ChatMessages(template_messages(self.messages), tools=g.tools.tools if g.tools is not None else None,
+                                  options=self._template)
         g.max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         g.logprobs = bool(self.logprobs)
         g.top_logprobs = self.top_logprobs or 0
@@ -391,7 +400,7 @@ def _api_error(exc: ValidationError) -> APIError:
     param = _param(loc)
     if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens",
                 "min_tokens", "max_tokens", "response_format", "regex", "ebnf", "json_schema", "tools",
-                "tool_choice"):  # already phrased
+                "tool_choice", "continue_final_message", "chat_template_kwargs"):  # already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")

@@ -2,8 +2,8 @@
 template rendered the way transformers renders it (a sandboxed Jinja environment with the same
 options, filters and globals), incremental detokenization and stop strings.
 
-- Chat prompts are rendered with `add_generation_prompt=True` and encoded without adding special
-  tokens (transformers' `apply_chat_template(tokenize=True)`); completion prompts are encoded with them
+- Chat prompts are rendered with `add_generation_prompt=True` (unless the request's template options,
+  chat_template_options.py, say otherwise) and encoded without adding special tokens (transformers' `apply_chat_template(tokenize=True)`); completion prompts are encoded with them
   (the tokenizer's post-processor, e.g. a BOS), as vLLM and SGLang do.
 - `IncrementalDecoder` yields text only once its bytes form whole UTF-8 characters (tokenizers'
   DecodeStream), so no chunk ever carries half a character; whatever is still pending when a request
@@ -21,20 +21,18 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from splitspec.gateway.chat_template_options import TemplateError, TemplateOptions, cut_at_tag, tag_final_message
+
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ChatMessages(list):
-    """A chat's messages (dicts, as the template gets them) and the tools offered with them (None: none), which the
-    template renders too (transformers' `tools` argument)."""
+    """A chat's messages (dicts, as the template gets them), the tools offered with them (None: none), which the
+    template renders too (transformers' `tools` argument), and the request's template options."""
 
-    def __init__(self, messages: list[dict], tools: list[dict] | None = None):
+    def __init__(self, messages: list[dict], tools: list[dict] | None = None, options: TemplateOptions | None = None):
         super().__init__(messages)
-        self.tools = tools
-
-
-class TemplateError(ValueError):
-    """The chat template refused the messages (its raise_exception) or failed to render."""
+        self.tools, self.options = tools, options
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -69,17 +67,20 @@ class TextCodec:
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     # prompts ---------------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render_chat(self, messages: list[dict], **kwargs) -> str:
+        """The chat's prompt text: its options' variables (ChatMessages.options; default: add_generation_prompt)
+        over the special tokens and tools, kwargs over those."""
+        options = getattr(messages, "options", None) or TemplateOptions()
         tools = getattr(messages, "tools", None)
-        if tools is not None:
-            kwargs.setdefault("tools", tools)
+        variables = {**self.special_tokens, **({"tools": tools} if tools is not None else {}), **options.kwargs, **kwargs}
         if self.chat_template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
         if self._template is None:
             self._template = _compile(self.chat_template)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **kwargs)
+            if options.continue_final:
+                return cut_at_tag(self._template.render(**variables, messages=tag_final_message(list(messages))))
+            return self._template.render(**variables, messages=list(messages))
         except TemplateError:
             raise
         except Exception as exc:  # noqa: BLE001 (a template can fail in many ways on odd input)
@@ -137,15 +138,15 @@ class IncrementalDecoder:
 
 
 class StopMatcher:
-    """Feeds text; returns what may be sent now and whether a stop string was hit (the stop string and
-    whatever follows it are never sent).
+    """Feeds text; returns what may be sent now and whether a stop string was hit (whatever follows the stop
+    string is never sent, nor the stop string itself unless `include`: vLLM's include_stop_str_in_output).
 
     It keeps only the text a later match can need: what it holds back (a tail that may begin a stop string) and
     the last len(longest stop) - 1 characters before it, so a long output costs time in proportion to its length,
     not to its square (a whole-text buffer copied itself at every token)."""
 
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
+    def __init__(self, stops: list[str], include: bool = False):
+        self.stops, self.include = [s for s in stops if s], include
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text = ""  # the kept text: some already-sent characters, then the unsent ones from self.sent on
         self.sent = 0
@@ -162,7 +163,7 @@ class StopMatcher:
         found = [(at, s) for at, s in found if at >= 0]
         if found:
             at, self.hit = min(found)
-            return self._release(at)
+            return self._release(at + len(self.hit) if self.include else at)
         return self._release(len(self.text) - self._held_tail())
 
     def finish(self) -> str:

@@ -8,6 +8,7 @@ from typing import Annotated
 from pydantic import Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
+from splitspec.gateway.chat_template_options import ChatTemplateFields
 from splitspec.gateway.numbers import integers
 from splitspec.gateway.protocol import MAX_MESSAGES, MAX_TOKENS, AnyMessage, Name, _api_error, _Strict
 
@@ -15,8 +16,9 @@ MAX_TOKENIZE_CHARS = 4 << 20  # /tokenize's prompt (the body limit bounds it too
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
-class TokenizeRequest(_Strict):
-    """POST /tokenize (vLLM's and SGLang's): a prompt's or a chat's token ids, as a completion would see them."""
+class TokenizeRequest(_Strict, ChatTemplateFields):
+    """POST /tokenize (vLLM's and SGLang's): a prompt's or a chat's token ids, as a completion would see them (a chat's
+    template options as the chat endpoint takes them)."""
 
     model: Name | None = None
     prompt: Annotated[str, Field(max_length=MAX_TOKENIZE_CHARS)] | None = None
@@ -27,6 +29,9 @@ class TokenizeRequest(_Strict):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("tokenize", "give exactly one of 'prompt' and 'messages'")
+        if self.messages is None and self.model_fields_set & set(ChatTemplateFields.model_fields):
+            raise PydanticCustomError("tokenize", "a prompt has no chat template: its options need 'messages'")
+        self.template_options()  # its checks
         return self
 
 

@@ -548,6 +548,51 @@ def test_tokenize_and_detokenize_as_vllm_and_sglang_serve_them(stack, validate):
         validate(r.json(), "ErrorResponse")
 
 
+def test_chat_template_options_and_kept_stop_strings_through_the_openai_client(stack, validate):
+    """vLLM's and SGLang's chat extensions as their clients send them (extra_body): continue_final_message continues
+    an assistant's prefill (the chat's greedy answer equals a completion of the ids /tokenize gives for the same
+    options), chat_template_kwargs reach the template, conflicting options are 400s naming their field;
+    include_stop_str_in_output (SGLang: no_stop_trim) keeps the stop string, whole and streamed."""
+    import openai
+
+    c = client(stack)
+    prefilled = [{"role": "user", "content": "Write add."}, {"role": "assistant", "content": "def add(a, b):"}]
+    options = {"continue_final_message": True}
+    ids = httpx.post(stack["url"] + "/tokenize", json={"messages": prefilled, **options}, timeout=60).json()["tokens"]
+    whole = httpx.post(stack["url"] + "/tokenize", json={"messages": prefilled}, timeout=60).json()["tokens"]
+    assert whole[:len(ids)] == ids and len(whole) > len(ids)  # the turn's end and the next header are left out
+    chat = c.chat.completions.create(model=MODEL, messages=prefilled, max_tokens=12, temperature=0, extra_body=options)
+    text = c.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert chat.choices[0].message.content == text.choices[0].text and chat.usage.prompt_tokens == len(ids)
+    assert chat.model_extra["speculative"]["draft_tokens"] > 0
+    kwargs = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=4, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert kwargs.choices[0].message.content == c.chat.completions.create(
+        model=MODEL, messages=CHATS[0], max_tokens=4, temperature=0).choices[0].message.content  # unused by this template
+    for extra, field in (({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.chat.completions.create(model=MODEL, messages=prefilled, max_tokens=4, extra_body=extra)
+        assert refused.value.body["param"] == field, refused.value.body
+    with pytest.raises(openai.BadRequestError) as refused:  # nothing to continue
+        c.chat.completions.create(model=MODEL, messages=[*prefilled[:1], {"role": "assistant", "content": ""}],
+                                  max_tokens=4, extra_body=options)
+    assert refused.value.body["param"] == "messages" and "continue" in refused.value.body["message"]
+    free = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=24, temperature=0).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    cut = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=24, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == free[:free.index(stop)]
+    for name in ("include_stop_str_in_output", "no_stop_trim"):
+        kept = c.completions.create(model=MODEL, prompt="def f(x):\n", max_tokens=24, temperature=0, stop=[stop],
+                                    extra_body={name: True}).choices[0]
+        assert kept.finish_reason == "stop" and kept.text == cut.text + stop
+        streamed = "".join(chunk.choices[0].text for chunk in c.completions.create(
+            model=MODEL, prompt="def f(x):\n", max_tokens=24, temperature=0, stop=[stop], stream=True,
+            extra_body={name: True}) if chunk.choices)
+        assert streamed == kept.text
+
+
 def test_sixty_four_concurrent_streams_equal_their_twins(stack):
     url = stack["url"] + "/v1/completions"
     prompts = [f"def task_{i}(x):\n    return x" for i in range(64)]

@@ -141,3 +141,49 @@ def test_stop_strings_across_token_boundaries():
     assert m.feed("abxy") == "ab" and m.finish() == "xy" and m.hit is None  # no hit: the held text is sent at the end
     m = StopMatcher(["b", "abc"])
     assert m.feed("zabcd") == "z" and m.hit == "abc"  # the hit that starts first wins
+    m = StopMatcher(["STOP", "\n\n"], include=True)  # vLLM's include_stop_str_in_output
+    sent = [m.feed(p) for p in ["abc S", "T", "xST", "O", "P and more"]]
+    assert "".join(sent) == "abc STxSTOP" and m.hit == "STOP" and m.finish() == ""
+
+
+def test_chat_template_options_render_as_transformers(codec, tmp_path):
+    """continue_final_message, add_generation_prompt and chat_template_kwargs (TemplateOptions, as the request models
+    make them) render what transformers' apply_chat_template renders with the same arguments, on the demo template
+    and on a richer one that reads a variable of its own and trims the final message; a chat whose final message
+    has no text, or a template that drops it, cannot be continued (TemplateError, the gateway's 400)."""
+    from transformers import AutoTokenizer
+
+    from splitspec.gateway.protocol import parse_chat
+    from splitspec.gateway.text import ChatMessages
+
+    target = demo_model_dirs()["target"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((target / name).read_text())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    own = RICH_TEMPLATE.replace("{{ message['content'] }}", "{{ message['content'] | trim }}").replace(
+        "<|system|>", "{% if persona is defined %}<|persona|>{{ persona }}\n{% endif %}<|system|>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": own}))
+    prefilled = [{"role": "user", "content": "Write add."}, {"role": "assistant", "content": "def add(a, b): "}]
+    asks = [({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}),
+            ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+            ({"chat_template_kwargs": {"persona": "terse"}}, {"add_generation_prompt": True, "persona": "terse"}),
+            ({"continue_final_message": True, "add_generation_prompt": False, "chat_template_kwargs": {"persona": "x"}},
+             {"continue_final_message": True, "add_generation_prompt": False, "persona": "x"})]
+    for ours, reference in ((codec, AutoTokenizer.from_pretrained(target)),
+                            (TextCodec(tmp_path), AutoTokenizer.from_pretrained(tmp_path))):
+        for fields, arguments in asks:
+            request = parse_chat({"model": "m", "messages": prefilled, **fields})
+            assert ours.render_chat(request.messages) == reference.apply_chat_template(
+                prefilled, tokenize=False, **arguments), fields
+    continued = TextCodec(tmp_path).render_chat(ChatMessages(prefilled, options=parse_chat(
+        {"model": "m", "messages": prefilled, "continue_final_message": True}).messages.options))
+    assert continued.endswith("def add(a, b):")  # the template trimmed the message: so is the text before the tag
+    no_text = [prefilled[0], {"role": "assistant", "content": ""}]
+    with pytest.raises(TemplateError, match="needs a final message with text"):
+        codec.render_chat(parse_chat({"model": "m", "messages": no_text, "continue_final_message": True})
+                          .messages)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": own.replace(
+        "{{ message['content'] | trim }}", "{{ message['content'][:3] }}")}))
+    with pytest.raises(TemplateError, match="does not render the final message"):
+        TextCodec(tmp_path).render_chat(parse_chat({"model": "m", "messages": prefilled, "continue_final_message": True})
+                                        .messages)
