@@ -400,7 +400,8 @@ def _api_error(exc: ValidationError) -> APIError:
     param = _param(loc)
     if kind in ("stream_options", "top_logprobs", "prompt", "logit_bias", "stop_token_ids", "tokenize", "tokens",
                 "min_tokens", "max_tokens", "response_format", "regex", "ebnf", "json_schema", "tools",
-                "tool_choice", "continue_final_message", "chat_template_kwargs"):  # already phrased
+                "tool_choice", "continue_final_message", "chat_template_kwargs", "guided_json",
+                "structured_outputs.json"):  # already phrased
         return invalid(kind, msg)
     if kind == "model_type" and not loc:
         return invalid(None, "the request body must be a JSON object", "invalid_type")

@@ -1,5 +1,7 @@
 """Structured outputs on the API: OpenAI's response_format (text, json_object, json_schema) on chat and text
-completions, and SGLang's extra request fields regex, ebnf and json_schema (a JSON string). At most one
+completions, SGLang's extra request fields regex, ebnf and json_schema (a JSON string), and vLLM's
+structured_outputs ({json, regex, choice, grammar, json_object}; its older guided_json, guided_regex,
+guided_choice, guided_grammar too; a choice is a grammar of the literal strings). At most one
 constraint per request, sent to the verifier as SamplingParams' (grammar_kind, grammar). What can be checked
 without the grammar engine is checked here (a schema that is not JSON, an empty grammar); the verifier's engine
 compiles the rest and refuses what does not compile (INVALID_ARGUMENT, "grammar: ..."), which the gateway returns
@@ -45,6 +47,29 @@ class JsonSchemaFormat(_Strict):
 
 ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat], Field(discriminator="type")]
 GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+Choices = Annotated[list[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]], Field(min_length=1, max_length=4096)]
+Schema = Union[GrammarText, dict[str, Any], bool]  # vLLM's: a JSON schema as text or as JSON
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    json_: Schema | None = Field(default=None, alias="json")
+    regex: GrammarText | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = None
+    json_object: bool | None = None
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """The EBNF grammar (xgrammar's GBNF) whose strings are exactly the choices: JSON's string escapes are its own."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _schema_text(schema) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 class StructuredFields(BaseModel):
@@ -56,6 +81,12 @@ class StructuredFields(BaseModel):
                                      "(xgrammar's GBNF, start rule root)")
     json_schema: GrammarText | None = Field(default=None, description="SGLang's: the output matches this JSON schema "
                                             "(a JSON string)")
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None, description="vLLM's: one of json (a schema), regex, choice (strings), grammar (EBNF), json_object")
+    guided_json: Schema | None = Field(default=None, description="vLLM's older name for structured_outputs.json")
+    guided_regex: GrammarText | None = Field(default=None, description="vLLM's older structured_outputs.regex")
+    guided_choice: Choices | None = Field(default=None, description="vLLM's older structured_outputs.choice")
+    guided_grammar: GrammarText | None = Field(default=None, description="vLLM's older structured_outputs.grammar")
 
     def grammar(self) -> tuple[str, tuple[str, str]] | None:
         """(the field that carried it, (kind, text)) of the request's constraint; None when it has none. Raises
@@ -70,6 +101,17 @@ class StructuredFields(BaseModel):
             asked.append(("response_format", ("json_schema", text)))
         asked += [(name, (name, getattr(self, name))) for name in ("regex", "ebnf", "json_schema")
                   if getattr(self, name) is not None]
+        vllm = self.structured_outputs or StructuredOutputs()
+        for name, value, kind in (("structured_outputs.json", vllm.json_, "json_schema"),
+                                  ("structured_outputs.regex", vllm.regex, "regex"),
+                                  ("structured_outputs.choice", vllm.choice, "choice"),
+                                  ("structured_outputs.grammar", vllm.grammar, "ebnf"),
+                                  ("structured_outputs.json_object", vllm.json_object or None, "json_object"),
+                                  ("guided_json", self.guided_json, "json_schema"), ("guided_regex", self.guided_regex, "regex"),
+                                  ("guided_choice", self.guided_choice, "choice"), ("guided_grammar", self.guided_grammar, "ebnf")):
+            if value is not None:
+                asked.append((name, ("ebnf", _choice_grammar(value)) if kind == "choice" else
+                              (kind, "" if kind == "json_object" else _schema_text(value) if kind == "json_schema" else value)))
         if len(asked) > 1:
             raise PydanticCustomError("response_format", "only one of {fields} may be given",
                                       {"fields": ", ".join(f"'{name}'" for name, _ in asked)})

@@ -408,6 +408,44 @@ def test_structured_outputs_through_the_openai_client(stack, validate):
     assert c.chat.completions.create(**ask).choices[0].message.content  # still serving
 
 
+def test_vllms_structured_outputs_fields_through_the_openai_client(stack):
+    """vLLM's structured_outputs (json, regex, choice, grammar, json_object) and its older guided_* fields, as its
+    clients send them (extra_body), while the requests speculate: every answer matches its constraint (a choice one
+    of the strings, quotes and all); two constraints, or a bad one, are 400s naming the field."""
+    import openai
+    from test_structured_outputs import SCHEMA, valid
+
+    c = client(stack)
+    choices = ["positive", "negative", 'say "hi"\n']
+    checks = [({"structured_outputs": {"json": SCHEMA}}, lambda t: valid(t)),
+              ({"guided_json": json.dumps(SCHEMA)}, lambda t: valid(t)),
+              ({"structured_outputs": {"regex": r"(yes|no)!"}}, lambda t: t in ("yes!", "no!")),
+              ({"guided_regex": r"[a-c]{3}"}, lambda t: re.fullmatch(r"[a-c]{3}", t)),
+              ({"structured_outputs": {"choice": choices}}, lambda t: t in choices),
+              ({"guided_choice": choices}, lambda t: t in choices),
+              ({"structured_outputs": {"grammar": 'root ::= "x" [0-9] [0-9]'}}, lambda t: re.fullmatch(r"x[0-9]{2}", t)),
+              ({"guided_grammar": 'root ::= "q" | "r"'}, lambda t: t in ("q", "r")),
+              ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict))]
+    drafted = 0
+    for extra, check in checks:
+        answer = c.completions.create(model=MODEL, prompt="Describe a shape as JSON: ", max_tokens=96, temperature=0,
+                                      extra_body=extra)
+        assert answer.choices[0].finish_reason == "stop" and check(answer.choices[0].text), (extra, answer)
+        drafted += answer.model_extra["speculative"]["draft_tokens"]
+    assert drafted > 0
+    chat = c.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=8, temperature=0,
+                                     extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert chat.choices[0].message.content in ("yes", "no")
+    for extra, field in (({"guided_choice": ["a"], "regex": "a"}, "response_format"),
+                         ({"structured_outputs": {"json": "{x"}}, "structured_outputs.json"),
+                         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+                         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+                         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
+        assert refused.value.body["param"] == field, (extra, refused.value.body)
+
+
 def test_tool_calls_through_the_openai_client(stack, validate):
     """tools with tool_choice required and a named function (constrained decoding, while the requests speculate),
     whole and streamed, through the openai client: OpenAI's tool_calls, arguments that validate against the
