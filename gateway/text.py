@@ -15,15 +15,47 @@ options, filters and globals), incremental detokenization and stop strings.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from splitspec.gateway.chat_template_options import TemplateError, TemplateOptions, cut_at_tag, tag_final_message
-
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' tag: a template that keeps it verbatim keeps its space
+
+
+class TemplateError(ValueError):
+    """The chat template refused the messages (its raise_exception), failed to render, or cannot continue them."""
+
+
+@dataclass
+class TemplateOptions:
+    """What render_chat passes the template beyond the messages, and whether the final message is continued."""
+
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"add_generation_prompt": True})
+    continue_final: bool = False
+
+
+def tag_final_message(messages: list[dict]) -> list[dict]:
+    """The messages with the tag after the final one's text (a copy; the caller's are untouched)."""
+    if not messages or not isinstance(messages[-1].get("content"), str) or not messages[-1]["content"]:
+        raise TemplateError("'continue_final_message' needs a final message with text to continue")
+    return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}]
+
+
+def cut_at_tag(rendered: str) -> str:
+    """The rendered chat up to the tag (transformers' rule: where the template trimmed the message's trailing
+    spaces, the text before the tag loses its trailing spaces too)."""
+    at = rendered.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise TemplateError("'continue_final_message': this model's chat template does not render the final message's "
+                            "text as given, so it cannot be continued")
+    if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 class ChatMessages(list):

@@ -187,3 +187,14 @@ def test_chat_template_options_render_as_transformers(codec, tmp_path):
     with pytest.raises(TemplateError, match="does not render the final message"):
         TextCodec(tmp_path).render_chat(parse_chat({"model": "m", "messages": prefilled, "continue_final_message": True})
                                         .messages)
+
+
+def test_the_text_layer_needs_no_pydantic():
+    """The verifier and `splitspec generate` read tokenizers through gateway/text.py (splitspec.generate.load_tokenizer),
+    and the GPU image carries no pydantic for them: the text layer imports only tokenizers (and jinja2 when rendering)."""
+    import subprocess
+    import sys
+
+    code = "import sys, splitspec.gateway.text; print(sorted(m for m in ('pydantic', 'torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out
