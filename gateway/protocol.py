@@ -72,6 +72,7 @@ class Generation:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: every chunk carries the usage so far
     logprobs: bool = False
     top_logprobs: int = 0
     frequency_penalty: float = 0.0
@@ -141,6 +142,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(default=None, description="vLLM's: with include_usage, every chunk "
+                                                "carries the usage so far")
     include_obfuscation: bool | None = None
 
 
@@ -245,6 +248,7 @@ class _Request(_Strict, StructuredFields):
         g.n = self.n or 1
         g.stream = bool(self.stream)
         g.include_usage = bool(self.stream_options and self.stream_options.include_usage)
+        g.continuous_usage = g.include_usage and bool(self.stream_options.continuous_usage_stats)
         g.frequency_penalty = self.frequency_penalty or 0.0
         g.presence_penalty = self.presence_penalty or 0.0
         g.repetition_penalty = 1.0 if self.repetition_penalty is None else self.repetition_penalty

@@ -100,8 +100,9 @@ def whole_response(gateway: Gateway, g: Generation, prompts: list[list[int]], ch
 class _Events:
     """One streamed answer's server-sent events: the chunks of its choices' pieces, as OpenAI streams them."""
 
-    def __init__(self, gateway: Gateway, g: Generation, rid: str, chat: bool):
+    def __init__(self, gateway: Gateway, g: Generation, rid: str, chat: bool, usage=None):
         self.gateway, self.g, self.rid, self.chat = gateway, g, rid, chat
+        self.usage = usage if g.continuous_usage else None  # () -> the usage so far, in every chunk (vLLM's)
         self.created = int(time.time())
         self.kind = "chat.completion.chunk" if chat else "text_completion"
         self.held: dict[int, list] = {}  # tool calls: logprob entries of text held back, sent with the next delta
@@ -113,7 +114,11 @@ class _Events:
 
     def event(self, choice_body: dict | None, **extra) -> str:
         choices = "[]" if choice_body is None else "[" + json.dumps(choice_body, ensure_ascii=False) + "]"
-        tail = ', "usage": null' if self.usage_null and "usage" not in extra else ""
+        tail = ""
+        if "usage" not in extra and self.usage is not None:
+            tail = ', "usage": ' + json.dumps(self.usage())
+        elif "usage" not in extra and self.usage_null:
+            tail = ', "usage": null'
         if extra:
             tail += ", " + json.dumps(extra, ensure_ascii=False)[1:-1]
         return self.head + choices + tail + "}\n\n"
@@ -177,7 +182,7 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
     already delivered (a step's tokens, a finish, the usage and [DONE]) are joined and yielded once, before the
     stream waits for the next delta, so a request costs the event loop and the socket a write per step, not one
     per event."""
-    events = _Events(gateway, g, rid, chat)
+    events = _Events(gateway, g, rid, chat, lambda: gateway.usage(choices, prompts))
     next_delta, ready, pumps = _deltas(choices)
     clock, sent_done, ended = LatencyClock(gateway.metrics, arrival), False, None
     out: list[str] = []  # events not yet written

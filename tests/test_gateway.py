@@ -193,6 +193,16 @@ def test_streams_equal_whole_responses_and_validate(stack, validate):
             text = choice["message"]["content"] if chat else choice["text"]
             assert texts[choice["index"]] == text
         assert whole["choices"][0] != whole["choices"][1]  # two samples (seeds 11 and 12)
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far, ending at the whole answer's
+        running = sse(endpoint, {**body, "stream": True, "stream_options": {"include_usage": True,
+                                                                           "continuous_usage_stats": True}})
+        counts = [chunk["usage"]["completion_tokens"] for chunk in running]
+        assert counts == sorted(counts) and counts[0] < counts[-1] == whole["usage"]["completion_tokens"]
+        assert all(chunk["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] for chunk in running)
+        assert running[-1]["usage"] == whole["usage"]
+        for chunk in running[:-1]:
+            if chat:
+                validate(chunk, "CreateChatCompletionStreamResponse")
 
 
 def test_openai_client_streaming_logprobs_models_and_stop(stack, validate):
