@@ -68,8 +68,13 @@ def _choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-def _schema_text(schema) -> str:
-    return schema if isinstance(schema, str) else json.dumps(schema)
+def _vllm_grammar(kind: str, value) -> tuple[str, str]:
+    """(kind, text) of one of vLLM's constraints: a schema as text, a choice as the grammar of its strings."""
+    if kind == "choice":
+        return "ebnf", _choice_grammar(value)
+    if kind == "json_schema":
+        return kind, value if isinstance(value, str) else json.dumps(value)
+    return kind, "" if kind == "json_object" else value
 
 
 class StructuredFields(BaseModel):
@@ -107,11 +112,12 @@ class StructuredFields(BaseModel):
                                   ("structured_outputs.choice", vllm.choice, "choice"),
                                   ("structured_outputs.grammar", vllm.grammar, "ebnf"),
                                   ("structured_outputs.json_object", vllm.json_object or None, "json_object"),
-                                  ("guided_json", self.guided_json, "json_schema"), ("guided_regex", self.guided_regex, "regex"),
-                                  ("guided_choice", self.guided_choice, "choice"), ("guided_grammar", self.guided_grammar, "ebnf")):
+                                  ("guided_json", self.guided_json, "json_schema"),
+                                  ("guided_regex", self.guided_regex, "regex"),
+                                  ("guided_choice", self.guided_choice, "choice"),
+                                  ("guided_grammar", self.guided_grammar, "ebnf")):
             if value is not None:
-                asked.append((name, ("ebnf", _choice_grammar(value)) if kind == "choice" else
-                              (kind, "" if kind == "json_object" else _schema_text(value) if kind == "json_schema" else value)))
+                asked.append((name, _vllm_grammar(kind, value)))
         if len(asked) > 1:
             raise PydanticCustomError("response_format", "only one of {fields} may be given",
                                       {"fields": ", ".join(f"'{name}'" for name, _ in asked)})

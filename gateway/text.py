@@ -3,8 +3,9 @@ template rendered the way transformers renders it (a sandboxed Jinja environment
 options, filters and globals), incremental detokenization and stop strings.
 
 - Chat prompts are rendered with `add_generation_prompt=True` (unless the request's template options,
-  chat_template_options.py, say otherwise) and encoded without adding special tokens (transformers' `apply_chat_template(tokenize=True)`); completion prompts are encoded with them
-  (the tokenizer's post-processor, e.g. a BOS), as vLLM and SGLang do.
+  chat_template_options.py, say otherwise) and encoded without adding special tokens (transformers'
+  `apply_chat_template(tokenize=True)`); completion prompts are encoded with them (the tokenizer's
+  post-processor, e.g. a BOS), as vLLM and SGLang do.
 - `IncrementalDecoder` yields text only once its bytes form whole UTF-8 characters (tokenizers'
   DecodeStream), so no chunk ever carries half a character; whatever is still pending when a request
   ends is flushed with U+FFFD replacements.
