@@ -42,12 +42,18 @@ ALLOWED_REFUSALS = {
     # structured outputs: a schema, regex or grammar that does not parse (no JSON schema states their syntax), or
     # more than one of them
     ("response_format", "invalid_value"), ("regex", "invalid_value"), ("ebnf", "invalid_value"),
-    ("json_schema", "invalid_value"),
+    ("json_schema", "invalid_value"), ("guided_json", "invalid_value"), ("guided_regex", "invalid_value"),
+    ("guided_grammar", "invalid_value"), ("structured_outputs.json", "invalid_value"),
+    ("structured_outputs.regex", "invalid_value"), ("structured_outputs.grammar", "invalid_value"),
+    # chat template options: both continue_final_message and add_generation_prompt, chat_template_kwargs setting
+    # messages, a final message with no text to continue (or variables the template then fails on: messages)
+    ("continue_final_message", "invalid_value"), ("chat_template_kwargs", "invalid_value"), ("messages", "invalid_value"),
     # tool calls: a function's parameters that do not compile as a schema, a tool_choice naming a function not among
     # the tools (or needing tools that are not there), a function named twice
     ("tools", "invalid_value"), ("tool_choice", "invalid_value"),
 }
-GRAMMAR_FIELDS = ("response_format", "regex", "ebnf", "json_schema", "tools")
+GRAMMAR_FIELDS = ("response_format", "regex", "ebnf", "json_schema", "tools", "guided_json", "guided_regex", "guided_grammar",
+                  "structured_outputs.json", "structured_outputs.regex", "structured_outputs.grammar")
 ALLOWED_REFUSAL_PREFIXES = ("prompt[",)  # prompt[i] context_length_exceeded in a batch
 
 
