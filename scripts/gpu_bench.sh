@@ -112,8 +112,7 @@
 #             and the runtime suite with forwards on CUDA (GPU_TESTS: the test files or ids to run instead, a share per call: at
 #             88f149d on a fresh H200 the whole list passed 12 tests in the call's first 500 s, each new test shape JIT-compiling
 #             FlashInfer's modules; -v names each test as it ends); a device call for it
-#             carries .fi and a .whl holding only pytest, pluggy, iniconfig, packaging, pyzmq and grpcio-health-checking
-#             (with the gateway's wheels too, the working tree and its carry pass the device's 64 MiB)
+#             carries what scripts/gpu_slim.sh aside leaves (it packs the demo weights to fit the device's 64 MiB)
 set -uo pipefail
 OUT="${OUT:-/tmp/splitspec-gpu}"
 mkdir -p "$OUT"

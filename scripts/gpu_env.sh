@@ -3,6 +3,11 @@
 # Source on the GPU machine from the repo root: installs the carried wheels (.whl/ for the services, .fi/
 # for FlashInfer) into /tmp/site and puts them and the mapped splitspec package on PYTHONPATH; FlashInfer's
 # JIT cache goes to /tmp/flashinfer (or $FLASHINFER_WORKSPACE_BASE).
+# weights scripts/gpu_slim.sh packed to fit the device tool's copy: unpacked in place first
+while IFS= read -r packed; do
+    dest=${packed#.gpu-packed/} && dest=${dest%.xz}
+    [[ -e "$dest" ]] || { mkdir -p "$(dirname "$dest")" && xz -dc "$packed" > "$dest.part" && mv "$dest.part" "$dest"; } || return 1
+done < <(find .gpu-packed -name '*.xz' 2>/dev/null)
 wheels=$(compgen -G ".whl/*.whl"; compgen -G ".fi/*.whl")
 if [[ -n "$wheels" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels || return 1
