@@ -58,9 +58,8 @@ so that a load met again is not drafted on hope for min_timings steps. While it 
 plain steps and probes: timings older than 256 steps before the last drafted step (a probe's) are not trusted, and
 probes add to the probes' timings before them instead of replacing them (a budget timed only by a warm-up's slow first
 steps priced every probed tree for good). Plain decoding too: drafting on, where it was last timed at this load that
-long ago, two plain steps re-time it (a plain probe; drafting stays chosen unless plain now wins), and where it never
-ran at this load it is priced at most at a smaller load's cost (a larger batch's cycle would keep it from ever being
-tried).
+long ago or never, two plain steps time it (a plain probe; drafting stays chosen unless plain now wins); until then
+it is priced at most at a smaller load's cost (a larger batch's cycle would keep it from ever being tried).
 
 Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
 """
@@ -110,7 +109,10 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         drafted = budget > 1 and speculating > 0
         # plain decoding's cost where this load never ran it: a smaller load's at most (a larger batch's cycle would
         # price it dearer than it is, and a plain step that drafting is predicted to beat is never tried, so never timed)
-        whole = 0.0 if drafted or prefill_tokens else self._nearest(self._whole, bucket, False, below=True)
+        whole = 0.0
+        if not (drafted or prefill_tokens):  # timed here (a plain probe's steady step at least): its own, else as above
+            own = self._whole.get((False, bucket))
+            whole = own.value if own is not None else self._nearest(self._whole, bucket, False, below=True)
         if whole:  # plain steps as the overlap schedule runs them: their whole cycle (the forward is in it)
             return (speculating + plain) / whole
         base = self._nearest(self._base, bucket, drafted, below=not drafted)
@@ -144,11 +146,13 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         cost = first.value + (min(drafted) if drafted else plain_cycle) - 2 * plain_cycle
         return int(cost / (self.config.probe_share * plain_cycle)) if cost > 0 else 0
 
-    def _plain_stale(self, batch: int) -> bool:
-        """Whether plain decoding was timed at this load (whole cycles), but not within stale_steps: judged long ago,
-        by what may no longer hold. Never timed here it is predicted optimistically (tried) instead."""
+    def _plain_untimed(self, batch: int) -> bool:
+        """Whether plain decoding's whole cycles were not timed at this load within stale_steps: never (priced then by
+        a smaller load's cycle, which may be a cold warm-up's first steps: in process on an H200 the demo EAGLE-3 chain
+        priced batch 16's plain steps by three 1.4 ms cycles at batch 2 and drafted a whole point at 0.64x plain, whose
+        step took 0.65 ms; 9a05959), or long ago, by what may no longer hold."""
         cycle = self._cycles.get((1, token_bucket(batch)))
-        return cycle is not None and cycle.last < self._horizon()
+        return cycle is None or cycle.last < self._horizon()
 
     def _timed(self, budget: int, batch: int) -> bool:
         """Whether min_timings whole decode cycles were timed at this budget and load, lately."""
@@ -283,9 +287,9 @@ class AdaptiveSpeculation(AdaptiveEstimates):
                     return probe  # two steps (the second one's costs are steady: timed); self.budget stays 1
         else:
             self._off_steps, self._probe_every = 0, self.config.probe_interval
-            if self.budget > 1 and self._plain_stale(speculating + plain) and not prefill_tokens:
-                # drafting on, plain decoding last timed at this load long ago (a cold warm-up's first steps, another
-                # minute of the host): two plain steps re-time it (the second is steady), drafting stays chosen
+            if self.budget > 1 and self._plain_untimed(speculating + plain) and not prefill_tokens:
+                # drafting on, plain decoding never timed at this load or long ago (a cold warm-up's first steps,
+                # another minute of the host): two plain steps time it (the second is steady), drafting stays chosen
                 self.plain_probes += 1
                 self._probing = 1
                 return 1
