@@ -58,8 +58,9 @@ so that a load met again is not drafted on hope for min_timings steps. While it 
 plain steps and probes: timings older than 256 steps before the last drafted step (a probe's) are not trusted, and
 probes add to the probes' timings before them instead of replacing them (a budget timed only by a warm-up's slow first
 steps priced every probed tree for good). Plain decoding too: drafting on, where it was last timed at this load that
-long ago or never, two plain steps time it (a plain probe; drafting stays chosen unless plain now wins); until then
-it is priced at most at a smaller load's cost (a larger batch's cycle would keep it from ever being tried).
+long ago or never, two plain steps time it (a plain probe; drafting stays chosen unless plain now wins); once timed
+at a load it is priced by its own cycles there, until then at most at a smaller load's cost (a larger batch's cycle
+would keep it from ever being tried).
 
 Greedy outputs do not depend on the budget (any tree verifies losslessly), nor do seeded samples.
 """
