@@ -95,6 +95,12 @@
 #             of the demo pair decoding at batch 16, 30 arrivals of a 128-token prompt, the prompt step and the next
 #             timed, then under cProfile, then under torch.profiler: the device's busy time and kernels against the wall): NGRAM and the EAGLE-3 chain, drafting off (budget 1) and drafting (12; 6),
 #             the default scheduling (mixed beside a batch verifying no drafts) and --disable-mixed-chunk (arrivals.log)
+#   offcost   what a drafting-off step costs at batch 16 against a plain one, in process, the demo pair: the engine at
+#             budget 1 with its requests speculating, opted out, and without a drafter (benchmarks/step_host_cost.py off:
+#             each timed, then by function under cProfile; EAGLE-3 chain and NGRAM, offcost_<algorithm>.log), then
+#             `splitspec bench` of the chain with the load-adaptive policy at 64 and 128 requests a point, each with the
+#             step log and the policy's trace (offcost_bench<N>.json; the logs in steps.tgz): in process on an H200 a
+#             drafting-off step took 0.751 ms at 64 requests and 0.996 ms at 128 against plain's 0.51-0.68
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -267,6 +273,20 @@ for stage in "${stages[@]}"; do
                     [[ -n "$sampler" ]] && { kill "$sampler"; wait "$sampler"; }
                     if [[ $stop -ne 0 ]]; then break; fi
                 done ;;
+        offcost) for algorithm in EAGLE3 NGRAM; do
+                     chain=(); [[ $algorithm == EAGLE3 ]] && chain=(--speculative-num-steps 5 --speculative-eagle-topk 1
+                                                                  --speculative-num-draft-tokens 6)
+                     timeout "${OFFCOST_TIMEOUT:-90}" python3 -P benchmarks/step_host_cost.py off 150 --device cuda \
+                         --dtype bfloat16 --speculative-algorithm "$algorithm" "${chain[@]}" --batch-size 16 --prompt-len 128 \
+                         > "$OUT/offcost_$algorithm.log" 2>&1 || stop=1
+                 done
+                 for n in 64 128; do
+                     SPLITSPEC_STEP_LOG="$OUT/steps_offcost$n" SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_offcost$n.jsonl" \
+                     timeout "${OFFCOST_TIMEOUT:-90}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
+                         --speculative-algorithm EAGLE3 --steps 5 --topk 1 --num-draft-tokens 6 --speculative-adaptive on \
+                         --no-phase-sync --batch-size 16 --prompt-len 128 --output-len 256 --num-prompts "$n" --log-level info \
+                         --out "$OUT/offcost_bench$n.json" >> "$OUT/offcost.log" 2>&1 || stop=1
+                 done ;;
         arrivals) for run in "NGRAM 1" "NGRAM 12" "EAGLE3 1" "EAGLE3 6"; do
                       read -r algorithm budget <<< "$run"
                       chain=(); [[ $algorithm == EAGLE3 ]] && chain=(--speculative-num-steps 5 --speculative-eagle-topk 1
