@@ -58,7 +58,7 @@ so that a load met again is not drafted on hope for min_timings steps. While it 
 plain steps and probes: timings older than 256 steps before the last drafted step (a probe's) are not trusted, and
 probes add to the probes' timings before them instead of replacing them (a budget timed only by a warm-up's slow first
 steps priced every probed tree for good). Plain decoding too: drafting on, where it was last timed at this load that
-long ago or never, two plain steps time it (a plain probe; drafting stays chosen unless plain now wins); once timed
+long ago or never, three plain steps time it (a plain probe; drafting stays chosen unless plain now wins); once timed
 at a load it is priced by its own cycles there, until then at most at a smaller load's cost (a larger batch's cycle
 would keep it from ever being tried).
 
@@ -70,6 +70,9 @@ from __future__ import annotations
 from splitspec.verifier_svc.adaptive_estimates import AdaptiveConfig, AdaptiveEstimates
 from splitspec.verifier_svc.step_types import SpecConfig
 from splitspec.verifier_svc.timings import batch_bucket, token_bucket
+
+
+PLAIN_PROBE_STEPS = 3  # a plain probe's steps (see _decide)
 
 
 def budget_ladder(max_budget: int) -> list[int]:
@@ -90,7 +93,8 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         self._used: dict[int, int] = {}  # budget -> when it was last chosen (on the _age clock)
         self.switches = 0
         self.probes = 0
-        self._probing = 0  # a probe's budget, for its second step (1: plain decoding's, re-timed while drafting)
+        self._probing = 0  # a probe's budget, for its next steps (1: plain decoding's, timed while drafting)
+        self._probe_left = 0  # steps of the probe still to come
         self.plain_probes = 0
         self._probe_every, self._probe_bucket = config.probe_interval, -1  # off steps to the next probe; its load
         self._probe_intervals: dict[int, int] = {}  # batch bucket -> its probe interval, kept while another load runs
@@ -254,7 +258,9 @@ class AdaptiveSpeculation(AdaptiveEstimates):
 
     def _decide(self, predicted: dict[int, float], speculating: int, plain: int, prefill_tokens: int) -> int:
         if self._probing:
-            probe, self._probing = self._probing, 0
+            probe, self._probe_left = self._probing, self._probe_left - 1
+            if self._probe_left <= 0:
+                self._probing = 0
             return probe
         best = max(self.ladder, key=lambda n: (predicted[n], -n))  # ties: the smaller tree
         # the hysteresis keeps the current budget against a slightly better one, but a tree predicted no faster
@@ -282,17 +288,20 @@ class AdaptiveSpeculation(AdaptiveEstimates):
                 probe = max(hopeful, key=lambda n: hopeful[n]) if hopeful else 1
                 if hopeful and hopeful[probe] > predicted[1]:
                     self.probes += 1
-                    self._probing = probe
+                    self._probing, self._probe_left = probe, 1
                     # the next one waits twice as long while drafting stays off at this load (up to 8x)
                     self._probe_every = min(2 * self._probe_every, 8 * self.config.probe_interval)
                     return probe  # two steps (the second one's costs are steady: timed); self.budget stays 1
         else:
             self._off_steps, self._probe_every = 0, self.config.probe_interval
-            if self.budget > 1 and self._plain_untimed(speculating + plain) and not prefill_tokens:
-                # drafting on, plain decoding never timed at this load or long ago (a cold warm-up's first steps,
-                # another minute of the host): two plain steps time it (the second is steady), drafting stays chosen
+            if self.budget > 1 and self._plain_untimed(speculating + plain) and not prefill_tokens \
+                    and self._timed(self.budget, speculating + plain):
+                # drafting on and timed at this load, plain decoding never timed here or long ago (a cold warm-up's
+                # first steps, another minute of the host): three plain steps time it, drafting stays chosen. Three: under the
+                # overlap schedule the first only launches (not observed) and the second is the first observed after a
+                # drafted one (not steady): the third is timed (a probe of two timed nothing there, and another followed)
                 self.plain_probes += 1
-                self._probing = 1
+                self._probing, self._probe_left = 1, PLAIN_PROBE_STEPS - 1
                 return 1
         if choice != self.budget:
             last = self._used.get(choice)

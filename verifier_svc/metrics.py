@@ -70,9 +70,9 @@ class EngineMetrics:
                                        "Adaptive: the chosen budget's predicted throughput over plain decoding's, for the "
                                        "batch of the last choice.")
         self.switches = counter("spec_adaptive_switches", "Adaptive: changes of the tree budget.")
-        self.probes = counter("spec_adaptive_probes", "Adaptive: probes, each two steps: drafted while speculation "
-                              "was off (its acceptance measured again), or plain while it was on (plain decoding's "
-                              "cost timed again).")
+        self.probes = counter("spec_adaptive_probes", "Adaptive: probes: two drafted steps while speculation was off "
+                              "(its acceptance measured again), or three plain steps while it was on (plain decoding's "
+                              "cost timed at that load).")
         self.tries = counter("spec_adaptive_tries", "Adaptive: single steps at a budget not used lately (or ever), to "
                              "measure it before switching to it.")
         self.grpc_malformed = counter("grpc_malformed_messages", "gRPC messages that did not decode (the call that sent "
