@@ -24,6 +24,7 @@ size() {  # bytes the device tool copies: tracked and untracked-not-ignored file
 
 case "${1:-status}" in
     aside)
+        if [[ -d "$aside" ]]; then echo "already set aside: bash scripts/gpu_slim.sh back first" >&2; exit 1; fi
         mkdir -p "$aside/whl"
         paths=("${tracked[@]}")
         [[ "${2:-}" == --no-draft ]] && paths+=("$draft")
