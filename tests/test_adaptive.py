@@ -77,6 +77,21 @@ class OverlappedSmallGpu(ModelGpu):
         return StepShape(budget, batch, 0, batch * budget, 0.0005, 0.0008, 0.0003, accepts)
 
 
+class FixedCostGpu(ModelGpu):
+    """A small target with the overlap schedule at one load: a plain step one whole cycle of `plain` seconds, a drafted
+    one `verify` + `spec` + `base` seconds."""
+
+    def __init__(self, q: float, plain: float, verify: float, spec: float, base: float):
+        super().__init__(q)
+        self.plain, self.costs = plain, (verify, spec, base)
+
+    def step(self, budget, batch):
+        if budget == 1:
+            return StepShape(1, batch, 0, 0, 0.0, 0.0, self.plain)
+        accepts = super().step(budget, batch).accepts
+        return StepShape(budget, batch, 0, batch * budget, *self.costs, accepts)
+
+
 def chain_policy(**kwargs) -> AdaptiveSpeculation:
     return AdaptiveSpeculation(AdaptiveConfig(max_budget=6, num_steps=5, chain=True, **kwargs))
 
@@ -463,14 +478,7 @@ def test_plain_decoding_never_timed_at_a_load_is_timed_there_not_priced_by_a_col
     EAGLE-3 chain drafted a whole batch-16 point at 0.64x plain (9a05959; its trace: plain predicted 11.7k tok/s, run
     at 24.6k). Never timed at a load, plain decoding is timed there by a plain probe, and the policy leaves drafting."""
 
-    class SmallBatchGpu(ModelGpu):
-        def step(self, budget, batch):
-            if budget == 1:
-                return StepShape(1, batch, 0, 0, 0.0, 0.0, 0.00065)
-            accepts = super().step(budget, batch).accepts
-            return StepShape(budget, batch, 0, batch * budget, 0.0008, 0.0014, 0.0006, accepts)
-
-    gpu = SmallBatchGpu(q=0.65)
+    gpu = FixedCostGpu(q=0.65, plain=0.00065, verify=0.0008, spec=0.0014, base=0.0006)
     assert 16 * gpu.expected(6) / 0.0028 < 0.65 * 16 / 0.00065
     policy = chain_policy()
     for _ in range(3):
@@ -487,14 +495,7 @@ def test_a_plain_probe_times_plain_decoding_under_the_overlap_schedule():
     (one of two timed nothing, and a second probe followed at once: four plain steps); after that plain decoding runs
     only to be timed again when its timing goes stale (256 steps)."""
 
-    class DraftingPaysGpu(ModelGpu):
-        def step(self, budget, batch):
-            if budget == 1:
-                return StepShape(1, batch, 0, 0, 0.0, 0.0, 0.0006)
-            accepts = super().step(budget, batch).accepts
-            return StepShape(budget, batch, 0, batch * budget, 0.0005, 0.0005, 0.0002, accepts)
-
-    gpu = DraftingPaysGpu(q=0.8)
+    gpu = FixedCostGpu(q=0.8, plain=0.0006, verify=0.0005, spec=0.0005, base=0.0002)
     assert gpu.expected(6) / 0.0012 > 1.5 / 0.0006
     policy = chain_policy()
     chosen = run_overlapped(policy, gpu, 1, 600)

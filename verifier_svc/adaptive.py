@@ -297,9 +297,10 @@ class AdaptiveSpeculation(AdaptiveEstimates):
             if self.budget > 1 and self._plain_untimed(speculating + plain) and not prefill_tokens \
                     and self._timed(self.budget, speculating + plain):
                 # drafting on and timed at this load, plain decoding never timed here or long ago (a cold warm-up's
-                # first steps, another minute of the host): three plain steps time it, drafting stays chosen. Three: under the
-                # overlap schedule the first only launches (not observed) and the second is the first observed after a
-                # drafted one (not steady): the third is timed (a probe of two timed nothing there, and another followed)
+                # first steps, another minute of the host): three plain steps time it, drafting stays chosen. Three:
+                # under the overlap schedule the first only launches (not observed) and the second is the first observed
+                # after a drafted one (not steady): the third is timed (a probe of two timed nothing there, and another
+                # followed at once)
                 self.plain_probes += 1
                 self._probing, self._probe_left = 1, PLAIN_PROBE_STEPS - 1
                 return 1
