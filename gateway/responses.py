@@ -115,10 +115,9 @@ class _Events:
     def event(self, choice_body: dict | None, **extra) -> str:
         choices = "[]" if choice_body is None else "[" + json.dumps(choice_body, ensure_ascii=False) + "]"
         tail = ""
-        if "usage" not in extra and self.usage is not None:
-            tail = ', "usage": ' + json.dumps(self.usage())
-        elif "usage" not in extra and self.usage_null:
-            tail = ', "usage": null'
+        if "usage" not in extra:  # the usage so far (continuous_usage_stats), or null before the usage chunk
+            tail = ', "usage": ' + json.dumps(self.usage()) if self.usage is not None else \
+                ', "usage": null' if self.usage_null else ""
         if extra:
             tail += ", " + json.dumps(extra, ensure_ascii=False)[1:-1]
         return self.head + choices + tail + "}\n\n"
