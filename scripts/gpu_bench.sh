@@ -101,6 +101,12 @@
 #             `splitspec bench` of the chain with the load-adaptive policy at 64 and 128 requests a point, each with the
 #             step log and the policy's trace (offcost_bench<N>.json; the logs in steps.tgz): in process on an H200 a
 #             drafting-off step took 0.751 ms at 64 requests and 0.996 ms at 128 against plain's 0.51-0.68
+#   promptgraphs  whole CUDA graphs of steps that only prefill (--prompt-cuda-graph-max-tokens, runtime/prompt_graph.py):
+#             tests/test_gpu_kernels.py's prompt-graph and piecewise tests, then `splitspec bench` in process on the demo
+#             pair with NGRAM at batch 1 and 16 (128 requests of 256 tokens, two rounds, the load-adaptive policy, overlapped
+#             as a server runs), without the graphs and then with them at 512 tokens, each with its step log
+#             (promptgraphs_{off,on}.json; prompt steps' times from the logs in steps.tgz: benchmarks/step_timeline.py).
+#             Served the same way: SERVED_MODEL='--prompt-cuda-graph-max-tokens 512' SERVED_TAG=-promptgraphs ... served
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -287,6 +293,16 @@ for stage in "${stages[@]}"; do
                          --no-phase-sync --batch-size 16 --prompt-len 128 --output-len 256 --num-prompts "$n" --log-level info \
                          --out "$OUT/offcost_bench$n.json" >> "$OUT/offcost.log" 2>&1 || stop=1
                  done ;;
+        promptgraphs) timeout "${PROMPTGRAPHS_TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -v \
+                          tests/test_gpu_kernels.py -k "prompt_graphs or piecewise" > "$OUT/promptgraphs_tests.log" 2>&1 || stop=1
+                      for mode in off on; do
+                          graphs=(); [[ $mode == on ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
+                          SPLITSPEC_STEP_LOG="$OUT/steps_promptgraphs_$mode" \
+                          timeout "${PROMPTGRAPHS_TIMEOUT:-150}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
+                              --speculative-algorithm NGRAM --speculative-adaptive on --no-phase-sync --batch-size 1,16 \
+                              --prompt-len 128 --output-len 256 --num-prompts 128 --rounds 2 "${graphs[@]}" --log-level info \
+                              --out "$OUT/promptgraphs_$mode.json" >> "$OUT/promptgraphs.log" 2>&1 || stop=1
+                      done ;;
         arrivals) for run in "NGRAM 1" "NGRAM 12" "EAGLE3 1" "EAGLE3 6"; do
                       read -r algorithm budget <<< "$run"
                       chain=(); [[ $algorithm == EAGLE3 ]] && chain=(--speculative-num-steps 5 --speculative-eagle-topk 1

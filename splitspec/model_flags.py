@@ -98,6 +98,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     sglang.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
                         help=f"Largest forward (tokens) replayed from piecewise CUDA graphs (default {DEFAULT_PIECEWISE_MAX_TOKENS}); "
                         "larger prompt chunks run eagerly, where launching costs little against their compute.")
+    parser.add_argument("--prompt-cuda-graph-max-tokens", type=int, default=0,
+                        help="Steps that only prefill (a request joining a speculating batch, a wave of arrivals, a long "
+                        "prompt's chunks) of up to this many tokens replay whole CUDA graphs, attention included, their "
+                        "chunks padded to a captured length (16, 32, 64, ... tokens; captured at start for the batch sizes "
+                        "whose tokens fit). 0 (default): off; such steps replay piecewise graphs. Not yet measured on a "
+                        "GPU: off until it is.")
     sglang.add_argument("--enable-torch-compile", action="store_true",
                         help="torch.compile (inductor) the model's forward for uniform batches (decode steps, tree "
                         "verification, draft steps) of up to --torch-compile-max-bs requests; attention stays one "
@@ -136,6 +142,8 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
     if getattr(args, "piecewise_cuda_graph_max_tokens", None) is not None and args.piecewise_cuda_graph_max_tokens < 1:
         raise ValueError(f"--piecewise-cuda-graph-max-tokens {args.piecewise_cuda_graph_max_tokens}: must be at least 1 "
                          "(--disable-piecewise-cuda-graph turns the graphs off)")
+    if getattr(args, "prompt_cuda_graph_max_tokens", 0) < 0:
+        raise ValueError(f"--prompt-cuda-graph-max-tokens {args.prompt_cuda_graph_max_tokens}: must be 0 (off) or more")
     if getattr(args, "torch_compile_max_bs", None) is not None:
         if args.torch_compile_max_bs < 1:
             raise ValueError(f"--torch-compile-max-bs {args.torch_compile_max_bs}: must be at least 1")
@@ -182,6 +190,8 @@ def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_
         torch_compile_max_bs=torch_compile_max_bs(args),
         quantization=getattr(args, "quantization", None),
         piecewise_cuda_graph_max_tokens=piecewise_max_tokens(args),
+        prompt_cuda_graph_max_tokens=0 if getattr(args, "disable_cuda_graph", False)
+        else getattr(args, "prompt_cuda_graph_max_tokens", 0),
         cpu_wide_forward_threads=getattr(args, "cpu_wide_forward_threads", 0),
     )
 

@@ -51,12 +51,15 @@ class RecordingDrafter(Drafter):
         self.ngram.release(request_id)
 
 
-def test_a_hidden_state_drafter_gets_the_targets_state_before_every_token():
+@pytest.mark.parametrize("prompt_pads", [(), (16, 32)], ids=["as_is", "prompts_padded"])
+def test_a_hidden_state_drafter_gets_the_targets_state_before_every_token(prompt_pads):
     """Chunked prefill (24 tokens per step, trees first), trees, and preemption on a small KV pool: the drafter's
     record is prompt + output with, for token p+1, the target's normed final state at p, equal to an
-    HF forward of the whole sequence."""
+    HF forward of the whole sequence. prompts_padded: steps that only prefill have their chunks padded with filler
+    tokens to 16 or 32 (a captured prompt graph's shape on a GPU; runtime.prompt_graph), which no state shows."""
     target_dir = demo_model_dirs()["target"]
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=160))
+    runner.prompt_pad_sizes = prompt_pads
     drafter = RecordingDrafter()
     engine = Engine(runner, InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=8), set(),
                     SchedulerConfig(chunked_prefill_size=24))
@@ -74,6 +77,7 @@ def test_a_hidden_state_drafter_gets_the_targets_state_before_every_token():
             want = reference.model(torch.tensor([sequence])).last_hidden_state[0]
         assert states.shape[0] == len(recorded) - 1
         assert torch.allclose(states, want[: states.shape[0]], atol=2e-4, rtol=1e-3), (states - want[: states.shape[0]]).abs().max()
+    assert (runner.padded_prompt_steps > 0) == bool(prompt_pads)
 
 
 def test_unsent_states_cut_every_requests_rows_out_together():

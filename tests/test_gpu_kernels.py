@@ -9,6 +9,7 @@ Run there: `SPLITSPEC_TEST_DEVICE=cuda pytest tests/test_gpu_kernels.py` (script
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -65,12 +66,13 @@ def checkpoint(tmp_path, **overrides):
     return save_checkpoint(model.eval(), tmp_path / "model")
 
 
-def runner(path, backend: str, graphs: bool = False, dtype: str = "bfloat16", piecewise: int = 0):
+def runner(path, backend: str, graphs: bool = False, dtype: str = "bfloat16", piecewise: int = 0, prompts: int = 0):
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
     return ModelRunner.load(RuntimeConfig(model_path=str(path), dtype=dtype, device="cuda", page_size=4,
                                           max_total_tokens=4096, attention_backend=backend, disable_cuda_graph=not graphs,
-                                          cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=piecewise))
+                                          cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=piecewise,
+                                          prompt_cuda_graph_max_tokens=prompts))
 
 
 def step(r, tables, inputs):
@@ -288,6 +290,63 @@ def test_piecewise_graphs_equal_eager(tmp_path):
     assert pieces.replays == 1
     assert outs[1].aux_hidden_states.shape == outs[0].aux_hidden_states.shape == (27, 3 * 512)
     assert close(outs[1].aux_hidden_states.float(), outs[0].aux_hidden_states.float()) < 1e-2
+    assert close(outs[1].logits, outs[0].logits) < 1e-2
+
+
+@needs_flashinfer
+def test_prompt_graphs_equal_eager(tmp_path):
+    """Steps that only prefill, their chunks padded by pad_prompts, replay whole prompt graphs (runtime.prompt_graph)
+    with the eager forward's logits of each chunk's last real token and states of its real rows: one chunk, several
+    of unequal lengths (batch padding with a dummy request), chunks after cached prefixes that sample nothing, EAGLE-3's
+    captured layer inputs; a chunk too long for any prompt graph does not use them."""
+    path = checkpoint(tmp_path)
+    eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True, piecewise=64, prompts=128)
+    graphed.capture_cuda_graphs()
+    prompts = graphed.prompts
+    assert prompts is not None and prompts.sizes == [16, 32, 64, 128] and prompts.batch_sizes[32] == [1, 2, 4]
+    g = torch.Generator().manual_seed(4)
+    tables = {id(r): [BlockTable() for _ in range(4)] for r in (eager, graphed)}
+
+    def prefill(chunks, logits="last") -> int:
+        """chunks: (request, tokens), prefilled by both runners in one forward (graphed: padded); the replays so far."""
+        outs, sizes = [], []
+        for r in (eager, graphed):
+            seqs = [SequenceInput(tables[id(r)][i], ids, logits=logits) for i, ids in chunks]
+            if r is graphed:
+                seqs = r.pad_prompts(seqs)
+            sizes.append([len(s.input_ids) for s in seqs])
+            outs.append(r.forward(r.batch(seqs), return_hidden=True))
+            for i, ids in chunks:
+                r.kv_cache.set_length(tables[id(r)][i], tables[id(r)][i].num_tokens + len(ids))
+        want, have = outs
+        assert have.logits.shape == want.logits.shape and (not want.logits.numel() or close(have.logits, want.logits) < 1e-2)
+        starts = [[0, *itertools.accumulate(n)] for n in sizes]
+        for k, (_, ids) in enumerate(chunks):  # each chunk's real rows
+            a, b = starts[1][k], starts[0][k]
+            assert close(have.hidden_states[a : a + len(ids)].float(), want.hidden_states[b : b + len(ids)].float()) < 1e-2
+        return prompts.replays
+
+    def chunk(n):
+        return torch.randint(3, 300, (n,), generator=g).tolist()
+
+    assert prefill([(0, chunk(13))]) == 1  # 13 tokens: one request padded to 16
+    assert prefill([(1, chunk(30)), (2, chunk(5)), (3, chunk(17))]) == 2  # three padded to 32 beside a dummy fourth
+    assert prefill([(0, chunk(9)), (1, chunk(16))], logits="none") == 3  # after cached prefixes, no logits asked
+    assert prefill([(2, chunk(40))]) == 4  # 64
+    assert prefill([(3, chunk(130))]) == 4  # past every prompt graph: eager
+    for r in (eager, graphed):  # EAGLE-3's captured layer inputs: the graphs are captured again with them
+        r.set_capture_layers((0, 2, 3))
+    graphed.capture_cuda_graphs()
+    prompts = graphed.prompts
+    outs = []
+    for r in (eager, graphed):
+        seqs = [SequenceInput(tables[id(r)][i], [50 + i] * 9) for i in range(2)]
+        outs.append(r.forward(r.batch(r.pad_prompts(seqs) if r is graphed else seqs)))
+    assert prompts.replays == 1
+    assert outs[1].aux_hidden_states.shape == (32, 3 * 512) and outs[0].aux_hidden_states.shape == (18, 3 * 512)
+    for k in range(2):  # each request's real rows of its 16
+        got, want = outs[1].aux_hidden_states[16 * k : 16 * k + 9], outs[0].aux_hidden_states[9 * k : 9 * k + 9]
+        assert close(got.float(), want.float()) < 1e-2
     assert close(outs[1].logits, outs[0].logits) < 1e-2
 
 

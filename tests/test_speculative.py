@@ -156,6 +156,38 @@ def test_trees_padded_to_one_shape_keep_outputs(demo, plain_greedy):
     assert padding > 0 and sum(r.stats.accepted_tokens for r in requests) > 0
 
 
+def test_prompt_steps_padded_to_one_shape_keep_outputs(demo, plain_greedy):
+    """On a GPU a step that only prefills has its chunks padded with filler tokens to a captured prompt graph's shape
+    (runtime.prompt_graph): arrivals into a speculating batch (at most 3 running, so each finish lets one in), prompts
+    prefilled in chunks of 24 (the last prompt is two joined). The padding forced here on the CPU (eagerly) leaves every output
+    as plain decoding's; the fillers' KV slots are never committed (every page returns to the pool)."""
+    from splitspec.verifier_svc.engine import Engine, SchedulerConfig
+
+    runner, _, prompts, reference = demo
+    chosen = [prompts[i] for i in range(10)] + [prompts[13] + prompts[0]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(chosen)
+    runner.prompt_pad_sizes = (16, 32)
+    padded_before = runner.padded_prompt_steps
+    try:
+        engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=8), set(),
+                        SchedulerConfig(max_running_requests=3, chunked_prefill_size=24))
+        requests = [engine.add_request(p, sp) for p, sp in zip(chosen, params)]
+        while engine.has_work:
+            padded = runner.padded_prompt_steps
+            engine.step()
+            if runner.padded_prompt_steps > padded:  # every chunk of the step has 16 or 32 tokens in the forward
+                assert engine.report.forward_tokens in (16, 32, 48, 64, 96) and engine.report.prefill_tokens > 0
+    finally:
+        runner.prompt_pad_sizes = ()
+    assert runner.kv_cache.allocator.num_used == 0
+    for i, r in enumerate(requests[:10]):
+        assert_greedy_match(r.output_ids, plain_greedy[i].output_ids, reference, chosen[i], f"padded prompt {i}")
+    alone = run(runner, [chosen[-1]], params[:1], batch=1)[0]
+    assert_greedy_match(requests[-1].output_ids, alone.output_ids, reference, chosen[-1], "a prompt of two chunks")
+    assert runner.padded_prompt_steps - padded_before >= len(chosen) - 3  # every arrival's but the first batch's
+    assert all(r.stats.fallbacks == 0 for r in requests) and sum(r.stats.accepted_tokens for r in requests) > 0
+
+
 class FixedTreeDrafter(Drafter):
     """Proposes the same branching tree after every root: 3 children of the root, 2 under each."""
 

@@ -341,6 +341,8 @@ class Engine(Scheduling, OverlapSchedule):
         the device, whose sequence holds its root in every node's place until _forward writes the drafts in."""
         sequences = [SequenceInput(c.request.table, c.request.fill_ids[c.start : c.end], logits="all" if
                                    c.request.wants_prompt_logprobs else "last" if c.samples else "none") for c in prefills]
+        if not verifies:  # a step that only prefills: its chunks padded to a captured prompt graph's shape, where one is
+            return self.runner.pad_prompts(sequences), []
         pad = 0 if prefills else pad_size(self.runner, verifies)
         chains = []
         for v in verifies:

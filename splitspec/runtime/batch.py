@@ -28,6 +28,9 @@ class SequenceInput:
     # the draft tree whose ancestor-or-self relation `mask` is, when it is one (tree.tree_mask(parents)): backends
     # build their masks from its bits (tree.ancestor_rows) instead of from the tensor
     parents: tuple[int, ...] | None = None
+    # filler tokens at the end of input_ids that make a prompt chunk one captured graph's shape (runtime.prompt_graph):
+    # written to the request's next KV slots, never committed; "last" is the last real token
+    padding: int = 0
 
 
 @dataclass
@@ -43,6 +46,8 @@ def validate(seq: SequenceInput) -> None:
     q_len = len(seq.input_ids)
     if q_len == 0:
         raise ValueError("a sequence in a forward batch needs at least one new token")
+    if not 0 <= seq.padding < q_len:
+        raise ValueError(f"{seq.padding} filler tokens of {q_len} new tokens")
     if seq.positions is not None and len(seq.positions) != q_len:
         raise ValueError(f"{len(seq.positions)} positions for {q_len} new tokens")
     if seq.parents is not None:  # its mask is tree_mask(parents): every node sees itself
@@ -91,7 +96,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
             out_slots.append(kv_cache.slot_ids(table, start, end))
         logits = seq.logits
         if logits == "last":
-            logits_rows.append(rows + q_len - 1)
+            logits_rows.append(rows + q_len - seq.padding - 1)
             logit_rows += 1
         elif logits == "all":
             logits_rows += range(rows, rows + q_len)

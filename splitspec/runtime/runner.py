@@ -62,6 +62,7 @@ class RuntimeConfig:
     torch_compile_max_bs: int = 0  # > 0: uniform batches of up to this many requests run torch.compile'd (runtime.compile)
     quantization: str | None = None  # None, "fp8" or "unquant" (runtime.quantization; an FP8 checkpoint is detected)
     piecewise_cuda_graph_max_tokens: int = 0  # > 0 (with CUDA graphs): prompt chunks and mixed steps of up to this many tokens replay piecewise graphs
+    prompt_cuda_graph_max_tokens: int = 0  # > 0 (with CUDA graphs): prompt steps of up to this many tokens replay whole graphs (runtime.prompt_graph)
     cpu_wide_forward_threads: int = 0  # > 0 on a CPU device: torch threads of a wide forward (host_threads.WideForwards)
     # a draft model in its target's process on the same GPU (the target took --mem-fraction-static first): its KV
     # cache holds as many tokens as the target's, or as many as fit in the memory the target left less a reserve
@@ -181,13 +182,15 @@ def _graphs_supported(backend: AttentionBackend) -> bool:
 class ModelRunner:
     def __init__(self, config: ModelConfig, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
                  capture_layers: tuple[int, ...] = (), model_dir: Path | None = None, cuda_graph_max_bs: int = 0,
-                 torch_compile_max_bs: int = 0, piecewise_max_tokens: int = 0):
+                 torch_compile_max_bs: int = 0, piecewise_max_tokens: int = 0, prompt_max_tokens: int = 0):
         """cuda_graph_max_bs > 0: decode steps of up to that many requests replay CUDA graphs (captured by
         capture_cuda_graphs(), or at the first decode step); needs a backend that plans into fixed buffers.
         torch_compile_max_bs > 0: uniform batches of up to that many requests (decode, tree verification,
         draft steps; and the graphs capturing them) run the torch.compile'd forward (runtime.compile).
         piecewise_max_tokens > 0 (with the step graphs): other forwards of up to that many tokens (prompt chunks,
-        mixed steps) replay piecewise graphs, captured with the step graphs (runtime.piecewise_graph)."""
+        mixed steps) replay piecewise graphs, captured with the step graphs (runtime.piecewise_graph).
+        prompt_max_tokens > 0 (with the step graphs): steps that only prefill, of up to that many tokens, replay whole
+        graphs (runtime.prompt_graph; pad_prompts pads their chunks to a captured shape)."""
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
@@ -201,6 +204,12 @@ class ModelRunner:
         self.piecewise_max_tokens = piecewise_max_tokens if self.cuda_graph_max_bs and row_wise else 0
         self.pad_eager = self.device.type == "cuda" and row_wise  # forward_padded pads (tests turn it on on a CPU)
         self.piecewise = None
+        self.prompt_max_tokens = prompt_max_tokens if self.cuda_graph_max_bs and row_wise else 0
+        self.prompts = None  # runtime.prompt_graph.PromptGraphs, captured with the step graphs
+        # chunk lengths a prompt step is padded up to without CUDA graphs (the prompt graphs' own sizes pad with them):
+        # tests exercise the padding on a CPU with it
+        self.prompt_pad_sizes: tuple[int, ...] = ()
+        self.padded_prompt_steps = 0  # prompt steps pad_prompts shaped (for a graph, or prompt_pad_sizes)
         # tree sizes a verification batch is padded up to without CUDA graphs (the graphs' own sizes pad with
         # them): tests exercise the padding on a CPU with it
         self.tree_pad_sizes: tuple[int, ...] = ()
@@ -224,6 +233,7 @@ class ModelRunner:
             self.kv_cache.allocator.decref(self.graphs.scratch_pages)  # the graphs captured other outputs
             self.graphs = None
             self.piecewise = None
+            self.prompts = None
         self.capture_layers = tuple(layers)
 
     def capture_cuda_graphs(self, tree_nodes: tuple[int, ...] = ()) -> None:
@@ -243,6 +253,32 @@ class ModelRunner:
 
             self.piecewise = PiecewiseGraphs(self, self.piecewise_max_tokens)
             self.piecewise.capture()
+        if self.prompts is None and self.prompt_max_tokens:
+            from splitspec.runtime.prompt_graph import PromptGraphs
+
+            self.prompts = PromptGraphs(self.graphs, self.prompt_max_tokens)
+            self.prompts.capture()
+
+    def pad_prompts(self, sequences: list[SequenceInput]) -> list[SequenceInput]:
+        """A step's prompt chunks padded with filler tokens to one captured prompt graph's shape (runtime.prompt_graph;
+        prompt_pad_sizes on a CPU), or as they are: chunks asking for every row's logits (prompt logprobs), none that
+        fits, or too few free KV pages for the filler slots."""
+        if not sequences or any(s.mask is not None or s.positions is not None or s.logits == "all" for s in sequences):
+            return sequences
+        longest = max(len(s.input_ids) for s in sequences)
+        size = self.prompts.size_for(len(sequences), longest) if self.prompts is not None else None
+        if size is None:
+            size = min((q for q in self.prompt_pad_sizes if q >= longest), default=None)
+        if size is None or any(s.table.num_tokens + size > self.config.max_position_embeddings for s in sequences):
+            return sequences
+        kv = self.kv_cache
+        pages = sum(max(kv.pages_for(s.table.num_tokens + size) - len(s.table.pages), 0) for s in sequences)
+        if pages > kv.allocator.num_free:
+            return sequences
+        self.padded_prompt_steps += 1
+        return [s if len(s.input_ids) == size else dataclasses.replace(
+            s, input_ids=s.input_ids + [s.input_ids[-1]] * (size - len(s.input_ids)), padding=size - len(s.input_ids))
+            for s in sequences]
 
     def padded_tree_size(self, num_requests: int, largest: int) -> int | None:
         """The node count a verification batch of num_requests trees, the largest of `largest` nodes, is
@@ -306,7 +342,8 @@ class ModelRunner:
                         "once, at its first use)", rc.torch_compile_max_bs)
         one_thread_for_gpu(device)  # after the load, whose host work may use the pool
         runner = cls(config, model, kv_cache, backend, rc.capture_layers, model_dir, cuda_graph_max_bs=max_bs,
-                     torch_compile_max_bs=rc.torch_compile_max_bs, piecewise_max_tokens=rc.piecewise_cuda_graph_max_tokens)
+                     torch_compile_max_bs=rc.torch_compile_max_bs, piecewise_max_tokens=rc.piecewise_cuda_graph_max_tokens,
+                     prompt_max_tokens=rc.prompt_cuda_graph_max_tokens)
         runner.wide = wide_forwards(device, rc.cpu_wide_forward_threads)
         return runner
 
@@ -375,6 +412,10 @@ class ModelRunner:
             if q is not None and self.graphs.has(q, width, batch.attention.num_requests):
                 hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device),
                                                            return_hidden)
+                return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
+            q = self.prompts.shape_of(batch) if self.prompts is not None and features is None else None
+            if q is not None:
+                hidden, captured, logits = self.prompts.run(batch, q, return_hidden)
                 return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
         plan = self.backend.plan(batch.attention)
         extra = {} if features is None else {"features": features.to(self.device)}
