@@ -125,7 +125,7 @@ SERVICES = ("splitspec.drafter_svc", "splitspec.verifier_svc", "splitspec.gatewa
 # process-level utilities every layer may use (no flags, no models, no services)
 UTILITIES = {"splitspec.registry", "splitspec.device_profile", "splitspec.default_model", "splitspec.heap",
              "splitspec.host_profile", "splitspec.step_log", "splitspec.sync_debug", "splitspec.lifeline", "splitspec.event_loop",
-             "splitspec.metrics_http", "splitspec.model_shapes", "splitspec.log_format", "splitspec"}
+             "splitspec.metrics_http", "splitspec.metric_tally", "splitspec.model_shapes", "splitspec.log_format", "splitspec"}
 # where command-line flags become configuration: only a command line (a service's server.py) imports these
 FLAG_MODULES = {"splitspec.model_flags", "splitspec.engine_args", "splitspec.draft_models", "splitspec.speculation",
                 "splitspec.generate"}

@@ -9,21 +9,21 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from splitspec.metric_tally import Tally
 from splitspec.metrics_http import PREFIX, labelled
 from splitspec.verifier_svc.engine import Engine
 
 
 class EngineMetrics:
+    """Fed by the engine's thread once per step (and at aborts, on the same thread): a Tally (plain numbers, turned
+    into families at a scrape; splitspec.metric_tally); the gRPC front's counts, fed from another thread, are
+    prometheus_client's own metrics."""
+
     def __init__(self, registry: CollectorRegistry, model_name: str):
         labels = {"model_name": model_name}
         self.labels = labels
-
-        def counter(name, doc, extra=()):
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=registry)
-
-        def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, list(labels), registry=registry)
-
+        tally = Tally(registry, PREFIX, labels)
+        counter, gauge = tally.counter, tally.gauge
         self.num_drafts = counter("spec_decode_num_drafts", "Verify steps that checked at least one draft token.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -40,22 +40,17 @@ class EngineMetrics:
         self.preemptions = counter("num_preemptions", "Running requests sent back to wait because the KV cache ran out of pages.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter("request_success", "Requests that ended, by finish reason.", ("finished_reason",))
-        self.accept_length = Histogram(PREFIX + "spec_accept_length", "Tokens emitted per verify step with drafts.",
-                                       list(labels), buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=registry)
-        self.step_seconds = Histogram(PREFIX + "step_phase_seconds",
-                                      "Time per step phase: schedule, draft (waiting for drafts), verify (the target forward), accept, commit.",
-                                      [*labels, "phase"],
-                                      buckets=(1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-                                      registry=registry)
-        self.loop_seconds = Histogram(PREFIX + "engine_loop_seconds",
-                                      "Time per busy engine-loop iteration by part: intake (submissions and aborts), step "
-                                      "(Engine.step, less what was hidden in it), metrics (this observation), publish (handing "
-                                      "the step's deltas to the streams), hidden (metrics and publishing of the last step "
-                                      "done while this step's forward ran on the GPU: overlap). Intake, metrics and "
-                                      "publish are host work the served path adds to every step.",
-                                      [*labels, "part"],
-                                      buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
-                                      registry=registry)
+        self.accept_length = tally.histogram("spec_accept_length", "Tokens emitted per verify step with drafts.",
+                                             (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32))
+        self.step_seconds = tally.histogram(
+            "step_phase_seconds", "Time per step phase: schedule, draft (waiting for drafts), verify (the target forward), "
+            "accept, commit.", (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), ("phase",))
+        self.loop_seconds = tally.histogram(
+            "engine_loop_seconds", "Time per busy engine-loop iteration by part: intake (submissions and aborts), step "
+            "(Engine.step, less what was hidden in it), metrics (this observation), publish (handing the step's deltas to "
+            "the streams), hidden (metrics and publishing of the last step done while this step's forward ran on the "
+            "GPU: overlap). Intake, metrics and publish are host work the served path adds to every step.",
+            (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1), ("part",))
         self.prefix_hit_tokens = counter("prefix_cache_hit_tokens", "Tokens whose KV came from the prefix cache at admission (readmission after preemption included).")
         self.prefix_pages = gauge("prefix_cache_pages", "KV-cache pages held by the prefix cache.")
         self.kv_used = gauge("kv_pages_used", "KV-cache pages in use (the prefix cache's included).")
@@ -75,75 +70,78 @@ class EngineMetrics:
                               "cost timed at that load).")
         self.tries = counter("spec_adaptive_tries", "Adaptive: single steps at a budget not used lately (or ever), to "
                              "measure it before switching to it.")
-        self.grpc_malformed = counter("grpc_malformed_messages", "gRPC messages that did not decode (the call that sent "
-                                      "one ends with a status; nobody else's), by method.", ("method",))
-        self.grpc_refused = counter("grpc_refused_requests", "Submissions refused on arrival (an error delta names the "
-                                    "problem), by gRPC code.", ("code",))
+        tally.register()
+        self.grpc_malformed = Counter(PREFIX + "grpc_malformed_messages", "gRPC messages that did not decode (the call "
+                                      "that sent one ends with a status; nobody else's), by method.", [*labels, "method"],
+                                      registry=registry)
+        self.grpc_refused = Counter(PREFIX + "grpc_refused_requests", "Submissions refused on arrival (an error delta "
+                                    "names the problem), by gRPC code.", [*labels, "code"], registry=registry)
         self._switches = self._probes = self._tries = 0
-        self._children: dict = {}  # (metric, extra labels) -> its labelled child: labels() costs ~5 us a call
-
-    def _child(self, metric, **extra):
-        key = (metric, *extra.items())
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(**self.labels, **extra)
-        return child
+        # (counter, the report's field) of the counters every step adds to
+        self._step_counts = ((self.draft_tokens, "draft_tokens"), (self.accepted_tokens, "accepted_tokens"),
+                             (self.fallbacks, "fallbacks"), (self.padding_tokens, "padding_tokens"),
+                             (self.grammar_pruned, "grammar_pruned"), (self.prompt_tokens, "prompt_tokens"),
+                             (self.prefill_tokens, "prefill_tokens"), (self.preemptions, "preemptions"),
+                             (self.generation_tokens, "generated_tokens"), (self.prefix_hit_tokens, "cached_tokens"))
 
     def refused(self, code: str) -> None:
-        """A submission refused on arrival, by gRPC code name (the gRPC service's Counts)."""
+        """A submission refused on arrival, by gRPC code name (the gRPC service's Counts; the front's thread)."""
         self.grpc_refused.labels(**self.labels, code=code).inc()
 
     def malformed(self, method: str) -> None:
-        """A gRPC message that did not decode on this method (the gRPC service's Counts)."""
+        """A gRPC message that did not decode on this method (the gRPC service's Counts; the front's thread)."""
         self.grpc_malformed.labels(**self.labels, method=method).inc()
+
+    def count_finished(self, reason: str) -> None:
+        self.finished.inc(1, (reason,))
 
     def observe(self, engine: Engine, report=None) -> None:
         """One step: its report (default the engine's last), then the engine's state as it is now."""
         report = engine.report if report is None else report
-        for metric, amount in ((self.num_drafts, len(report.accept_lengths)), (self.draft_tokens, report.draft_tokens),
-                               (self.accepted_tokens, report.accepted_tokens), (self.fallbacks, report.fallbacks),
-                               (self.padding_tokens, report.padding_tokens), (self.grammar_pruned, report.grammar_pruned),
-                               (self.prompt_tokens, report.prompt_tokens), (self.prefill_tokens, report.prefill_tokens),
-                               (self.preemptions, report.preemptions), (self.deferred_steps, int(report.deferred)),
-                               (self.generation_tokens, report.generated_tokens), (self.prefix_hit_tokens, report.cached_tokens)):
-            child = self._child(metric)  # exported (at 0) from the first step on, incremented only when it moved
+        for counter, field in self._step_counts:
+            amount = getattr(report, field)
             if amount:
-                child.inc(amount)
+                counter.values[()] += amount
+        if report.accept_lengths:
+            self.num_drafts.values[()] += len(report.accept_lengths)
+            self.accept_length.observe_all(report.accept_lengths)
+        if report.deferred:
+            self.deferred_steps.values[()] += 1
         for position, count in enumerate(report.accepted_per_position):
-            self._child(self.accepted_per_pos, position=str(position)).inc(count)
+            self.accepted_per_pos.inc(count, (str(position),))
         for reason in report.finished:
-            self._child(self.finished, finished_reason=reason).inc()
-        for length in report.accept_lengths:
-            self._child(self.accept_length).observe(length)
+            self.finished.inc(1, (reason,))
+        observe = self.step_seconds.observe
         for phase, seconds in report.seconds.items():
-            self._child(self.step_seconds, phase=phase).observe(seconds)
+            observe(seconds, (phase,))
         self.observe_state(engine)
-        policy = engine.adaptive
         if engine.drafter is not None:
-            self._child(self.budget).set(report.budget)
+            self.budget.values[()] = report.budget
             steps = engine.spec.num_steps or engine.spec.num_draft_tokens - 1
-            self._child(self.depth).set(min(steps, report.budget - 1))
+            self.depth.values[()] = min(steps, report.budget - 1)
+        policy = engine.adaptive
         if policy is not None:
             if policy.predicted.get(1):
-                self._child(self.predicted_speedup).set(policy.predicted.get(policy.budget, 0.0) / policy.predicted[1])
-            self._child(self.switches).inc(policy.switches - self._switches)
+                self.predicted_speedup.values[()] = policy.predicted.get(policy.budget, 0.0) / policy.predicted[1]
             probes = policy.probes + policy.plain_probes
-            self._child(self.probes).inc(probes - self._probes)
-            self._child(self.tries).inc(policy.tries - self._tries)
+            self.switches.values[()] += policy.switches - self._switches
+            self.probes.values[()] += probes - self._probes
+            self.tries.values[()] += policy.tries - self._tries
             self._switches, self._probes, self._tries = policy.switches, probes, policy.tries
 
     def observe_loop(self, parts: dict[str, float]) -> None:
+        observe = self.loop_seconds.observe
         for part, seconds in parts.items():
-            self._child(self.loop_seconds, part=part).observe(seconds)
+            observe(seconds, (part,))
 
     def observe_state(self, engine: Engine) -> None:
         allocator = engine.runner.kv_cache.allocator
-        self._child(self.kv_used).set(allocator.num_used)
-        self._child(self.kv_free).set(allocator.num_free)
-        self._child(self.running).set(len(engine.running))
-        self._child(self.waiting).set(len(engine.waiting))
+        self.kv_used.values[()] = allocator.num_used
+        self.kv_free.values[()] = allocator.num_free
+        self.running.values[()] = len(engine.running)
+        self.waiting.values[()] = len(engine.waiting)
         cache = engine.prefix_cache
-        self._child(self.prefix_pages).set(cache.num_pages if cache is not None else 0)
+        self.prefix_pages.values[()] = cache.num_pages if cache is not None else 0
 
 
 class PoolMetrics:

@@ -201,7 +201,7 @@ class EngineWorker(threading.Thread):
             self._finish(submission)
             self.publish([(submission, StepEvent(submission.request.request_id, [], "abort"))])
         if item.found and self.metrics is not None:
-            self.metrics.finished.labels(**self.metrics.labels, finished_reason="abort").inc()
+            self.metrics.count_finished("abort")
             self.metrics.observe_state(self.engine)
         item.done.set()
 
