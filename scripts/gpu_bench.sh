@@ -102,7 +102,9 @@
 #             step log and the policy's trace (offcost_bench<N>.json; the logs in steps.tgz): in process on an H200 a
 #             drafting-off step took 0.751 ms at 64 requests and 0.996 ms at 128 against plain's 0.51-0.68
 #   promptgraphs  whole CUDA graphs of steps that only prefill (--prompt-cuda-graph-max-tokens, runtime/prompt_graph.py):
-#             tests/test_gpu_kernels.py's prompt-graph and piecewise tests, then `splitspec bench` in process on the demo
+#             tests/test_gpu_kernels.py's prompt-graph and piecewise tests, then an arrival's prompt step into 15 requests
+#             drafting NGRAM trees (benchmarks/step_host_cost.py arrival, promptgraphs_arrivals.log) without and with the
+#             graphs, then `splitspec bench` in process on the demo
 #             pair with NGRAM at batch 1 and 16 (128 requests of 256 tokens, two rounds, the load-adaptive policy, overlapped
 #             as a server runs), without the graphs and then with them at 512 tokens, each with its step log
 #             (promptgraphs_{off,on}.json; prompt steps' times from the logs in steps.tgz: benchmarks/step_timeline.py).
@@ -295,6 +297,13 @@ for stage in "${stages[@]}"; do
                  done ;;
         promptgraphs) timeout "${PROMPTGRAPHS_TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -v \
                           tests/test_gpu_kernels.py -k "prompt_graphs or piecewise" > "$OUT/promptgraphs_tests.log" 2>&1 || stop=1
+                      for mode in off on; do  # an arrival's prompt step and the next, into 15 drafting (NGRAM, budget 12)
+                          graphs=(); [[ $mode == on ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
+                          echo "== arrivals, prompt graphs $mode" >> "$OUT/promptgraphs_arrivals.log"
+                          timeout "${ARRIVALS_TIMEOUT:-120}" python3 -P benchmarks/step_host_cost.py arrival 30 12 --device cuda \
+                              --dtype bfloat16 --speculative-algorithm NGRAM --batch-size 16 --prompt-len 128 "${graphs[@]}" \
+                              >> "$OUT/promptgraphs_arrivals.log" 2>&1 || stop=1
+                      done
                       for mode in off on; do
                           graphs=(); [[ $mode == on ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
                           SPLITSPEC_STEP_LOG="$OUT/steps_promptgraphs_$mode" \
