@@ -197,6 +197,19 @@ def test_logprobs_match_transformers_with_and_without_speculation(demo):
             assert len(b.top) == k and b.top[0][0] == token  # greedy: the chosen token is the likeliest
     unasked = run(runner, prompts[:1], [SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)])
     assert unasked[0].logprobs == []
+    # one batch, each request its own k (none, the chosen token's alone, 2, 5): a step's logprobs come from one top-k
+    # at the largest k asked, each request given its own
+    ks = [None, 0, 2, 5] * (len(prompts) // 4) + [5] * (len(prompts) % 4)
+    mixed = run(runner, prompts, [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=k)
+                                  for k in ks], ngram(), SpecConfig(num_draft_tokens=8), batch=len(prompts))
+    for k, m, p in zip(ks, mixed, plain):
+        assert m.output_ids == p.output_ids
+        if k is None:
+            assert m.logprobs == []
+            continue
+        assert len(m.logprobs) == NEW_TOKENS and all(len(e.top) == k for e in m.logprobs)
+        for a, b in zip(m.logprobs, p.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-3 and [t for t, _ in a.top] == [t for t, _ in b.top[:k]]
 
 
 def test_prompt_logprobs_match_transformers_across_chunks_and_the_prefix_cache(demo):

@@ -41,8 +41,8 @@ from splitspec.verifier_svc.overlap import InFlight, OverlapSchedule
 from splitspec.verifier_svc.scheduling import Scheduling
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
                                                StepReport)
-from splitspec.verifier_svc.verification import (Verify, accept_tree, by_target, kv_moves, pad_size, prompt_logprobs,
-                                                 target_rows, token_logprobs, usable)
+from splitspec.verifier_svc.verification import (Verify, accept_tree, accepted_logprobs, by_target, kv_moves, pad_size,
+                                                 prompt_logprobs, target_rows, token_logprobs, usable)
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +396,7 @@ class Engine(Scheduling, OverlapSchedule):
     def _first_tokens(self, prefills: list[Chunk], cu_logits: list[int], logits: torch.Tensor, targets: list[int] | None,
                       rows: list[int], features) -> list[StepEvent]:
         """Prompt chunks: their KV committed; a chunk that completes a fresh prompt samples its first token."""
-        events = []
+        events, prompt_lps = [], prompt_logprobs(prefills, cu_logits, logits)
         for i, chunk in enumerate(prefills):
             request = chunk.request
             self.runner.kv_cache.set_length(request.table, chunk.end)
@@ -404,8 +404,7 @@ class Engine(Scheduling, OverlapSchedule):
             hidden = None
             if self.needs_hidden and request.speculate and not request.output_ids:
                 hidden = pair_prompt_states(request, chunk, features[rows[i] : rows[i + 1]])
-            if request.wants_prompt_logprobs:
-                request.prompt_logprobs += prompt_logprobs(request, chunk, logits[cu_logits[i] : cu_logits[i + 1]])
+            request.prompt_logprobs += prompt_lps.get(i, [])
             if chunk.samples and not request.params.max_new_tokens:  # the prompt's logprobs were all it asked for
                 events.append(request.prompt_only())
             elif chunk.samples:
@@ -443,11 +442,9 @@ class Engine(Scheduling, OverlapSchedule):
                 self._count(v, acceptance)
             accepted.append((v, acceptance, first, rows[i]))
         states = path_states(accepted, features) if self.needs_hidden else {}
-        events = []
-        for v, acceptance, first, _ in accepted:
-            logprobs = (token_logprobs(logits[[first + node for node in acceptance.path]], acceptance.tokens, v.request.params)
-                        if v.request.params.logprobs is not None else None)
-            events.append(v.request.emit(acceptance.tokens, self.eos_ids, states.get(v.request.request_id), logprobs))
+        logprobs = accepted_logprobs(logits, accepted)
+        events = [v.request.emit(acceptance.tokens, self.eos_ids, states.get(v.request.request_id), logprobs.get(k))
+                  for k, (v, acceptance, _, _) in enumerate(accepted)]
         commit_start = self._clock()
         kv = self.runner.kv_cache
         if move_src:  # every request's compaction in one kernel, before any page is freed

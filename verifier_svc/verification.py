@@ -33,22 +33,58 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
     """logits [k, V]: row j predicts tokens[j]. None when the request did not ask for logprobs."""
     if params.logprobs is None:
         return None
+    return batch_token_logprobs(logits, [(list(range(len(tokens))), tokens, params)])[0]
+
+
+def batch_token_logprobs(logits: torch.Tensor, picks: list[tuple[list[int], list[int], SamplingParams]]) -> list[list[TokenLogprob]]:
+    """token_logprobs of each pick (its rows of logits, the tokens they predict, its parameters, which ask for logprobs):
+    one log-softmax over every pick's rows, one gather, one top-k at the largest k asked and one wait for the device
+    for the whole step, not a few kernels and a device sync per request (a batch of 32 asking for logprobs paid 32
+    syncs a step)."""
+    device, vocab = logits.device, logits.shape[-1]
+    rows = [r for request_rows, _, _ in picks for r in request_rows]
+    if rows != list(range(logits.shape[0])):
+        logits = logits.index_select(0, device_tensor(rows, device))
     logprobs = logits.float().log_softmax(-1)
-    chosen = logprobs[torch.arange(len(tokens), device=logits.device), torch.tensor(tokens, device=logits.device)].tolist()
-    if not params.logprobs:
-        return [TokenLogprob(lp) for lp in chosen]
-    values, ids = logprobs.topk(min(params.logprobs, logprobs.shape[-1]), dim=-1)
-    return [TokenLogprob(lp, tuple(zip(row_ids, row_values)))
-            for lp, row_ids, row_values in zip(chosen, ids.tolist(), values.tolist())]
+    chosen = logprobs.gather(1, device_tensor([t for _, tokens, _ in picks for t in tokens], device)[:, None])
+    k = min(max(params.logprobs for _, _, params in picks), vocab)
+    ids = None
+    if k:
+        values, ids = logprobs.topk(k, dim=-1)
+        chosen = torch.cat([chosen, values], dim=1)
+    host = chosen.tolist()  # the one wait; the ids' copy after it has nothing left to wait for
+    host_ids = ids.tolist() if ids is not None else None
+    out, start = [], 0
+    for request_rows, _, params in picks:
+        end, top = start + len(request_rows), min(params.logprobs, vocab)
+        out.append([TokenLogprob(row[0], tuple(zip(row_ids[:top], row[1 : 1 + top])))
+                    for row, row_ids in zip(host[start:end], host_ids[start:end])] if top
+                   else [TokenLogprob(row[0]) for row in host[start:end]])
+        start = end
+    return out
 
 
-def prompt_logprobs(request: Request, chunk: Chunk, logits: torch.Tensor) -> list[TokenLogprob]:
-    """A fresh prompt chunk's logits [chunk length, V] (row j: position chunk.start + j) -> the logprobs of the
-    prompt tokens they predict (positions chunk.start + 1 .. ; the last prompt row predicts an output token)."""
-    tokens = request.prompt_ids[chunk.start + 1 : chunk.end + 1]
-    if not tokens:
-        return []
-    return token_logprobs(logits[: len(tokens)], tokens, replace(request.params, logprobs=request.params.prompt_logprobs))
+def accepted_logprobs(logits: torch.Tensor, accepted: list) -> dict[int, list[TokenLogprob]]:
+    """The logprobs of the tokens each accepted path emits (accepted: (Verify, Acceptance, its first logits row, ...)),
+    by index in accepted, for the requests that ask (batch_token_logprobs: one transfer for all of them)."""
+    picks = {k: ([first + node for node in acceptance.path], acceptance.tokens, v.request.params)
+             for k, (v, acceptance, first, *_) in enumerate(accepted) if v.request.params.logprobs is not None}
+    return dict(zip(picks, batch_token_logprobs(logits, list(picks.values())))) if picks else {}
+
+
+def prompt_logprobs(prefills: list[Chunk], cu_logits: list[int], logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+    """The prompt logprobs of every fresh prompt chunk that asks (by index in prefills): a chunk's logits rows (row j:
+    position chunk.start + j) give the logprobs of the prompt tokens they predict (positions chunk.start + 1 ..; the
+    last prompt row predicts an output token); all chunks' from one batch_token_logprobs (lm-eval-harness sends many
+    such requests at once)."""
+    picks = {}
+    for i, chunk in enumerate(prefills):
+        request = chunk.request
+        tokens = request.prompt_ids[chunk.start + 1 : chunk.end + 1] if request.wants_prompt_logprobs else None
+        if tokens:
+            picks[i] = (list(range(cu_logits[i], cu_logits[i] + len(tokens))), tokens,
+                        replace(request.params, logprobs=request.params.prompt_logprobs))
+    return dict(zip(picks, batch_token_logprobs(logits, list(picks.values())))) if picks else {}
 
 
 def usable(tree: DraftTree, request: Request, budget: int, vocab: int) -> bool:
