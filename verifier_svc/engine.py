@@ -42,7 +42,7 @@ from splitspec.verifier_svc.scheduling import Scheduling
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
                                                StepReport)
 from splitspec.verifier_svc.verification import (Verify, accept_tree, accepted_logprobs, by_target, kv_moves, pad_size,
-                                                 prompt_logprobs, target_rows, token_logprobs, usable)
+                                                 penalized_targets, prompt_logprobs, target_rows, token_logprobs, usable)
 
 logger = logging.getLogger(__name__)
 
@@ -426,6 +426,7 @@ class Engine(Scheduling, OverlapSchedule):
         that token: no walk, no slice of the logits, no KV to move."""
         commit_seconds, move_src, move_dst, lengths, accepted = 0.0, [], [], [], []
         page_size = self.runner.kv_cache.page_size
+        penalized = penalized_targets(self.spec, logits, verifies, offset, cu_logits)  # one transfer for all of them
         for i, v in enumerate(verifies, start=offset):
             first, end = cu_logits[i], cu_logits[i] + v.tree.num_nodes  # a padded tree's own rows
             decided = targets is not None and by_target(self.spec, v.request.params)  # no logits slice then
@@ -434,6 +435,7 @@ class Engine(Scheduling, OverlapSchedule):
                 lengths.append((v.request.table, v.seq_len + 1))
             else:
                 acceptance = (accept_tree(self.spec, v, targets=targets[first:end]) if decided
+                              else accept_tree(self.spec, v, targets=penalized[i]) if i in penalized
                               else accept_tree(self.spec, v, logits[first:end]))
                 commit_start = time.perf_counter()  # host work only: no device sync per request, even when timing
                 kv_moves(page_size, v, acceptance, move_src, move_dst)

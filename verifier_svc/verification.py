@@ -161,6 +161,31 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
     return sample(logits, params, output_positions).tolist()
 
 
+def penalized_targets(spec: SpecConfig, logits: torch.Tensor, verifies: list[Verify], offset: int,
+                      cu_logits: list[int]) -> dict[int, list[int]]:
+    """The target's token at every node of each tree whose request has penalties (or a logit bias, min_tokens) and
+    accepts by the target's own token (greedy, or lossless keyed sampling), by its index from offset (cu_logits'):
+    each tree's rows penalised with the drafts on each node's own path counted (lossless, see penalties), then every
+    such tree's rows sampled by one `sample` and read with one transfer, not a sync per request (a batch of chat
+    requests with a frequency penalty paid one each step). The coin rule's trees are walked one by one (accept_tree)."""
+    picks = [(i, v) for i, v in enumerate(verifies, start=offset) if v.request.params.has_penalties and (
+        v.request.params.is_greedy or spec.force_greedy_verify or spec.lossless)]
+    if not picks:
+        return {}
+    rows, params, positions = [], [], []
+    for i, v in picks:
+        request, tree = v.request, v.tree
+        rows.append(apply_penalties(logits[cu_logits[i] : cu_logits[i] + tree.num_nodes], request.params, request.prompt_ids,
+                                    request.output_ids, path_tokens(list(tree.parents), list(tree.tokens)), request.penalties))
+        params += [target_params(spec, request.params)] * tree.num_nodes
+        positions += [len(request.output_ids) + d for d in depths(tree.parents)]
+    flat = sample(torch.cat(rows) if len(rows) > 1 else rows[0], params, positions).tolist()
+    out, start = {}, 0
+    for i, v in picks:
+        out[i], start = flat[start : start + v.tree.num_nodes], start + v.tree.num_nodes
+    return out
+
+
 def accept_tree(spec: SpecConfig, v: Verify, node_logits: torch.Tensor | None = None,
                 targets: list[int] | None = None) -> Acceptance:
     """By targets, the target's token at each node, already on the host (target_rows), when the request accepts by
