@@ -17,6 +17,7 @@ from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.engine import Engine, SpecConfig
+from splitspec.verifier_svc.overlap import InFlight
 from splitspec.verifier_svc.prefix_cache import PrefixCache
 
 
@@ -68,6 +69,7 @@ def drive(runner, overlap: bool, script: dict, cache: bool, drafter=None, spec: 
         deferred += engine.report.deferred
         preemptions += engine.report.preemptions
     return {"outputs": {k: r.output_ids for k, r in requests.items()}, "finish": {k: r.finish_reason for k, r in requests.items()},
+            "logprobs": {k: r.logprobs for k, r in requests.items()},
             "stats": {k: r.stats for k, r in requests.items()},
             "streamed": streamed, "finishes": finishes, "steps": steps, "deferred": deferred, "preemptions": preemptions,
             "engine": engine}
@@ -84,14 +86,17 @@ def mixed_script(stop_token: int) -> dict:
         4: [("add", "late", p[7], greedy)],
         9: [("abort", "g1")],
         14: [("add", "penalty", p[8], SamplingParams(temperature=0.0, max_new_tokens=10, frequency_penalty=0.8)),
-             ("add", "logprobs", p[9], SamplingParams(temperature=0.0, max_new_tokens=10, logprobs=2))],
+             ("add", "logprobs", p[9], SamplingParams(temperature=0.0, max_new_tokens=24, logprobs=2))],
     }
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache", [True, False], ids=["prefix-cache", "no-cache"])
-def test_overlapped_plain_steps_give_what_serial_steps_give(target, cache, device):
+def test_overlapped_plain_steps_give_what_serial_steps_give(target, cache, device, monkeypatch):
     runner = runner_for(target, 4096, device)
+    landed = []  # the logprobs each landing of a step in flight read
+    original = InFlight.landed_logprobs
+    monkeypatch.setattr(InFlight, "landed_logprobs", lambda flight: landed.append(original(flight)) or landed[-1])
     first = drive(runner, False, {0: [("add", "probe", prompts(1)[0], SamplingParams(temperature=0.0, max_new_tokens=16))]},
                   cache=False)["outputs"]["probe"]
     stop_token = first[5]
@@ -107,6 +112,12 @@ def test_overlapped_plain_steps_give_what_serial_steps_give(target, cache, devic
         assert overlapped["finish"][key] == serial["finish"][key], key
         for run in (serial, overlapped):  # every token streamed once, in order; every end reported once
             assert run["streamed"][key] == run["outputs"][key] and run["finishes"][key] == run["finish"][key], key
+    # logprobs computed at the launch and copied with the tokens: the serial steps' (the request is deferred with the rest)
+    have, want = overlapped["logprobs"]["logprobs"], serial["logprobs"]["logprobs"]
+    assert len(have) == len(want) == len(serial["outputs"]["logprobs"])
+    for a, b in zip(have, want):
+        assert abs(a.logprob - b.logprob) < 1e-5 and [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 2
+    assert sum(1 for lps in landed if lps) >= 5  # the request's tokens landed from steps in flight, logprobs and all
     stop = overlapped["outputs"]["stop"]
     assert overlapped["finish"]["stop"] == "stop" and stop == first[: first.index(stop_token) + 1]
     assert overlapped["finish"]["g0"] == "length" and overlapped["engine"].in_flight is None

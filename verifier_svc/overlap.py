@@ -8,10 +8,11 @@ copied into the next batch's input ids there. So the engine queues step N+1 befo
 while the device runs N+1 the host turns N's tokens into events (stop conditions, streams, metrics) and
 schedules N+2. The serial host work between two forwards is only the launch.
 
-    step N    launch: forward, sample on the device, copy the tokens to the host (not waited for)
+    step N    launch: forward, sample on the device, copy the tokens (and the logprobs asked for) to the host
+              (not waited for)
     step N+1  launch N+1 from N's device tokens, then land N: wait for its copy, emit its tokens
     ...       until the batch changes (an arrival to admit, an abort, a request that speculates, penalties,
-              logprobs, a grammar, no page for one more slot): N lands first and the step runs as usual
+              a grammar, no page for one more slot): N lands first and the step runs as usual
 
 Requests that speculate decode this way too while drafting is off for the whole batch (a tree budget below 2: the
 load-adaptive policy's choice under load): their tokens are fed to the drafter as they land (a hidden-state drafter's,
@@ -32,11 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.host_tensors import copy_to_host
 from splitspec.runtime.sampling import sample
 from splitspec.verifier_svc.step_types import Request, StepEvent
-from splitspec.verifier_svc.verification import Verify, by_target, target_params
+from splitspec.verifier_svc.verification import Verify, by_target, logprob_table, read_logprobs, target_params
 
 
 @dataclass
@@ -50,20 +51,32 @@ class InFlight:
     host: torch.Tensor
     copied: torch.cuda.Event | None
     features: torch.Tensor | None = None
+    # the requests that asked for logprobs: (their rows, the k asked of the table, the table's host copy, its event)
+    logprobs: tuple[list[int], int, torch.Tensor, torch.cuda.Event | None] | None = None
 
     def land(self) -> list[int]:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host.tolist()
 
+    def landed_logprobs(self) -> dict[int, list]:
+        """Row -> its token's TokenLogprob list, for the rows that asked (after land())."""
+        if self.logprobs is None:
+            return {}
+        rows, k, host, copied = self.logprobs
+        if copied is not None:
+            copied.synchronize()
+        sizes = [(1, self.verifies[row].request.params.logprobs) for row in rows]
+        return dict(zip(rows, read_logprobs(host.tolist(), sizes, k)))
+
 
 def deferrable(spec, request: Request, drafting_off: bool) -> bool:
     """A request whose next token is the target's own sample of its unmodified logits, and nothing more of it is
-    read: no tree (it does not speculate, or drafting is off for the whole batch), no penalties, logprobs or
-    grammar."""
+    read but its logprobs (computed at the launch, copied with the tokens): no tree (it does not speculate, or drafting
+    is off for the whole batch), no penalties or grammar."""
     params = request.params
     return ((not request.speculate or (drafting_off and request.draft_budget < 2)) and by_target(spec, params)
-            and params.logprobs is None and request.matcher is None and not request.wants_prompt_logprobs)
+            and request.matcher is None and not request.wants_prompt_logprobs)
 
 
 class OverlapSchedule:
@@ -91,11 +104,18 @@ class OverlapSchedule:
         params = [target_params(self.spec, v.request.params) for v in verifies]
         tokens = sample(logits, params, [len(v.request.output_ids) + pending for v in verifies])
         host, copied = copy_to_host(tokens)
+        logprobs = None
+        rows = [i for i, v in enumerate(verifies) if v.request.params.logprobs is not None]
+        if rows:  # their table queued behind the tokens, copied without waiting (verification.logprob_table)
+            k = min(max(verifies[i].request.params.logprobs for i in rows), logits.shape[-1])
+            index = None if len(rows) == len(verifies) else device_tensor(rows, logits.device)
+            table = logprob_table(logits, None if index is None else rows, tokens if index is None else tokens[index], k)
+            logprobs = (rows, k, *copy_to_host(table))
         kv = self.runner.kv_cache
         for v in verifies:
             kv.set_length(v.request.table, v.seq_len + 1)
         self.report.deferred = True
-        return InFlight(verifies, tokens, host, copied, features)
+        return InFlight(verifies, tokens, host, copied, features, logprobs)
 
     def _continues(self, flight: InFlight) -> bool:
         """The next step is the same batch decoding again: nothing to admit, nobody aborted, drafting still off for
@@ -131,7 +151,9 @@ class OverlapSchedule:
         requests = [v.request for v in flight.verifies]
         if flight.features is not None and any(r.speculate for r in requests):
             self.run_states.add(flight.features, requests)
-        return [r.emit([token], eos_ids) for r, token in zip(requests, flight.land()) if r.finish_reason is None]
+        tokens, logprobs = flight.land(), flight.landed_logprobs()
+        return [r.emit([token], eos_ids, None, logprobs.get(i)) for i, (r, token) in enumerate(zip(requests, tokens))
+                if r.finish_reason is None]
 
     def _step_in_flight(self) -> tuple[list[StepEvent], bool]:
         """(events of the step in flight, whether the next one was launched before they landed). Phases: schedule

@@ -38,28 +38,37 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingPara
 
 def batch_token_logprobs(logits: torch.Tensor, picks: list[tuple[list[int], list[int], SamplingParams]]) -> list[list[TokenLogprob]]:
     """token_logprobs of each pick (its rows of logits, the tokens they predict, its parameters, which ask for logprobs):
-    one log-softmax over every pick's rows, one gather, one top-k at the largest k asked and one wait for the device
-    for the whole step, not a few kernels and a device sync per request (a batch of 32 asking for logprobs paid 32
-    syncs a step)."""
-    device, vocab = logits.device, logits.shape[-1]
+    one log-softmax over every pick's rows, one gather, one top-k at the largest k asked and one read to the host for
+    the whole step, not a few kernels and a device sync per request (a batch of 32 asking for logprobs paid 32 syncs
+    a step)."""
     rows = [r for request_rows, _, _ in picks for r in request_rows]
-    if rows != list(range(logits.shape[0])):
-        logits = logits.index_select(0, device_tensor(rows, device))
+    tokens = device_tensor([t for _, tokens, _ in picks for t in tokens], logits.device)
+    k = min(max(params.logprobs for _, _, params in picks), logits.shape[-1])
+    table = logprob_table(logits, None if rows == list(range(logits.shape[0])) else rows, tokens, k)
+    return read_logprobs(table.tolist(), [(len(request_rows), params.logprobs) for request_rows, _, params in picks], k)
+
+
+def logprob_table(logits: torch.Tensor, rows: list[int] | None, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[n, 1 + 2k] float64 on the logits' device, nothing read: for each row of logits (rows: which; None: all) the
+    log-probability of its token (tokens [n], on the device), then the k largest and their token ids (exact in float64),
+    for one copy to the host (read_logprobs reads it)."""
+    if rows is not None:
+        logits = logits.index_select(0, device_tensor(rows, logits.device))
     logprobs = logits.float().log_softmax(-1)
-    chosen = logprobs.gather(1, device_tensor([t for _, tokens, _ in picks for t in tokens], device)[:, None])
-    k = min(max(params.logprobs for _, _, params in picks), vocab)
-    ids = None
-    if k:
-        values, ids = logprobs.topk(k, dim=-1)
-        chosen = torch.cat([chosen, values], dim=1)
-    host = chosen.tolist()  # the one wait; the ids' copy after it has nothing left to wait for
-    host_ids = ids.tolist() if ids is not None else None
+    chosen = logprobs.gather(1, tokens[:, None]).double()
+    if not k:
+        return chosen
+    values, ids = logprobs.topk(k, dim=-1)
+    return torch.cat([chosen, values.double(), ids.double()], dim=1)
+
+
+def read_logprobs(table: list[list[float]], sizes: list[tuple[int, int]], k: int) -> list[list[TokenLogprob]]:
+    """A logprob_table on the host, split into requests: sizes (its rows, the k it asked for) in row order."""
     out, start = [], 0
-    for request_rows, _, params in picks:
-        end, top = start + len(request_rows), min(params.logprobs, vocab)
-        out.append([TokenLogprob(row[0], tuple(zip(row_ids[:top], row[1 : 1 + top])))
-                    for row, row_ids in zip(host[start:end], host_ids[start:end])] if top
-                   else [TokenLogprob(row[0]) for row in host[start:end]])
+    for count, asked in sizes:
+        top, end = min(asked, k), start + count
+        out.append([TokenLogprob(row[0], tuple(zip(map(int, row[1 + k : 1 + k + top]), row[1 : 1 + top]))) if top
+                    else TokenLogprob(row[0]) for row in table[start:end]])
         start = end
     return out
 
