@@ -52,16 +52,18 @@ def _logprobs(entries) -> list[pb.TokenLogprob]:
 
 
 def delta(client_id: str, request: Request | None, token_ids: list[int], finish_reason: str | None,
-          first: bool, error: str = "", logprobs=None, prompt_logprobs=None) -> pb.TokenDelta:
+          first: bool, error: str = "", logprobs=None, prompt_logprobs=None, counts: bool = True) -> pb.TokenDelta:
     message = pb.TokenDelta()
-    fill_delta(message, client_id, request, token_ids, finish_reason, first, error, logprobs, prompt_logprobs)
+    fill_delta(message, client_id, request, token_ids, finish_reason, first, error, logprobs, prompt_logprobs, counts)
     return message
 
 
 def fill_delta(message: pb.TokenDelta, client_id: str, request: Request | None, token_ids: list[int],
-               finish_reason: str | None, first: bool, error: str = "", logprobs=None, prompt_logprobs=None) -> None:
+               finish_reason: str | None, first: bool, error: str = "", logprobs=None, prompt_logprobs=None,
+               counts: bool = True) -> None:
     """A step's delta for one request, written into message in place (a step's deltas are built inside the one
-    message that carries them: no per-delta message to copy in, at every step of every request)."""
+    message that carries them: no per-delta message to copy in, at every step of every request). counts False: the
+    speculation counts stay out (unchanged since the last delta that carried them: worker.Submission.counts_due)."""
     message.request_id = client_id
     message.token_ids.extend(token_ids)
     if finish_reason is not None:
@@ -73,7 +75,8 @@ def fill_delta(message: pb.TokenDelta, client_id: str, request: Request | None, 
     if prompt_logprobs:
         message.prompt_logprobs.extend(_logprobs(prompt_logprobs))
     if request is not None:
-        fill_speculation(message.speculation, request.stats)
+        if counts:
+            fill_speculation(message.speculation, request.stats)
         message.num_preemptions = request.num_preemptions
         if first or finish_reason is not None:
             message.prompt_tokens = len(request.prompt_ids)

@@ -71,7 +71,8 @@ class FrontLink:
         deltas = message.step.deltas  # built in place: one message per step, nothing copied into it
         for submission, event in deliveries:
             convert.fill_delta(deltas.add(), submission.client_id, submission.request, event.new_token_ids,
-                               event.finish_reason, submission.first, event.error, event.logprobs, event.prompt_logprobs)
+                               event.finish_reason, submission.first, event.error, event.logprobs, event.prompt_logprobs,
+                               submission.counts_due(event))
             submission.first = False
             if event.finish_reason is not None:
                 self.submissions.pop(submission.client_id, None)

@@ -44,7 +44,8 @@ class StreamRouter:
         for submission, event in deliveries:
             batch.append((submission.stream, convert.delta(submission.client_id, submission.request, event.new_token_ids,
                                                            event.finish_reason, submission.first, event.error,
-                                                           event.logprobs, event.prompt_logprobs)))
+                                                           event.logprobs, event.prompt_logprobs,
+                                                           submission.counts_due(event))))
             submission.first = False
         self.loop.call_soon_threadsafe(self._file, batch)
 

@@ -44,6 +44,17 @@ class Submission:
     stream: object = None  # the server's: which Generate stream the deltas go to
     first: bool = True  # no delta sent yet (the first carries the prompt's counts and the seed)
     received: float = 0.0  # perf_counter() when it reached the worker
+    counts_sent: tuple[int, int] | None = None  # (verify steps, fallbacks) as the last delta with counts had them
+
+    def counts_due(self, event: StepEvent) -> bool:
+        """Whether this delta carries the request's speculation counts: on the first and the last, and whenever they
+        moved since the last that did (a request decoding plainly, or with drafting off, sends none each step)."""
+        stats = self.request.stats if self.request is not None else None
+        mark = None if stats is None else (stats.verify_steps, stats.fallbacks)
+        if self.first or event.finish_reason is not None or mark != self.counts_sent:
+            self.counts_sent = mark
+            return True
+        return False
 
 
 Delivery = tuple[Submission, StepEvent]
