@@ -98,6 +98,13 @@ def commit(r, tables, inputs):
         r.kv_cache.set_length(tables[i], tables[i].num_tokens + (len(ids) if parents is None else 1))
 
 
+def capture_eagle3_layers(eager, graphed) -> None:
+    """Both runners return EAGLE-3's captured layer inputs (layers 0, 2, 3); graphed's graphs are captured again with them."""
+    for r in (eager, graphed):
+        r.set_capture_layers((0, 2, 3))
+    graphed.capture_cuda_graphs()
+
+
 def close(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest logit difference relative to the logits' spread."""
     return ((a - b).abs().max() / b.std()).item()
@@ -279,9 +286,7 @@ def test_piecewise_graphs_equal_eager(tmp_path):
     assert compare([(5, prompts[5][25:], None), (0, tokens, parents), (1, [13], None)]) == 1  # 22 tokens: 32
     assert compare([(i, [30 + i] * 14, None) for i in range(5)]) == 0  # 70 tokens: eager
     assert compare([(2, [40] * 47, None)]) == 1  # 48, after 16 and 32 replayed
-    for r in (eager, graphed):  # EAGLE-3's captured layer inputs: the graphs are captured again with them
-        r.set_capture_layers((0, 2, 3))
-    graphed.capture_cuda_graphs()
+    capture_eagle3_layers(eager, graphed)
     pieces = graphed.piecewise
     outs = []
     for r in (eager, graphed):
@@ -334,9 +339,7 @@ def test_prompt_graphs_equal_eager(tmp_path):
     assert prefill([(0, chunk(9)), (1, chunk(16))], logits="none") == 3  # after cached prefixes, no logits asked
     assert prefill([(2, chunk(40))]) == 4  # 64
     assert prefill([(3, chunk(130))]) == 4  # past every prompt graph: eager
-    for r in (eager, graphed):  # EAGLE-3's captured layer inputs: the graphs are captured again with them
-        r.set_capture_layers((0, 2, 3))
-    graphed.capture_cuda_graphs()
+    capture_eagle3_layers(eager, graphed)
     prompts = graphed.prompts
     outs = []
     for r in (eager, graphed):
