@@ -1,10 +1,10 @@
 """Whole CUDA graphs of prompt steps: a step that only prefills (a request joining a speculating batch, which
 prefills alone while the batch waits; a wave of arrivals; each chunk of a long prompt) replays one graph, attention
 included, instead of piecewise graphs with every layer's attention launched eagerly between them
-(runtime.piecewise_graph). On the demo target a 128-token prompt step took 2.5-3.3 ms that way on a lent H200 (the
-device busy ~0.3 ms), while a captured verification of 180 tree rows took 0.65 ms: the eager attention's launches
-and plans are most of it, and at batch 16 a speculating batch pays one such step per arrival (plain decoding's
-requests arrive in waves).
+(runtime.piecewise_graph). On a lent H200 the demo target's forward of one 128-token prompt took ~2.5-3.2 ms that
+way, while a captured verification of ~180 tree rows took 0.65 ms (a mixed step of such a chunk kept an H100 busy
+0.28 ms): the eager attention's launches and plans are most of it, and at batch 16 a speculating batch pays one such
+step per arrival (plain decoding's requests arrive in waves; docs/performance.md).
 
 A captured shape is (b requests, q new tokens each), causal after each request's cached prefix, as a draft head's
 catch-up chains are captured (runtime.cuda_graph, `causal`): the attention backend plans the batch's real page
