@@ -1,0 +1,96 @@
+"""Host work the verifier's engine thread does around every step, each piece timed alone in a loop on this machine:
+the per-step metrics (`EngineMetrics.observe` of a drafted step's report at batch 16: 16 accept lengths, 6 phases; of a
+plain one; `observe_loop`), one step's 16 deltas built and serialised (with the speculation counts, and without: a
+step that left them as they were), and the logprobs (k=5) of 16 requests' 4-token paths on [192, 4096] logits. No
+assertions; medians of 5 runs of N calls.
+
+    python -P benchmarks/engine_thread_costs.py [N]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import types
+
+
+def timed(run, calls: int) -> float:
+    """Median over 5 runs of the mean time of one call, in us."""
+    for _ in range(min(calls, 100)):
+        run()
+    runs = []
+    for _ in range(5):
+        began = time.perf_counter()
+        for _ in range(calls):
+            run()
+        runs.append((time.perf_counter() - began) / calls * 1e6)
+    return statistics.median(runs)
+
+
+def metrics_pieces(calls: int) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from splitspec.verifier_svc.metrics import EngineMetrics
+    from splitspec.verifier_svc.step_types import StepReport
+
+    metrics = EngineMetrics(CollectorRegistry(), "demo")
+    drafted = StepReport(budget=12, accept_lengths=[4, 3, 5, 2, 4, 6, 3, 3, 4, 5, 2, 3, 4, 4, 3, 5], draft_tokens=176,
+                         accepted_tokens=40, generated_tokens=58, accepted_per_position=[14, 10, 8, 5, 3],
+                         seconds={"schedule": 1e-5, "draft": 2e-4, "verify": 6e-4, "commit": 1e-4, "accept": 2e-4, "ask": 9e-5})
+    plain = StepReport(budget=1, generated_tokens=16, deferred=True)
+    policy = types.SimpleNamespace(predicted={1: 1.0, 12: 1.2}, budget=12, switches=0, probes=0, plain_probes=0, tries=0)
+    engine = types.SimpleNamespace(runner=types.SimpleNamespace(kv_cache=types.SimpleNamespace(
+        allocator=types.SimpleNamespace(num_used=100, num_free=1000))), running=[None] * 16, waiting=[], prefix_cache=None,
+        adaptive=policy, drafter=object(), spec=types.SimpleNamespace(num_steps=0, num_draft_tokens=12))
+    parts = {"intake": 1e-5, "step": 1e-3, "metrics": 5e-5, "publish": 7e-5, "hidden": 1e-5}
+    print(f"EngineMetrics.observe, a drafted step at batch 16: {timed(lambda: metrics.observe(engine, drafted), calls):.1f} us")
+    print(f"EngineMetrics.observe, a plain step at batch 16: {timed(lambda: metrics.observe(engine, plain), calls):.1f} us")
+    print(f"EngineMetrics.observe_loop: {timed(lambda: metrics.observe_loop(parts), calls):.1f} us")
+
+
+def delta_pieces(calls: int) -> None:
+    from splitspec.protos import engine_link_pb2 as link
+    from splitspec.runtime.sampling_params import SamplingParams
+    from splitspec.verifier_svc import convert
+    from splitspec.verifier_svc.step_types import Request, SpecStats
+
+    requests = [Request(f"r{i}", list(range(128)), SamplingParams(max_new_tokens=128)) for i in range(16)]
+    for request in requests:
+        request.stats = SpecStats(40, 300, 120, 0, [30, 25, 20, 15, 10, 8, 5, 3, 2, 1, 1, 0])
+
+    def step(counts: bool) -> bytes:
+        message = link.EngineMessage()
+        message.step.SetInParent()
+        for request in requests:
+            convert.fill_delta(message.step.deltas.add(), "cmpl-" + request.request_id, request, [1, 2, 3], None, False,
+                               counts=counts)
+        return message.SerializeToString()
+
+    for counts in (True, False):
+        print(f"a step's 16 deltas built and serialised, speculation counts {'in' if counts else 'left out'}: "
+              f"{timed(lambda: step(counts), calls):.1f} us")
+
+
+def logprob_pieces(calls: int) -> None:
+    import torch
+
+    from splitspec.runtime.sampling_params import SamplingParams
+    from splitspec.verifier_svc.acceptance import Acceptance
+    from splitspec.verifier_svc.verification import accepted_logprobs
+
+    logits = torch.randn(192, 4096, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(logprobs=5)
+    accepted = []
+    for i in range(16):
+        path = [0, 1, 2, 3]
+        request = types.SimpleNamespace(request=types.SimpleNamespace(params=params))
+        accepted.append((request, Acceptance(path, [int(logits[i * 12 + j].argmax()) for j in path]), i * 12, i * 12))
+    print(f"logprobs (k=5) of 16 requests' 4-token paths: {timed(lambda: accepted_logprobs(logits, accepted), calls // 10):.1f} us")
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    metrics_pieces(n)
+    delta_pieces(n)
+    logprob_pieces(n)
