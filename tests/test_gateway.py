@@ -1127,7 +1127,9 @@ def test_a_hung_verifier_ends_streams_with_an_error_and_the_gateway_recovers(val
                 return stopped, await asyncio.gather(*streams), late, time.time()
 
         stopped, results, late, late_at = asyncio.run(main())
-        limit = KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS + 15
+        # ends "in seconds, not never": 15 s here alone (the front's silence bound), once 41 s in CI with the 2-core
+        # machine under every other test's load; the client itself would give up at 120
+        limit = 2 * (KEEPALIVE_SECONDS + KEEPALIVE_TIMEOUT_SECONDS) + 30
         for events, ended in results:
             assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
             assert events[-2]["error"]["code"] and ended - stopped < limit, (events[-2], ended - stopped)

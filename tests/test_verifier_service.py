@@ -67,7 +67,7 @@ def start_verifier(*extra: str, port: int | None = None):
 def stop(process, stub) -> None:
     stub.channel.close()
     process.terminate()
-    process.wait(timeout=30)
+    process.wait(timeout=60)  # 30 s was once too few for a verifier's exit in CI, the 2-core machine under full load
 
 
 @pytest.fixture(scope="module")
