@@ -45,10 +45,14 @@ class TallyHistogram:
         self.bounds = tuple(sorted(bounds))
         self.series: dict[tuple, list] = {}
 
-    def observe(self, value: float, key: tuple = ()) -> None:
+    def _series(self, key: tuple) -> list:
         series = self.series.get(key)
         if series is None:
             series = self.series[key] = [[0] * (len(self.bounds) + 1), 0.0]
+        return series
+
+    def observe(self, value: float, key: tuple = ()) -> None:
+        series = self._series(key)
         series[0][bisect_left(self.bounds, value)] += 1  # le: the first bound at or above the value
         series[1] += value
 
@@ -56,9 +60,7 @@ class TallyHistogram:
         """observe() of each value (a step's accept lengths), the series looked up once."""
         if not values:
             return
-        series = self.series.get(key)
-        if series is None:
-            series = self.series[key] = [[0] * (len(self.bounds) + 1), 0.0]
+        series = self._series(key)
         counts, bounds = series[0], self.bounds
         for value in values:
             counts[bisect_left(bounds, value)] += 1

@@ -108,9 +108,11 @@ class OverlapSchedule:
         rows = [i for i, v in enumerate(verifies) if v.request.params.logprobs is not None]
         if rows:  # their table queued behind the tokens, copied without waiting (verification.logprob_table)
             k = min(max(verifies[i].request.params.logprobs for i in rows), logits.shape[-1])
-            index = None if len(rows) == len(verifies) else device_tensor(rows, logits.device)
-            table = logprob_table(logits, None if index is None else rows, tokens if index is None else tokens[index], k)
-            logprobs = (rows, k, *copy_to_host(table))
+            asking, their_tokens = logits, tokens
+            if len(rows) < len(verifies):  # the asking rows' logits and tokens, one index for both
+                index = device_tensor(rows, logits.device)
+                asking, their_tokens = logits.index_select(0, index), tokens.index_select(0, index)
+            logprobs = (rows, k, *copy_to_host(logprob_table(asking, None, their_tokens, k)))
         kv = self.runner.kv_cache
         for v in verifies:
             kv.set_length(v.request.table, v.seq_len + 1)
