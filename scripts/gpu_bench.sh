@@ -94,7 +94,9 @@
 #   arrivals  what a request joining a running batch costs, in process (benchmarks/step_host_cost.py arrival: 15 requests
 #             of the demo pair decoding at batch 16, 30 arrivals of a 128-token prompt, the prompt step and the next
 #             timed, then under cProfile, then under torch.profiler: the device's busy time and kernels against the wall): NGRAM and the EAGLE-3 chain, drafting off (budget 1) and drafting (12; 6),
-#             the default scheduling (mixed beside a batch verifying no drafts) and --disable-mixed-chunk (arrivals.log)
+#             the default scheduling (mixed beside a batch verifying no drafts) and --disable-mixed-chunk (arrivals.log);
+#             ARRIVALS_RUNS picks runs ("EAGLE3 1,NGRAM 1"), ARRIVALS_MODES the schedulings (default: "default
+#             --disable-mixed-chunk"), ARRIVALS_EXTRA adds flags to each (e.g. --prompt-cuda-graph-max-tokens 512)
 #   offcost   what a drafting-off step costs at batch 16 against a plain one, in process, the demo pair: the engine at
 #             budget 1 with its requests speculating, opted out, and without a drafter (benchmarks/step_host_cost.py off:
 #             each timed, then by function under cProfile; EAGLE-3 chain and NGRAM, offcost_<algorithm>.log), then
@@ -108,6 +110,8 @@
 #             pair with NGRAM at batch 1 and 16 (128 requests of 256 tokens, two rounds, the load-adaptive policy, overlapped
 #             as a server runs), without the graphs and then with them at 512 tokens, each with its step log
 #             (promptgraphs_{off,on}.json; prompt steps' times from the logs in steps.tgz: benchmarks/step_timeline.py).
+#             PROMPTGRAPHS_PARTS picks among tests arrivals bench, PROMPTGRAPHS_BENCH_MODES the bench runs in order (off
+#             on: without and with; e.g. "off on off2 on2" alternates), PROMPTGRAPHS_PROMPTS the requests a point (128).
 #             Served the same way: SERVED_MODEL='--prompt-cuda-graph-max-tokens 512' SERVED_TAG=-promptgraphs ... served
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
@@ -295,32 +299,36 @@ for stage in "${stages[@]}"; do
                          --no-phase-sync --batch-size 16 --prompt-len 128 --output-len 256 --num-prompts "$n" --log-level info \
                          --out "$OUT/offcost_bench$n.json" >> "$OUT/offcost.log" 2>&1 || stop=1
                  done ;;
-        promptgraphs) timeout "${PROMPTGRAPHS_TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -v \
-                          tests/test_gpu_kernels.py -k "prompt_graphs or piecewise" > "$OUT/promptgraphs_tests.log" 2>&1 || stop=1
-                      for mode in off on; do  # an arrival's prompt step and the next, into 15 drafting (NGRAM, budget 12)
+        promptgraphs) parts=" ${PROMPTGRAPHS_PARTS:-tests arrivals bench} "
+                      [[ $parts == *" tests "* ]] && { timeout "${PROMPTGRAPHS_TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -v \
+                          tests/test_gpu_kernels.py -k "prompt_graphs or piecewise" > "$OUT/promptgraphs_tests.log" 2>&1 || stop=1; }
+                      [[ $parts == *" arrivals "* ]] && for mode in off on; do  # an arrival's prompt step and the next, into 15 drafting (NGRAM, budget 12)
                           graphs=(); [[ $mode == on ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
                           echo "== arrivals, prompt graphs $mode" >> "$OUT/promptgraphs_arrivals.log"
                           timeout "${ARRIVALS_TIMEOUT:-120}" python3 -P benchmarks/step_host_cost.py arrival 30 12 --device cuda \
                               --dtype bfloat16 --speculative-algorithm NGRAM --batch-size 16 --prompt-len 128 "${graphs[@]}" \
                               >> "$OUT/promptgraphs_arrivals.log" 2>&1 || stop=1
                       done
-                      for mode in off on; do
-                          graphs=(); [[ $mode == on ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
+                      [[ $parts == *" bench "* ]] && for mode in ${PROMPTGRAPHS_BENCH_MODES:-off on}; do  # e.g. "off on off2 on2"
+                          graphs=(); [[ $mode == on* ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
                           SPLITSPEC_STEP_LOG="$OUT/steps_promptgraphs_$mode" \
                           timeout "${PROMPTGRAPHS_TIMEOUT:-150}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
                               --speculative-algorithm NGRAM --speculative-adaptive on --no-phase-sync --batch-size 1,16 \
-                              --prompt-len 128 --output-len 256 --num-prompts 128 --rounds 2 "${graphs[@]}" --log-level info \
-                              --out "$OUT/promptgraphs_$mode.json" >> "$OUT/promptgraphs.log" 2>&1 || stop=1
-                      done ;;
-        arrivals) for run in "NGRAM 1" "NGRAM 12" "EAGLE3 1" "EAGLE3 6"; do
+                              --prompt-len 128 --output-len 256 --num-prompts "${PROMPTGRAPHS_PROMPTS:-128}" --rounds 2 "${graphs[@]}" \
+                              --log-level info --out "$OUT/promptgraphs_$mode.json" >> "$OUT/promptgraphs.log" 2>&1 || stop=1
+                      done
+                      true ;;
+        arrivals) IFS=, read -r -a runs <<< "${ARRIVALS_RUNS:-NGRAM 1,NGRAM 12,EAGLE3 1,EAGLE3 6}"
+                  for run in "${runs[@]}"; do
                       read -r algorithm budget <<< "$run"
                       chain=(); [[ $algorithm == EAGLE3 ]] && chain=(--speculative-num-steps 5 --speculative-eagle-topk 1
                                                                    --speculative-num-draft-tokens 6)
-                      for mode in "" --disable-mixed-chunk; do
-                          echo "== $algorithm budget $budget ${mode:-default}" >> "$OUT/arrivals.log"
+                      for mode in ${ARRIVALS_MODES:-default --disable-mixed-chunk}; do
+                          echo "== $algorithm budget $budget $mode ${ARRIVALS_EXTRA:-}" >> "$OUT/arrivals.log"
+                          [[ $mode == default ]] && mode=
                           timeout "${ARRIVALS_TIMEOUT:-120}" python3 -P benchmarks/step_host_cost.py arrival 30 "$budget" \
                               --device cuda --dtype bfloat16 --speculative-algorithm "$algorithm" "${chain[@]}" \
-                              --batch-size 16 --prompt-len 128 $mode >> "$OUT/arrivals.log" 2>&1 || { stop=1; break 2; }
+                              --batch-size 16 --prompt-len 128 $mode ${ARRIVALS_EXTRA:-} >> "$OUT/arrivals.log" 2>&1 || { stop=1; break 2; }
                       done
                   done ;;
         tracecost) for mode in off on off2; do

@@ -367,45 +367,54 @@ def test_chunked_prefill_and_running_limit_keep_outputs(demo, plain_greedy, mixe
     assert runner.kv_cache.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("mode", ["auto", "prefill-first"])
-def test_a_request_joining_a_running_batch_is_prefilled_beside_it(demo, plain_greedy, mode):
+@pytest.mark.parametrize("mode", ["auto", "auto-graphed", "prefill-first"])
+def test_a_request_joining_a_running_batch_is_prefilled_beside_it(demo, plain_greedy, mode, request):
     """By default a step mixes its prompt chunks with the decoding requests when those outnumber the arrivals and
     verify no drafts: one request joining a batch of 6 that is not drafting (plain requests opted out, as a drafting-off
     batch) is prefilled in a step in which the 6 decode too, not one that pauses them (in a speculating batch requests
     end at different steps, so their successors arrive one by one). A wave of 4 arriving beside 2 decoding requests
     prefills alone and joins one batch, and so does a request joining a batch that verifies trees (their rows would
     run outside the captured graphs in a mixed step). --disable-mixed-chunk (prefill-first, SGLang's default) pauses
-    the batch every time. Outputs equal plain decoding's; the speculating requests accepted drafts."""
+    the batch every time, and so does the default where the prompts alone replay a captured prompt graph
+    (auto-graphed: the padding to prompt graphs' sizes forced on the CPU). Outputs equal plain decoding's; the
+    speculating requests accepted drafts."""
     from splitspec.verifier_svc.engine import Engine, SchedulerConfig
 
     runner, _, prompts, reference = demo
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
-    engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set(), SchedulerConfig(mixed_chunk=mode))
+    if mode == "auto-graphed":
+        runner.prompt_pad_sizes = (16, 32, 64, 128)
+        request.addfinalizer(lambda: setattr(runner, "prompt_pad_sizes", ()))
+    engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set(),
+                    SchedulerConfig(mixed_chunk=mode.removesuffix("-graphed")))
     requests = {}
 
     def add_and_step(indices: list[int], speculate: bool) -> tuple[int, int, int]:
-        """Adds these prompts, runs the step that prefills them: (decoding before, prefill tokens, verified tokens)."""
+        """Adds these prompts, runs the step that prefills them: (decoding before, prefill tokens, decoding requests
+        that got tokens in that step: verified beside the prompts)."""
         for i in indices:
             requests[i] = engine.add_request(prompts[i], params, speculate=speculate)
-        decoding = sum(r.decoding for r in engine.running)
+        decoding = [(r, len(r.output_ids)) for r in engine.running if r.decoding]
         engine.step()
-        return decoding, engine.report.prefill_tokens, engine.report.forward_tokens - engine.report.prefill_tokens
+        return len(decoding), engine.report.prefill_tokens, sum(len(r.output_ids) > n for r, n in decoding)
 
     assert add_and_step([3, 5], False)[2] == 0  # the first two alone: nothing decodes yet
     engine.step()
     decoding, prefilled, verified = add_and_step([7, 11, 20, 0], False)  # a wave of 4 beside 2: prefilled alone
     assert (decoding, verified) == (2, 0) and prefilled == sum(len(prompts[i]) for i in (7, 11, 20, 0))
     engine.step()
+    padded = runner.padded_prompt_steps
     decoding, prefilled, verified = add_and_step([13], True)  # one joining 6 plain decodes
     assert decoding == 6 and prefilled == len(prompts[13])
     assert verified == (6 if mode == "auto" else 0)
+    assert runner.padded_prompt_steps == padded + (mode == "auto-graphed")  # prefilled alone, padded to a graph's size
     engine.step()
     decoding, prefilled, verified = add_and_step([18, 22], False)  # two joining 7, of which 13 verifies a tree
     assert decoding == 7 and prefilled == len(prompts[18]) + len(prompts[22]) and verified == 0
     while engine.has_work:
         engine.step()
-    for i, request in requests.items():
-        assert_greedy_match(request.output_ids, plain_greedy[i].output_ids[:24], reference, prompts[i], f"joined {i}")
+    for i, joined in requests.items():
+        assert_greedy_match(joined.output_ids, plain_greedy[i].output_ids[:24], reference, prompts[i], f"joined {i}")
     assert requests[13].stats.accepted_tokens > 0 and requests[13].stats.fallbacks == 0
     assert runner.kv_cache.allocator.num_used == 0
 

@@ -259,16 +259,19 @@ class ModelRunner:
             self.prompts = PromptGraphs(self.graphs, self.prompt_max_tokens)
             self.prompts.capture()
 
+    def prompt_graph_size(self, num_requests: int, longest: int) -> int | None:
+        """The length a prompt step of num_requests chunks, the longest of `longest` tokens, is padded to for a
+        captured prompt graph (prompt_pad_sizes on a CPU), or None where none holds it."""
+        size = self.prompts.size_for(num_requests, longest) if self.prompts is not None else None
+        return size if size is not None else min((q for q in self.prompt_pad_sizes if q >= longest), default=None)
+
     def pad_prompts(self, sequences: list[SequenceInput]) -> list[SequenceInput]:
         """A step's prompt chunks padded with filler tokens to one captured prompt graph's shape (runtime.prompt_graph;
         prompt_pad_sizes on a CPU), or as they are: chunks asking for every row's logits (prompt logprobs), none that
         fits, or too few free KV pages for the filler slots."""
         if not sequences or any(s.mask is not None or s.positions is not None or s.logits == "all" for s in sequences):
             return sequences
-        longest = max(len(s.input_ids) for s in sequences)
-        size = self.prompts.size_for(len(sequences), longest) if self.prompts is not None else None
-        if size is None:
-            size = min((q for q in self.prompt_pad_sizes if q >= longest), default=None)
+        size = self.prompt_graph_size(len(sequences), max(len(s.input_ids) for s in sequences))
         if size is None or any(s.table.num_tokens + size > self.config.max_position_embeddings for s in sequences):
             return sequences
         kv = self.kv_cache
