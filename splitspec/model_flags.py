@@ -15,6 +15,7 @@ from splitspec.runtime.config import DTYPES
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.loader import LOAD_FORMATS
 from splitspec.runtime.piecewise_graph import DEFAULT_MAX_TOKENS as DEFAULT_PIECEWISE_MAX_TOKENS
+from splitspec.runtime.prompt_graph import DEFAULT_MAX_TOKENS as DEFAULT_PROMPT_GRAPH_MAX_TOKENS
 from splitspec.runtime.quantization import check_method as check_quantization_method
 from splitspec.runtime.runner import RuntimeConfig
 
@@ -98,12 +99,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     sglang.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=None,
                         help=f"Largest forward (tokens) replayed from piecewise CUDA graphs (default {DEFAULT_PIECEWISE_MAX_TOKENS}); "
                         "larger prompt chunks run eagerly, where launching costs little against their compute.")
-    parser.add_argument("--prompt-cuda-graph-max-tokens", type=int, default=0,
-                        help="Steps that only prefill (a request joining a speculating batch, a wave of arrivals, a long "
+    parser.add_argument("--prompt-cuda-graph-max-tokens", type=int, default=DEFAULT_PROMPT_GRAPH_MAX_TOKENS,
+                        help="Steps that only prefill (a request joining a running batch, a wave of arrivals, a long "
                         "prompt's chunks) of up to this many tokens replay whole CUDA graphs, attention included, their "
                         "chunks padded to a captured length (16, 32, 64, ... tokens; captured at start for the batch sizes "
-                        "whose tokens fit). 0 (default): off; such steps replay piecewise graphs. Not yet measured on a "
-                        "GPU: off until it is.")
+                        f"whose tokens fit; default {DEFAULT_PROMPT_GRAPH_MAX_TOKENS}); a request joining a batch that "
+                        "verifies no drafts then prefills alone rather than mixed beside it. 0: off; such steps replay "
+                        "piecewise graphs. Needs CUDA graphs (no effect with --disable-cuda-graph or on a CPU).")
     sglang.add_argument("--enable-torch-compile", action="store_true",
                         help="torch.compile (inductor) the model's forward for uniform batches (decode steps, tree "
                         "verification, draft steps) of up to --torch-compile-max-bs requests; attention stays one "
