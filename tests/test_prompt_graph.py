@@ -137,3 +137,24 @@ def test_arrivals_through_prompt_graphs_keep_outputs(graphed):
         assert r.kv_cache.allocator.num_used == len(scratch)
     assert outputs[1] == outputs[0]
     assert runner.prompts.replays >= len(prompts) - 3 and runner.padded_prompt_steps == runner.prompts.replays
+
+
+def test_a_failed_capture_names_the_flag_and_keeps_no_partial_graphs(graphed, monkeypatch):
+    """On by default, so a capture that fails (out of memory, say) must say which flag turns the prompt graphs off, and
+    leave the runner without half of them (a later prompt step would look up a shape never captured)."""
+    with_graphs, _ = graphed
+    runner = with_graphs()
+    runner.prompts, runner.prompt_max_tokens = None, 128
+    monkeypatch.setattr(runner.graphs, "capture", lambda q: None)  # the step graphs: not this test's
+    captured = []
+
+    def fails_at_the_third(forward, pool, stream, device):
+        if len(captured) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+        captured.append(forward)
+        return stand_in_capture(forward, pool, stream, device)
+
+    monkeypatch.setattr(prompt_graph, "warm_and_capture", fails_at_the_third)
+    with pytest.raises(RuntimeError, match="--prompt-cuda-graph-max-tokens 0"):
+        runner.capture_cuda_graphs(())
+    assert runner.prompts is None and len(captured) == 2

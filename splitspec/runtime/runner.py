@@ -256,8 +256,13 @@ class ModelRunner:
         if self.prompts is None and self.prompt_max_tokens:
             from splitspec.runtime.prompt_graph import PromptGraphs
 
-            self.prompts = PromptGraphs(self.graphs, self.prompt_max_tokens)
-            self.prompts.capture()
+            prompts = PromptGraphs(self.graphs, self.prompt_max_tokens)
+            try:
+                prompts.capture()
+            except RuntimeError as e:  # out of memory among them; on by default: say which flag turns it off
+                raise RuntimeError(f"capturing CUDA graphs of prompt steps failed ({e}); --prompt-cuda-graph-max-tokens 0 "
+                                   "runs them from piecewise graphs instead") from e
+            self.prompts = prompts
 
     def prompt_graph_size(self, num_requests: int, longest: int) -> int | None:
         """The length a prompt step of num_requests chunks, the longest of `longest` tokens, is padded to for a
