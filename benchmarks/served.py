@@ -45,12 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P: this fo
 from served_measure import (HostSpeed, cpu_report, descendants, loop_report, loop_totals,  # noqa: E402
                             process_cpu, ratios)
 
-# Flags `splitspec bench` and `splitspec up` both take that describe the model; the rest of `--` goes to up only.
-BENCH_MODEL_FLAGS = ("--model-path", "--load-format", "--dtype", "--device", "--speculative-algorithm",
-                     "--speculative-draft-model-path", "--speculative-draft-load-format", "--speculative-num-steps",
-                     "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--attention-backend",
-                     "--disable-cuda-graph", "--quantization", "--speculative-draft-model-revision",
-                     "--max-running-requests", "--cuda-graph-max-bs", "--speculative-adaptive")
+# The flags after `--` go to `splitspec up`; those `splitspec bench` also takes (the model, the engine, speculation:
+# its parser's options) go to the in-process side too, but for the ones that shape the load or the run, which this
+# script sets for both sides itself. (A fixed list of model flags once left --prompt-cuda-graph-max-tokens out: the
+# in-process side of a served comparison ran without the prompt graphs the server had.)
+BENCH_RUN_FLAGS = {"--batch-size", "--num-prompts", "--prompt-len", "--output-len", "--rounds", "--out", "--url",
+                   "--first-round", "--pause-before-rounds", "--dataset", "--temperature", "--seed", "--warmup-requests",
+                   "--no-phase-sync", "--simulate-acceptance", "--simulate-reference-out", "--api-key", "--help",
+                   "--log-level", "--preset", "--draft-preset"}
 BENCH_GRID = {"--speculative-num-steps": "--steps", "--speculative-eagle-topk": "--topk",
               "--speculative-num-draft-tokens": "--num-draft-tokens"}
 
@@ -116,8 +118,16 @@ def dummy_with_demo_tokenizer(preset: str) -> Path:
     return folder
 
 
+def bench_model_flags() -> set[str]:
+    """The options of `splitspec bench`'s parser that describe the model and the engine (not the load or the run)."""
+    from splitspec.bench import build_parser
+
+    return {name for name in build_parser()._option_string_actions if name.startswith("--")} - BENCH_RUN_FLAGS
+
+
 def bench_flags(model_flags: list[str]) -> list[str]:
     """The model flags `splitspec bench` takes (its grid flags under their bench names)."""
+    known = bench_model_flags()
     out, i = [], 0
     while i < len(model_flags):
         flag = model_flags[i].split("=", 1)[0]
@@ -125,7 +135,7 @@ def bench_flags(model_flags: list[str]) -> list[str]:
         value = None if inline or i + 1 >= len(model_flags) or model_flags[i + 1].startswith("--") else model_flags[i + 1]
         if flag == "--speculative-algorithm" and (value or model_flags[i].split("=", 1)[-1]).lower() == "none":
             pass  # `up`'s plain serving; `splitspec bench` without an algorithm measures plain decoding only
-        elif flag in BENCH_MODEL_FLAGS:
+        elif flag in known:
             name = BENCH_GRID.get(flag, flag)
             out += [f"{name}={model_flags[i].split('=', 1)[1]}"] if inline else [name, *([value] if value else [])]
         i += 1 if inline or value is None else 2

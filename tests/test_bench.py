@@ -389,6 +389,12 @@ def test_served_plain_deployment_measures_plain_decoding_in_process():
     flags = ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3", "--device", "cuda"]
     assert served.bench_flags(flags) == ["--speculative-algorithm", "NGRAM", "--steps", "3", "--device", "cuda"]
     assert served.server_adaptive(flags) == ["--speculative-adaptive", "on"]
+    # every engine flag bench takes reaches the in-process side (a fixed list once dropped the prompt graphs' flag);
+    # up's own flags and the load's stay out of it
+    flags = ["--prompt-cuda-graph-max-tokens", "512", "--disable-mixed-chunk", "--chunked-prefill-size=64",
+             "--drafters", "2", "--port", "8000", "--num-prompts", "9", "--device", "cuda"]
+    assert served.bench_flags(flags) == ["--prompt-cuda-graph-max-tokens", "512", "--disable-mixed-chunk",
+                                         "--chunked-prefill-size=64", "--device", "cuda"]
 
 
 def test_the_served_profile_counts_whole_batch_decode_steps_of_its_kind():
