@@ -112,7 +112,8 @@
 #             (promptgraphs_{off,on}.json; prompt steps' times from the logs in steps.tgz: benchmarks/step_timeline.py).
 #             PROMPTGRAPHS_PARTS picks among tests arrivals bench, PROMPTGRAPHS_BENCH_MODES the bench runs in order (off
 #             on: without and with; e.g. "off on off2 on2" alternates), PROMPTGRAPHS_PROMPTS the requests a point (128).
-#             Served the same way: SERVED_MODEL='--prompt-cuda-graph-max-tokens 512' SERVED_TAG=-promptgraphs ... served
+#             (the graphs are on by default since 2026-12-05: off is --prompt-cuda-graph-max-tokens 0). Served without
+#             them: SERVED_MODEL='--prompt-cuda-graph-max-tokens 0' SERVED_TAG=-nographs ... served
 #   structured issue 33: structured outputs on the GPU (benchmarks/structured_accept.py --device cuda: the demo target in
 #             process under a JSON schema and not, NGRAM and EAGLE3 by default (STRUCTURED_ALGORITHMS): accept lengths,
 #             valid outputs, outputs equal to plain decoding; the masks applied to CUDA logits); needs xgrammar in .whl
@@ -303,14 +304,14 @@ for stage in "${stages[@]}"; do
                       [[ $parts == *" tests "* ]] && { timeout "${PROMPTGRAPHS_TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -v \
                           tests/test_gpu_kernels.py -k "prompt_graphs or piecewise" > "$OUT/promptgraphs_tests.log" 2>&1 || stop=1; }
                       [[ $parts == *" arrivals "* ]] && for mode in off on; do  # an arrival's prompt step and the next, into 15 drafting (NGRAM, budget 12)
-                          graphs=(); [[ $mode == on ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
+                          graphs=(--prompt-cuda-graph-max-tokens 0); [[ $mode == on ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
                           echo "== arrivals, prompt graphs $mode" >> "$OUT/promptgraphs_arrivals.log"
                           timeout "${ARRIVALS_TIMEOUT:-120}" python3 -P benchmarks/step_host_cost.py arrival 30 12 --device cuda \
                               --dtype bfloat16 --speculative-algorithm NGRAM --batch-size 16 --prompt-len 128 "${graphs[@]}" \
                               >> "$OUT/promptgraphs_arrivals.log" 2>&1 || stop=1
                       done
                       [[ $parts == *" bench "* ]] && for mode in ${PROMPTGRAPHS_BENCH_MODES:-off on}; do  # e.g. "off on off2 on2"
-                          graphs=(); [[ $mode == on* ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
+                          graphs=(--prompt-cuda-graph-max-tokens 0); [[ $mode == on* ]] && graphs=(--prompt-cuda-graph-max-tokens 512)
                           SPLITSPEC_STEP_LOG="$OUT/steps_promptgraphs_$mode" \
                           timeout "${PROMPTGRAPHS_TIMEOUT:-150}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
                               --speculative-algorithm NGRAM --speculative-adaptive on --no-phase-sync --batch-size 1,16 \
