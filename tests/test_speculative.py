@@ -167,7 +167,7 @@ def test_prompt_steps_padded_to_one_shape_keep_outputs(demo, plain_greedy):
     chosen = [prompts[i] for i in range(10)] + [prompts[13] + prompts[0]]
     params = [SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)] * len(chosen)
     runner.prompt_pad_sizes = (16, 32)
-    padded_before = runner.padded_prompt_steps
+    padded_before, fillers = runner.padded_prompt_steps, 0
     try:
         engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=8), set(),
                         SchedulerConfig(max_running_requests=3, chunked_prefill_size=24))
@@ -177,6 +177,11 @@ def test_prompt_steps_padded_to_one_shape_keep_outputs(demo, plain_greedy):
             engine.step()
             if runner.padded_prompt_steps > padded:  # every chunk of the step has 16 or 32 tokens in the forward
                 assert engine.report.forward_tokens in (16, 32, 48, 64, 96) and engine.report.prefill_tokens > 0
+                # the fillers are counted (the verifier's prompt_padding_tokens metric): the forward less the real tokens
+                assert engine.report.prompt_padding_tokens == engine.report.forward_tokens - engine.report.prefill_tokens
+                fillers += engine.report.prompt_padding_tokens
+            else:
+                assert engine.report.prompt_padding_tokens == 0
     finally:
         runner.prompt_pad_sizes = ()
     assert runner.kv_cache.allocator.num_used == 0
@@ -185,6 +190,7 @@ def test_prompt_steps_padded_to_one_shape_keep_outputs(demo, plain_greedy):
     alone = run(runner, [chosen[-1]], params[:1], batch=1)[0]
     assert_greedy_match(requests[-1].output_ids, alone.output_ids, reference, chosen[-1], "a prompt of two chunks")
     assert runner.padded_prompt_steps - padded_before >= len(chosen) - 3  # every arrival's but the first batch's
+    assert fillers > 0
     assert all(r.stats.fallbacks == 0 for r in requests) and sum(r.stats.accepted_tokens for r in requests) > 0
 
 

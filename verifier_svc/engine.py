@@ -342,7 +342,9 @@ class Engine(Scheduling, OverlapSchedule):
         sequences = [SequenceInput(c.request.table, c.request.fill_ids[c.start : c.end], logits="all" if
                                    c.request.wants_prompt_logprobs else "last" if c.samples else "none") for c in prefills]
         if not verifies:  # a step that only prefills: its chunks padded to a captured prompt graph's shape, where one is
-            return self.runner.pad_prompts(sequences), []
+            padded = self.runner.pad_prompts(sequences)
+            self.report.prompt_padding_tokens += sum(s.padding for s in padded)
+            return padded, []
         pad = 0 if prefills else pad_size(self.runner, verifies)
         chains = []
         for v in verifies:

@@ -33,6 +33,9 @@ class EngineMetrics:
                                       "pruned before verification (drafted without the grammar: in a drafter process).")
         self.padding_tokens = counter("spec_verify_padding_tokens", "Filler tree nodes verified so that a batch of trees "
                                       "of different sizes replays one captured CUDA graph (their rows are not read).")
+        self.prompt_padding_tokens = counter("prompt_padding_tokens", "Filler tokens prefilled after prompt chunks so that "
+                                             "a step that only prefills replays a captured prompt graph "
+                                             "(--prompt-cuda-graph-max-tokens; their rows are not read).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token (cached included).")
         self.prefill_tokens = counter("prefill_computed_tokens", "Tokens prefilled by the target (recomputation after preemption included).")
         self.deferred_steps = counter("overlap_deferred_steps", "Plain decoding steps launched and left in flight: their "
@@ -80,6 +83,7 @@ class EngineMetrics:
         # (counter, the report's field) of the counters every step adds to
         self._step_counts = ((self.draft_tokens, "draft_tokens"), (self.accepted_tokens, "accepted_tokens"),
                              (self.fallbacks, "fallbacks"), (self.padding_tokens, "padding_tokens"),
+                             (self.prompt_padding_tokens, "prompt_padding_tokens"),
                              (self.grammar_pruned, "grammar_pruned"), (self.prompt_tokens, "prompt_tokens"),
                              (self.prefill_tokens, "prefill_tokens"), (self.preemptions, "preemptions"),
                              (self.generation_tokens, "generated_tokens"), (self.prefix_hit_tokens, "cached_tokens"))

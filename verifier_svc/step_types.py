@@ -167,6 +167,7 @@ class StepReport:
     cached_tokens: int = 0  # tokens served from the prefix cache to requests admitted this step
     preemptions: int = 0  # running requests sent back to wait for pages
     padding_tokens: int = 0  # filler tree nodes that made the verify batch one captured graph's shape
+    prompt_padding_tokens: int = 0  # filler tokens after prompt chunks that made a prefill step a prompt graph's shape
     grammar_pruned: int = 0  # drafted nodes a request's grammar forbids, pruned before verification
     deferred: bool = False  # a plain step launched and left in flight: its tokens come with the next step's (overlap.py)
 
