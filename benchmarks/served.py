@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import json
 import os
 import queue
@@ -39,7 +40,7 @@ import urllib.request
 from pathlib import Path
 
 from splitspec import lifeline
-from splitspec.bench import git_commit
+from splitspec.bench import build_parser, git_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P: this folder is not on the path by itself
 from served_measure import (HostSpeed, cpu_report, descendants, loop_report, loop_totals,  # noqa: E402
@@ -118,11 +119,10 @@ def dummy_with_demo_tokenizer(preset: str) -> Path:
     return folder
 
 
-def bench_model_flags() -> set[str]:
+@functools.cache
+def bench_model_flags() -> frozenset[str]:
     """The options of `splitspec bench`'s parser that describe the model and the engine (not the load or the run)."""
-    from splitspec.bench import build_parser
-
-    return {name for name in build_parser()._option_string_actions if name.startswith("--")} - BENCH_RUN_FLAGS
+    return frozenset(name for name in build_parser()._option_string_actions if name.startswith("--")) - BENCH_RUN_FLAGS
 
 
 def bench_flags(model_flags: list[str]) -> list[str]:
