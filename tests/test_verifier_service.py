@@ -4,6 +4,8 @@ abort works; health and model info answer."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import os
 import signal
@@ -27,6 +29,7 @@ from splitspec.protos import verifier_pb2 as pb
 from splitspec.protos import verifier_pb2_grpc as pb_grpc
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
+from splitspec.verifier_svc.grpc_front import Stream
 
 PROMPTS = [[13, 290, 350 + i, 13, 290, 350 + i, 13] for i in range(8)]  # repetitive: NGRAM drafts
 
@@ -79,8 +82,9 @@ def verifier():
 
 @pytest.fixture(scope="module")
 def tiny_verifier():
-    """Room for 320 tokens (20 pages of 16): 16 requests of ~50 tokens cannot all run at once."""
-    process, stub = start_verifier("--max-total-tokens", "320")
+    """Room for 320 tokens (20 pages of 16): 16 requests of ~50 tokens cannot all run at once. It streams in
+    deltas of 4 tokens (--stream-interval 4), which the tests of its outputs do not see."""
+    process, stub = start_verifier("--max-total-tokens", "320", "--stream-interval", "4")
     yield stub
     stop(process, stub)
 
@@ -554,6 +558,70 @@ def test_a_request_bigger_than_the_kv_cache_is_refused_with_resource_exhausted(t
     assert results["big"]["finish"] == pb.FINISH_REASON_ERROR and "--max-total-tokens" in results["big"]["error"]
     assert results["big"]["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert results["ok"]["finish"] == pb.FINISH_REASON_LENGTH and len(results["ok"]["tokens"]) == 8
+
+
+def test_stream_interval_sends_the_first_token_at_once_then_every_fourth_and_the_last(verifier, tiny_verifier):
+    """--stream-interval 4: a request's first token comes in a delta of its own, then deltas of 4 tokens or more (a
+    speculative step may bring more), and its last delta whatever remains with the finish; the tokens are the same
+    as a verifier streaming every step's."""
+    messages = [submit("p12", PROMPTS[1], 12, speculate=False), submit("p13", PROMPTS[2], 13, speculate=False),
+                submit("s", PROMPTS[3], 30)]
+    sizes: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {}
+    stream = tiny_verifier.Generate(iter(messages), timeout=300)
+    finished = 0
+    for response in stream:
+        for d in response.deltas:
+            sizes.setdefault(d.request_id, []).append(len(d.token_ids))
+            tokens.setdefault(d.request_id, []).extend(d.token_ids)
+            finished += d.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        if finished == len(messages):
+            stream.cancel()
+            break
+    # one token a step: deltas end after tokens 1, 5, 9 and at the last ([1, 4, 4, 3]), or fewer of them where the
+    # reader fell behind and a request's waiting deltas were merged; every step's would end after 1, 2, 3, ...
+    for request_id, length in (("p12", 12), ("p13", 13)):
+        ends = list(itertools.accumulate(sizes[request_id]))
+        assert ends[-1] == length and len(ends) >= 2 and set(ends[:-1]) <= {1, 5, 9}, sizes
+    assert len(sizes["s"]) >= 2 and all(n >= 4 for n in sizes["s"][1:-1]) and sum(sizes["s"]) == 30, sizes
+    every_step = collect(verifier, messages, len(messages))
+    assert {k: v["tokens"] for k, v in every_step.items()} == tokens
+    assert every_step["s"]["spec"].accepted_tokens > 0
+
+
+def test_a_requests_deltas_that_wait_for_a_slow_reader_are_merged_in_order():
+    """A Generate call's Stream: deltas filed while the writer is busy go out as one delta per request (tokens and
+    logprobs appended in order, the latest counts and the finish kept), other requests' apart; with an interval, a
+    request's tokens are held until due, its first and last delta at once."""
+    def delta(request_id, tokens, finish=pb.FINISH_REASON_UNSPECIFIED, verify_steps=0):
+        return pb.TokenDelta(request_id=request_id, token_ids=tokens, finish_reason=finish,
+                             logprobs=[pb.TokenLogprob(logprob=-t) for t in tokens],
+                             speculation=pb.SpeculationCounts(verify_steps=verify_steps))
+
+    async def run():
+        stream = Stream()
+        for d in (delta("a", [1], verify_steps=1), delta("b", [7]), delta("a", [2, 3], verify_steps=2),
+                  delta("a", [4], pb.FINISH_REASON_LENGTH, verify_steps=3)):
+            stream.put(d)
+        first = await stream.take()
+        assert [d.request_id for d in first] == ["a", "b"]
+        a = first[0]
+        assert list(a.token_ids) == [1, 2, 3, 4] and [lp.logprob for lp in a.logprobs] == [-1, -2, -3, -4]
+        assert a.speculation.verify_steps == 3 and a.finish_reason == pb.FINISH_REASON_LENGTH
+        stream.put(delta("a", [9]))  # a finished request's id submitted again: its own delta, not merged
+        assert [list(d.token_ids) for d in await stream.take()] == [[9]]
+
+        held = Stream(interval=3)
+        sent = []
+        for d in [delta("x", [1]), delta("x", [2]), delta("x", [3]), delta("x", [4, 5]), delta("x", [6]),
+                  delta("x", [7], pb.FINISH_REASON_STOP)]:
+            held.put(d)
+            if held.pending:
+                sent += [list(d.token_ids) for d in await held.take()]
+        assert sent == [[1], [2, 3, 4, 5], [6, 7]]
+        assert not held.held and not held.started
+
+    asyncio.run(run())
 
 
 def _children(pid: int) -> list[int]:

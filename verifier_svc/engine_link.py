@@ -37,7 +37,7 @@ BEAT_SECONDS = 1.0
 
 
 class FrontLink:
-    def __init__(self, address: str, log_level: str):
+    def __init__(self, address: str, log_level: str, stream_interval: int = 1):
         self.directory = tempfile.mkdtemp(prefix="splitspec-verifier-")  # 0700: only this user reaches the sockets
         self.context = zmq.Context()
         self.out = self.context.socket(zmq.PUSH)
@@ -56,7 +56,8 @@ class FrontLink:
         self.submissions: dict[str, Submission] = {}  # live request id -> its submission
         self.front = lifeline.spawn(  # from the main thread: PR_SET_PDEATHSIG follows the thread that spawns
             [sys.executable, "-m", "splitspec.verifier_svc.front_process", "--engine", f"ipc://{self.directory}/steps",
-             "--commands", f"ipc://{self.directory}/commands", "--address", address, "--log-level", log_level])
+             "--commands", f"ipc://{self.directory}/commands", "--address", address, "--log-level", log_level,
+             "--stream-interval", str(stream_interval)])
 
     def _send(self, message: link.EngineMessage) -> None:
         data = message.SerializeToString()

@@ -69,21 +69,64 @@ class Limits:
 
 
 class Stream:
-    """One Generate call's deltas waiting to be written: the backend appends whole steps, the call writes
-    everything waiting as one GenerateServerMessage."""
+    """One Generate call's deltas waiting to be written: the backend files each step's, the call writes everything
+    waiting as one GenerateServerMessage. A request's deltas that wait together are merged into one (its tokens and
+    logprobs in order, its latest counts and finish): a writer that fell behind, when the gateway reads slower than
+    the engine decodes, catches up in fewer and larger deltas instead of one per step per request (vLLM's API server
+    merges its outputs the same way).
 
-    def __init__(self):
-        self.pending: list = []  # TokenDelta, a Malformed / None from the reader, or Unavailable
+    interval (--stream-interval, SGLang's flag): above 1, a request's tokens are held here until interval of them
+    have gathered since its last delta went out; its first delta (the time to first token) and its last go at
+    once. Fewer, larger deltas for the gateway to turn into server-sent events, at the cost of a burstier stream."""
+
+    def __init__(self, interval: int = 1):
+        self.interval = interval
+        # what waits to be written, in order: a TokenDelta under its request id (merged into while it waits), any
+        # other item (a Malformed / None from the reader, or Unavailable) under a key of its own
+        self.pending: dict = {}
+        self.held: dict[str, pb.TokenDelta] = {}  # interval: tokens gathered and not yet due, by request id
+        self.started: set[str] = set()  # interval: requests whose first delta went out and whose last has not
         self.wake = asyncio.Event()
 
     def put(self, item) -> None:
-        self.pending.append(item)
+        if isinstance(item, pb.TokenDelta):
+            item = self._due(item)
+            if item is None:
+                return
+            key = item.request_id
+            waiting = self.pending.get(key)
+            if waiting is not None and waiting.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+                waiting.MergeFrom(item)  # repeated fields appended, set scalars and counts replaced
+                return
+            if waiting is not None:  # a finished request's last delta waits and its id came back: not merged
+                key = object()
+        else:
+            key = object()
+        self.pending[key] = item
         self.wake.set()
+
+    def _due(self, delta: pb.TokenDelta) -> pb.TokenDelta | None:
+        """The delta to write now (with what was held of its request), or None while its tokens are held."""
+        if self.interval <= 1:
+            return delta
+        request_id = delta.request_id
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            held.MergeFrom(delta)
+            delta = held
+        if delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.started.discard(request_id)
+        elif request_id not in self.started:
+            self.started.add(request_id)
+        elif len(delta.token_ids) < self.interval:
+            self.held[request_id] = delta
+            return None
+        return delta
 
     async def take(self) -> list:
         await self.wake.wait()
         self.wake.clear()
-        items, self.pending = self.pending, []
+        items, self.pending = list(self.pending.values()), {}
         return items
 
 
@@ -118,8 +161,9 @@ class NoCounts:
 
 
 class VerifierServicer:
-    def __init__(self, backend: Backend, limits: Limits, info: pb.ModelInfo, counts: Counts):
+    def __init__(self, backend: Backend, limits: Limits, info: pb.ModelInfo, counts: Counts, stream_interval: int = 1):
         self.backend, self.limits, self.info, self.counts = backend, limits, info, counts
+        self.stream_interval = stream_interval  # Stream's interval (--stream-interval)
         self.step_log = StepLog.from_env("front")  # SPLITSPEC_STEP_LOG: when each submission reached this front
         self.live_ids: set[str] = set()  # every stream's unfinished requests (ids must be unique among them)
         self.streams: set[Stream] = set()
@@ -136,7 +180,7 @@ class VerifierServicer:
     async def Generate(self, request_iterator, context):
         if self.unavailable is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
-        stream = Stream()
+        stream = Stream(self.stream_interval)
         self.streams.add(stream)
         live: set[str] = set()
         reading = True

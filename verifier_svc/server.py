@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Serve gRPC (the gateway's streams and their protobuf) on this process's event loop, beside "
                         "the engine's thread. By default a front process does it, so that it never takes the engine's GIL "
                         "(vLLM's flag name).")
+    server.add_argument("--stream-interval", type=int, default=1,
+                        help="Tokens a streamed request gathers before the verifier sends them on: its first token goes "
+                        "at once, then one message per this many tokens, and its last at its end. Above 1, fewer and "
+                        "larger deltas reach the gateway, which turns each into one server-sent event: more tokens/s "
+                        "where the gateway's per-event work is the limit (many short steps, a small model), at the cost "
+                        "of a burstier stream. Whatever the value, a request's deltas that wait for a slow reader are "
+                        "merged (SGLang's flag).")
     server.add_argument("--disable-overlap-schedule", action="store_true",
                         help="Run every step to its end before the next one starts. By default, on a GPU, a step's tokens "
                         "and metrics are published while the next step's forward runs on the device, and a plain decoding "
@@ -207,6 +214,8 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
     from splitspec.runtime.config import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
 
+    if args.stream_interval < 1:
+        raise SystemExit(f"splitspec verifier: --stream-interval {args.stream_interval}: must be at least 1 token")
     model_dir = model_flags.resolve_model(args)
     runner = ModelRunner.load(model_flags.runtime_config(args, model_dir))
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
@@ -262,10 +271,10 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
                     "on this process" if args.disable_frontend_multiprocessing else "in its front process")
 
     if args.disable_frontend_multiprocessing:
-        return event_loop.run(serve_here(engine, metrics, overlap, info, limits, address, ready))
+        return event_loop.run(serve_here(engine, metrics, overlap, info, limits, address, ready, args.stream_interval))
     from splitspec.verifier_svc.engine_link import FrontLink
 
-    front = FrontLink(address, args.log_level)
+    front = FrontLink(address, args.log_level, args.stream_interval)
     try:
         worker = EngineWorker(engine, metrics, publish=front.publish, overlap=overlap)
         if metrics is not None:
@@ -280,14 +289,15 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
 
 
 async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo, limits: Limits, address: str,
-                     ready) -> int:
+                     ready, stream_interval: int = 1) -> int:
     """gRPC on this process's event loop (--disable-frontend-multiprocessing)."""
     worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap)
     if metrics is not None:
         metrics.observe_state(engine)
     worker.start()
     counts = metrics if metrics is not None else NoCounts()  # EngineMetrics counts refusals and malformed messages
-    server, health = await start_server(VerifierServicer(LocalBackend(worker), limits, info, counts), address)
+    server, health = await start_server(VerifierServicer(LocalBackend(worker), limits, info, counts, stream_interval),
+                                        address)
     await asyncio.get_running_loop().run_in_executor(None, ready)
     await set_serving(health)
     await server.wait_for_termination()
