@@ -112,15 +112,18 @@ class VerifierClient:
             self._taken.set()
             self._taken = None
 
-    def submit(self, request_id: str, prompt_ids: list[int], sampling: pb.SamplingParams, speculate: bool) -> asyncio.Queue:
-        """Queue a submission; returns the queue its deltas (and a StreamBroken on failure) arrive on."""
+    def submit(self, request_id: str, prompt_ids: list[int], sampling: pb.SamplingParams, speculate: bool,
+               stream_interval: int = 0) -> asyncio.Queue:
+        """Queue a submission; returns the queue its deltas (and a StreamBroken on failure) arrive on. stream_interval:
+        tokens per delta (0: the verifier's --stream-interval)."""
         self._ensure_stream()
         if self._unwritten_since is None:
             self._unwritten_since = asyncio.get_running_loop().time()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._outbox.put_nowait(pb.GenerateClientMessage(submit=pb.SubmitRequest(
-            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, speculate=speculate)))
+            request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, speculate=speculate,
+            stream_interval=stream_interval)))
         return queue
 
     def _submissions(self, submits: list) -> pb.GenerateClientMessage:

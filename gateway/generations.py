@@ -23,6 +23,9 @@ from splitspec.protos import verifier_pb2 as pb
 
 logger = logging.getLogger("splitspec.gateway")
 
+# tokens per delta the gateway asks of the verifier for an answer it does not stream and need not read before its end
+# (no stop strings to match as the text grows): SGLang's scheduler sends such requests' output every 50 tokens too
+UNSTREAMED_INTERVAL = 50
 FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 GRPC_INVALID_ARGUMENT, GRPC_RESOURCE_EXHAUSTED = 3, 8
 
@@ -254,7 +257,8 @@ class Gateway:
                 choice.echo = source if isinstance(source, str) else self.codec.decode(prompt, skip_special_tokens=False)
             choice.grammar_field = g.grammar_field
             choice.tools = ToolOutput(g.tools) if g.tools is not None else None
-            choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative)
+            choice.queue = self.client.submit(choice.request_id, prompt, sampling, g.speculative,
+                                              0 if g.stream or g.stop else UNSTREAMED_INTERVAL)
             choices.append(choice)
         self.metrics.prompt_tokens_served.inc(sum(len(p) for p in prompts))
         return choices

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitspec/protos/verifier.proto\x12\x0csplitspec.v1\"\xab\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\x0c \x03(\x0b\x32+.splitspec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x03\x88\x01\x01\x12\x14\n\x0cgrammar_kind\x18\x10 \x01(\t\x12\x0f\n\x07grammar\x18\x11 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"z\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x11\n\tspeculate\x18\x04 \x01(\x08\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"<\n\x0bSubmitBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.splitspec.v1.SubmitRequest\"\xa9\x01\n\x15GenerateClientMessage\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.splitspec.v1.AbortRequestH\x00\x12,\n\x07submits\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.SubmitBatchH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x11SpeculationCounts\x12\x14\n\x0cverify_steps\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\r\x12\x11\n\tfallbacks\x18\x05 \x01(\r\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xfe\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.splitspec.v1.SpeculationCounts\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x12\n\nerror_code\x18\t \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\r\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\"A\n\x15GenerateServerMessage\x12(\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x18.splitspec.v1.TokenDelta\"\x12\n\x10ModelInfoRequest\"\xbd\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x15speculative_algorithm\x18\x06 \x01(\t\x12$\n\x1cspeculative_num_draft_tokens\x18\x07 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xef\x01\n\x08Verifier\x12X\n\x08Generate\x12#.splitspec.v1.GenerateClientMessage\x1a#.splitspec.v1.GenerateServerMessage(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.splitspec.v1.AbortRequest\x1a\x1b.splitspec.v1.AbortResponse\x12G\n\x0cGetModelInfo\x12\x1e.splitspec.v1.ModelInfoRequest\x1a\x17.splitspec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fsplitspec/protos/verifier.proto\x12\x0csplitspec.v1\"\xab\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x12?\n\nlogit_bias\x18\x0c \x03(\x0b\x32+.splitspec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x03\x88\x01\x01\x12\x14\n\x0cgrammar_kind\x18\x10 \x01(\t\x12\x0f\n\x07grammar\x18\x11 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"\x93\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x11\n\tspeculate\x18\x04 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x05 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"<\n\x0bSubmitBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.splitspec.v1.SubmitRequest\"\xa9\x01\n\x15GenerateClientMessage\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.splitspec.v1.AbortRequestH\x00\x12,\n\x07submits\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.SubmitBatchH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x11SpeculationCounts\x12\x14\n\x0cverify_steps\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\r\x12\x11\n\tfallbacks\x18\x05 \x01(\r\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xfe\x02\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x34\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1f.splitspec.v1.SpeculationCounts\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x07 \x01(\r\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x12\n\nerror_code\x18\t \x01(\r\x12\x17\n\x0fnum_preemptions\x18\n \x01(\r\x12,\n\x08logprobs\x18\x0b \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\"A\n\x15GenerateServerMessage\x12(\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x18.splitspec.v1.TokenDelta\"\x12\n\x10ModelInfoRequest\"\xbd\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x15speculative_algorithm\x18\x06 \x01(\t\x12$\n\x1cspeculative_num_draft_tokens\x18\x07 \x01(\r*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xef\x01\n\x08Verifier\x12X\n\x08Generate\x12#.splitspec.v1.GenerateClientMessage\x1a#.splitspec.v1.GenerateServerMessage(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.splitspec.v1.AbortRequest\x1a\x1b.splitspec.v1.AbortResponse\x12G\n\x0cGetModelInfo\x12\x1e.splitspec.v1.ModelInfoRequest\x1a\x17.splitspec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1917
-  _globals['_FINISHREASON']._serialized_end=2062
+  _globals['_FINISHREASON']._serialized_start=1943
+  _globals['_FINISHREASON']._serialized_end=2088
   _globals['_SAMPLINGPARAMS']._serialized_start=50
   _globals['_SAMPLINGPARAMS']._serialized_end=605
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=488
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=536
-  _globals['_SUBMITREQUEST']._serialized_start=607
-  _globals['_SUBMITREQUEST']._serialized_end=729
-  _globals['_ABORTREQUEST']._serialized_start=731
-  _globals['_ABORTREQUEST']._serialized_end=765
-  _globals['_ABORTRESPONSE']._serialized_start=767
-  _globals['_ABORTRESPONSE']._serialized_end=797
-  _globals['_SUBMITBATCH']._serialized_start=799
-  _globals['_SUBMITBATCH']._serialized_end=859
-  _globals['_GENERATECLIENTMESSAGE']._serialized_start=862
-  _globals['_GENERATECLIENTMESSAGE']._serialized_end=1031
-  _globals['_SPECULATIONCOUNTS']._serialized_start=1034
-  _globals['_SPECULATIONCOUNTS']._serialized_end=1172
-  _globals['_TOKENLOGPROB']._serialized_start=1174
-  _globals['_TOKENLOGPROB']._serialized_end=1250
-  _globals['_TOKENDELTA']._serialized_start=1253
-  _globals['_TOKENDELTA']._serialized_end=1635
-  _globals['_GENERATESERVERMESSAGE']._serialized_start=1637
-  _globals['_GENERATESERVERMESSAGE']._serialized_end=1702
-  _globals['_MODELINFOREQUEST']._serialized_start=1704
-  _globals['_MODELINFOREQUEST']._serialized_end=1722
-  _globals['_MODELINFO']._serialized_start=1725
-  _globals['_MODELINFO']._serialized_end=1914
-  _globals['_VERIFIER']._serialized_start=2065
-  _globals['_VERIFIER']._serialized_end=2304
+  _globals['_SUBMITREQUEST']._serialized_start=608
+  _globals['_SUBMITREQUEST']._serialized_end=755
+  _globals['_ABORTREQUEST']._serialized_start=757
+  _globals['_ABORTREQUEST']._serialized_end=791
+  _globals['_ABORTRESPONSE']._serialized_start=793
+  _globals['_ABORTRESPONSE']._serialized_end=823
+  _globals['_SUBMITBATCH']._serialized_start=825
+  _globals['_SUBMITBATCH']._serialized_end=885
+  _globals['_GENERATECLIENTMESSAGE']._serialized_start=888
+  _globals['_GENERATECLIENTMESSAGE']._serialized_end=1057
+  _globals['_SPECULATIONCOUNTS']._serialized_start=1060
+  _globals['_SPECULATIONCOUNTS']._serialized_end=1198
+  _globals['_TOKENLOGPROB']._serialized_start=1200
+  _globals['_TOKENLOGPROB']._serialized_end=1276
+  _globals['_TOKENDELTA']._serialized_start=1279
+  _globals['_TOKENDELTA']._serialized_end=1661
+  _globals['_GENERATESERVERMESSAGE']._serialized_start=1663
+  _globals['_GENERATESERVERMESSAGE']._serialized_end=1728
+  _globals['_MODELINFOREQUEST']._serialized_start=1730
+  _globals['_MODELINFOREQUEST']._serialized_end=1748
+  _globals['_MODELINFO']._serialized_start=1751
+  _globals['_MODELINFO']._serialized_end=1940
+  _globals['_VERIFIER']._serialized_start=2091
+  _globals['_VERIFIER']._serialized_end=2330
 # @@protoc_insertion_point(module_scope)

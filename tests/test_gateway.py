@@ -674,6 +674,32 @@ def test_sixty_four_concurrent_streams_equal_their_twins(stack):
     assert requests > batches  # requests that arrived together were tokenized together
 
 
+def test_an_unstreamed_answer_reaches_the_gateway_in_two_deltas_unless_stop_strings_are_matched(stack):
+    """A request the gateway does not stream asks the verifier for deltas of 50 tokens (SubmitRequest.stream_interval):
+    its first token, then the rest at its end, so the gateway handles two deltas, not one per step; with stop strings
+    to match as the text grows (or streamed) it gets every step's. Counted by the gateway's inter-token latency
+    histogram (one observation per delta after the first); the texts are the same either way."""
+    def gaps() -> float:
+        return sum(float(line.split(" ")[1]) for line in httpx.get(stack["url"] + "/metrics", timeout=10).text.splitlines()
+                   if line.startswith("splitspec:inter_token_latency_seconds_count"))
+
+    body = {"model": MODEL, "prompt": "def fibonacci(n):\n", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    texts, grew = {}, {}
+    for name, extra in (("whole", {}), ("stop strings", {"stop": ["qqqzzzxxx"]}), ("streamed", {"stream": True})):
+        before = gaps()
+        with httpx.stream("POST", stack["url"] + "/v1/completions", json={**body, **extra}, timeout=120) as r:
+            assert r.status_code == 200
+            raw = r.read().decode()
+        if extra.get("stream"):
+            events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+            texts[name] = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        else:
+            texts[name] = json.loads(raw)["choices"][0]["text"]
+        grew[name] = gaps() - before
+    assert texts["whole"] == texts["stop strings"] == texts["streamed"] != ""
+    assert grew["whole"] == 1 and grew["stop strings"] > 1 and grew["streamed"] > 1, grew
+
+
 async def streamed_tokens(client, request_id: str, queue) -> int:
     """The tokens a request submitted on a VerifierClient streams until its last delta."""
     tokens = 0

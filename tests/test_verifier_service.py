@@ -587,6 +587,18 @@ def test_stream_interval_sends_the_first_token_at_once_then_every_fourth_and_the
     every_step = collect(verifier, messages, len(messages))
     assert {k: v["tokens"] for k, v in every_step.items()} == tokens
     assert every_step["s"]["spec"].accepted_tokens > 0
+    # a submission's own interval (SubmitRequest.stream_interval, what the gateway asks for an answer it does not
+    # stream) over the verifier's: 6 on a verifier streaming every step, 1 on one streaming every fourth token
+    for stub, interval, allowed in ((verifier, 6, {1, 7, 13}), (tiny_verifier, 1, set(range(1, 17)))):
+        message = submit("own", PROMPTS[4], 17, speculate=False)
+        message.submit.stream_interval = interval
+        ends = []
+        for response in stub.Generate(iter([message]), timeout=300):
+            ends += [(ends[-1] if ends else 0) + len(d.token_ids) for d in response.deltas]
+            if any(d.finish_reason != pb.FINISH_REASON_UNSPECIFIED for d in response.deltas):
+                break
+        assert ends[-1] == 17 and set(ends[:-1]) <= allowed, (interval, ends)
+        assert interval > 1 or not set(ends[:-1]) <= {1, 5, 9, 13}, ends  # not the verifier's 4
 
 
 def test_a_requests_deltas_that_wait_for_a_slow_reader_are_merged_in_order():

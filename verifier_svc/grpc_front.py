@@ -75,12 +75,14 @@ class Stream:
     the engine decodes, catches up in fewer and larger deltas instead of one per step per request (vLLM's API server
     merges its outputs the same way).
 
-    interval (--stream-interval, SGLang's flag): above 1, a request's tokens are held here until interval of them
-    have gathered since its last delta went out; its first delta (the time to first token) and its last go at
-    once. Fewer, larger deltas for the gateway to turn into server-sent events, at the cost of a burstier stream."""
+    interval (--stream-interval, SGLang's flag; a submission's own stream_interval in intervals): above 1, a
+    request's tokens are held here until interval of them have gathered since its last delta went out; its first
+    delta (the time to first token) and its last go at once. Fewer, larger deltas for the gateway to turn into
+    server-sent events, at the cost of a burstier stream."""
 
     def __init__(self, interval: int = 1):
         self.interval = interval
+        self.intervals: dict[str, int] = {}  # requests submitted with an interval of their own, until their last delta
         # what waits to be written, in order: a TokenDelta under its request id (merged into while it waits), any
         # other item (a Malformed / None from the reader, or Unavailable) under a key of its own
         self.pending: dict = {}
@@ -107,9 +109,13 @@ class Stream:
 
     def _due(self, delta: pb.TokenDelta) -> pb.TokenDelta | None:
         """The delta to write now (with what was held of its request), or None while its tokens are held."""
-        if self.interval <= 1:
+        request_id, interval = delta.request_id, self.interval
+        if self.intervals:
+            interval = self.intervals.get(request_id, interval)
+            if delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                self.intervals.pop(request_id, None)
+        if interval <= 1:
             return delta
-        request_id = delta.request_id
         held = self.held.pop(request_id, None)
         if held is not None:
             held.MergeFrom(delta)
@@ -118,7 +124,7 @@ class Stream:
             self.started.discard(request_id)
         elif request_id not in self.started:
             self.started.add(request_id)
-        elif len(delta.token_ids) < self.interval:
+        elif len(delta.token_ids) < interval:
             self.held[request_id] = delta
             return None
         return delta
@@ -242,6 +248,8 @@ class VerifierServicer:
             return
         live.add(submit.request_id)
         self.live_ids.add(submit.request_id)
+        if submit.stream_interval and submit.stream_interval != stream.interval:
+            stream.intervals[submit.request_id] = submit.stream_interval
         self.backend.submit(submit, params, stream)
 
     async def Abort(self, request, context):
