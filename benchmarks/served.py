@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import queue
+import resource
 import shlex
 import shutil
 import signal
@@ -306,10 +307,14 @@ def serve_rounds(args, model_flags: list[str], model_path: str, load: list[str],
             if replay is None or r:
                 inside.run_round()
             cpu_before, started = process_cpu(pids), time.perf_counter()
+            client_before = resource.getrusage(resource.RUSAGE_CHILDREN)  # the load's client: the child waited for
             reports.append(bench(["--url", url, "--model-path", model_path, *load,
                                   "--first-round", str(0 if replay is not None else r)], work / f"served_{r}.json",
                                  args.timeout, log))
             wall += time.perf_counter() - started
+            client = resource.getrusage(resource.RUSAGE_CHILDREN)
+            spent[-1] = ("bench_client", spent.get(-1, ("", 0.0))[1] + client.ru_utime + client.ru_stime
+                         - client_before.ru_utime - client_before.ru_stime)
             for pid, (name, seconds) in process_cpu(pids).items():  # the services' CPU in the served rounds only
                 spent[pid] = (name, spent.get(pid, (name, 0.0))[1] + seconds - cpu_before.get(pid, (name, seconds))[1])
         served = {**reports[0], "rounds": args.rounds,
@@ -381,12 +386,13 @@ def main(argv: list[str]) -> int:
               # a fixed plain-Python loop's time on this machine while each side ran (HostSpeed): compare ratios of
               # host-bound points only where the two are alike
               "host_speed": {"served": served.get("host_speed"), "in_process": in_process.get("host_speed")},
+              # each service's CPU over the served rounds, and the load's client's (bench_client: its start included)
               "served_process_cpu": served.get("process_cpu"),
               "served": served, "in_process": in_process}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"served engine loop: {report['served_engine_loop']}")
     print(f"host speed (plain-Python loop, us): {report['host_speed']}")
-    print(f"served services' CPU over the timed rounds: {report['served_process_cpu']}")
+    print(f"served services' and client's CPU over the timed rounds: {report['served_process_cpu']}")
     for point in report["points"]:
         print(f"batch {point['batch_size']:>3} {point['speculative'] or 'plain':<8} served {point['served_tok_s']:>9} "
               f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}"

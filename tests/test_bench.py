@@ -309,8 +309,9 @@ def test_served_against_in_process_in_one_command(tmp_path):
     assert loop["steps"] > 0 and loop["mean_ms"]["step"] > 0 and loop["mean_ms"]["verify"] > 0, loop
     assert {"intake", "metrics", "publish", "schedule", "draft", "accept", "commit"} <= set(loop["mean_ms"]), loop
     cpu = report["served_process_cpu"]  # each of up's services, its CPU over the timed served run (from /proc)
-    assert {"gateway", "verifier", "front_process"} <= set(cpu), cpu
+    assert {"gateway", "verifier", "front_process", "bench_client"} <= set(cpu), cpu  # and the load's client's
     assert cpu["verifier"]["cpu_s"] > 0 and cpu["gateway"]["per_request_ms"] is not None, cpu  # (/proc counts 10 ms ticks)
+    assert cpu["bench_client"]["cpu_s"] > 0.1 and cpu["bench_client"]["processes"] == 1, cpu  # a Python process's start alone
     assert all(0 <= entry["share_of_wall"] <= entry["processes"] * os.cpu_count() + 0.1 for entry in cpu.values()), cpu
 
     names = sorted(p.name.split(".")[1] for p in tmp_path.glob("steps.*.jsonl"))
