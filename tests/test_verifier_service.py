@@ -30,6 +30,8 @@ from splitspec.protos import verifier_pb2_grpc as pb_grpc
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.verifier_svc.grpc_front import Stream
+from splitspec.verifier_svc.step_types import StepEvent, TokenLogprob
+from splitspec.verifier_svc.worker import Submission
 
 PROMPTS = [[13, 290, 350 + i, 13, 290, 350 + i, 13] for i in range(8)]  # repetitive: NGRAM drafts
 
@@ -603,8 +605,7 @@ def test_stream_interval_sends_the_first_token_at_once_then_every_fourth_and_the
 
 def test_a_requests_deltas_that_wait_for_a_slow_reader_are_merged_in_order():
     """A Generate call's Stream: deltas filed while the writer is busy go out as one delta per request (tokens and
-    logprobs appended in order, the latest counts and the finish kept), other requests' apart; with an interval, a
-    request's tokens are held until due, its first and last delta at once."""
+    logprobs appended in order, the latest counts and the finish kept), other requests' apart."""
     def delta(request_id, tokens, finish=pb.FINISH_REASON_UNSPECIFIED, verify_steps=0):
         return pb.TokenDelta(request_id=request_id, token_ids=tokens, finish_reason=finish,
                              logprobs=[pb.TokenLogprob(logprob=-t) for t in tokens],
@@ -621,19 +622,29 @@ def test_a_requests_deltas_that_wait_for_a_slow_reader_are_merged_in_order():
         assert list(a.token_ids) == [1, 2, 3, 4] and [lp.logprob for lp in a.logprobs] == [-1, -2, -3, -4]
         assert a.speculation.verify_steps == 3 and a.finish_reason == pb.FINISH_REASON_LENGTH
         stream.put(delta("a", [9]))  # a finished request's id submitted again: its own delta, not merged
-        assert [list(d.token_ids) for d in await stream.take()] == [[9]]
-
-        held = Stream(interval=3)
-        sent = []
-        for d in [delta("x", [1]), delta("x", [2]), delta("x", [3]), delta("x", [4, 5]), delta("x", [6]),
-                  delta("x", [7], pb.FINISH_REASON_STOP)]:
-            held.put(d)
-            if held.pending:
-                sent += [list(d.token_ids) for d in await held.take()]
-        assert sent == [[1], [2, 3, 4, 5], [6, 7]]
-        assert not held.held and not held.started
+        stream.put(delta("a", [10]))
+        assert [list(d.token_ids) for d in await stream.take()] == [[9, 10]]
 
     asyncio.run(run())
+
+
+def test_an_interval_holds_a_requests_tokens_until_due_its_first_and_last_at_once():
+    """Submission.due (the engine's publish, --stream-interval): with 3, the first token goes alone, then the tokens
+    are held until 3 or more have gathered (a speculative step's 2 on top of 2 held go as 4), and the last delta takes
+    what remains with the finish; logprobs travel with their tokens."""
+    submission = Submission("x", [1, 2], SamplingParams(), False, interval=3)
+    sent = []
+    for tokens, finish in (([1], None), ([2], None), ([3], None), ([4, 5], None), ([6], None), ([7], "length")):
+        event = StepEvent("x", tokens, finish, logprobs=[TokenLogprob(-t, ()) for t in tokens])
+        due = submission.due(event)
+        if due is not None:
+            assert [lp.logprob for lp in due[1]] == [-t for t in due[0]]
+            sent.append(due[0])
+            submission.first = False  # as the publishers do once a delta went
+    assert sent == [[1], [2, 3, 4, 5], [6, 7]]
+    assert submission.held == [] and submission.held_logprobs == []
+    every = Submission("y", [1], SamplingParams(), False)
+    assert [every.due(StepEvent("y", [t], None))[0] for t in (1, 2, 3)] == [[1], [2], [3]]
 
 
 def _children(pid: int) -> list[int]:

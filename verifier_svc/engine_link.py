@@ -38,6 +38,7 @@ BEAT_SECONDS = 1.0
 
 class FrontLink:
     def __init__(self, address: str, log_level: str, stream_interval: int = 1):
+        self.stream_interval = stream_interval  # tokens per delta unless a submission asks its own (Submission.due)
         self.directory = tempfile.mkdtemp(prefix="splitspec-verifier-")  # 0700: only this user reaches the sockets
         self.context = zmq.Context()
         self.out = self.context.socket(zmq.PUSH)
@@ -56,8 +57,7 @@ class FrontLink:
         self.submissions: dict[str, Submission] = {}  # live request id -> its submission
         self.front = lifeline.spawn(  # from the main thread: PR_SET_PDEATHSIG follows the thread that spawns
             [sys.executable, "-m", "splitspec.verifier_svc.front_process", "--engine", f"ipc://{self.directory}/steps",
-             "--commands", f"ipc://{self.directory}/commands", "--address", address, "--log-level", log_level,
-             "--stream-interval", str(stream_interval)])
+             "--commands", f"ipc://{self.directory}/commands", "--address", address, "--log-level", log_level])
 
     def _send(self, message: link.EngineMessage) -> None:
         data = message.SerializeToString()
@@ -71,13 +71,16 @@ class FrontLink:
         message.step.SetInParent()  # the oneof's kind, whatever follows
         deltas = message.step.deltas  # built in place: one message per step, nothing copied into it
         for submission, event in deliveries:
-            convert.fill_delta(deltas.add(), submission.client_id, submission.request, event.new_token_ids,
-                               event.finish_reason, submission.first, event.error, event.logprobs, event.prompt_logprobs,
-                               submission.counts_due(event))
+            due = submission.due(event)
+            if due is None:  # held (--stream-interval)
+                continue
+            convert.fill_delta(deltas.add(), submission.client_id, submission.request, due[0], event.finish_reason,
+                               submission.first, event.error, due[1], event.prompt_logprobs, submission.counts_due(event))
             submission.first = False
             if event.finish_reason is not None:
                 self.submissions.pop(submission.client_id, None)
-        self._send(message)
+        if deltas:  # a step whose tokens are all held sends nothing (the front hears the engine's beat meanwhile)
+            self._send(message)
 
     # the main thread ------------------------------------------------------------------------------
 
@@ -147,7 +150,8 @@ class FrontLink:
         if kind == "submit":
             submit = command.submit
             params = convert.sampling_params(submit.sampling)  # the front checked it; this cannot fail
-            submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate)
+            submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate,
+                                    interval=submit.stream_interval or self.stream_interval)
             self.submissions[submit.request_id] = submission
             self.worker.submit(submission)
         elif kind == "abort":

@@ -72,7 +72,7 @@ class LinkBackend:
         self.send(link.FrontCommand(malformed=method))
 
 
-async def serve(engine_address: str, commands_address: str, address: str, stream_interval: int = 1) -> int:
+async def serve(engine_address: str, commands_address: str, address: str) -> int:
     context = zmq.asyncio.Context()
     inbound = context.socket(zmq.PULL)
     inbound.setsockopt(zmq.LINGER, 0)
@@ -91,7 +91,7 @@ async def serve(engine_address: str, commands_address: str, address: str, stream
     hello = first.hello
     limits = Limits(hello.info.vocab_size, hello.info.max_context_tokens, hello.kv_pages, hello.page_size,
                     hello.tree_tokens)
-    servicer = VerifierServicer(backend, limits, hello.info, backend, stream_interval)
+    servicer = VerifierServicer(backend, limits, hello.info, backend)
     try:
         server, health = await start_server(servicer, address)
     except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError when it cannot bind
@@ -131,11 +131,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--commands", required=True, help="The engine's command endpoint (PUSH here, PULL there).")
     parser.add_argument("--address", required=True, help="Where the gRPC server listens (HOST:PORT).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--stream-interval", type=int, default=1, help="The verifier's --stream-interval.")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # as every service: `kill -USR1` prints the stacks
-    return event_loop.run(serve(args.engine, args.commands, args.address, args.stream_interval))
+    return event_loop.run(serve(args.engine, args.commands, args.address))
 
 
 if __name__ == "__main__":

@@ -73,61 +73,24 @@ class Stream:
     waiting as one GenerateServerMessage. A request's deltas that wait together are merged into one (its tokens and
     logprobs in order, its latest counts and finish): a writer that fell behind, when the gateway reads slower than
     the engine decodes, catches up in fewer and larger deltas instead of one per step per request (vLLM's API server
-    merges its outputs the same way).
+    merges its outputs the same way). (--stream-interval holds tokens before they get here: worker.Submission.due.)"""
 
-    interval (--stream-interval, SGLang's flag; a submission's own stream_interval in intervals): above 1, a
-    request's tokens are held here until interval of them have gathered since its last delta went out; its first
-    delta (the time to first token) and its last go at once. Fewer, larger deltas for the gateway to turn into
-    server-sent events, at the cost of a burstier stream."""
-
-    def __init__(self, interval: int = 1):
-        self.interval = interval
-        self.intervals: dict[str, int] = {}  # requests submitted with an interval of their own, until their last delta
+    def __init__(self):
         # what waits to be written, in order: a TokenDelta under its request id (merged into while it waits), any
         # other item (a Malformed / None from the reader, or Unavailable) under a key of its own
         self.pending: dict = {}
-        self.held: dict[str, pb.TokenDelta] = {}  # interval: tokens gathered and not yet due, by request id
-        self.started: set[str] = set()  # interval: requests whose first delta went out and whose last has not
         self.wake = asyncio.Event()
 
     def put(self, item) -> None:
-        if isinstance(item, pb.TokenDelta):
-            item = self._due(item)
-            if item is None:
-                return
-            key = item.request_id
-            waiting = self.pending.get(key)
-            if waiting is not None and waiting.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        key = item.request_id if isinstance(item, pb.TokenDelta) else object()
+        waiting = self.pending.get(key)
+        if waiting is not None:
+            if waiting.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
                 waiting.MergeFrom(item)  # repeated fields appended, set scalars and counts replaced
                 return
-            if waiting is not None:  # a finished request's last delta waits and its id came back: not merged
-                key = object()
-        else:
-            key = object()
+            key = object()  # a finished request's last delta waits and its id came back: not merged
         self.pending[key] = item
         self.wake.set()
-
-    def _due(self, delta: pb.TokenDelta) -> pb.TokenDelta | None:
-        """The delta to write now (with what was held of its request), or None while its tokens are held."""
-        request_id, interval = delta.request_id, self.interval
-        if self.intervals:
-            interval = self.intervals.get(request_id, interval)
-            if delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                self.intervals.pop(request_id, None)
-        if interval <= 1:
-            return delta
-        held = self.held.pop(request_id, None)
-        if held is not None:
-            held.MergeFrom(delta)
-            delta = held
-        if delta.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.started.discard(request_id)
-        elif request_id not in self.started:
-            self.started.add(request_id)
-        elif len(delta.token_ids) < interval:
-            self.held[request_id] = delta
-            return None
-        return delta
 
     async def take(self) -> list:
         await self.wake.wait()
@@ -167,9 +130,8 @@ class NoCounts:
 
 
 class VerifierServicer:
-    def __init__(self, backend: Backend, limits: Limits, info: pb.ModelInfo, counts: Counts, stream_interval: int = 1):
+    def __init__(self, backend: Backend, limits: Limits, info: pb.ModelInfo, counts: Counts):
         self.backend, self.limits, self.info, self.counts = backend, limits, info, counts
-        self.stream_interval = stream_interval  # Stream's interval (--stream-interval)
         self.step_log = StepLog.from_env("front")  # SPLITSPEC_STEP_LOG: when each submission reached this front
         self.live_ids: set[str] = set()  # every stream's unfinished requests (ids must be unique among them)
         self.streams: set[Stream] = set()
@@ -186,7 +148,7 @@ class VerifierServicer:
     async def Generate(self, request_iterator, context):
         if self.unavailable is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.unavailable)
-        stream = Stream(self.stream_interval)
+        stream = Stream()
         self.streams.add(stream)
         live: set[str] = set()
         reading = True
@@ -248,8 +210,6 @@ class VerifierServicer:
             return
         live.add(submit.request_id)
         self.live_ids.add(submit.request_id)
-        if submit.stream_interval and submit.stream_interval != stream.interval:
-            stream.intervals[submit.request_id] = submit.stream_interval
         self.backend.submit(submit, params, stream)
 
     async def Abort(self, request, context):

@@ -42,12 +42,15 @@ class StreamRouter:
     def publish(self, deliveries) -> None:
         batch = []
         for submission, event in deliveries:
-            batch.append((submission.stream, convert.delta(submission.client_id, submission.request, event.new_token_ids,
+            due = submission.due(event)
+            if due is None:  # held (--stream-interval)
+                continue
+            batch.append((submission.stream, convert.delta(submission.client_id, submission.request, due[0],
                                                            event.finish_reason, submission.first, event.error,
-                                                           event.logprobs, event.prompt_logprobs,
-                                                           submission.counts_due(event))))
+                                                           due[1], event.prompt_logprobs, submission.counts_due(event))))
             submission.first = False
-        self.loop.call_soon_threadsafe(self._file, batch)
+        if batch:
+            self.loop.call_soon_threadsafe(self._file, batch)
 
     @staticmethod
     def _file(batch) -> None:
@@ -58,12 +61,13 @@ class StreamRouter:
 class LocalBackend:
     """The engine on a thread of this process (--disable-frontend-multiprocessing)."""
 
-    def __init__(self, worker: EngineWorker):
-        self.worker = worker
+    def __init__(self, worker: EngineWorker, stream_interval: int = 1):
+        self.worker, self.stream_interval = worker, stream_interval
         self.submissions: dict[str, Submission] = {}  # live request id -> its submission
 
     def submit(self, submit: pb.SubmitRequest, params, stream: Stream) -> None:
-        submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate, stream=stream)
+        submission = Submission(submit.request_id, list(submit.prompt_ids), params, submit.speculate, stream=stream,
+                                interval=submit.stream_interval or self.stream_interval)
         self.submissions[submit.request_id] = submission
         self.worker.submit(submission)
 
@@ -296,7 +300,7 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
         metrics.observe_state(engine)
     worker.start()
     counts = metrics if metrics is not None else NoCounts()  # EngineMetrics counts refusals and malformed messages
-    server, health = await start_server(VerifierServicer(LocalBackend(worker), limits, info, counts, stream_interval),
+    server, health = await start_server(VerifierServicer(LocalBackend(worker, stream_interval), limits, info, counts),
                                         address)
     await asyncio.get_running_loop().run_in_executor(None, ready)
     await set_serving(health)

@@ -45,6 +45,23 @@ class Submission:
     first: bool = True  # no delta sent yet (the first carries the prompt's counts and the seed)
     received: float = 0.0  # perf_counter() when it reached the worker
     counts_sent: tuple[int, int] | None = None  # (verify steps, fallbacks) as the last delta with counts had them
+    interval: int = 1  # tokens per delta (--stream-interval, or the submission's own): see due()
+    held: list[int] = field(default_factory=list)  # tokens not yet in a delta (interval above 1)
+    held_logprobs: list = field(default_factory=list)  # their logprobs, when the request asked for them
+
+    def due(self, event: StepEvent) -> tuple[list[int], list | None] | None:
+        """The tokens (and their logprobs) this step's delta carries, with those held before, or None while they are
+        held: with an interval above 1 a delta goes once that many tokens have gathered, and the first and the last
+        (a finish, an error) at once. A held step costs the publisher a list extend, not a delta."""
+        if not self.held and (self.interval <= 1 or self.first or event.finish_reason is not None):
+            return event.new_token_ids, event.logprobs
+        self.held += event.new_token_ids
+        if event.logprobs:
+            self.held_logprobs += event.logprobs
+        if len(self.held) < self.interval and event.finish_reason is None:
+            return None
+        tokens, logprobs, self.held, self.held_logprobs = self.held, self.held_logprobs or None, [], []
+        return tokens, logprobs
 
     def counts_due(self, event: StepEvent) -> bool:
         """Whether this delta carries the request's speculation counts: on the first and the last, and whenever they
