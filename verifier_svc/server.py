@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "at once, then one message per this many tokens, and its last at its end. Above 1, fewer and "
                         "larger deltas reach the gateway, which turns each into one server-sent event: more tokens/s "
                         "where the gateway's per-event work is the limit (many short steps, a small model), at the cost "
-                        "of a burstier stream. Whatever the value, a request's deltas that wait for a slow reader are "
+                        "of a burstier stream (and a stop string matched up to this many tokens late: the tokens decoded "
+                        "past it are dropped). Whatever the value, a request's deltas that wait for a slow reader are "
                         "merged (SGLang's flag).")
     server.add_argument("--disable-overlap-schedule", action="store_true",
                         help="Run every step to its end before the next one starts. By default, on a GPU, a step's tokens "
