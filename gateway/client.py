@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitspec.protos import channel
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.protos import verifier_pb2_grpc as pb_grpc
+from splitspec.protos.deltas import merge_delta, mergeable
 
 logger = logging.getLogger("splitspec.gateway")
 SERVICE = "splitspec.v1.Verifier"
@@ -55,6 +56,20 @@ class StreamBroken:
         self.code, self.details = code, details
 
 
+class DeltaQueue(asyncio.Queue):
+    """A request's deltas as they wait for its handler: a delta that arrives while an unfinished one still waits is
+    merged into it (tokens and logprobs appended in order, the latest counts and finish: protos/deltas.py), as the
+    verifier's front merges what waits for the gateway. A handler that falls behind (its client reads slowly, the
+    event loop is busy) catches up in one event of many tokens instead of one event per step (vLLM's API server
+    merges outputs the same way)."""
+
+    def _put(self, item) -> None:
+        if self._queue and isinstance(item, pb.TokenDelta) and mergeable(self._queue[-1]):
+            merge_delta(self._queue[-1], item)
+            return
+        self._queue.append(item)
+
+
 class VerifierClient:
     def __init__(self, address: str, on_grpc_error=None, step_log=None):
         self.address = address
@@ -65,7 +80,7 @@ class VerifierClient:
         self.info: pb.ModelInfo | None = None
         self._outbox: asyncio.Queue | None = None
         self._reader: asyncio.Task | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, DeltaQueue] = {}
         self._ids = itertools.count()
         self._on_grpc_error = on_grpc_error or (lambda code: None)
         self._step_log = step_log  # splitspec.step_log: when each submission goes to the stream
@@ -113,13 +128,13 @@ class VerifierClient:
             self._taken = None
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: pb.SamplingParams, speculate: bool,
-               stream_interval: int = 0) -> asyncio.Queue:
+               stream_interval: int = 0) -> DeltaQueue:
         """Queue a submission; returns the queue its deltas (and a StreamBroken on failure) arrive on. stream_interval:
         tokens per delta (0: the verifier's --stream-interval)."""
         self._ensure_stream()
         if self._unwritten_since is None:
             self._unwritten_since = asyncio.get_running_loop().time()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = DeltaQueue()
         self._queues[request_id] = queue
         self._outbox.put_nowait(pb.GenerateClientMessage(submit=pb.SubmitRequest(
             request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, speculate=speculate,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from helpers import spawn_service
-from test_verifier_service import free_port, scrape, start_verifier, stop
+from test_verifier_service import free_port, scrape, start_verifier, stop, token_delta
 
 from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
@@ -899,6 +899,32 @@ def test_a_stalled_stream_reader_holds_no_one_else(stack):
           f"(the same request read at once: {read_at_once:.1f} s); "
           f"3 other requests took {others:.1f} s meanwhile; the stream was {len(raw) / 1024:.0f} KiB")
     assert len(raw) > 64 << 10  # more than the socket buffers between them hold: the gateway held the rest
+
+
+def test_a_handler_that_falls_behind_takes_what_waited_as_one_delta():
+    """A request's queue in the gateway (DeltaQueue): deltas that arrive while an unfinished one waits for its
+    handler are merged into it (tokens and logprobs in order, the latest counts and finish), so a handler behind its
+    stream writes one event for them; one taken is never changed, a finished one is never merged into, and a broken
+    stream's marker stays apart."""
+    from splitspec.gateway.client import DeltaQueue, StreamBroken
+    from splitspec.protos import verifier_pb2 as pb
+
+    async def run():
+        queue = DeltaQueue()
+        queue.put_nowait(token_delta("r", [1], verify_steps=1))
+        first = await queue.get()  # taken at once: nothing to merge
+        for d in (token_delta("r", [2, 3], verify_steps=2), token_delta("r", [4], verify_steps=3),
+                  token_delta("r", [5], pb.FINISH_REASON_LENGTH, verify_steps=4), token_delta("r", [6])):
+            queue.put_nowait(d)
+        queue.put_nowait(StreamBroken("UNAVAILABLE", "the Generate stream ended"))
+        assert list(first.token_ids) == [1] and queue.qsize() == 3
+        merged, after, broken = [queue.get_nowait() for _ in range(3)]
+        assert list(merged.token_ids) == [2, 3, 4, 5] and [lp.logprob for lp in merged.logprobs] == [-2, -3, -4, -5]
+        assert merged.finish_reason == pb.FINISH_REASON_LENGTH and merged.speculation.verify_steps == 4
+        assert list(merged.speculation.accepted_per_position) == [4, 3]
+        assert list(after.token_ids) == [6] and isinstance(broken, StreamBroken)
+
+    asyncio.run(run())
 
 
 def test_an_idle_keep_alive_connection_outlives_the_clients_own_expiry(stack):

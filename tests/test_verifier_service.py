@@ -603,26 +603,30 @@ def test_stream_interval_sends_the_first_token_at_once_then_every_fourth_and_the
         assert interval > 1 or not set(ends[:-1]) <= {1, 5, 9, 13}, ends  # not the verifier's 4
 
 
+def token_delta(request_id, tokens, finish=pb.FINISH_REASON_UNSPECIFIED, verify_steps=0):
+    """A TokenDelta as the engine files it (its speculation counts: verify_steps and per-position acceptance so far)."""
+    return pb.TokenDelta(request_id=request_id, token_ids=tokens, finish_reason=finish,
+                         logprobs=[pb.TokenLogprob(logprob=-t) for t in tokens],
+                         speculation=pb.SpeculationCounts(verify_steps=verify_steps,
+                                                          accepted_per_position=[verify_steps, verify_steps - 1][:verify_steps]))
+
+
 def test_a_requests_deltas_that_wait_for_a_slow_reader_are_merged_in_order():
     """A Generate call's Stream: deltas filed while the writer is busy go out as one delta per request (tokens and
     logprobs appended in order, the latest counts and the finish kept), other requests' apart."""
-    def delta(request_id, tokens, finish=pb.FINISH_REASON_UNSPECIFIED, verify_steps=0):
-        return pb.TokenDelta(request_id=request_id, token_ids=tokens, finish_reason=finish,
-                             logprobs=[pb.TokenLogprob(logprob=-t) for t in tokens],
-                             speculation=pb.SpeculationCounts(verify_steps=verify_steps))
-
     async def run():
         stream = Stream()
-        for d in (delta("a", [1], verify_steps=1), delta("b", [7]), delta("a", [2, 3], verify_steps=2),
-                  delta("a", [4], pb.FINISH_REASON_LENGTH, verify_steps=3)):
+        for d in (token_delta("a", [1], verify_steps=1), token_delta("b", [7]), token_delta("a", [2, 3], verify_steps=2),
+                  token_delta("a", [4], pb.FINISH_REASON_LENGTH, verify_steps=3)):
             stream.put(d)
         first = await stream.take()
         assert [d.request_id for d in first] == ["a", "b"]
         a = first[0]
         assert list(a.token_ids) == [1, 2, 3, 4] and [lp.logprob for lp in a.logprobs] == [-1, -2, -3, -4]
         assert a.speculation.verify_steps == 3 and a.finish_reason == pb.FINISH_REASON_LENGTH
-        stream.put(delta("a", [9]))  # a finished request's id submitted again: its own delta, not merged
-        stream.put(delta("a", [10]))
+        assert list(a.speculation.accepted_per_position) == [3, 2]  # the latest counts, not every delta's appended
+        stream.put(token_delta("a", [9]))  # a finished request's id submitted again: its own delta, not merged
+        stream.put(token_delta("a", [10]))
         assert [list(d.token_ids) for d in await stream.take()] == [[9, 10]]
 
     asyncio.run(run())

@@ -21,6 +21,7 @@ import grpc
 
 from splitspec.step_log import StepLog
 from splitspec.protos import verifier_pb2 as pb
+from splitspec.protos.deltas import merge_delta, mergeable
 from splitspec.verifier_svc import convert
 
 logger = logging.getLogger("splitspec.verifier")
@@ -85,8 +86,8 @@ class Stream:
         key = item.request_id if isinstance(item, pb.TokenDelta) else object()
         waiting = self.pending.get(key)
         if waiting is not None:
-            if waiting.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                waiting.MergeFrom(item)  # repeated fields appended, set scalars and counts replaced
+            if mergeable(waiting):
+                merge_delta(waiting, item)  # tokens and logprobs appended, the latest counts and finish
                 return
             key = object()  # a finished request's last delta waits and its id came back: not merged
         self.pending[key] = item
