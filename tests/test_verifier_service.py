@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -560,6 +561,31 @@ def test_a_request_bigger_than_the_kv_cache_is_refused_with_resource_exhausted(t
     assert results["big"]["finish"] == pb.FINISH_REASON_ERROR and "--max-total-tokens" in results["big"]["error"]
     assert results["big"]["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
     assert results["ok"]["finish"] == pb.FINISH_REASON_LENGTH and len(results["ok"]["tokens"]) == 8
+
+
+def test_the_log_says_what_the_engine_does_a_line_per_prefill_and_every_few_decode_steps():
+    """--decode-log-interval 4 (SGLang's "Prefill batch" / "Decode batch" lines): a line for each step that prefilled
+    prompts, whose new requests add up to those sent, and one every 4 decode steps with the batch, the KV cache, the
+    tokens/s since the last line, and NGRAM's accept length and drafted share; each decode line's tokens are at least
+    its 4 steps' and at most what the requests generated in all."""
+    process, stub = start_verifier("--log-level", "info", "--decode-log-interval", "4")
+    try:
+        results = collect(stub, [submit(f"log{i}", p, max_new_tokens=24) for i, p in enumerate(PROMPTS[:3])], 3)
+    finally:
+        stop(process, stub)
+    assert all(len(r["tokens"]) == 24 and r["finish"] == pb.FINISH_REASON_LENGTH for r in results.values())
+    log = process.stderr.read()
+    prefills = re.findall(r"prefill: (\d+) new request\(s\), (\d+) prompt tokens computed", log)
+    assert sum(int(n) for n, _ in prefills) == 3 and sum(int(t) for _, t in prefills) == 3 * len(PROMPTS[0])
+    decodes = re.findall(r"decode: (\d+) running, (\d+) waiting; KV cache ([\d.]+)% used[^;]*; ([\d.]+) tokens/s over "
+                         r"the last 4 steps \(([\d.]+) ms a step\); speculation: (?:accept length ([\d.]+), )?(\d+)% "
+                         r"of request-steps drafted", log)
+    assert decodes and len(decodes) == log.count(" decode: "), log[-3000:]  # every line says how the requests drafted
+    for running, waiting, kv, rate, step_ms, accept, drafted in decodes:
+        assert 1 <= int(running) <= 3 and int(waiting) == 0 and 0 < float(kv) <= 100
+        tokens = float(rate) * 4 * float(step_ms) / 1e3  # the line's tokens: its rate over its 4 steps' time
+        assert 4 - 0.1 <= tokens <= 3 * 23 + 0.1 and 0 <= int(drafted) <= 100
+    assert any(accept and float(accept) > 1 for *_, accept, _ in decodes)  # NGRAM's drafts accepted on these prompts
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_every_fourth_and_the_last(verifier, tiny_verifier):

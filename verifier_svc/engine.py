@@ -158,6 +158,7 @@ class Engine(Scheduling, OverlapSchedule):
         """The step's report completed (and observed by the adaptive policy); its events returned."""
         self.report.prefill_tokens = sum(c.end - c.start for c in prefills)
         self.report.generated_tokens = sum(len(e.new_token_ids) for e in events)
+        self.report.decode_requests = len(verifies)
         self.report.finished = [e.finish_reason for e in events if e.finish_reason]
         if self.adaptive is not None and observe:
             self._observe(verifies, start)
@@ -412,6 +413,7 @@ class Engine(Scheduling, OverlapSchedule):
             elif chunk.samples:
                 row = cu_logits[i + 1] - 1  # its last row (the only one, unless the prompt's logprobs were asked)
                 self.report.prompt_tokens += len(request.prompt_ids)
+                self.report.new_requests += 1
                 row_logits = logits[row : row + 1]
                 if targets is not None and not request.params.has_penalties:
                     token = targets[row]

@@ -25,6 +25,7 @@ from splitspec.verifier_svc import convert
 from splitspec.verifier_svc.adaptive import verify_tree_sizes
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
+from splitspec.verifier_svc.stats_log import DEFAULT_DECODE_LOG_INTERVAL, StatsLog
 from splitspec.verifier_svc.warmup import warm_up
 from splitspec.verifier_svc.worker import EngineWorker, Submission
 
@@ -112,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "of a burstier stream (and a stop string matched up to this many tokens late: the tokens decoded "
                         "past it are dropped). Whatever the value, a request's deltas that wait for a slow reader are "
                         "merged (SGLang's flag).")
+    server.add_argument("--decode-log-interval", type=int, default=DEFAULT_DECODE_LOG_INTERVAL,
+                        help="Log a line every this many decode steps (at info): the running and waiting requests, the KV "
+                        "cache's use, the tokens/s generated since the last line and, with speculation, the accept "
+                        "length and the share of request-steps that drafted; and a line for each step that prefilled "
+                        "prompts. 0: no such lines (SGLang's flag).")
     server.add_argument("--disable-overlap-schedule", action="store_true",
                         help="Run every step to its end before the next one starts. By default, on a GPU, a step's tokens "
                         "and metrics are published while the next step's forward runs on the device, and a plain decoding "
@@ -215,12 +221,19 @@ def grammar_compiler(model_dir, vocab_size: int, eos: set[int]):
     return Compiler.for_model(str(model_dir), vocab_size, eos)
 
 
+def check_intervals(args: argparse.Namespace) -> None:
+    """--stream-interval and --decode-log-interval, refused before the model loads when they cannot be honoured."""
+    for flag, value, least, what in (("--stream-interval", args.stream_interval, 1, "at least 1 token"),
+                                     ("--decode-log-interval", args.decode_log_interval, 0, "0 (no lines) or more steps")):
+        if value < least:
+            raise SystemExit(f"splitspec verifier: {flag} {value}: must be {what}")
+
+
 def serve(args: argparse.Namespace, settings: speculation.Speculation | None, curve: ServerKeys | None = None) -> int:
     from splitspec.runtime.config import eos_token_ids
     from splitspec.runtime.runner import ModelRunner
 
-    if args.stream_interval < 1:
-        raise SystemExit(f"splitspec verifier: --stream-interval {args.stream_interval}: must be at least 1 token")
+    check_intervals(args)
     model_dir = model_flags.resolve_model(args)
     runner = ModelRunner.load(model_flags.runtime_config(args, model_dir))
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
@@ -276,12 +289,14 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
                     "on this process" if args.disable_frontend_multiprocessing else "in its front process")
 
     if args.disable_frontend_multiprocessing:
-        return event_loop.run(serve_here(engine, metrics, overlap, info, limits, address, ready, args.stream_interval))
+        return event_loop.run(serve_here(engine, metrics, overlap, info, limits, address, ready, args.stream_interval,
+                                         StatsLog(args.decode_log_interval)))
     from splitspec.verifier_svc.engine_link import FrontLink
 
     front = FrontLink(address, args.log_level, args.stream_interval)
     try:
-        worker = EngineWorker(engine, metrics, publish=front.publish, overlap=overlap)
+        worker = EngineWorker(engine, metrics, publish=front.publish, overlap=overlap,
+                              stats=StatsLog(args.decode_log_interval))
         if metrics is not None:
             metrics.observe_state(engine)
         worker.start()
@@ -294,9 +309,10 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
 
 
 async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo, limits: Limits, address: str,
-                     ready, stream_interval: int = 1) -> int:
+                     ready, stream_interval: int = 1, stats: StatsLog | None = None) -> int:
     """gRPC on this process's event loop (--disable-frontend-multiprocessing)."""
-    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap)
+    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap,
+                          stats=stats)
     if metrics is not None:
         metrics.observe_state(engine)
     worker.start()

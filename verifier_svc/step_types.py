@@ -154,6 +154,8 @@ class StepReport:
     seconds: dict[str, float] = field(default_factory=dict)  # schedule, draft, verify, accept, commit
     prefill_tokens: int = 0  # tokens prefilled this step (recomputation after preemption included)
     prompt_tokens: int = 0  # prompt tokens of requests that got their first token this step
+    new_requests: int = 0  # requests that got their first token this step (from their prompt's last chunk)
+    decode_requests: int = 0  # requests whose next tokens this step verified (a root alone: plain decoding)
     generated_tokens: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # per verify with drafts: accepted + 1
     tree_depths: list[int] = field(default_factory=list)  # per verify with drafts: the tree's depth

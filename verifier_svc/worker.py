@@ -27,6 +27,7 @@ from splitspec.host_profile import HostProfile
 from splitspec.step_log import StepLog
 from splitspec.sync_debug import SyncCounter
 from splitspec.verifier_svc.engine import Engine
+from splitspec.verifier_svc.stats_log import StatsLog
 from splitspec.verifier_svc.step_watchdog import STALL_SECONDS, StepWatchdog
 from splitspec.verifier_svc.step_types import Request, StepEvent
 
@@ -106,10 +107,11 @@ def pin_engine_thread() -> None:
 
 class EngineWorker(threading.Thread):
     def __init__(self, engine: Engine, metrics=None, publish: Callable[[list[Delivery]], None] = deliver_each,
-                 overlap: bool = False, stall_seconds: float = STALL_SECONDS):
-        """stall_seconds: a step running longer has the engine thread's stack logged (StepWatchdog)."""
+                 overlap: bool = False, stall_seconds: float = STALL_SECONDS, stats: StatsLog | None = None):
+        """stall_seconds: a step running longer has the engine thread's stack logged (StepWatchdog); stats: the log's
+        prefill and decode lines (--decode-log-interval)."""
         super().__init__(name="engine", daemon=True)
-        self.engine, self.metrics, self.publish = engine, metrics, publish
+        self.engine, self.metrics, self.publish, self.stats = engine, metrics, publish, stats
         self.inbox: queue.Queue = queue.Queue()
         self.live: dict[str, Submission] = {}  # engine request id -> submission
         self.overlap = overlap
@@ -197,6 +199,8 @@ class EngineWorker(threading.Thread):
         began = time.perf_counter()
         if self.metrics is not None:
             self.metrics.observe(self.engine, report)
+        if self.stats is not None:
+            self.stats.observe(self.engine, report)
         observed = time.perf_counter()
         if deliveries:
             if self.step_log is not None:
