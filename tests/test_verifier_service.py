@@ -568,7 +568,7 @@ def test_the_log_says_what_the_engine_does_a_line_per_prefill_and_every_few_deco
     prompts, whose new requests add up to those sent, and one every 4 decode steps with the batch, the KV cache, the
     tokens/s since the last line, and NGRAM's accept length and drafted share; each decode line's tokens are at least
     its 4 steps' and at most what the requests generated in all."""
-    process, stub = start_verifier("--log-level", "info", "--decode-log-interval", "4")
+    process, stub = start_verifier("--log-level", "info", "--decode-log-interval", "4", "--watchdog-timeout", "120")
     try:
         results = collect(stub, [submit(f"log{i}", p, max_new_tokens=24) for i, p in enumerate(PROMPTS[:3])], 3)
     finally:
@@ -586,6 +586,47 @@ def test_the_log_says_what_the_engine_does_a_line_per_prefill_and_every_few_deco
         tokens = float(rate) * 4 * float(step_ms) / 1e3  # the line's tokens: its rate over its 4 steps' time
         assert 4 - 0.1 <= tokens <= 3 * 23 + 0.1 and 0 <= int(drafted) <= 100
     assert any(accept and float(accept) > 1 for *_, accept, _ in decodes)  # NGRAM's drafts accepted on these prompts
+
+
+def test_a_step_past_the_watchdog_timeout_ends_the_process_with_its_stack_logged():
+    """--watchdog-timeout (SGLang's): the engine's StepWatchdog, in a process of its own, over a thread whose "step"
+    never ends: a warning with the thread's stack once the step passes the stall threshold, then, past the timeout,
+    an error with the stack and the process's exit with the watchdog's code (a hung verifier ends, and its deployment
+    starts it again); a step that ends in time leaves the process alone."""
+    script = """
+import logging, sys, threading, time
+from splitspec.verifier_svc.step_watchdog import StepWatchdog
+logging.basicConfig(level=logging.INFO)
+
+class Worker:
+    step_began = None
+    ident = None
+
+def steps(worker, hang):
+    worker.step_began = time.perf_counter()
+    time.sleep(0.05)  # a step that ends in time
+    worker.step_began = None
+    time.sleep(0.05)
+    if hang:
+        worker.step_began = time.perf_counter()
+        threading.Event().wait()  # a step that never ends
+
+worker = Worker()
+thread = threading.Thread(target=steps, args=(worker, sys.argv[1] == "hang"), daemon=True)
+thread.start()
+worker.ident = thread.ident
+StepWatchdog(worker, threshold_s=0.5, exit_after_s=1.5).start()
+thread.join(5)
+print("the process went on", flush=True)
+"""
+    from splitspec.verifier_svc.step_watchdog import EXIT_CODE
+
+    hung = subprocess.run([sys.executable, "-P", "-c", script, "hang"], capture_output=True, text=True, timeout=120)
+    assert hung.returncode == EXIT_CODE and "went on" not in hung.stdout, hung.stderr[-3000:]
+    assert "WARNING" in hung.stderr and "an engine step has run for" in hung.stderr
+    assert "past --watchdog-timeout (1.5 s): the verifier exits" in hung.stderr and "in steps" in hung.stderr
+    fine = subprocess.run([sys.executable, "-P", "-c", script, "fine"], capture_output=True, text=True, timeout=120)
+    assert fine.returncode == 0 and "the process went on" in fine.stdout and "engine step" not in fine.stderr
 
 
 def test_stream_interval_sends_the_first_token_at_once_then_every_fourth_and_the_last(verifier, tiny_verifier):

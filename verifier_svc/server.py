@@ -26,6 +26,7 @@ from splitspec.verifier_svc.adaptive import verify_tree_sizes
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
 from splitspec.verifier_svc.stats_log import DEFAULT_DECODE_LOG_INTERVAL, StatsLog
+from splitspec.verifier_svc.step_watchdog import WATCHDOG_TIMEOUT_SECONDS
 from splitspec.verifier_svc.warmup import warm_up
 from splitspec.verifier_svc.worker import EngineWorker, Submission
 
@@ -118,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache's use, the tokens/s generated since the last line and, with speculation, the accept "
                         "length and the share of request-steps that drafted; and a line for each step that prefilled "
                         "prompts. 0: no such lines (SGLang's flag).")
+    server.add_argument("--watchdog-timeout", type=float, default=WATCHDOG_TIMEOUT_SECONDS,
+                        help="Seconds a single engine step may run before the verifier exits (its streams end with an "
+                        "error; `splitspec up` and compose's restart policy start it again), the engine thread's stack "
+                        "logged first; a step past 20 s has its stack logged as a warning. 0: never exit (SGLang's flag).")
     server.add_argument("--disable-overlap-schedule", action="store_true",
                         help="Run every step to its end before the next one starts. By default, on a GPU, a step's tokens "
                         "and metrics are published while the next step's forward runs on the device, and a plain decoding "
@@ -222,9 +227,11 @@ def grammar_compiler(model_dir, vocab_size: int, eos: set[int]):
 
 
 def check_intervals(args: argparse.Namespace) -> None:
-    """--stream-interval and --decode-log-interval, refused before the model loads when they cannot be honoured."""
+    """--stream-interval, --decode-log-interval and --watchdog-timeout, refused before the model loads when they
+    cannot be honoured."""
     for flag, value, least, what in (("--stream-interval", args.stream_interval, 1, "at least 1 token"),
-                                     ("--decode-log-interval", args.decode_log_interval, 0, "0 (no lines) or more steps")):
+                                     ("--decode-log-interval", args.decode_log_interval, 0, "0 (no lines) or more steps"),
+                                     ("--watchdog-timeout", args.watchdog_timeout, 0, "0 (never) or more seconds")):
         if value < least:
             raise SystemExit(f"splitspec verifier: {flag} {value}: must be {what}")
 
@@ -290,13 +297,13 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
 
     if args.disable_frontend_multiprocessing:
         return event_loop.run(serve_here(engine, metrics, overlap, info, limits, address, ready, args.stream_interval,
-                                         StatsLog(args.decode_log_interval)))
+                                         StatsLog(args.decode_log_interval), args.watchdog_timeout))
     from splitspec.verifier_svc.engine_link import FrontLink
 
     front = FrontLink(address, args.log_level, args.stream_interval)
     try:
         worker = EngineWorker(engine, metrics, publish=front.publish, overlap=overlap,
-                              stats=StatsLog(args.decode_log_interval))
+                              stats=StatsLog(args.decode_log_interval), watchdog_timeout=args.watchdog_timeout)
         if metrics is not None:
             metrics.observe_state(engine)
         worker.start()
@@ -309,10 +316,11 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
 
 
 async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo, limits: Limits, address: str,
-                     ready, stream_interval: int = 1, stats: StatsLog | None = None) -> int:
+                     ready, stream_interval: int = 1, stats: StatsLog | None = None,
+                     watchdog_timeout: float = 0.0) -> int:
     """gRPC on this process's event loop (--disable-frontend-multiprocessing)."""
     worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap,
-                          stats=stats)
+                          stats=stats, watchdog_timeout=watchdog_timeout)
     if metrics is not None:
         metrics.observe_state(engine)
     worker.start()

@@ -107,9 +107,11 @@ def pin_engine_thread() -> None:
 
 class EngineWorker(threading.Thread):
     def __init__(self, engine: Engine, metrics=None, publish: Callable[[list[Delivery]], None] = deliver_each,
-                 overlap: bool = False, stall_seconds: float = STALL_SECONDS, stats: StatsLog | None = None):
-        """stall_seconds: a step running longer has the engine thread's stack logged (StepWatchdog); stats: the log's
-        prefill and decode lines (--decode-log-interval)."""
+                 overlap: bool = False, stall_seconds: float = STALL_SECONDS, stats: StatsLog | None = None,
+                 watchdog_timeout: float = 0.0):
+        """stall_seconds: a step running longer has the engine thread's stack logged (StepWatchdog); watchdog_timeout:
+        one running longer ends the process (0: never); stats: the log's prefill and decode lines
+        (--decode-log-interval)."""
         super().__init__(name="engine", daemon=True)
         self.engine, self.metrics, self.publish, self.stats = engine, metrics, publish, stats
         self.inbox: queue.Queue = queue.Queue()
@@ -118,7 +120,7 @@ class EngineWorker(threading.Thread):
         self._pending: tuple[object, list[Delivery]] | None = None  # the last step's (report, deliveries), unpublished
         self._flushed = {"metrics": 0.0, "publish": 0.0}  # seconds spent publishing since the loop last looked
         self.step_began: float | None = None  # perf_counter() at the running step's start, None between steps
-        self.watchdog = StepWatchdog(self, stall_seconds)
+        self.watchdog = StepWatchdog(self, stall_seconds, exit_after_s=watchdog_timeout)
         self.step_log = StepLog.from_env("verifier")  # SPLITSPEC_STEP_LOG
         if overlap:
             engine.while_forward = self._flush
