@@ -43,11 +43,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_verifier(*extra: str, port: int | None = None):
-    """A `splitspec verifier` process with metrics; returns (process, stub). stub.metrics_port is set."""
-    port, metrics_port = port or free_port(), free_port()
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def start_verifier(*extra: str, port: int | None = None, enable_metrics: bool = False):
+    """A `splitspec verifier` process with metrics; returns (process, stub). stub.metrics_port is set: a free port, or
+    with enable_metrics the one --enable-metrics takes without --metrics-port (--port + 1)."""
+    if port is None:
+        port = free_port()
+        while enable_metrics and not _free(port + 1):
+            port = free_port()
+    metrics_port = port + 1 if enable_metrics else free_port()
+    metrics = ["--enable-metrics"] if enable_metrics else ["--metrics-port", str(metrics_port)]
     process = spawn_service(
-        [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), "--metrics-port", str(metrics_port),
+        [sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(port), *metrics,
          "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8",
          "--log-level", "warning", *extra])
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -567,13 +582,17 @@ def test_the_log_says_what_the_engine_does_a_line_per_prefill_and_every_few_deco
     """--decode-log-interval 4 (SGLang's "Prefill batch" / "Decode batch" lines): a line for each step that prefilled
     prompts, whose new requests add up to those sent, and one every 4 decode steps with the batch, the KV cache, the
     tokens/s since the last line, and NGRAM's accept length and drafted share; each decode line's tokens are at least
-    its 4 steps' and at most what the requests generated in all."""
-    process, stub = start_verifier("--log-level", "info", "--decode-log-interval", "4", "--watchdog-timeout", "120")
+    its 4 steps' and at most what the requests generated in all. Started as `up` passes SGLang's launch flags:
+    --enable-metrics without --metrics-port serves the metrics on --port + 1."""
+    process, stub = start_verifier("--log-level", "info", "--decode-log-interval", "4", "--watchdog-timeout", "120",
+                                   "--enable-cache-report", enable_metrics=True)  # SGLang's flags, as `up` passes them
     try:
         results = collect(stub, [submit(f"log{i}", p, max_new_tokens=24) for i, p in enumerate(PROMPTS[:3])], 3)
+        generated = scrape(stub.metrics_url)[("splitspec:generation_tokens_total", ())]  # on --port + 1
     finally:
         stop(process, stub)
     assert all(len(r["tokens"]) == 24 and r["finish"] == pb.FINISH_REASON_LENGTH for r in results.values())
+    assert generated == 3 * 24
     log = process.stderr.read()
     prefills = re.findall(r"prefill: (\d+) new request\(s\), (\d+) prompt tokens computed", log)
     assert sum(int(n) for n, _ in prefills) == 3 and sum(int(t) for _, t in prefills) == 3 * len(PROMPTS[0])

@@ -101,7 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "regex, ebnf): xgrammar, or none to serve without them (such requests then end with an error). "
                         "SGLang's flag; its outlines and llguidance backends are not served.")
     server.add_argument("--metrics-port", type=int, default=None,
-                        help="Serve Prometheus metrics on this port at /metrics (default: no metrics server).")
+                        help="Serve Prometheus metrics on this port at /metrics (default: no metrics server, unless "
+                        "--enable-metrics).")
+    server.add_argument("--enable-metrics", action="store_true",
+                        help="Serve Prometheus metrics at /metrics on --port + 1 when --metrics-port is not given "
+                        "(`splitspec up` gives it: the gateway's port + 2). SGLang's flag; the gateway always serves its "
+                        "own /metrics.")
+    server.add_argument("--enable-cache-report", action="store_true",
+                        help="Accepted (SGLang's flag): every answer reports its prompt tokens served from the prefix "
+                        "cache (usage.prompt_tokens_details.cached_tokens) whether or not it is given.")
     server.add_argument("--disable-frontend-multiprocessing", action="store_true",
                         help="Serve gRPC (the gateway's streams and their protobuf) on this process's event loop, beside "
                         "the engine's thread. By default a front process does it, so that it never takes the engine's GIL "
@@ -241,6 +249,8 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
     from splitspec.runtime.runner import ModelRunner
 
     check_intervals(args)
+    if args.enable_metrics and args.metrics_port is None:
+        args.metrics_port = args.port + 1
     model_dir = model_flags.resolve_model(args)
     runner = ModelRunner.load(model_flags.runtime_config(args, model_dir))
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
