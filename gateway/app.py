@@ -106,6 +106,7 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
             raise
         task.uncancel()  # the client went away: an ordinary end (no traceback), answered to no one
         gateway.metrics.answered(endpoint, "499").inc()
+        gateway.log_request(endpoint, rid, "499 (the client left)", g, prompts, choices, arrival)
         return Response(status_code=499)
     finally:
         watcher.cancel()
@@ -115,8 +116,10 @@ async def generate(gateway: Gateway, request: Request, endpoint: str, chat: bool
         gateway.finished(choice)
     failed = next((c.error for c in choices if c.error is not None), None)
     if failed is not None:
+        gateway.log_request(endpoint, rid, f"{failed.status} ({failed.message})", g, prompts, choices, arrival)
         return error_response(gateway, failed, endpoint)
     gateway.metrics.answered(endpoint, "200").inc()
+    gateway.log_request(endpoint, rid, "200", g, prompts, choices, arrival)
     return JSONResponse(whole_response(gateway, g, prompts, choices, rid, chat))
 
 

@@ -16,6 +16,7 @@ from splitspec.gateway.client import StreamBroken, VerifierClient
 from splitspec.gateway.ids import process_tag
 from splitspec.gateway.metrics import GatewayMetrics
 from splitspec.gateway.protocol import APIError, Generation, invalid
+from splitspec.gateway.request_log import log_request
 from splitspec.gateway.text import IncrementalDecoder, StopMatcher, TextCodec
 from splitspec.gateway.tools import ToolOutput
 from splitspec.gateway.tokenizing import Tokenizing, is_token_ids
@@ -42,6 +43,7 @@ class GatewayConfig:
     workers_dir: str | None = None  # one of --tokenizer-worker-num's processes: where each marks itself ready
     workers: int = 1
     serve_when_ready: bool = False  # accept no connection before the verifier's info and the tokenizer are in
+    log_requests_level: int = -1  # --log-requests: a line per answered request at this level (-1: none)
 
 
 @dataclass
@@ -320,6 +322,13 @@ class Gateway:
             self.accepted_tokens += choice.speculation.accepted_tokens
         self.metrics.completion_tokens_served.inc(choice.tokens)
         self.metrics.finished_as(choice.finish_reason or "abort").inc()
+
+    def log_request(self, endpoint: str, rid: str, status: str, g, prompts: list[list[int]], choices: list[Choice],
+                    arrival: float) -> None:
+        """--log-requests: the request's line, as it ends (gateway/request_log.py)."""
+        if self.config.log_requests_level >= 0:
+            log_request(self.config.log_requests_level, endpoint, rid, status, g, prompts, choices,
+                        time.perf_counter() - arrival)
 
     def abort_unfinished(self, choices: list[Choice], cause: str) -> None:
         for choice in choices:

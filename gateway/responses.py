@@ -235,5 +235,9 @@ async def stream(gateway: Gateway, g: Generation, prompts: list[list[int]], choi
                         type(ended).__name__ if ended is not None else "closed", [c.tokens for c in choices],
                         [c.request_id for c in choices])
             gateway.abort_unfinished(choices, "disconnect")
+        failed = next((c.error for c in choices if c.error is not None), None)
+        gateway.log_request("/v1/chat/completions" if chat else "/v1/completions", rid,
+                            "200, streamed" + (f", ended by an error {failed.status} ({failed.message})" if failed else
+                                               "" if sent_done else ", the client left"), g, prompts, choices, arrival)
         gateway.release(admitted)
         gateway.metrics.in_flight_served.dec()

@@ -8,6 +8,7 @@ import os
 import socket
 import sys
 
+from splitspec.gateway.request_log import LEVELS, PARTIAL_CHARS
 from splitspec.log_format import setup_logging
 
 
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "verifier, and the kernel spreads connections over them (SO_REUSEPORT). More than one "
                         "shortens a burst's way to the engine when one process is the queue. /metrics sums them all; "
                         "--max-queued-requests is shared out among them; a worker that dies is started again.")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="Log a line (at info) for each request answered, as it ends: its outcome, tokens, seconds "
+                        "and accept length, and more by --log-requests-level (SGLang's flag).")
+    parser.add_argument("--log-requests-level", type=int, default=2, choices=LEVELS,
+                        help="What --log-requests logs: 0 the outcome, 1 also the sampling parameters, 2 also the prompt "
+                        f"and the output texts cut to {PARTIAL_CHARS} characters each, 3 the whole texts (SGLang's levels).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="Log level of the gateway and uvicorn.")
     return parser
@@ -57,7 +64,9 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
         if not action.option_strings or action.dest in ("help", "tokenizer_worker_num", "max_queued_requests"):
             continue
         value = getattr(args, action.dest)
-        if value is not None:
+        if action.nargs == 0:  # a switch (store_true): present or not
+            flags += [action.option_strings[0]] if value else []
+        elif value is not None:
             flags += [action.option_strings[0], str(value)]
     return flags
 
@@ -91,7 +100,8 @@ def serve(args: argparse.Namespace, sock: socket.socket | None = None) -> int:
                            max_queued_requests=args.max_queued_requests,
                            max_request_body_bytes=args.max_request_body_bytes, tokenizer_threads=args.tokenizer_threads,
                            workers_dir=getattr(args, "workers_dir", None), workers=getattr(args, "workers", 1),
-                           serve_when_ready=getattr(args, "serve_when_ready", False))
+                           serve_when_ready=getattr(args, "serve_when_ready", False),
+                           log_requests_level=args.log_requests_level if args.log_requests else -1)
     loop, http = event_loop.name(), event_loop.http_parser()
     logging.getLogger("splitspec.gateway").info("gateway%s on http://%s:%d, verifier at %s (event loop %s, HTTP parser %s)",
                                                 "" if sock is None else f" worker {os.getpid()}", args.host, args.port,

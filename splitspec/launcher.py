@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "of requests (docs/deploy.md).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="Log level of every service.")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="Passed to the gateway: a log line for each request answered (SGLang's flag).")
+    parser.add_argument("--log-requests-level", type=int, default=None, choices=(0, 1, 2, 3),
+                        help="Passed to the gateway: what --log-requests logs (0 the outcome ... 3 the whole texts; the "
+                        "gateway's default 2).")
     parser.add_argument("--health-timeout", type=float, default=600.0,
                         help="Seconds to wait for the services to serve before giving up.")
     parser.add_argument("--max-restarts", type=int, default=10,
@@ -139,7 +144,8 @@ class Launcher:
                 raise SystemExit(f"splitspec up: error: --zmq-curve-keys {args.zmq_curve_keys}: {exc}") from None
         commands = service_commands(model, draft, algorithm, served, extra, drafters, args.port, args.host,
                                     args.log_level, args.api_key, curve_keys=args.zmq_curve_keys,
-                                    gateway_workers=args.tokenizer_worker_num)
+                                    gateway_workers=args.tokenizer_worker_num,
+                                    gateway_flags=gateway_log_flags(args))
         python = [sys.executable, "-m", "splitspec"]
         if args.prometheus_config:
             with open(args.prometheus_config, "w") as f:
@@ -345,15 +351,21 @@ def default_drafters(algorithm: str | None, device: str | None = None) -> int:
     return 0 if on_gpu(device) else 1
 
 
+def gateway_log_flags(args: argparse.Namespace) -> list[str]:
+    """--log-requests and --log-requests-level as `up` passes them to the gateway."""
+    flags = ["--log-requests"] if args.log_requests else []
+    return flags + (["--log-requests-level", str(args.log_requests_level)] if args.log_requests_level is not None else [])
+
+
 def service_commands(model: str, draft: str | None, algorithm: str | None, served: str | None, extra: list[str],
                      drafters: int, port: int, host: str, log_level: str, api_key: str | None = None,
                      topology: str = "local", curve_keys: str | None = None,
-                     gateway_workers: int = 1) -> list[tuple[str, list[str]]]:
+                     gateway_workers: int = 1, gateway_flags: list[str] = ()) -> list[tuple[str, list[str]]]:
     """(service name, `splitspec ...` argv) of every service. topology "local": processes on this machine
     (verifier on 127.0.0.1, drafters named drafter-i); "compose": containers (every service binds
     0.0.0.0 and finds the verifier by its service name; one drafter service, scaled, names its replicas
     by hostname). curve_keys: a directory of certificates as make_curve_keys writes them (CURVE on).
-    gateway_workers: the gateway's processes (--tokenizer-worker-num)."""
+    gateway_workers: the gateway's processes (--tokenizer-worker-num); gateway_flags: more of the gateway's flags."""
     compose = topology == "compose"
     verifier_host = "verifier" if compose else "127.0.0.1"
     spec = ["--speculative-algorithm", algorithm] if algorithm else []
@@ -385,6 +397,7 @@ def service_commands(model: str, draft: str | None, algorithm: str | None, serve
         gateway += ["--api-key", api_key]
     if gateway_workers != 1:
         gateway += ["--tokenizer-worker-num", str(gateway_workers)]
+    gateway += list(gateway_flags)
     commands.append(("gateway", gateway))
     return commands
 

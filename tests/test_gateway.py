@@ -901,6 +901,41 @@ def test_a_stalled_stream_reader_holds_no_one_else(stack):
     assert len(raw) > 64 << 10  # more than the socket buffers between them hold: the gateway held the rest
 
 
+def test_log_requests_logs_each_answered_request_with_what_its_level_asks(stack):
+    """--log-requests (SGLang's flag) on a gateway of its own over the stack's verifier: a line per answered request
+    as it ends, streamed or whole: its id and status, tokens and finish reasons as the answer reports them, its accept
+    length; level 1 adds the sampling parameters, 2 (the default) the prompt and the output text; level 0 neither."""
+    from openai import OpenAI
+
+    logs, answers = {}, {}
+    for level in ("2", "0"):
+        gateway, url = start_gateway(stack["stub"].port, "--log-requests", "--log-requests-level", level,
+                                     "--log-level", "info")
+        try:
+            own = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            whole = own.completions.create(model=MODEL, prompt="def parse(text):", max_tokens=12, temperature=0, seed=5)
+            pieces = [ch.choices[0].delta.content or "" for ch in own.chat.completions.create(
+                model=MODEL, messages=CHATS[1], max_tokens=10, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}) if ch.choices]
+            answers[level] = whole, "".join(pieces)
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+        logs[level] = gateway.stderr.read().splitlines()
+    whole, streamed_text = answers["2"]
+    line = next(x for x in logs["2"] if f"/v1/completions {whole.id}: 200," in x)
+    assert f"prompt {whole.usage.prompt_tokens} tokens, completion {whole.usage.completion_tokens} tokens" in line
+    assert "finish ['length']" in line and '"max_tokens": 12' in line and '"seed": 5' in line
+    assert 'prompt "def parse(text):"' in line and f"choice 0 {json.dumps(whole.choices[0].text)}" in line
+    steps, accepted = whole.model_extra["speculative"]["verify_steps"], whole.model_extra["speculative"]["accepted_tokens"]
+    assert f"accept length {1 + accepted / steps:.2f}" in line
+    streamed = next(x for x in logs["2"] if "/v1/chat/completions chatcmpl-" in x and ": 200, streamed," in x)
+    assert "completion 10 tokens" in streamed and "messages [" in streamed
+    assert f"choice 0 {json.dumps(streamed_text)}" in streamed
+    quiet = next(x for x in logs["0"] if f"/v1/completions {answers['0'][0].id}: 200," in x)
+    assert "completion 12 tokens" in quiet and "sampling" not in quiet and "choice 0" not in quiet
+
+
 def test_a_handler_that_falls_behind_takes_what_waited_as_one_delta():
     """A request's queue in the gateway (DeltaQueue): deltas that arrive while an unfinished one waits for its
     handler are merged into it (tokens and logprobs in order, the latest counts and finish), so a handler behind its
