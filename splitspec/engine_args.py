@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # the drafter service uses these flags too and must not impor
     from splitspec.verifier_svc.step_types import SchedulerConfig, SpecStats
 
 
+SCHEDULE_POLICIES = ("fcfs", "lpm", "lof")
+
+
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("scheduling (SGLang's flags)")
     group.add_argument("--max-running-requests", type=int, default=0,
@@ -26,6 +29,12 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                        "(-1 = no limit). A step that mixes prompt chunks with decoding requests counts each decoding "
                        "request's tree first (--speculative-num-draft-tokens each, 1 without speculation) and prompt "
                        "chunks share the rest.")
+    group.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES,
+                       help="The order waiting requests join the running batch in: fcfs (arrival), lpm (the longest "
+                       "prompt prefix already in the prefix cache first, for more cache hits under load with shared "
+                       "prefixes; arrival order past 128 waiting, as SGLang), lof (the most max_tokens first). Requests "
+                       "sent back to wait by preemption always go first (SGLang's flag; its random, dfs-weight and "
+                       "priority are not served).")
     mixed = group.add_mutually_exclusive_group()
     mixed.add_argument("--enable-mixed-chunk", dest="mixed_chunk", action="store_const", const="always",
                        default="auto",
@@ -48,7 +57,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     from splitspec.verifier_svc.step_types import SchedulerConfig
 
     return SchedulerConfig(max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-                           mixed_chunk=args.mixed_chunk)
+                           mixed_chunk=args.mixed_chunk, schedule_policy=args.schedule_policy)
 
 
 def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier") -> None:

@@ -510,6 +510,40 @@ def test_prefix_cache_reuses_pages_and_keeps_outputs(demo):
     assert held > 0 and cache.evict(allocator.num_pages) == held and allocator.num_used == 0
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "lof"])
+def test_the_schedule_policy_orders_admission_and_keeps_outputs(demo, policy):
+    """--schedule-policy with one running slot (--max-running-requests 1), two requests waiting: fcfs admits them by
+    arrival, lpm first the one whose prompt's prefix the cache holds (a finished request's), lof first the one asking
+    the most tokens; every output equals plain decoding's and the cached prefix is used either way."""
+    from splitspec.verifier_svc.engine import Engine
+    from splitspec.verifier_svc.prefix_cache import PrefixCache
+    from splitspec.verifier_svc.step_types import SchedulerConfig
+
+    runner, tokenizer, _, reference = demo
+    shared = tokenizer.encode("import os\nimport sys\n\n\ndef main(argv=None):\n    parser = argparse.ArgumentParser("
+                              "description='tool')\n    parser.add_argument('--path')\n    args = parser.parse_args(argv)\n")
+    warm, sharing = shared + tokenizer.encode("    print(args.path)\n"), shared + tokenizer.encode("    return 0\n")
+    other = tokenizer.encode("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n")
+    short, long_ = (SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (6, 12))
+    cache = PrefixCache(runner.kv_cache.allocator, runner.kv_cache.page_size)
+    engine = Engine(runner, ngram(), SpecConfig(num_draft_tokens=6), set(),
+                    SchedulerConfig(max_running_requests=1, schedule_policy=policy), prefix_cache=cache)
+    engine.add_request(warm, short)
+    while engine.has_work:
+        engine.step()
+    first, second = engine.add_request(other, short), engine.add_request(sharing, long_)
+    admitted = []
+    while engine.has_work:
+        engine.step()
+        admitted += [r for r in engine.running if r not in admitted]
+    assert admitted == ([first, second] if policy == "fcfs" else [second, first])
+    assert second.cached_tokens == (len(shared) // runner.kv_cache.page_size) * runner.kv_cache.page_size > 0
+    cache.evict(runner.kv_cache.allocator.num_pages)  # the module's runner empty again
+    plain = run(runner, [other, sharing], [short, long_], batch=1)
+    for request, p, prompt in zip((first, second), plain, (other, sharing)):
+        assert_greedy_match(request.output_ids, p.output_ids, reference, prompt, f"{policy} admission")
+
+
 def test_prefix_cache_evicts_under_a_small_budget(demo):
     from splitspec.verifier_svc.engine import Engine
     from splitspec.verifier_svc.prefix_cache import PrefixCache

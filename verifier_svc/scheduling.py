@@ -18,6 +18,7 @@ from splitspec.runtime.kv_cache import OutOfPagesError
 from splitspec.verifier_svc.step_types import Chunk, Request, StepEvent
 
 logger = logging.getLogger("splitspec.verifier_svc.engine")
+LPM_MAX_WAITING = 128  # --schedule-policy lpm sorts at most this many waiting requests (SGLang's bound); more: arrival
 
 
 class Scheduling:
@@ -131,10 +132,11 @@ class Scheduling:
         available = kv.allocator.num_free - sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
                                                 for r in self.running if r.decoding)
         evictable = False  # the prefix cache's evictable pages: counted once, when free pages do not do (a walk)
+        order = self._admission_order()
         while self.waiting and (limit <= 0 or len(self.running) < limit):
-            # in order, but past a request whose grammar is still compiling; max_new_tokens 0 comes with
-            # prompt_logprobs (SamplingParams): it prefills
-            request = next((r for r in list(self.waiting) if self._ready(r)), None)
+            # in --schedule-policy's order, but past a request whose grammar is still compiling; max_new_tokens 0 comes
+            # with prompt_logprobs (SamplingParams): it prefills
+            request = next((r for r in order if r in self.waiting and self._ready(r)), None)
             if request is None:
                 if not self.running:  # only compiles to wait for: not in a busy loop of empty steps
                     wait([r.grammar for r in self.waiting if r.grammar is not None], timeout=0.005,
@@ -162,6 +164,21 @@ class Scheduling:
                 if not request.num_preemptions:
                     request.cached_tokens = request.num_prefilled
             self.running.append(request)
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in the order --schedule-policy admits them, those sent back by preemption first (in
+        their order). lpm sorts by the prefix cache's match (stable: arrival order among equals), and only up to
+        LPM_MAX_WAITING requests (a walk of the cache each), as SGLang does."""
+        waiting, policy = list(self.waiting), self.scheduler.schedule_policy
+        if policy == "fcfs" or len(waiting) < 2 or (policy == "lpm" and (self.prefix_cache is None
+                                                                         or len(waiting) > LPM_MAX_WAITING)):
+            return waiting
+        back, fresh = [r for r in waiting if r.num_preemptions], [r for r in waiting if not r.num_preemptions]
+        if policy == "lpm":
+            fresh.sort(key=lambda r: -len(self._match_prefix(r)))
+        else:  # lof
+            fresh.sort(key=lambda r: -r.params.max_new_tokens)
+        return back + fresh
 
     def _ready(self, request: Request) -> bool:
         """A request's grammar (if any) is compiled: its matcher made. One whose grammar failed ends here."""

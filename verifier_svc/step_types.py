@@ -37,6 +37,9 @@ class SchedulerConfig:
     # decoding requests outnumber the arriving ones and verify no drafts, "always" (--enable-mixed-chunk, vLLM's way), "prefill-first"
     # (--disable-mixed-chunk, SGLang's default); any of them mixes a backlog over the step's budget
     mixed_chunk: str = "auto"
+    # the order waiting requests are admitted in (--schedule-policy): "fcfs" arrival, "lpm" the longest prefix cached
+    # first, "lof" the longest output asked first; requests sent back by preemption first whatever it is
+    schedule_policy: str = "fcfs"
 
 
 @dataclass
