@@ -27,6 +27,7 @@ import logging
 import time
 
 import torch
+from tqdm import tqdm
 
 from splitspec.runtime.attention.base import AttentionBatch
 from splitspec.runtime.tree import tree_mask
@@ -169,7 +170,8 @@ class StepGraphs:
         # taken after the KV cache is sized: an 8B target's with its EAGLE-3 head's, up to 256 requests, took 14.8 GiB
         # with per-size outputs and ran a served verifier out of memory; shared, 5.3 GiB less
         shared = None
-        for bs in sorted(sizes, reverse=True):
+        label = f"CUDA graphs ({q}-token {'chains' if width else 'steps' if q > 1 else 'decode'})"
+        for bs in tqdm(sorted(sizes, reverse=True), desc=label, unit="batch size", disable=None, leave=False):
             # page-table entries, listed per request: at most a longest context each (overlap's bets fork a request's
             # KV, so requests share pages and the pool does not bound them), plus the padding requests' scratch pages
             max_pages = bs * (min(kv.num_pages, kv.pages_for(max_kv)) + kv.pages_for(q + 1))

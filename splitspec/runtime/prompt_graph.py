@@ -26,6 +26,7 @@ import logging
 import time
 
 import torch
+from tqdm import tqdm
 
 from splitspec.runtime.cuda_graph import StepGraphs, warm_and_capture
 
@@ -92,7 +93,8 @@ class PromptGraphs:
             steps.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         max_kv = min(kv.capacity_tokens, config.max_position_embeddings)
-        for q in [q for q in SIZES if q <= self.max_tokens]:
+        for q in tqdm([q for q in SIZES if q <= self.max_tokens], desc="CUDA graphs (prompt steps)", unit="length",
+                      disable=None, leave=False):
             sizes = [b for b in steps.sizes if b * q <= self.max_tokens] or steps.sizes[:1]
             self.batch_sizes[q] = sizes
             max_bs = sizes[-1]
