@@ -145,11 +145,11 @@ def loop_report(before: dict[str, float], after: dict[str, float]) -> dict:
                                                           / steps * 1e3, 4) if steps else None for name in names}}
 
 
-def _median(values: list[float]) -> float | None:
+def _median(values: list[float], digits: int = 3) -> float | None:
     import statistics
 
     values = [v for v in values if v is not None]
-    return round(statistics.median(values), 3) if values else None
+    return round(statistics.median(values), digits) if values else None
 
 
 def ratios(served: dict, in_process: dict) -> list[dict]:
@@ -178,7 +178,10 @@ def ratios(served: dict, in_process: dict) -> list[dict]:
                  "served_errors": sum(len(s.get("errors") or []) for s, _ in pairs),
                  # the host's speed during each side's point (HostSpeed, median us of its loop; lower is faster)
                  "host_us": {"served": _median([s.get("host_us") for s, _ in pairs]),
-                             "in_process": _median([i.get("host_us") for _, i in pairs])}}
+                             "in_process": _median([i.get("host_us") for _, i in pairs])},
+                 # the load's client's own CPU over the served point (a share near 1: the client limits it)
+                 "served_client_cpu_share": _median([(s.get("client_cpu") or {}).get("share_of_wall") for s, _ in pairs],
+                                                    digits=5)}
         if len(pairs) > 1:
             point["rounds"] = [{"served_tok_s": s, "in_process_tok_s": i, "ratio": round(s / i, 3) if i else None}
                                for s, i in split]

@@ -283,10 +283,12 @@ def _measure(client: Http, model: str, args, prompts: list, batch_size: int, spe
              "temperature": 0, "ignore_eos": True, "speculative": speculative}
             for w in range(args.warmup_requests)]
     event_loop.run(_warm(client, warm))
+    cpu = time.process_time()
     start, ended = event_loop.run(_point(client, bodies, batch_size, timelines, extras, errors))
+    cpu = time.process_time() - cpu  # this client's own CPU over the point's requests (its start and warm-up apart)
     if log is not None:
         log.point(batch_size, speculative, start, ended, timelines)
-    return {"timelines": timelines, "extras": extras, "errors": errors, "window": (start, ended)}
+    return {"timelines": timelines, "extras": extras, "errors": errors, "window": (start, ended), "cpu_s": cpu}
 
 
 def _row(batch_size: int, speculative: bool, rounds: list[dict]) -> dict:
@@ -301,6 +303,11 @@ def _row(batch_size: int, speculative: bool, rounds: list[dict]) -> dict:
     if len(rounds) > 1:
         row["rounds_tok_s"] = [latency_fields(r["timelines"], r["window"][1] - r["window"][0])["output_tok_s"]
                                for r in rounds]
+    # the load's client's own CPU over the point: per request, and as a share of one core over the point's wall (near 1:
+    # the client, one Python thread, is what limits the point, not the server)
+    cpu = sum(r["cpu_s"] for r in rounds)
+    row["client_cpu"] = {"ms_per_request": round(1e3 * cpu / max(len(timelines), 1), 3),
+                         "share_of_wall": round(cpu / wall, 5) if wall > 0 else None}
     row["prompt_tokens_mean"] = round(statistics.fmean(
         [e["usage"]["prompt_tokens"] for e in extras if e.get("usage")] or [0]), 1)
     if speculative:

@@ -303,6 +303,9 @@ def test_served_against_in_process_in_one_command(tmp_path):
         for row in report[side]["rows"]:
             began, ended = row["window_s"]
             assert 0 < ended - began and abs((ended - began) - row["wall_s"]) < 0.5, row
+    for row in report["served"]["rows"]:  # the load's client's own CPU over each point, its start apart
+        assert row["client_cpu"]["ms_per_request"] > 0 and 0 <= row["client_cpu"]["share_of_wall"] <= 1.1, row
+    assert all(0 <= p["served_client_cpu_share"] <= 1.1 for p in report["points"]), report["points"]
     assert points[(2, "NGRAM")]["served_accept_length"] > 1 and points[(2, "NGRAM")]["in_process_accept_length"] > 1
     assert report["served"]["url"] == f"http://127.0.0.1:{port}" and "served.py" in report["command"]
     loop = report["served_engine_loop"]  # the served verifier's loop, from its /metrics around the served bench
