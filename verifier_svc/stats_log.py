@@ -32,8 +32,10 @@ class StatsLog:
         now = self.clock()
         if report.prefill_tokens:
             self._prefill(engine, report)
-        decoded = report.generated_tokens - report.new_requests  # first tokens come from the prompts' prefill
-        if report.forward_tokens > report.prefill_tokens and decoded > 0:
+        # first tokens come from the prompts' prefill; a step may also land the tokens of one launched before it (the
+        # overlap schedule: its own forward in flight, or none when the run ends), so tokens, not forwards, count
+        decoded = report.generated_tokens - report.new_requests
+        if decoded > 0:
             if self.steps == 0:
                 self._window(self.last if self.last is not None else now)
             drafted = report.accept_lengths
