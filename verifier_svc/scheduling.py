@@ -132,11 +132,11 @@ class Scheduling:
         available = kv.allocator.num_free - sum(kv.pages_for(r.table.num_tokens + self._tree_tokens(r)) - len(r.table.pages)
                                                 for r in self.running if r.decoding)
         evictable = False  # the prefix cache's evictable pages: counted once, when free pages do not do (a walk)
-        order = self._admission_order()
+        order = iter(self._admission_order())  # each waiting request looked at once a call
         while self.waiting and (limit <= 0 or len(self.running) < limit):
             # in --schedule-policy's order, but past a request whose grammar is still compiling; max_new_tokens 0 comes
             # with prompt_logprobs (SamplingParams): it prefills
-            request = next((r for r in order if r in self.waiting and self._ready(r)), None)
+            request = next((r for r in order if self._ready(r)), None)
             if request is None:
                 if not self.running:  # only compiles to wait for: not in a busy loop of empty steps
                     wait([r.grammar for r in self.waiting if r.grammar is not None], timeout=0.005,
