@@ -28,6 +28,7 @@ if [[ -n "$fi_version" ]] && compgen -G ".ficache/flashinfer-$fi_version-*.txz" 
     done < <(find /tmp/ficache -path '*/cached_ops/*/*.so')
 fi
 export PYTHONPATH="$(bash scripts/import_tree.sh):/tmp/site" PYTHONUNBUFFERED=1
+export PATH="/tmp/site/bin:$PATH"  # the carried wheels' commands (py-spy for benchmarks/spy_engine.sh)
 if [[ -f .whl/prometheus.gz ]]; then
     mkdir -p /tmp/bin && gunzip -c .whl/prometheus.gz > /tmp/bin/prometheus && chmod +x /tmp/bin/prometheus
     export PATH="/tmp/bin:$PATH" SPLITSPEC_REQUIRE_PROMETHEUS=1
