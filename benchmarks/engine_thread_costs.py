@@ -1,7 +1,8 @@
 """Host work the verifier's engine thread does around every step, each piece timed alone in a loop on this machine:
 the per-step metrics (`EngineMetrics.observe` of a drafted step's report at batch 16: 16 accept lengths, 6 phases; of a
 plain one; `observe_loop`), one step's 16 deltas built and serialised (with the speculation counts, and without: a
-step that left them as they were), and the logprobs (k=5) of 16 requests' 4-token paths on [192, 4096] logits. No
+step that left them as they were), as the TokenDeltas the engine thread built before 2026-12-06 and as the columns it
+writes now (verifier_svc/step_columns.py), and the front's reading of them back, and the logprobs (k=5) of 16 requests' 4-token paths on [192, 4096] logits. No
 assertions; medians of 5 runs of N calls.
 
     python -P benchmarks/engine_thread_costs.py [N]
@@ -51,25 +52,42 @@ def metrics_pieces(calls: int) -> None:
 
 def delta_pieces(calls: int) -> None:
     from splitspec.protos import engine_link_pb2 as link
+    from splitspec.protos import verifier_pb2 as pb
     from splitspec.runtime.sampling_params import SamplingParams
-    from splitspec.verifier_svc import convert
-    from splitspec.verifier_svc.step_types import Request, SpecStats
+    from splitspec.verifier_svc import convert, step_columns
+    from splitspec.verifier_svc.step_types import Request, SpecStats, StepEvent
+    from splitspec.verifier_svc.worker import Submission
 
     requests = [Request(f"r{i}", list(range(128)), SamplingParams(max_new_tokens=128)) for i in range(16)]
+    submissions = []
     for request in requests:
         request.stats = SpecStats(40, 300, 120, 0, [30, 25, 20, 15, 10, 8, 5, 3, 2, 1, 1, 0])
+        submissions.append(Submission("cmpl-" + request.request_id, [], request.params, True, request=request, first=False))
+    deliveries = [(submission, StepEvent(submission.request.request_id, [1, 2, 3], None)) for submission in submissions]
 
-    def step(counts: bool) -> bytes:
-        message = link.EngineMessage()
-        message.step.SetInParent()
+    def whole(counts: bool) -> bytes:  # before 2026-12-06: a TokenDelta per request
+        message = pb.GenerateServerMessage()
         for request in requests:
-            convert.fill_delta(message.step.deltas.add(), "cmpl-" + request.request_id, request, [1, 2, 3], None, False,
+            convert.fill_delta(message.deltas.add(), "cmpl-" + request.request_id, request, [1, 2, 3], None, False,
                                counts=counts)
         return message.SerializeToString()
 
+    def columns(counts: bool) -> bytes:
+        for submission in submissions:  # counts_due: moved since the last delta (drafted) or not
+            submission.counts_sent = None if counts else (40, 0)
+        message = link.EngineMessage()
+        step_columns.write(deliveries, message.step)
+        return message.SerializeToString()
+
     for counts in (True, False):
-        print(f"a step's 16 deltas built and serialised, speculation counts {'in' if counts else 'left out'}: "
-              f"{timed(lambda: step(counts), calls):.1f} us")
+        which = "in" if counts else "left out"
+        print(f"a step's 16 deltas as TokenDeltas built and serialised, speculation counts {which}: "
+              f"{timed(lambda: whole(counts), calls):.1f} us")
+        print(f"a step's 16 deltas as columns (step_columns.write) and serialised, speculation counts {which}: "
+              f"{timed(lambda: columns(counts), calls):.1f} us")
+    reader, message = step_columns.Reader(), link.EngineMessage()
+    step_columns.write(deliveries, message.step)
+    print(f"the front's side: 16 deltas read back from columns: {timed(lambda: reader.deltas(message.step), calls):.1f} us")
 
 
 def logprob_pieces(calls: int) -> None:

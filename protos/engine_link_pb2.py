@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitspec.protos import verifier_pb2 as splitspec_dot_protos_dot_verifier__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitspec/protos/engine_link.proto\x12\x0csplitspec.v1\x1a\x1fsplitspec/protos/verifier.proto\"\xc9\x01\n\x0c\x46rontCommand\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.splitspec.v1.AbortRequestH\x00\x12\x11\n\x07refused\x18\x03 \x01(\tH\x00\x12\x13\n\tmalformed\x18\x04 \x01(\tH\x00\x12-\n\x07started\x18\x05 \x01(\x0b\x32\x1a.splitspec.v1.FrontStartedH\x00\x42\x06\n\x04kind\"\x1d\n\x0c\x46rontStarted\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\x9c\x01\n\rEngineMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.splitspec.v1.EngineHelloH\x00\x12\x33\n\x04step\x18\x02 \x01(\x0b\x32#.splitspec.v1.GenerateServerMessageH\x00\x12\x11\n\x07serving\x18\x03 \x01(\x08H\x00\x12\x0f\n\x05\x61live\x18\x04 \x01(\x08H\x00\x42\x06\n\x04kind\"n\n\x0b\x45ngineHello\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.splitspec.v1.ModelInfo\x12\x10\n\x08kv_pages\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x13\n\x0btree_tokens\x18\x04 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitspec/protos/engine_link.proto\x12\x0csplitspec.v1\x1a\x1fsplitspec/protos/verifier.proto\"\xc9\x01\n\x0c\x46rontCommand\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.splitspec.v1.AbortRequestH\x00\x12\x11\n\x07refused\x18\x03 \x01(\tH\x00\x12\x13\n\tmalformed\x18\x04 \x01(\tH\x00\x12-\n\x07started\x18\x05 \x01(\x0b\x32\x1a.splitspec.v1.FrontStartedH\x00\x42\x06\n\x04kind\"\x1d\n\x0c\x46rontStarted\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"\x98\x01\n\rEngineMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.splitspec.v1.EngineHelloH\x00\x12)\n\x04step\x18\x05 \x01(\x0b\x32\x19.splitspec.v1.StepColumnsH\x00\x12\x11\n\x07serving\x18\x03 \x01(\x08H\x00\x12\x0f\n\x05\x61live\x18\x04 \x01(\x08H\x00\x42\x06\n\x04kindJ\x04\x08\x02\x10\x03\"\xa1\x02\n\x0bStepColumns\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0ctoken_counts\x18\x02 \x03(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x11\n\tcounts_at\x18\x04 \x03(\r\x12\x14\n\x0cverify_steps\x18\x05 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x06 \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x03(\r\x12\x11\n\tfallbacks\x18\x08 \x03(\r\x12\x11\n\tpositions\x18\t \x03(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\n \x03(\r\x12\x0f\n\x07rich_at\x18\x0b \x03(\r\x12&\n\x04rich\x18\x0c \x03(\x0b\x32\x18.splitspec.v1.TokenDelta\"n\n\x0b\x45ngineHello\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.splitspec.v1.ModelInfo\x12\x10\n\x08kv_pages\x18\x02 \x01(\r\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x13\n\x0btree_tokens\x18\x04 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,7 +37,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRONTSTARTED']._serialized_start=289
   _globals['_FRONTSTARTED']._serialized_end=318
   _globals['_ENGINEMESSAGE']._serialized_start=321
-  _globals['_ENGINEMESSAGE']._serialized_end=477
-  _globals['_ENGINEHELLO']._serialized_start=479
-  _globals['_ENGINEHELLO']._serialized_end=589
+  _globals['_ENGINEMESSAGE']._serialized_end=473
+  _globals['_STEPCOLUMNS']._serialized_start=476
+  _globals['_STEPCOLUMNS']._serialized_end=765
+  _globals['_ENGINEHELLO']._serialized_start=767
+  _globals['_ENGINEHELLO']._serialized_end=877
 # @@protoc_insertion_point(module_scope)

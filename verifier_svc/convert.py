@@ -51,18 +51,11 @@ def _logprobs(entries) -> list[pb.TokenLogprob]:
             for lp in entries]
 
 
-def delta(client_id: str, request: Request | None, token_ids: list[int], finish_reason: str | None,
-          first: bool, error: str = "", logprobs=None, prompt_logprobs=None, counts: bool = True) -> pb.TokenDelta:
-    message = pb.TokenDelta()
-    fill_delta(message, client_id, request, token_ids, finish_reason, first, error, logprobs, prompt_logprobs, counts)
-    return message
-
-
 def fill_delta(message: pb.TokenDelta, client_id: str, request: Request | None, token_ids: list[int],
                finish_reason: str | None, first: bool, error: str = "", logprobs=None, prompt_logprobs=None,
                counts: bool = True) -> None:
-    """A step's delta for one request, written into message in place (a step's deltas are built inside the one
-    message that carries them: no per-delta message to copy in, at every step of every request). counts False: the
+    """A delta for one request, written into message in place: the part of a step's delta that its columns do not
+    hold (step_columns.py: a request's first and last, errors, logprobs), or a whole one. counts False: the
     speculation counts stay out (unchanged since the last delta that carried them: worker.Submission.counts_due)."""
     message.request_id = client_id
     message.token_ids.extend(token_ids)

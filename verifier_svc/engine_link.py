@@ -1,9 +1,9 @@
 """The engine process's end of its front process (front_process.py): it binds two local ZeroMQ endpoints
 in a private directory, starts the front on them, and from then on
 
-- publishes: the worker's publish, on the engine thread: every delivery of a step becomes its TokenDelta
-  and the step goes out as one message (one serialisation, one non-blocking send; the engine never waits
-  for the front);
+- publishes: the worker's publish, on the engine thread: a step's deliveries go into one message as columns
+  (step_columns.py: a few list appends per request, no message per request; one serialisation, one non-blocking
+  send; the engine never waits for the front), which the front turns into each stream's TokenDeltas;
 - takes commands: a thread reads the front's submissions, aborts and counts and hands them to the worker
   (submissions and aborts join its inbox; nothing blocks on the engine).
 
@@ -28,7 +28,7 @@ from splitspec import lifeline
 from splitspec.protos import channel
 from splitspec.protos import engine_link_pb2 as link
 from splitspec.protos import verifier_pb2 as pb
-from splitspec.verifier_svc import convert
+from splitspec.verifier_svc import convert, step_columns
 from splitspec.verifier_svc.grpc_front import Limits
 from splitspec.verifier_svc.worker import Delivery, EngineWorker, Submission
 
@@ -68,18 +68,10 @@ class FrontLink:
 
     def publish(self, deliveries: list[Delivery]) -> None:
         message = link.EngineMessage()
-        message.step.SetInParent()  # the oneof's kind, whatever follows
-        deltas = message.step.deltas  # built in place: one message per step, nothing copied into it
-        for submission, event in deliveries:
-            due = submission.due(event)
-            if due is None:  # held (--stream-interval)
-                continue
-            convert.fill_delta(deltas.add(), submission.client_id, submission.request, due[0], event.finish_reason,
-                               submission.first, event.error, due[1], event.prompt_logprobs, submission.counts_due(event))
-            submission.first = False
-            if event.finish_reason is not None:
-                self.submissions.pop(submission.client_id, None)
-        if deltas:  # a step whose tokens are all held sends nothing (the front hears the engine's beat meanwhile)
+        # a step whose tokens are all held sends nothing (the front hears the engine's beat meanwhile)
+        for submission in step_columns.write(deliveries, message.step):
+            self.submissions.pop(submission.client_id, None)
+        if message.step.request_ids:
             self._send(message)
 
     # the main thread ------------------------------------------------------------------------------

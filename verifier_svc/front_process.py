@@ -3,7 +3,8 @@
 The engine process (`splitspec verifier`) starts it with the two local ZeroMQ endpoints it bound and the
 gRPC address; it dies with the engine (splitspec.lifeline), and the engine stops when it exits. Over the
 engine's endpoint come a hello (the model and the limits), then one message per step with every delta of
-that step, which this process files with the streams they belong to; over its own it sends submissions,
+that step in columns (step_columns.py), which this process turns into TokenDeltas and files with the streams
+they belong to; over its own it sends submissions,
 aborts and what the engine counts (refusals, malformed messages). gRPC, the streams' protobuf and their
 writes happen here, never on the engine's GIL.
 
@@ -28,6 +29,7 @@ from splitspec.log_format import setup_logging
 from splitspec.protos import engine_link_pb2 as link
 from splitspec.protos.channel import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS
 from splitspec.protos import verifier_pb2 as pb
+from splitspec.verifier_svc import step_columns
 from splitspec.verifier_svc.grpc_front import Limits, Stream, VerifierServicer, set_serving, start_server
 
 logger = logging.getLogger("splitspec.verifier.front")
@@ -42,6 +44,7 @@ class LinkBackend:
     def __init__(self, commands: zmq.Socket):
         self.commands = commands
         self.routes: dict[str, Stream] = {}  # live request id -> the stream its deltas go to
+        self.columns = step_columns.Reader()  # a step's columns -> its TokenDeltas
 
     def send(self, command: link.FrontCommand) -> None:
         self.commands.send(command.SerializeToString())  # SNDHWM 0: never blocks, never drops
@@ -56,8 +59,8 @@ class LinkBackend:
     def finished(self, request_id: str) -> None:
         self.routes.pop(request_id, None)
 
-    def file(self, step: pb.GenerateServerMessage) -> None:
-        for delta in step.deltas:
+    def file(self, step: link.StepColumns) -> None:
+        for delta in self.columns.deltas(step):
             if delta.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
                 stream = self.routes.get(delta.request_id)
             else:

@@ -19,9 +19,10 @@ import sys
 
 from splitspec import engine_args, event_loop, heap, model_flags, speculation
 from splitspec.log_format import setup_logging
+from splitspec.protos import engine_link_pb2 as link
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime.curve import CurveError, ServerKeys, server_keys
-from splitspec.verifier_svc import convert
+from splitspec.verifier_svc import step_columns
 from splitspec.verifier_svc.adaptive import verify_tree_sizes
 from splitspec.verifier_svc.engine import Engine
 from splitspec.verifier_svc.grpc_front import Limits, NoCounts, Stream, VerifierServicer, set_serving, start_server
@@ -34,30 +35,25 @@ logger = logging.getLogger("splitspec.verifier")
 
 
 class StreamRouter:
-    """The worker's publish with --disable-frontend-multiprocessing: on the engine thread, each delivery
-    becomes its TokenDelta (a snapshot of the request's counts as of this step) and the whole step crosses
-    to the event loop in one call, which files each delta with its stream."""
+    """The worker's publish with --disable-frontend-multiprocessing: on the engine thread, a step's deliveries are
+    written as columns (step_columns.py, as for the front process: a snapshot of each request's counts as of this
+    step) and the step crosses to the event loop in one call, which builds the TokenDeltas and files each with its
+    stream."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
+        self.columns = step_columns.Reader()  # used on the event loop only
 
     def publish(self, deliveries) -> None:
-        batch = []
-        for submission, event in deliveries:
-            due = submission.due(event)
-            if due is None:  # held (--stream-interval)
-                continue
-            batch.append((submission.stream, convert.delta(submission.client_id, submission.request, due[0],
-                                                           event.finish_reason, submission.first, event.error,
-                                                           due[1], event.prompt_logprobs, submission.counts_due(event))))
-            submission.first = False
-        if batch:
-            self.loop.call_soon_threadsafe(self._file, batch)
+        columns = link.StepColumns()
+        step_columns.write(deliveries, columns)
+        if columns.request_ids:
+            streams = {submission.client_id: submission.stream for submission, _ in deliveries}
+            self.loop.call_soon_threadsafe(self._file, columns, streams)
 
-    @staticmethod
-    def _file(batch) -> None:
-        for stream, message in batch:
-            stream.put(message)
+    def _file(self, columns, streams: dict) -> None:
+        for delta in self.columns.deltas(columns):
+            streams[delta.request_id].put(delta)
 
 
 class LocalBackend:

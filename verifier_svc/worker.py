@@ -46,6 +46,7 @@ class Submission:
     first: bool = True  # no delta sent yet (the first carries the prompt's counts and the seed)
     received: float = 0.0  # perf_counter() when it reached the worker
     counts_sent: tuple[int, int] | None = None  # (verify steps, fallbacks) as the last delta with counts had them
+    preemptions_sent: int = 0  # the request's preemption count as the last delta that carried one had it
     interval: int = 1  # tokens per delta (--stream-interval, or the submission's own): see due()
     held: list[int] = field(default_factory=list)  # tokens not yet in a delta (interval above 1)
     held_logprobs: list = field(default_factory=list)  # their logprobs, when the request asked for them
