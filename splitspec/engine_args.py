@@ -66,8 +66,10 @@ def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier"
     from splitspec.model_flags import ATTENTION_BACKENDS, SGLANG_ATTENTION_BACKENDS
 
     group = parser.add_argument_group("speculative decoding (SGLang's flags)")
-    group.add_argument("--speculative-algorithm", default=None, type=_algorithm, choices=ALGORITHMS,
-                       help="Draft with this algorithm and verify losslessly (default: no speculation). NGRAM: "
+    group.add_argument("--speculative-algorithm", default=None, type=_algorithm,
+                       choices=ALGORITHMS if side == "drafter" else _OrNone(ALGORITHMS),
+                       help="Draft with this algorithm and verify losslessly (default: no speculation; none: the same, "
+                       "as `splitspec up` takes it). NGRAM: "
                        "suffix matches in a trie of the requests' own tokens; STANDALONE: a small draft LLM sharing "
                        "the target's tokenizer (--speculative-draft-model-path); EAGLE: an EAGLE-1/2 head "
                        "(--speculative-draft-model-path) drafting from the target's final hidden states, or, without a "
@@ -201,9 +203,22 @@ MOE_RUNNER_BACKENDS = ("auto", "deep_gemm", "triton", "triton_kernel", "flashinf
 MOE_A2A_BACKENDS = ("none", "deepep", "mooncake", "mori", "ascend_fuseep", "flashinfer")
 
 
-def _algorithm(value: str) -> str:
+def _algorithm(value: str) -> str | None:
     value = value.upper()
+    if value == "NONE":
+        return None
     return "EAGLE" if value == "NEXTN" else value
+
+
+class _OrNone(tuple):
+    """The algorithms, and none (parsed as None: no speculation), as argparse checks and lists choices."""
+
+    def __contains__(self, value) -> bool:
+        return value is None or tuple.__contains__(self, value)
+
+    def __iter__(self):
+        yield from tuple.__iter__(self)
+        yield "none"
 
 
 def in_process_drafter(speculation: Speculation | None, max_total_tokens: int | None = None, target=None):

@@ -27,6 +27,15 @@ def drafter_flags(*argv: str):
 def test_no_algorithm_is_no_speculation():
     assert speculation.resolve(verifier_flags()) is None
     assert speculation.spec_config(None) == SpecConfig()
+    # none, as `splitspec up` takes it, is the same on the verifier and the bench; a drafter has to draft something
+    for spelling in ("none", "None", "NONE"):
+        assert verifier_flags("--speculative-algorithm", spelling).speculative_algorithm is None
+        assert speculation.resolve(verifier_flags("--speculative-algorithm", spelling)) is None
+    assert load_command("bench").build_parser().parse_args(["--speculative-algorithm", "none"]).speculative_algorithm is None
+    with pytest.raises(SystemExit):
+        drafter_flags("--speculative-algorithm", "none")
+    with pytest.raises(SystemExit):
+        verifier_flags("--speculative-algorithm", "bogus")
 
 
 def test_ngram_resolves_without_any_checkpoint():
