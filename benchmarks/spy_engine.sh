@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Where the verifier's engine thread spends its wall time, served against in process, sampled from outside with
 # py-spy (its wheel carried in .whl/: pip download py-spy --no-deps -d .whl): the demo target, plain decoding at batch
-# 16, long enough for a few seconds of steady decoding on each side.
+# 16 (SPY_BATCH), long enough for a few seconds of steady decoding on each side (SPY_PROMPTS requests of 256 tokens).
 #   OUT=/tmp/spy bash benchmarks/spy_engine.sh       # on the GPU machine; SPY_DEVICE=cpu here
+#   SPY_BATCH=1 SPY_PROMPTS=96 OUT=/tmp/spy bash benchmarks/spy_engine.sh   # one request at a time
 # Writes spy_served.txt and spy_in_process.txt (py-spy's raw format: one line per stack and its count, threads and
 # idle samples included) and the two benches' JSONs; benchmarks/spy_compare.py sums them up per decode step.
 set -uo pipefail
@@ -11,8 +12,8 @@ mkdir -p "$OUT"
 device=${SPY_DEVICE:-cuda}
 if [[ $device == cuda ]]; then . scripts/gpu_env.sh || exit 1; dtype=bfloat16; else dtype=float32; fi
 command -v py-spy > /dev/null || { echo "spy_engine.sh: py-spy is not installed" >&2; exit 1; }
-port=${SPY_PORT:-31400} prompts=${SPY_PROMPTS:-1024} rate=${SPY_RATE:-200}
-load=(--batch-size 16 --prompt-len 128 --output-len 256 --num-prompts "$prompts")
+port=${SPY_PORT:-31400} prompts=${SPY_PROMPTS:-1024} rate=${SPY_RATE:-200} batch=${SPY_BATCH:-16}
+load=(--batch-size "$batch" --prompt-len 128 --output-len 256 --num-prompts "$prompts")
 model=$(python3 -P -c "from splitspec.demo import demo_model_dirs; print(demo_model_dirs()['target'])")
 
 python3 -P -m splitspec up --port "$port" --speculative-algorithm none --device "$device" --dtype "$dtype" \
@@ -20,7 +21,7 @@ python3 -P -m splitspec up --port "$port" --speculative-algorithm none --device 
 up=$!
 trap 'kill $up 2> /dev/null; wait $up 2> /dev/null' EXIT
 for _ in $(seq 240); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 0.5; done
-python3 -P -m splitspec bench --url "http://127.0.0.1:$port" --model-path "$model" --batch-size 16 --prompt-len 128 \
+python3 -P -m splitspec bench --url "http://127.0.0.1:$port" --model-path "$model" --batch-size "$batch" --prompt-len 128 \
     --output-len 16 --num-prompts 32 --out "$OUT/warmup.json" > "$OUT/warmup.log" 2>&1
 python3 -P -m splitspec bench --url "http://127.0.0.1:$port" --model-path "$model" "${load[@]}" \
     --out "$OUT/served.json" > "$OUT/served_bench.log" 2>&1 &
