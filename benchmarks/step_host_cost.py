@@ -163,15 +163,17 @@ def off(steps: int, flags: list[str]) -> None:
             for request in list(engine.running):
                 engine.abort(request)
     setup.drafter.close()
-    rows = []
-    for key, v in stats["drafting off"].items():
-        w = stats["opted out"].get(key, (0, 0, 0, 0, None))
-        rows.append((v[2] - w[2], v[3] - w[3], v[1], w[1], name(key)))
-    for title, column in (("speculating-off minus opted-out, ms/step: tottime, cumtime; calls/step each", 0),
-                          ("by cumtime difference", 1)):
-        print(title)
-        for r in sorted(rows, key=lambda r: -r[column])[:30]:
-            print(f"{r[0] / steps * 1e3:8.4f} {r[1] / steps * 1e3:8.4f} {r[2] / steps:7.1f} {r[3] / steps:7.1f} {r[4]}")
+    for against in ("opted out", "no drafter"):
+        rows = []
+        for key in stats["drafting off"].keys() | stats[against].keys():
+            v = stats["drafting off"].get(key, (0, 0, 0, 0, None))
+            w = stats[against].get(key, (0, 0, 0, 0, None))
+            rows.append((v[2] - w[2], v[3] - w[3], v[1], w[1], name(key)))
+        for title, column in ((f"speculating-off minus {against}, ms/step: tottime, cumtime; calls/step each", 0),
+                              ("by cumtime difference", 1)):
+            print(title)
+            for r in sorted(rows, key=lambda r: -r[column])[:30]:
+                print(f"{r[0] / steps * 1e3:8.4f} {r[1] / steps * 1e3:8.4f} {r[2] / steps:7.1f} {r[3] / steps:7.1f} {r[4]}")
 
 
 def arrival(count: int, budget: int, flags: list[str]) -> None:
