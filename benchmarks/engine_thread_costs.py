@@ -73,7 +73,7 @@ def delta_pieces(calls: int) -> None:
         return message.SerializeToString()
 
     def columns(counts: bool) -> bytes:
-        for submission in submissions:  # counts_due: moved since the last delta (drafted) or not
+        for submission in submissions:  # counts moved since the last delta (drafted) or not
             submission.counts_sent = None if counts else (40, 0)
         message = link.EngineMessage()
         step_columns.write(deliveries, message.step)

@@ -18,6 +18,17 @@ from splitspec.verifier_svc.step_types import Request, StepEvent, TokenLogprob
 from splitspec.verifier_svc.worker import Submission
 
 
+def counts_due(submission: Submission, event: StepEvent) -> bool:
+    """The old builder's rule (worker.Submission.counts_due until 2026-12-06): counts on a request's first and last
+    delta, and whenever they moved since the last delta that carried them."""
+    stats = submission.request.stats if submission.request is not None else None
+    mark = None if stats is None else (stats.verify_steps, stats.fallbacks)
+    if submission.first or event.finish_reason is not None or mark != submission.counts_sent:
+        submission.counts_sent = mark
+        return True
+    return False
+
+
 def whole(deliveries) -> list[pb.TokenDelta]:
     """The engine thread's deltas as built before the columns: a TokenDelta per due delivery."""
     out = []
@@ -27,7 +38,7 @@ def whole(deliveries) -> list[pb.TokenDelta]:
             continue
         delta = pb.TokenDelta()
         convert.fill_delta(delta, submission.client_id, submission.request, due[0], event.finish_reason,
-                           submission.first, event.error, due[1], event.prompt_logprobs, submission.counts_due(event))
+                           submission.first, event.error, due[1], event.prompt_logprobs, counts_due(submission, event))
         submission.first = False
         out.append(delta)
     return out

@@ -56,7 +56,7 @@ def fill_delta(message: pb.TokenDelta, client_id: str, request: Request | None, 
                counts: bool = True) -> None:
     """A delta for one request, written into message in place: the part of a step's delta that its columns do not
     hold (step_columns.py: a request's first and last, errors, logprobs), or a whole one. counts False: the
-    speculation counts stay out (unchanged since the last delta that carried them: worker.Submission.counts_due)."""
+    speculation counts stay out (unchanged since the last delta that carried them: step_columns.write)."""
     message.request_id = client_id
     message.token_ids.extend(token_ids)
     if finish_reason is not None:

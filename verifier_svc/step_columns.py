@@ -19,9 +19,10 @@ from splitspec.verifier_svc import convert
 
 def write(deliveries, columns: link.StepColumns) -> list:
     """The deliveries' due deltas into columns (held ones, --stream-interval, are left out); clears each submission's
-    first. Returns the submissions whose requests finished (their last delta is in). worker.Submission's due() and
-    counts_due() are inlined for the common case (a decoding request at one token per delta): this loop runs for every
-    request at every step, on the engine's thread."""
+    first. Returns the submissions whose requests finished (their last delta is in). A delta carries the request's
+    speculation counts on its first and last and whenever they moved since the last that did (a request decoding
+    plainly, or with drafting off, sends none each step). worker.Submission.due() is skipped for the common case (one
+    token per delta, nothing held): this loop runs for every request at every step, on the engine's thread."""
     ids, token_counts, token_ids = [], [], []
     counts_at, verify_steps, draft_tokens, accepted_tokens, fallbacks, positions, per_position = [], [], [], [], [], [], []
     rich_at, finished = [], []
@@ -44,7 +45,7 @@ def write(deliveries, columns: link.StepColumns) -> list:
         if request is not None:
             stats = request.stats
             mark = (stats.verify_steps, stats.fallbacks)
-            if ends or mark != submission.counts_sent:  # Submission.counts_due
+            if ends or mark != submission.counts_sent:
                 submission.counts_sent = mark
                 counts_at.append(index)
                 verify_steps.append(stats.verify_steps)

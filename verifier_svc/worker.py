@@ -45,7 +45,9 @@ class Submission:
     stream: object = None  # the server's: which Generate stream the deltas go to
     first: bool = True  # no delta sent yet (the first carries the prompt's counts and the seed)
     received: float = 0.0  # perf_counter() when it reached the worker
-    counts_sent: tuple[int, int] | None = None  # (verify steps, fallbacks) as the last delta with counts had them
+    # (verify steps, fallbacks) as the last delta with counts had them: a delta carries the request's speculation counts
+    # on its first and last and whenever they moved since (step_columns.write)
+    counts_sent: tuple[int, int] | None = None
     preemptions_sent: int = 0  # the request's preemption count as the last delta that carried one had it
     interval: int = 1  # tokens per delta (--stream-interval, or the submission's own): see due()
     held: list[int] = field(default_factory=list)  # tokens not yet in a delta (interval above 1)
@@ -64,16 +66,6 @@ class Submission:
             return None
         tokens, logprobs, self.held, self.held_logprobs = self.held, self.held_logprobs or None, [], []
         return tokens, logprobs
-
-    def counts_due(self, event: StepEvent) -> bool:
-        """Whether this delta carries the request's speculation counts: on the first and the last, and whenever they
-        moved since the last that did (a request decoding plainly, or with drafting off, sends none each step)."""
-        stats = self.request.stats if self.request is not None else None
-        mark = None if stats is None else (stats.verify_steps, stats.fallbacks)
-        if self.first or event.finish_reason is not None or mark != self.counts_sent:
-            self.counts_sent = mark
-            return True
-        return False
 
 
 Delivery = tuple[Submission, StepEvent]
