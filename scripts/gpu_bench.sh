@@ -100,8 +100,9 @@
 #   offcost   what a drafting-off step costs at batch 16 against a plain one, in process, the demo pair: the engine at
 #             budget 1 with its requests speculating, opted out, and without a drafter (benchmarks/step_host_cost.py off:
 #             each timed, then by function under cProfile; EAGLE-3 chain and NGRAM, offcost_<algorithm>.log), then
-#             `splitspec bench` of the chain with the load-adaptive policy at 64 and 128 requests a point, each with the
-#             step log and the policy's trace (offcost_bench<N>.json; the logs in steps.tgz): in process on an H200 a
+#             `splitspec bench` of the chain with the load-adaptive policy at 64 and 128 requests a point (OFFCOST_PROMPTS),
+#             each with the step log and the policy's trace (offcost_bench<N>.json; the logs in steps.tgz); OFFCOST_BENCH
+#             names the algorithms benched (default EAGLE3, the chain; NGRAM: offcost_benchNGRAM_<N>.json): in process on an H200 a
 #             drafting-off step took 0.751 ms at 64 requests and 0.996 ms at 128 against plain's 0.51-0.68
 #   promptgraphs  whole CUDA graphs of steps that only prefill (--prompt-cuda-graph-max-tokens, runtime/prompt_graph.py):
 #             tests/test_gpu_kernels.py's prompt-graph and piecewise tests, then an arrival's prompt step into 15 requests
@@ -293,12 +294,16 @@ for stage in "${stages[@]}"; do
                          --dtype bfloat16 --speculative-algorithm "$algorithm" "${chain[@]}" --batch-size 16 --prompt-len 128 \
                          > "$OUT/offcost_$algorithm.log" 2>&1 || stop=1
                  done
-                 for n in 64 128; do
-                     SPLITSPEC_STEP_LOG="$OUT/steps_offcost$n" SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_offcost$n.jsonl" \
-                     timeout "${OFFCOST_TIMEOUT:-90}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
-                         --speculative-algorithm EAGLE3 --steps 5 --topk 1 --num-draft-tokens 6 --speculative-adaptive on \
-                         --no-phase-sync --batch-size 16 --prompt-len 128 --output-len 256 --num-prompts "$n" --log-level info \
-                         --out "$OUT/offcost_bench$n.json" >> "$OUT/offcost.log" 2>&1 || stop=1
+                 for algorithm in ${OFFCOST_BENCH:-EAGLE3}; do
+                     chain=(); [[ $algorithm == EAGLE3 ]] && chain=(--steps 5 --topk 1 --num-draft-tokens 6)
+                     for n in ${OFFCOST_PROMPTS:-64 128}; do
+                         tag=$n; [[ $algorithm == EAGLE3 ]] || tag=${algorithm}_$n
+                         SPLITSPEC_STEP_LOG="$OUT/steps_offcost$tag" SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_offcost$tag.jsonl" \
+                         timeout "${OFFCOST_TIMEOUT:-90}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
+                             --speculative-algorithm "$algorithm" "${chain[@]}" --speculative-adaptive on \
+                             --no-phase-sync --batch-size 16 --prompt-len 128 --output-len 256 --num-prompts "$n" --log-level info \
+                             --out "$OUT/offcost_bench$tag.json" >> "$OUT/offcost.log" 2>&1 || stop=1
+                     done
                  done ;;
         promptgraphs) parts=" ${PROMPTGRAPHS_PARTS:-tests arrivals bench} "
                       [[ $parts == *" tests "* ]] && { timeout "${PROMPTGRAPHS_TEST_TIMEOUT:-240}" python3 -P -m pytest -p no:cacheprovider -v \
