@@ -17,11 +17,16 @@ prompts, the budget forced, no policy. No assertions.
     # under torch.profiler (the device's busy time and kernels against the wall: host or device)
     python -P benchmarks/step_host_cost.py arrival COUNT BUDGET --device cuda --dtype bfloat16 \
         --speculative-algorithm EAGLE3 --batch-size 16 --prompt-len 128 [--disable-mixed-chunk]
+
+STEP_HOST_OVERLAP=1 runs the overlap schedule on a CPU too (a GPU server's host path: its drafting-off runs overlapped,
+the forwards synchronous); STEP_HOST_POLICY=1 keeps the load-adaptive policy choosing and observing every step as a
+server's does (the budget forced after each choice), so that its cost is in the steps.
 """
 
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -56,9 +61,10 @@ class Setup:
         self.drafter, _ = engine_args.in_process_drafter(settings, max_total_tokens=kv.num_pages * kv.page_size,
                                                          target=self.runner)
         self.spec = speculation.spec_config(settings)
-        self.overlap = self.runner.device.type == "cuda"
+        # STEP_HOST_OVERLAP=1: the overlap schedule on a CPU too (a GPU server's host path, its forwards synchronous)
+        self.overlap = self.runner.device.type == "cuda" or os.environ.get("STEP_HOST_OVERLAP") == "1"
         self.layers = self.drafter_layers = self.runner.capture_layers
-        if self.overlap:
+        if self.runner.device.type == "cuda":
             self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
 
     def engine(self, budget: int, new_tokens: int, speculate: bool = True, drafter: bool = True):
@@ -71,13 +77,24 @@ class Setup:
         layers = self.drafter_layers if drafter else ()
         if layers != self.layers:
             self.runner.set_capture_layers(layers)
-            if self.overlap:
+            if self.runner.device.type == "cuda":
                 self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
             self.layers = layers
         engine = Engine(self.runner, self.drafter if drafter else None, self.spec, set(),
                         engine_args.scheduler_config(self.args), overlap_schedule=self.overlap)
-        engine.adaptive = None
-        engine._choose_budget = lambda continuing=False: budget
+        policy = engine.adaptive if os.environ.get("STEP_HOST_POLICY") == "1" else None
+        engine.adaptive = policy
+        if policy is None:
+            engine._choose_budget = lambda continuing=False: budget
+        else:  # STEP_HOST_POLICY=1: the load-adaptive policy chooses and observes as a server's does (its cost in the
+            choose = engine._choose_budget  # steps), and the budget is forced after it
+
+            def forced(continuing: bool = False) -> int:
+                choose(continuing)
+                policy.budget = policy._last_choice = budget  # as if chosen: a settled choice is reused as it would be
+                return budget
+
+            engine._choose_budget = forced
         params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
         for prompt in self.prompts:
             engine.add_request(prompt, params, speculate=speculate)
@@ -89,7 +106,7 @@ class Setup:
         return engine
 
     def sync(self) -> None:
-        if self.overlap:
+        if self.runner.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize()
