@@ -2,7 +2,8 @@
 the per-step metrics (`EngineMetrics.observe` of a drafted step's report at batch 16: 16 accept lengths, 6 phases; of a
 plain one; `observe_loop`), one step's 16 deltas built and serialised (with the speculation counts, and without: a
 step that left them as they were), as the TokenDeltas the engine thread built before 2026-12-06 and as the columns it
-writes now (verifier_svc/step_columns.py), and the front's reading of them back, and the logprobs (k=5) of 16 requests' 4-token paths on [192, 4096] logits. No
+writes now (verifier_svc/step_columns.py), and the front's reading of them back, the load-adaptive policy's choice and
+observation of a drafting-off step, and the logprobs (k=5) of 16 requests' 4-token paths on [192, 4096] logits. No
 assertions; medians of 5 runs of N calls.
 
     python -P benchmarks/engine_thread_costs.py [N]
@@ -107,8 +108,32 @@ def logprob_pieces(calls: int) -> None:
     print(f"logprobs (k=5) of 16 requests' 4-token paths: {timed(lambda: accepted_logprobs(logits, accepted), calls // 10):.1f} us")
 
 
+def policy_pieces(calls: int) -> None:
+    """The load-adaptive policy during a drafting-off run at batch 16 (settled: drafted steps of the chain at 2.7 ms
+    against 0.6 ms plain cycles, ~3.4 tokens a request a step, so drafting stays off): a choice, and a step's shape
+    built and observed as the engine does for an overlapped plain cycle."""
+    import random
+
+    from splitspec.verifier_svc.adaptive import AdaptiveSpeculation
+    from splitspec.verifier_svc.adaptive_estimates import AdaptiveConfig, StepShape
+
+    policy, batch, rng = AdaptiveSpeculation(AdaptiveConfig(max_budget=6, num_steps=5, chain=True)), 16, random.Random(0)
+    for _ in range(3000):
+        budget = policy.choose(batch)
+        if budget == 1:
+            policy.observe(StepShape(1, batch, 0, 0, 0.0, 0.0, 0.0006))
+        else:
+            accepts = [(5, min(5, int(rng.expovariate(0.4)))) for _ in range(batch)]
+            policy.observe(StepShape(budget, batch, 0, batch * budget, 0.0012, 0.001, 0.0005, accepts))
+    assert policy.budget == 1, policy.predicted  # the run this times: drafting off, settled
+    shape = lambda: policy.observe(StepShape(1, batch, 0, 0, 0.0, 0.0, 0.0006))  # noqa: E731
+    print(f"AdaptiveSpeculation.choose, drafting off and settled at batch 16: {timed(lambda: policy.choose(batch), calls):.1f} us")
+    print(f"AdaptiveSpeculation.observe of an overlapped plain cycle (its StepShape built): {timed(shape, calls):.1f} us")
+
+
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+    policy_pieces(n)
     metrics_pieces(n)
     delta_pieces(n)
     logprob_pieces(n)
