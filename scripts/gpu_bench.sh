@@ -102,7 +102,9 @@
 #             each timed, then by function under cProfile; EAGLE-3 chain and NGRAM, offcost_<algorithm>.log), then
 #             `splitspec bench` of the chain with the load-adaptive policy at 64 and 128 requests a point (OFFCOST_PROMPTS),
 #             each with the step log and the policy's trace (offcost_bench<N>.json; the logs in steps.tgz); OFFCOST_BENCH
-#             names the algorithms benched (default EAGLE3, the chain; NGRAM: offcost_benchNGRAM_<N>.json): in process on an H200 a
+#             names the algorithms benched (default EAGLE3, the chain; NGRAM: offcost_benchNGRAM_<N>.json), OFFCOST_TIMEOUT
+#             each run's limit (200 s: a cold machine's first run compiles FlashInfer's modules; 100 s was too few on an
+#             H200 at 890dcf2); STEP_HOST_POLICY=1 times the policy's choices in the steps too: in process on an H200 a
 #             drafting-off step took 0.751 ms at 64 requests and 0.996 ms at 128 against plain's 0.51-0.68
 #   promptgraphs  whole CUDA graphs of steps that only prefill (--prompt-cuda-graph-max-tokens, runtime/prompt_graph.py):
 #             tests/test_gpu_kernels.py's prompt-graph and piecewise tests, then an arrival's prompt step into 15 requests
@@ -290,7 +292,7 @@ for stage in "${stages[@]}"; do
         offcost) for algorithm in EAGLE3 NGRAM; do
                      chain=(); [[ $algorithm == EAGLE3 ]] && chain=(--speculative-num-steps 5 --speculative-eagle-topk 1
                                                                   --speculative-num-draft-tokens 6)
-                     timeout "${OFFCOST_TIMEOUT:-90}" python3 -P benchmarks/step_host_cost.py off 150 --device cuda \
+                     timeout "${OFFCOST_TIMEOUT:-200}" python3 -P benchmarks/step_host_cost.py off 150 --device cuda \
                          --dtype bfloat16 --speculative-algorithm "$algorithm" "${chain[@]}" --batch-size 16 --prompt-len 128 \
                          > "$OUT/offcost_$algorithm.log" 2>&1 || stop=1
                  done
@@ -299,7 +301,7 @@ for stage in "${stages[@]}"; do
                      for n in ${OFFCOST_PROMPTS:-64 128}; do
                          tag=$n; [[ $algorithm == EAGLE3 ]] || tag=${algorithm}_$n
                          SPLITSPEC_STEP_LOG="$OUT/steps_offcost$tag" SPLITSPEC_ADAPTIVE_TRACE="$OUT/adaptive_offcost$tag.jsonl" \
-                         timeout "${OFFCOST_TIMEOUT:-90}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
+                         timeout "${OFFCOST_TIMEOUT:-200}" python3 -P -m splitspec bench --device cuda --dtype bfloat16 \
                              --speculative-algorithm "$algorithm" "${chain[@]}" --speculative-adaptive on \
                              --no-phase-sync --batch-size 16 --prompt-len 128 --output-len 256 --num-prompts "$n" --log-level info \
                              --out "$OUT/offcost_bench$tag.json" >> "$OUT/offcost.log" 2>&1 || stop=1
