@@ -62,9 +62,10 @@ class Setup:
                                                          target=self.runner)
         self.spec = speculation.spec_config(settings)
         # STEP_HOST_OVERLAP=1: the overlap schedule on a CPU too (a GPU server's host path, its forwards synchronous)
-        self.overlap = self.runner.device.type == "cuda" or os.environ.get("STEP_HOST_OVERLAP") == "1"
+        self.cuda = self.runner.device.type == "cuda"
+        self.overlap = self.cuda or os.environ.get("STEP_HOST_OVERLAP") == "1"
         self.layers = self.drafter_layers = self.runner.capture_layers
-        if self.runner.device.type == "cuda":
+        if self.cuda:
             self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
 
     def engine(self, budget: int, new_tokens: int, speculate: bool = True, drafter: bool = True):
@@ -77,7 +78,7 @@ class Setup:
         layers = self.drafter_layers if drafter else ()
         if layers != self.layers:
             self.runner.set_capture_layers(layers)
-            if self.runner.device.type == "cuda":
+            if self.cuda:
                 self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
             self.layers = layers
         engine = Engine(self.runner, self.drafter if drafter else None, self.spec, set(),
@@ -106,7 +107,7 @@ class Setup:
         return engine
 
     def sync(self) -> None:
-        if self.runner.device.type == "cuda":
+        if self.cuda:
             import torch
 
             torch.cuda.synchronize()
