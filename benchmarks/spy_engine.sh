@@ -20,7 +20,10 @@ python3 -P -m splitspec up --port "$port" --speculative-algorithm none --device 
     --disable-radix-cache --log-level warning > "$OUT/up.log" 2>&1 &
 up=$!
 trap 'kill $up 2> /dev/null; wait $up 2> /dev/null' EXIT
-for _ in $(seq 240); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 0.5; done
+# a cold GPU machine compiles FlashInfer's kernels first (~40 s a family): up to 10 minutes, then a loud failure
+ready=0
+for _ in $(seq 1200); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && { ready=1; break; }; sleep 0.5; done
+[[ $ready == 1 ]] || { echo "spy_engine.sh: splitspec up not ready after 600 s (see $OUT/up.log)" >&2; exit 1; }
 python3 -P -m splitspec bench --url "http://127.0.0.1:$port" --model-path "$model" --batch-size "$batch" --prompt-len 128 \
     --output-len 16 --num-prompts 32 --out "$OUT/warmup.json" > "$OUT/warmup.log" 2>&1
 python3 -P -m splitspec bench --url "http://127.0.0.1:$port" --model-path "$model" "${load[@]}" \

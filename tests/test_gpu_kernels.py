@@ -66,11 +66,12 @@ def checkpoint(tmp_path, **overrides):
     return save_checkpoint(model.eval(), tmp_path / "model")
 
 
-def runner(path, backend: str, graphs: bool = False, dtype: str = "bfloat16", piecewise: int = 0, prompts: int = 0):
+def runner(path, backend: str, graphs: bool = False, dtype: str = "bfloat16", piecewise: int = 0, prompts: int = 0,
+           max_total_tokens: int = 4096):
     from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
     return ModelRunner.load(RuntimeConfig(model_path=str(path), dtype=dtype, device="cuda", page_size=4,
-                                          max_total_tokens=4096, attention_backend=backend, disable_cuda_graph=not graphs,
+                                          max_total_tokens=max_total_tokens, attention_backend=backend, disable_cuda_graph=not graphs,
                                           cuda_graph_max_bs=8, piecewise_cuda_graph_max_tokens=piecewise,
                                           prompt_cuda_graph_max_tokens=prompts))
 
@@ -351,6 +352,21 @@ def test_prompt_graphs_equal_eager(tmp_path):
         got, want = outs[1].aux_hidden_states[16 * k : 16 * k + 9], outs[0].aux_hidden_states[9 * k : 9 * k + 9]
         assert close(got.float(), want.float()) < 1e-2
     assert close(outs[1].logits, outs[0].logits) < 1e-2
+
+
+@needs_flashinfer
+def test_a_pool_sized_for_one_request_still_captures_the_prompt_graphs(tmp_path):
+    """--max-total-tokens is the requests' pool: the prompt graphs' padding requests (a 128-token chain here, 33 pages of
+    4 tokens) get their scratch pages on top of it. A pool of 40 tokens (10 pages) failed to capture them (`splitspec
+    bench --batch-size 1` on a GPU: need 16 KV pages, 2 of 27 free), and a 30-token prompt in that pool still replays one (padded to 32)."""
+    path = checkpoint(tmp_path)
+    small = runner(path, "flashinfer", graphs=True, piecewise=64, prompts=128, max_total_tokens=40)
+    small.capture_cuda_graphs()
+    assert small.prompts is not None and small.prompts.sizes == [16, 32, 64, 128]
+    assert small.kv_cache.allocator.num_free >= 10  # the pool asked for, whole after the capture
+    table = BlockTable()
+    out = small.forward(small.batch(small.pad_prompts([SequenceInput(table, list(range(3, 33)))])))
+    assert out.logits.shape[0] == 1 and small.prompts.replays == 1
 
 
 # the device draft loop -----------------------------------------------------------------------------

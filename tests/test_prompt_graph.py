@@ -158,3 +158,22 @@ def test_a_failed_capture_names_the_flag_and_keeps_no_partial_graphs(graphed, mo
     with pytest.raises(RuntimeError, match="--prompt-cuda-graph-max-tokens 0"):
         runner.capture_cuda_graphs(())
     assert runner.prompts is None and len(captured) == 2
+
+
+def test_the_graphs_padding_pages_come_on_top_of_max_total_tokens():
+    """--max-total-tokens sizes the requests' pool; on a GPU with prompt graphs the padding requests' scratch pages (a
+    chain of the longest prompt graph's tokens after one key) are added to it, not taken from it: `splitspec bench
+    --batch-size 1` sized a 27-page pool for one request and could not capture the 512-token prompt graphs. With no
+    prompt graphs, no CUDA graphs, or on a CPU, the pool is what was asked for."""
+    from splitspec.runtime.runner import graph_scratch_pages, kv_cache_num_pages
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    config = RuntimeConfig(model_path="unused", max_total_tokens=417, page_size=16, prompt_cuda_graph_max_tokens=512)
+    assert graph_scratch_pages(config, cuda) == 33  # 513 tokens of 16
+    assert kv_cache_num_pages(config, None, None, cuda) == 27 + 33
+    for other, device in ((config, cpu), (RuntimeConfig(model_path="unused", max_total_tokens=417, page_size=16), cuda),
+                          (RuntimeConfig(model_path="unused", max_total_tokens=417, page_size=16, disable_cuda_graph=True,
+                                         prompt_cuda_graph_max_tokens=512), cuda),
+                          (RuntimeConfig(model_path="unused", max_total_tokens=417, page_size=16, cuda_graph_max_bs=0,
+                                         prompt_cuda_graph_max_tokens=512), cuda)):
+        assert graph_scratch_pages(other, device) == 0 and kv_cache_num_pages(other, None, None, device) == 27

@@ -119,11 +119,22 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
 CPU_DEFAULT_MAX_TOKENS = 65536
 
 
+def graph_scratch_pages(rc: RuntimeConfig, device: torch.device) -> int:
+    """Pages the CUDA graphs' padding requests keep for good (StepGraphs._scratch): a chain as long as the longest
+    prompt graph's chunks after one key; 0 without prompt graphs (a decode or tree graph's padding takes a page or a
+    few, which a pool sized for requests has to spare) or without CUDA graphs."""
+    if device.type != "cuda" or rc.disable_cuda_graph or rc.cuda_graph_max_bs == 0 or rc.prompt_cuda_graph_max_tokens <= 0:
+        return 0
+    return -(-(rc.prompt_cuda_graph_max_tokens + 1) // rc.page_size)
+
+
 def kv_cache_num_pages(rc: RuntimeConfig, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
     """Pages from --max-total-tokens, or on a GPU from --mem-fraction-static of its memory (a draft beside its
-    target: kv_pages_beside_target)."""
+    target: kv_pages_beside_target). --max-total-tokens is the requests' pool: the graphs' padding requests get their
+    scratch pages on top of it (graph_scratch_pages; a pool sized for one 384-token request could not capture the
+    512-token prompt graphs, and `splitspec bench --batch-size 1` failed so on a GPU)."""
     if rc.max_total_tokens is not None:
-        return -(-rc.max_total_tokens // rc.page_size)
+        return -(-rc.max_total_tokens // rc.page_size) + graph_scratch_pages(rc, device)
     if rc.kv_tokens_beside_target is not None and device.type == "cuda":
         return kv_pages_beside_target(rc, config, dtype, device)
     if device.type != "cuda":  # CPU: four full contexts, at most 64Ki tokens and a tenth of the memory available now
@@ -333,8 +344,10 @@ class ModelRunner:
                     f"; {quantization.describe(model, model.quant_plan, dtype)}" if model.quant_plan.quantized else "")
         num_pages = kv_cache_num_pages(rc, config, dtype, device)
         kv_cache = KVCache(config, num_pages, rc.page_size, dtype, device)
-        logger.info("KV cache: %d pages x %d tokens (%.1f MB)", num_pages, rc.page_size,
-                    num_pages * rc.page_size * KVCache.bytes_per_token(config, dtype) / 1e6)
+        scratch = graph_scratch_pages(rc, device) if rc.max_total_tokens is not None else 0
+        logger.info("KV cache: %d pages x %d tokens (%.1f MB)%s", num_pages, rc.page_size,
+                    num_pages * rc.page_size * KVCache.bytes_per_token(config, dtype) / 1e6,
+                    f", {scratch} of them the CUDA graphs' padding requests'" if scratch else "")
         backend_name = resolve_attention_backend(rc.attention_backend, device, dtype, config.head_dim)
         backend = get_attention_backend(backend_name)(config, kv_cache)
         if rc.attention_mode == "decode":
