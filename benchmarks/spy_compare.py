@@ -13,6 +13,11 @@ import sys
 
 STEP = "Engine.step ("
 FRAME = re.compile(r"^(.*) \((.*?):\d+\)$")
+# the served services import the mapped packages (verifier_svc/...), the bench splitspec.verifier_svc: one name each
+MAPPED = re.compile(r"\(splitspec/(verifier_svc|drafter_svc|gateway|protos|kernels)/")
+# a step's one-off setup (the first step captures the graphs, Triton compiles): not what a step costs
+SETUP = ("ModelRunner.capture_cuda_graphs (", "ModelRunner.capture_feature_graphs (", "warm_and_capture (",
+         "JITFunction._do_compile (")
 
 
 def load(path: str) -> dict:
@@ -21,10 +26,14 @@ def load(path: str) -> dict:
     for line in open(path):
         stack, _, count = line.rstrip("\n").rpartition(" ")
         frames = stack.split(";")
-        threads[frames[0].split(":")[0]].append(([FRAME.sub(r"\1 (\2)", f) for f in frames[1:]], int(count)))
+        threads[frames[0].split(":")[0]].append(([MAPPED.sub(r"(\1/", FRAME.sub(r"\1 (\2)", f)) for f in frames[1:]],
+                                                 int(count)))
     engine = max(threads, key=lambda t: sum(n for frames, n in threads[t] if any(f.startswith(STEP) for f in frames)))
-    inside, outside, steps = collections.Counter(), collections.Counter(), 0
+    inside, outside, steps, setup = collections.Counter(), collections.Counter(), 0, 0
     for frames, n in threads[engine]:
+        if any(f.startswith(SETUP) for f in frames):
+            setup += n
+            continue
         at = next((i for i, f in enumerate(frames) if f.startswith(STEP)), None)
         if at is None:
             outside[frames[-1] if frames else "?"] += n
@@ -32,8 +41,8 @@ def load(path: str) -> dict:
         steps += n
         for f in set(frames[at:]):
             inside[f] += n
-    return {"thread": engine, "in_step": steps, "inside": inside, "outside": outside,
-            "thread_samples": sum(n for _, n in threads[engine])}
+    return {"thread": engine, "in_step": steps, "inside": inside, "outside": outside, "setup": setup,
+            "thread_samples": sum(n for _, n in threads[engine]) - setup}
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +53,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     sides = {"served": load(args.served), "in_process": load(args.in_process)}
     for name, side in sides.items():
-        print(f"{name}: engine thread {side['thread']}, {side['thread_samples']} samples, {side['in_step']} under Engine.step")
+        print(f"{name}: engine thread {side['thread']}, {side['thread_samples']} samples, {side['in_step']} under Engine.step "
+              f"({side['setup']} more capturing graphs or compiling, left out)")
     served, inside = sides["served"], sides["in_process"]
     names = sorted(set(served["inside"]) | set(inside["inside"]),
                    key=lambda f: -max(served["inside"][f] / max(served["in_step"], 1), inside["inside"][f] / max(inside["in_step"], 1)))

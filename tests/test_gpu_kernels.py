@@ -170,6 +170,23 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
     replays += sum(compare([(i, [t + i for t in tokens], parents) for i in range(n)]) for n in (3, 5, 1))
     assert compare([(0, [9], None), (1, tokens, parents)]) == 0  # not graph-shaped: runs eagerly
     assert replays == 7  # every decode step and every tree verification replayed a graph
+    # EAGLE-3's captured layer inputs, joined inside the graphs: a smaller batch's (written into the largest's
+    # outputs), the largest's own, a tree's
+    capture_eagle3_layers(eager, graphed)
+    graphed.capture_cuda_graphs(tree_nodes=(6,))
+    for inputs in ([(i, [60 + i], None) for i in range(3)], [(i, [70 + i], None) for i in range(5)],
+                   [(i, [t + i for t in tokens], parents) for i in range(2)]):
+        before = graphed.graphs.replays
+        outs = [r.forward(r.batch([SequenceInput(tables[id(r)][i], ids, logits="all") if p is None else SequenceInput(
+            tables[id(r)][i], ids, positions=positions(p, tables[id(r)][i].num_tokens), mask=tree_mask(p), logits="all")
+            for i, ids, p in inputs])) for r in (eager, graphed)]
+        assert graphed.graphs.replays == before + 1
+        rows = sum(len(ids) for _, ids, _ in inputs)
+        assert outs[1].aux_hidden_states.shape == outs[0].aux_hidden_states.shape == (rows, 3 * 512)
+        assert close(outs[1].aux_hidden_states.float(), outs[0].aux_hidden_states.float()) < 1e-2
+        assert close(outs[1].logits, outs[0].logits) < 1e-2
+        commit(eager, tables[id(eager)], inputs)
+        commit(graphed, tables[id(graphed)], inputs)
 
 
 @needs_flashinfer

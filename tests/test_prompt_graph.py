@@ -30,9 +30,9 @@ class StandInGraph:
         self.forward, self.outputs = forward, outputs
 
     def replay(self):
-        hidden, captured, logits = self.forward()
-        for out, value in zip((self.outputs[0], *self.outputs[1], self.outputs[2]), (hidden, *captured, logits)):
-            out.copy_(value)
+        for out, value in zip(self.outputs, self.forward()):
+            if out is not None and out.data_ptr() != value.data_ptr():  # a smaller batch wrote the largest's already
+                out.copy_(value)
 
 
 def stand_in_capture(forward, pool, stream, device):

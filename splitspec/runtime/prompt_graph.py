@@ -28,7 +28,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from splitspec.runtime.cuda_graph import StepGraphs, warm_and_capture
+from splitspec.runtime.cuda_graph import StepGraphs, graph_outputs, warm_and_capture
 
 logger = logging.getLogger(__name__)
 
@@ -123,13 +123,7 @@ class PromptGraphs:
 
         def forward():
             hidden, captured = runner.model_call(None, ids, positions, runner.backend, state.plan, runner.capture_layers)
-            logits = runner.model.logits(hidden.index_select(0, rows))
-            if shared is None:
-                return hidden, captured, logits
-            outputs = (shared[0][: hidden.shape[0]], [c[: hidden.shape[0]] for c in shared[1]], shared[2][: logits.shape[0]])
-            for out, value in zip((outputs[0], *outputs[1], outputs[2]), (hidden, *captured, logits)):
-                out.copy_(value)
-            return outputs
+            return graph_outputs(hidden, captured, runner.model.logits(hidden.index_select(0, rows)), shared)
 
         return forward
 
@@ -154,5 +148,5 @@ class PromptGraphs:
             rows_in[wanted:bs].zero_()
         entry.graph.replay()
         self.replays += 1
-        captured = torch.cat([c[:rows] for c in entry.captured], dim=-1) if entry.captured else None
+        captured = entry.captured[:rows].clone() if entry.captured is not None else None
         return entry.hidden[:rows].clone() if return_hidden else None, captured, entry.logits[:wanted].clone()
