@@ -261,8 +261,8 @@ class StepGraphs:
         self.runner.backend.graph_plan(entry.state, self._pad(attention, bs, q))
         ids, positions, static_features = self.inputs[(q, width)]
         rows = r * q
-        ids[:rows].copy_(batch.input_ids, non_blocking=True)
-        positions[:rows].copy_(batch.positions, non_blocking=True)
+        ids[:rows].copy_(batch.source("input_ids"), non_blocking=True)
+        positions[:rows].copy_(batch.source("positions"), non_blocking=True)
         if static_features is not None:
             static_features[:rows].copy_(features)
         if bs > r:

@@ -153,10 +153,10 @@ class PiecewiseGraphs:
         replayed, the batch's attention (planned: plan) run eagerly between them. Views of the static outputs: the
         next replay overwrites them, so a caller that keeps one copies it."""
         runner = self.runner
-        rows = batch.input_ids.shape[0]
+        rows = batch.num_tokens
         size = next(s for s in self.sizes if s >= rows)
         entry = self.entries[size]
-        self.ids[:rows].copy_(batch.input_ids, non_blocking=True)
+        self.ids[:rows].copy_(batch.source("input_ids"), non_blocking=True)
         backend, rope, positions = runner.backend, runner.model.rotary_emb, batch.positions
         out = self.out
         for graph, brk in zip(entry.graphs, entry.breaks):

@@ -137,13 +137,13 @@ class PromptGraphs:
         self.runner.backend.graph_plan(entry.state, self.steps._pad(attention, bs, q))
         ids, positions, rows_in = self.inputs[q]
         rows, wanted = r * q, batch.cu_logits[-1]
-        ids[:rows].copy_(batch.input_ids, non_blocking=True)
-        positions[:rows].copy_(batch.positions, non_blocking=True)
+        ids[:rows].copy_(batch.source("input_ids"), non_blocking=True)
+        positions[:rows].copy_(batch.source("positions"), non_blocking=True)
         if bs > r:
             ids[rows : bs * q].zero_()
             positions[rows : bs * q].zero_()
         if wanted:
-            rows_in[:wanted].copy_(batch.logits_indices, non_blocking=True)
+            rows_in[:wanted].copy_(batch.source("logits_indices"), non_blocking=True)
         if wanted < bs:
             rows_in[wanted:bs].zero_()
         entry.graph.replay()

@@ -418,7 +418,7 @@ class ModelRunner:
         of a multi-layer MTP head's layers runs. A wide forward on a CPU may take more threads (self.wide)."""
         if self.wide is None:
             return self._forward(batch, return_hidden, features, draft_layer)
-        with self.wide.around(batch.input_ids.shape[0]):
+        with self.wide.around(batch.num_tokens):
             return self._forward(batch, return_hidden, features, draft_layer)
 
     def _forward(self, batch: ForwardBatch, return_hidden: bool, features: torch.Tensor | None,
@@ -445,7 +445,7 @@ class ModelRunner:
         # a step-shaped batch may run compiled; prompt chunks and mixed batches (token counts without bound) never
         step_shaped = batch.attention.step_tokens is not None
         if self.piecewise is not None and features is None and draft_layer is None \
-                and self.piecewise.covers(batch.input_ids.shape[0]):
+                and self.piecewise.covers(batch.num_tokens):
             hidden, captured = self.piecewise.run(batch, plan)  # views of static buffers: the next replay overwrites
             hidden = hidden.clone() if return_hidden else hidden  # (the logits' rows and the cat below are copies)
         else:
