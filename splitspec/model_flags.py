@@ -68,9 +68,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     memory.add_argument("--page-size", type=int, default=16, help="Tokens per KV-cache page.")
     memory.add_argument(
         "--max-total-tokens", type=int, default=None,
-        help="KV-cache capacity in tokens; overrides --mem-fraction-static. generate sizes the cache to its "
-        "prompts when neither is given; a service on CPU takes four contexts (at most 65536 tokens and a tenth of "
-        "the free memory).",
+        help="KV-cache capacity in tokens for requests; overrides --mem-fraction-static. generate sizes the cache to "
+        "its prompts when neither is given; a service on CPU takes four contexts (at most 65536 tokens and a tenth of "
+        "the free memory). On a GPU the prompt CUDA graphs' padding requests get their pages on top of it "
+        "(--prompt-cuda-graph-max-tokens + 1 tokens).",
     )
     memory.add_argument(
         "--mem-fraction-static", type=float, default=None,

@@ -374,7 +374,9 @@ class Engine(Scheduling, OverlapSchedule):
         chains: (sequence index, draft on the device) whose drafts go into their sequences' rows on the device."""
         forward_start = self._clock()
         batch = self.runner.batch(sequences)
-        if roots is not None:
+        if roots is not None and not chains:  # the ids are the roots: a graph's replay copies them in once
+            batch.adopt_ids(roots)
+        elif roots is not None:
             batch.input_ids.copy_(roots)
         if chains:
             starts = list(itertools.accumulate(batch.attention.q_lens, initial=0))

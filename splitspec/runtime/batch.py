@@ -73,6 +73,13 @@ class ForwardBatch:
             self._logits = to_device(self.host_logits, self.device)
         return self._logits
 
+    def adopt_ids(self, ids: torch.Tensor) -> None:
+        """The input ids are these, on the device already (the overlap schedule's roots: the last step's tokens,
+        not landed): taken as they are, not copied, so nothing may write into this batch's input_ids afterwards."""
+        if ids.shape != self.host_ids.shape:
+            raise ValueError(f"{tuple(ids.shape)} input ids for a batch of {self.num_tokens} tokens")
+        self._ids = ids
+
     def source(self, name: str) -> torch.Tensor:
         """"input_ids", "positions" or "logits_indices" as a copy into a static buffer reads them: the device tensor
         when one was made (it may have been written there since: the overlap schedule writes roots and drafts into
