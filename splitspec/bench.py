@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and --temperature apply). The requests stream from one asyncio event loop, each concurrent "
                         "slot over its own keep-alive connection, as SGLang's and vLLM's serving benchmarks send them.")
     remote.add_argument("--api-key", default=None, help="Bearer token for --url.")
+    remote.add_argument("--ready-check-timeout-sec", type=float, default=600.0,
+                        help="With --url, wait up to this many seconds for a deployment still starting (nothing listening "
+                        "yet, or HTTP 503 while its verifier loads) before measuring, as vLLM's bench serve does; 0: "
+                        "fail at once.")
     rounds = parser.add_argument_group("rounds (a host whose speed drifts)")
     rounds.add_argument("--rounds", type=int, default=1,
                         help="Each batch size measured N times, each round with its own prompts (the dataset's next "
@@ -167,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         model_flags.check_sglang_server_flags(args, "splitspec bench")
         if args.rounds < 1 or args.first_round < 0:
             raise ValueError(f"--rounds {args.rounds} --first-round {args.first_round}: at least 1 round, from round 0 on")
+        if args.ready_check_timeout_sec < 0:
+            raise ValueError(f"--ready-check-timeout-sec {args.ready_check_timeout_sec}: must be 0 (no wait) or more")
         if args.pause_before_rounds and args.url:
             raise ValueError("--pause-before-rounds is for the in-process bench (its model stays loaded between rounds)")
         if args.url:

@@ -35,6 +35,12 @@ _DECODE = json.JSONDecoder().raw_decode  # json.loads less its bytes-encoding gu
 CONNECTIONS: weakref.WeakSet = weakref.WeakSet()  # what `kill -USR2` reports on (where a stuck point waits)
 
 
+class HttpError(RuntimeError):
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 class Http:
     def __init__(self, url: str, api_key: str | None):
         parts = urlsplit(url)
@@ -55,7 +61,7 @@ class Http:
             response = conn.getresponse()
             body = response.read()
             if response.status != 200:
-                raise RuntimeError(f"GET {path}: HTTP {response.status}: {body[:200]!r}")
+                raise HttpError(f"GET {path}: HTTP {response.status}: {body[:200]!r}", response.status)
             return json.loads(body)
         finally:
             conn.close()
@@ -328,9 +334,29 @@ def _speedup(row: dict, plain: dict) -> float | None:
     return round(statistics.median(pairs), 3) if pairs else None
 
 
+def wait_ready(client: Http, timeout: float, url: str, interval: float = 1.0) -> dict:
+    """GET /v1/models until it answers (vLLM's bench serve waits for its endpoint so, --ready-check-timeout-sec): a
+    server still starting (no listener yet, or 503 while its verifier loads) is waited for up to timeout seconds, saying
+    so once; any other error, or still not ready at the deadline, raises."""
+    deadline, said = time.monotonic() + timeout, False
+    while True:
+        try:
+            return client.get("/v1/models")
+        except (HttpError, OSError) as exc:
+            starting = isinstance(exc, OSError) or exc.status == 503
+            if not starting or time.monotonic() + interval > deadline:
+                if starting and timeout > 0:
+                    raise RuntimeError(f"{url} was not ready after {timeout:.0f} s (--ready-check-timeout-sec): {exc}") from exc
+                raise
+            if not said:
+                logger.info("waiting up to %.0f s for %s to be ready (%s)", timeout, url, exc)
+                said = True
+            time.sleep(interval)
+
+
 def run_remote(args) -> dict:
     client = Http(args.url, args.api_key)
-    models = client.get("/v1/models")
+    models = wait_ready(client, args.ready_check_timeout_sec, args.url)
     model = models["data"][0]["id"]
     batch_sizes = [int(b) for b in args.batch_size.split(",")]
     counts = {b: args.num_prompts or max(4, 2 * b) for b in batch_sizes}

@@ -199,6 +199,14 @@ def test_bench_refuses_what_it_cannot_measure():
     result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "http://127.0.0.1:9",
                            "--pause-before-rounds"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--pause-before-rounds is for the in-process bench" in result.stderr
+    # nothing listens on port 9: at once with no wait, after the wait with one
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "http://127.0.0.1:9",
+                           "--ready-check-timeout-sec", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Connection refused" in result.stderr, result.stderr
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "http://127.0.0.1:9",
+                           "--ready-check-timeout-sec", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "http://127.0.0.1:9 was not ready after 2 s (--ready-check-timeout-sec)" \
+        in result.stderr, result.stderr
 
 
 def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
@@ -225,9 +233,15 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     up = Up("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5", "--speculative-replay",
             str(reference), "--speculative-replay-profile", "accept-length:3", "--log-level", "warning")
     try:
-        up.wait_for_line(r"serving splitspec-demo at ")
-        report = bench("--url", up.url, "--batch-size", "1,2", "--num-prompts", "4", "--output-len", "40",
-                       "--dataset", str(dataset), "--warmup-requests", "0", "--rounds", "2")
+        # started with the deployment, not after it: the bench waits until it serves (--ready-check-timeout-sec)
+        assert not any("serving splitspec-demo at" in line for line in up.lines)
+        result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", "--url", up.url,
+                               "--batch-size", "1,2", "--num-prompts", "4", "--output-len", "40", "--dataset", str(dataset),
+                               "--warmup-requests", "0", "--rounds", "2", "--ready-check-timeout-sec", "300"],
+                              capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        report = json.loads(result.stdout)
+        assert f"waiting up to 300 s for {up.url} to be ready" in result.stderr, result.stderr[-3000:]
     finally:
         up.stop()
     assert report["model"] == "splitspec-demo" and report["rounds"] == 2
