@@ -177,3 +177,14 @@ def test_the_graphs_padding_pages_come_on_top_of_max_total_tokens():
                           (RuntimeConfig(model_path="unused", max_total_tokens=417, page_size=16, cuda_graph_max_bs=0,
                                          prompt_cuda_graph_max_tokens=512), cuda)):
         assert graph_scratch_pages(other, device) == 0 and kv_cache_num_pages(other, None, None, device) == 27
+
+
+def test_requests_are_offered_the_pages_the_graphs_padding_does_not_hold(graphed):
+    """The pages the graphs' padding requests keep for good (a 128-token prompt graph's chain after one key: 9 pages of
+    16) are not the requests': what the gRPC front checks a request against (Limits.kv_pages) and what the engine's
+    refusal names is the cache less them."""
+    with_graphs, eager = graphed
+    runner = with_graphs()
+    assert len(runner.graphs.scratch_pages) == 9
+    assert runner.request_pages == runner.kv_cache.num_pages - 9 == 256 - 9
+    assert eager.request_pages == eager.kv_cache.num_pages == 256

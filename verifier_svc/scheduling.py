@@ -95,7 +95,7 @@ class Scheduling:
                 victim = max(self.running, key=lambda r: r.arrival)
                 if victim is request and len(self.running) == 1:
                     self._fail(request, f"RESOURCE_EXHAUSTED: the request needs {kv.pages_for(num_tokens)} KV pages "
-                                        f"and the cache has {kv.num_pages} (--max-total-tokens)")
+                                        f"and the cache has {self.runner.request_pages} for requests (--max-total-tokens)")
                     return False
                 self._preempt(victim)
                 if victim is request:

@@ -286,7 +286,7 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
                         eos_token_ids=sorted(eos), speculative_algorithm=args.speculative_algorithm or "",
                         speculative_num_draft_tokens=spec.num_draft_tokens if drafter else 0)
     kv = runner.kv_cache
-    limits = Limits(runner.config.vocab_size, context, kv.num_pages, kv.page_size, engine.spec.num_draft_tokens)
+    limits = Limits(runner.config.vocab_size, context, runner.request_pages, kv.page_size, engine.spec.num_draft_tokens)
     address = f"{args.host}:{args.port}"
 
     def ready() -> None:

@@ -275,6 +275,11 @@ class ModelRunner:
                                    "runs them from piecewise graphs instead") from e
             self.prompts = prompts
 
+    @property
+    def request_pages(self) -> int:
+        """KV pages requests can have: the cache's less those the CUDA graphs' padding requests hold for good."""
+        return self.kv_cache.num_pages - (len(self.graphs.scratch_pages) if self.graphs is not None else 0)
+
     def prompt_graph_size(self, num_requests: int, longest: int) -> int | None:
         """The length a prompt step of num_requests chunks, the longest of `longest` tokens, is padded to for a
         captured prompt graph (prompt_pad_sizes on a CPU), or None where none holds it."""
