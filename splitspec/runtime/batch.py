@@ -85,9 +85,13 @@ class ForwardBatch:
         """"input_ids", "positions" or "logits_indices" as a copy into a static buffer reads them: the device tensor
         when one was made (it may have been written there since: the overlap schedule writes roots and drafts into
         the ids), else the host tensor."""
-        made, host = {"input_ids": (self._ids, self.host_ids), "positions": (self._positions, self.host_positions),
-                      "logits_indices": (self._logits, self.host_logits)}[name]
-        return host if made is None else made
+        made, host = _SOURCES[name]
+        made = getattr(self, made)
+        return getattr(self, host) if made is None else made
+
+
+_SOURCES = {"input_ids": ("_ids", "host_ids"), "positions": ("_positions", "host_positions"),
+            "logits_indices": ("_logits", "host_logits")}  # ForwardBatch.source: (device attribute, host attribute)
 
 
 def validate(seq: SequenceInput) -> None:
