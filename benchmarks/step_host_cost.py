@@ -1,7 +1,8 @@
 """Host work of the engine's decode steps in process, by function (cProfile): the engine on a fixed batch of the bench's
 prompts, the budget forced, no policy. No assertions.
 
-    # every step drafted at BUDGET: timed unprofiled, then under cProfile (ms a step by function: own, cumulative, calls)
+    # every step drafted at BUDGET: timed unprofiled, then under cProfile (ms a step by function: own, cumulative, calls),
+    # then under torch.profiler (the device's busy time a step; STEP_HOST_TRACE=PATH also writes five steps' timeline)
     python -P benchmarks/step_host_cost.py drafted STEPS BUDGET --device cuda --dtype bfloat16 \
         --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1 \
         --speculative-num-draft-tokens 6 --batch-size 16 --prompt-len 128
@@ -146,8 +147,8 @@ def print_profile(profile: cProfile.Profile, per: int, unit: str, top: int) -> l
 
 
 def drafted(steps: int, budget: int, flags: list[str]) -> None:
-    setup = Setup(flags, steps * 16 + 600)
-    engine = setup.engine(budget, steps * 15 + 60)
+    setup = Setup(flags, steps * 21 + 600)
+    engine = setup.engine(budget, steps * 20 + 60)  # up to 6 tokens a step, three runs of steps
     times, tokens = timed(engine, steps)
     setup.sync()
     print(f"unprofiled: median step {statistics.median(times) * 1e3:.3f} ms, mean {statistics.mean(times) * 1e3:.3f}, "
@@ -159,6 +160,15 @@ def drafted(steps: int, budget: int, flags: list[str]) -> None:
     rows = print_profile(profile, steps, "step", 45)
     torch_time = sum(r[0] for r in rows if r[4] == "~" or "torch" in r[4])
     print(f"total profiled {sum(r[0] for r in rows) / steps * 1e3:.2f} ms/step; torch+builtins {torch_time / steps * 1e3:.2f}")
+
+    def step(_profile=None) -> float:
+        began = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - began
+
+    torch_profile(step, steps, "drafted steps")
+    if os.environ.get("STEP_HOST_TRACE"):  # a few steps' timeline, host and device, for chrome://tracing or Perfetto
+        torch_profile(step, 5, "drafted steps (traced)", trace=os.environ["STEP_HOST_TRACE"])
     setup.drafter.close()
 
 
@@ -228,14 +238,15 @@ def arrival(count: int, budget: int, flags: list[str]) -> None:
               f"{statistics.median(r[1] for r in runs) * 1e3:.3f}, both {statistics.median(r[0] + r[1] for r in runs) * 1e3:.3f}"
               f" (a decode step before them {statistics.median(decode) * 1e3:.3f})", flush=True)
     print_profile(profile, count, "arrival", 40)
-    torch_profile(arrive, count)
+    # arrive() also aborts the newcomer and runs two steps after it: the device's count and time are over all four
+    torch_profile(lambda profile: sum(arrive(profile)[:2]), count, "arrivals (prompt step + next; four steps each)")
     setup.drafter.close()
 
 
-def torch_profile(arrive, count: int) -> None:
-    """The same arrivals under torch.profiler: the device's busy time against the wall, the kernels launched, the ops
-    by host time and by device time, an arrival's prompt step and the next together: whether its milliseconds are the
-    host's (Python, launches) or the device's."""
+def torch_profile(run, count: int, what: str, trace: str | None = None) -> None:
+    """count runs (run(None): its wall seconds) under torch.profiler: the device's busy time against the wall, the
+    kernels launched, the ops by host time and by device time: whether a run's milliseconds are the host's (Python,
+    launches) or the device's."""
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -244,17 +255,16 @@ def torch_profile(arrive, count: int) -> None:
     walls = []
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(count):
-            prompt, after, _ = arrive(None)
-            walls.append(prompt + after)
+            walls.append(run(None))
+    if trace:
+        profiler.export_chrome_trace(trace)
     events = profiler.key_averages()
     device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
     on_device = [e for e in profiler.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in on_device)
-    # arrive() also aborts the newcomer and runs two steps after it: the device's count and time are over all four
-    print(f"torch.profiler: {count} arrivals, median {statistics.median(walls) * 1e3:.3f} ms wall (prompt step + next, "
-          f"profiled); on the device {len(on_device) / count:.0f} kernels and copies in an arrival's four steps, busy "
-          f"{busy_us / 1e3 / count:.3f} ms of them")
-    print("by self host time (all four steps of each arrival)")
+    print(f"torch.profiler: {count} {what}, median {statistics.median(walls) * 1e3:.3f} ms wall (profiled); on the "
+          f"device {len(on_device) / count:.0f} kernels and copies a run, busy {busy_us / 1e3 / count:.3f} ms of them")
+    print("by self host time")
     print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     if len(activities) > 1:
         print("by device time")
