@@ -12,6 +12,10 @@ prompts, the budget forced, no policy. No assertions.
     # functions by the difference in own and cumulative time a step (off against opted out)
     python -P benchmarks/step_host_cost.py off STEPS --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 \
         --batch-size 16 --prompt-len 128
+    # the bench's own loop over PROMPTS prompts (its waves, its policy), plain against speculating, by function
+    python -P benchmarks/step_host_cost.py bench PROMPTS --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 \
+        --speculative-num-steps 5 --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 \
+        --speculative-adaptive on --batch-size 16 --prompt-len 128 --output-len 256
     # a request joining a running batch: --batch-size less one requests decoding at BUDGET (1: drafting off), then
     # COUNT times a prompt added, the step that prefills it (mixed or alone, as the scheduling flags say) and the next
     # timed, the newcomer aborted and two steps run; then the same under cProfile (ms an arrival by function), then
@@ -49,7 +53,7 @@ class Setup:
         set_provider(_demo_target)  # as the splitspec command: the demo target without --model-path
         self.args = build_parser().parse_args(flags)
         _resolve_models(self.args)
-        model_dir = model_flags.resolve_model(self.args)
+        model_dir = self.model_dir = model_flags.resolve_model(self.args)
         self.batch = int(self.args.batch_size)
         if self.args.cuda_graph_max_bs is None and not self.args.disable_cuda_graph:
             self.args.cuda_graph_max_bs = self.batch
@@ -69,6 +73,15 @@ class Setup:
         if self.cuda:
             self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
 
+    def target_for(self, drafter: bool, tree_nodes: tuple[int, ...] | None = None) -> None:
+        """The target's captured layers (and its graphs) for an engine with the drafter or without one."""
+        layers = self.drafter_layers if drafter else ()
+        if layers != self.layers:
+            self.runner.set_capture_layers(layers)
+            if self.cuda:
+                self.runner.capture_cuda_graphs(tree_nodes=tree_nodes or (self.spec.num_draft_tokens,))
+            self.layers = layers
+
     def engine(self, budget: int, new_tokens: int, speculate: bool = True, drafter: bool = True):
         """An engine at this budget with every prompt prefilled and ten decode steps run (drafter False: none, and
         the target's graphs without the layers a drafter captures)."""
@@ -76,12 +89,7 @@ class Setup:
         from splitspec.runtime.sampling_params import SamplingParams
         from splitspec.verifier_svc.engine import Engine
 
-        layers = self.drafter_layers if drafter else ()
-        if layers != self.layers:
-            self.runner.set_capture_layers(layers)
-            if self.cuda:
-                self.runner.capture_cuda_graphs(tree_nodes=(self.spec.num_draft_tokens,))
-            self.layers = layers
+        self.target_for(drafter)
         engine = Engine(self.runner, self.drafter if drafter else None, self.spec, set(),
                         engine_args.scheduler_config(self.args), overlap_schedule=self.overlap)
         policy = engine.adaptive if os.environ.get("STEP_HOST_POLICY") == "1" else None
@@ -204,6 +212,58 @@ def off(steps: int, flags: list[str]) -> None:
                 print(f"{r[0] / steps * 1e3:8.4f} {r[1] / steps * 1e3:8.4f} {r[2] / steps:7.1f} {r[3] / steps:7.1f} {r[4]}")
 
 
+def bench(prompts: int, flags: list[str]) -> None:
+    """The bench's own loop (bench_in_process.drive, as `splitspec bench` runs a point: its waves, its policy, the
+    overlap schedule) over PROMPTS prompts at --batch-size, plain (no drafter, no captured layers) against the
+    speculating engine (adaptive as the flags say), three rounds interleaved, the third under cProfile; then the
+    functions by the difference a decode step (speculating minus plain)."""
+    from splitspec import engine_args
+    from splitspec.bench_in_process import drive
+    from splitspec.bench_measure import make_prompts
+    from splitspec.runtime.sampling_params import SamplingParams
+    from splitspec.verifier_svc.adaptive import adaptive_policy, verify_tree_sizes
+
+    setup = Setup(flags, _flag(flags, "--prompt-len", 128) + _flag(flags, "--output-len", 128) + 64)
+    args = setup.args
+    texts = make_prompts(args, None if args.preset else setup.model_dir, setup.runner.config.vocab_size, prompts)
+    params = [SamplingParams(temperature=0.0, seed=i, max_new_tokens=args.output_len, ignore_eos=True)
+              for i in range(len(texts))]
+    scheduler = engine_args.scheduler_config(args)
+    policy = adaptive_policy(setup.spec)
+    trees = verify_tree_sizes(setup.spec)
+    stats = {}
+    for round_ in range(3):
+        for label, speculating in (("plain", False), ("speculating", True)):
+            setup.target_for(speculating, trees)
+            profile = cProfile.Profile() if round_ == 2 else None
+            if profile is not None:
+                profile.enable()
+            row, _ = drive(setup.runner, setup.drafter if speculating else None, setup.spec if speculating else None,
+                           texts, setup.batch, params, scheduler, policy if speculating else None, sync_phases=False,
+                           overlap=setup.overlap)
+            if profile is not None:
+                profile.disable()
+                stats[label] = (pstats.Stats(profile).stats, row["decode_steps"])
+            print(f"{label}{' (cProfile)' if profile else ''}: {row['output_tok_s']} tok/s, {row['decode_steps']} decode "
+                  f"steps, step_ms {row['step_ms']}, budgets {row.get('budgets')}, tpot {row['tpot_ms']} ms", flush=True)
+    setup.drafter.close()
+    rows = []
+    (spec_stats, spec_steps), (plain_stats, plain_steps) = stats["speculating"], stats["plain"]
+    for key in spec_stats.keys() | plain_stats.keys():
+        v, w = spec_stats.get(key, (0, 0, 0, 0, None)), plain_stats.get(key, (0, 0, 0, 0, None))
+        rows.append((v[2] / spec_steps - w[2] / plain_steps, v[3] / spec_steps - w[3] / plain_steps,
+                     v[1] / spec_steps, w[1] / plain_steps, name(key)))
+    for title, column in (("speculating minus plain, ms a decode step: tottime, cumtime; calls a step each", 0),
+                          ("by cumtime difference", 1)):
+        print(title)
+        for r in sorted(rows, key=lambda r: -r[column])[:35]:
+            print(f"{r[0] * 1e3:8.4f} {r[1] * 1e3:8.4f} {r[2]:7.1f} {r[3]:7.1f} {r[4]}")
+
+
+def _flag(flags: list[str], flag: str, default: int) -> int:
+    return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
+
 def arrival(count: int, budget: int, flags: list[str]) -> None:
     from splitspec.runtime.sampling_params import SamplingParams
 
@@ -272,10 +332,12 @@ def torch_profile(run, count: int, what: str, trace: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("drafted", "off", "arrival"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("drafted", "off", "arrival", "bench"):
         raise SystemExit(__doc__)
     if sys.argv[1] == "drafted":
         drafted(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+    elif sys.argv[1] == "bench":
+        bench(int(sys.argv[2]), sys.argv[3:])
     elif sys.argv[1] == "arrival":
         arrival(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
     else:
