@@ -16,6 +16,7 @@ from splitspec.verifier_svc.metrics import EngineMetrics
 from splitspec.drafter_svc.ngram import NgramConfig, NgramDrafter
 from splitspec.runtime.tree import DraftTree
 from splitspec.verifier_svc.drafter_client import InProcessDrafterClient
+from splitspec.verifier_svc.timings import Recent
 
 
 class ModelGpu:
@@ -519,6 +520,81 @@ def test_plain_decoding_timed_long_ago_is_timed_again_while_drafting():
     assert policy.plain_probes >= 1 and chosen[-300:].count(1) >= 290, (policy.plain_probes, chosen[-300:])
 
 
+def _policy_state(policy: AdaptiveSpeculation) -> dict:
+    """What a policy knows, as plain data (its timings' values, counts and ages; caches of derived values left out)."""
+    def plain(v):
+        if isinstance(v, Recent):
+            return type(v).__name__, list(v.values), v.count, v.last
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    caches = {"_trace", "_nearest_memo", "_nearest_at", "_acceptance_cache", "_acceptance_at", "_curve", "_curve_at"}
+    return {k: plain(v) for k, v in vars(policy).items() if k not in caches}
+
+
+class QuietGpu(ModelGpu):
+    """A small target under the overlap schedule: a plain step one whole cycle that grows with the batch (jittered, as
+    measured ones are), a drafted one 0.3 ms verifying, 0.02 ms x batch^2 drafting, 0.1 ms the rest: drafting pays at
+    batch 2 (2.5x), not at 16 (0.4x)."""
+
+    def step(self, budget, batch):
+        if budget == 1:
+            return StepShape(1, batch, 0, 0, 0.0, 0.0, (0.0003 + 0.00002 * batch) * (1 + 0.1 * self.random.random()))
+        accepts = super().step(budget, batch).accepts
+        return StepShape(budget, batch, 0, batch * budget, 0.0003, 0.00002 * batch ** 2, 0.0001, accepts)
+
+
+def test_a_quiet_drafting_off_run_leaves_the_policy_knowing_what_step_by_step_calls_would(tmp_path, monkeypatch):
+    """An overlapped run with drafting settled off does not ask the policy while settled_off says it is sure to choose
+    1, and hands it the skipped choices and the steps' cycles at once (observe_quiet), as the engine does
+    (policy_link.QuietRun). Through drafting off with probes, drafting that pays at a smaller load, and off again, it
+    chooses exactly what a policy asked and told at every step chooses, ends up knowing exactly the same, and writes
+    the same trace, line for line, while asked at few of the steps."""
+    from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
+
+    loads = [(2, 200), (16, 900), (2, 300)]  # drafting on, off (probed), off at another load
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "every.jsonl"))
+    every, gpu, chosen_every = chain_policy(probe_interval=40), QuietGpu(q=0.8), []
+    for batch, steps in loads:
+        chosen_every += run_policy(every, gpu, batch, steps)
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "quiet.jsonl"))
+    quiet, gpu, chosen, asked = chain_policy(probe_interval=40), QuietGpu(q=0.8), [], []
+    for batch, steps in loads:
+        left, skipped, cycles = 0, 0, []
+        for _ in range(steps):
+            held = left > 0
+            if held:  # a quiet step: the policy not asked, the step's cycle held back
+                left, skipped = left - 1, skipped + 1
+                budget = 1
+            else:
+                if skipped or cycles:
+                    quiet.observe_quiet(batch, 0, skipped, cycles)
+                    skipped, cycles = 0, []
+                budget = quiet.choose(batch)
+                asked.append(len(chosen))
+                left = quiet.settled_off(batch, 0) if budget == 1 else 0
+            shape = gpu.step(budget, batch)
+            if held:
+                cycles.append(shape.base_seconds)
+            else:
+                quiet.observe(shape)
+            chosen.append(budget)
+        if skipped or cycles:  # the batch changes: the next choice (another load's) hands them over first
+            quiet.observe_quiet(batch, 0, skipped, cycles)
+    assert chosen == chosen_every
+    assert chosen[:200].count(1) < 10 and chosen[200:].count(1) > 1150, chosen
+    assert quiet.probes == every.probes >= 2 and quiet.switches == every.switches >= 2
+    off_asked = [i for i in asked if i >= 200]
+    assert len(off_asked) < 1200 / 10, off_asked  # ~one choice in 64 steps and each probe's
+    assert _policy_state(quiet) == _policy_state(every)
+    every._trace.close()
+    quiet._trace.close()
+    assert (tmp_path / "quiet.jsonl").read_text() == (tmp_path / "every.jsonl").read_text()
+
+
 def test_an_overlapped_plain_step_is_priced_at_its_whole_cycle_not_a_forward_on_top():
     """Under the overlap schedule a plain step's forward runs under the host's work, so the engine reports it as one
     whole cycle with no forward timed (engine._observe). At a large batch where every tree loses to plain decoding
@@ -787,6 +863,40 @@ def test_engine_turns_speculation_off_when_it_cannot_pay_and_stays_lossless(demo
     # than plain decoding, so a busy CPU's noisy timings cannot keep one whose drafts are not accepted (before that
     # bound, CI once saw a budget of 2 held for 37 of the last 60 steps)
     assert budgets[-60:].count(1) >= 50, budgets
+
+
+def test_a_settled_drafting_off_run_is_quiet_and_the_policy_still_sees_every_step(demo, tmp_path, monkeypatch):
+    """Under the overlap schedule (a GPU server's, here on a CPU), once drafting is settled off most steps neither ask
+    the policy nor report to it (report.quiet); outputs stay plain's, and the policy's trace still holds an
+    observation of every step it would have seen, numbered without a gap, and a choice for each quiet step."""
+    import json
+
+    from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+    runner, prompts = demo
+    params = [SamplingParams(temperature=0.0, max_new_tokens=160, ignore_eos=True) for _ in prompts[:3]]
+    plain = Engine(runner, None, SpecConfig(), set()).run(prompts[:3], params)
+    engine = Engine(runner, InProcessDrafterClient(Wrong(NgramConfig())),
+                    SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5, adaptive_probe_interval=40), set(),
+                    overlap_schedule=True)
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params)]
+    steps = quiet = 0
+    while engine.has_work:
+        engine.step()
+        steps, quiet = steps + 1, quiet + engine.report.quiet
+    assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+    assert quiet > steps / 2, (quiet, steps)
+    engine._observe_last(engine._clock())  # the last step's cycle and the held-back ones, as a next step would
+    engine._flush_quiet()
+    engine.adaptive._trace.close()
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    observed = [r for r in records if r["kind"] == "observe"]
+    assert [r["step"] for r in observed] == list(range(len(observed))) == list(range(engine.adaptive._steps))
+    assert len(observed) >= steps - 10  # all but the steps that only launched (the overlap's first of a run)
+    settled = [r for r in records if r["kind"] == "choose" and "predicted" not in r and r["choice"] == 1]
+    assert len(settled) >= quiet
 
 
 def test_speculation_off_still_feeds_the_drafter(demo):

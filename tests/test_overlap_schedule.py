@@ -155,6 +155,9 @@ class ScriptedPolicy:
     def observe(self, step) -> None:
         pass
 
+    def settled_off(self, speculating: int, plain: int) -> int:
+        return 0  # every choice is the script's: none is skipped
+
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "scripted-policy"])
 def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, adaptive):

@@ -168,6 +168,41 @@ class AdaptiveEstimates:
             self._tier_tokens[step.budget] = self._tier_tokens.get(step.budget, 0.0) + sum(
                 1 + a for _, a in step.accepts) + max(step.speculating - len(step.accepts), 0)
 
+    def _observe_off_cycles(self, speculating: int, plain: int, cycles: list[float], choices: int) -> None:
+        """observe() of len(cycles) overlapped drafting-off steps of this batch in a row (budget 1, no forward timed:
+        their whole cycles), at once; with the trace, their records and those of the `choices` settled choices
+        between them (adaptive.AdaptiveSpeculation.observe_quiet) as observe() and choose() write them, in order.
+        Only after such a step (the last observed at budget 1 with this batch decoding): else one by one."""
+        if self._previous_budget != 1 or not speculating:
+            for j in range(max(choices, len(cycles))):
+                if j < choices and self._trace is not None and speculating:
+                    self._record("choose", speculating=speculating, plain=plain, prefill=0, choice=1, budget=self.budget)
+                if j < len(cycles):
+                    self.observe(StepShape(1, speculating, plain, 0, 0.0, 0.0, cycles[j]))
+            return
+        if self._trace is not None:
+            lines = []
+            for j in range(max(choices, len(cycles))):
+                step = self._steps + j
+                if j < choices:
+                    lines.append(f'{{"kind": "choose", "step": {step}, "speculating": {speculating}, "plain": {plain}, '
+                                 f'"prefill": 0, "choice": 1, "budget": {self.budget}}}\n')
+                if j < len(cycles):
+                    lines.append(f'{{"kind": "observe", "step": {step}, "budget": 1, "speculating": {speculating}, '
+                                 f'"plain": {plain}, "forward_tokens": 0, "verify_seconds": 0.0, "spec_seconds": 0.0, '
+                                 f'"base_seconds": {json.dumps(cycles[j])}, "accepts": []}}\n')
+            self._trace.write("".join(lines))
+        if not cycles:
+            return
+        count, first, stale = len(cycles), self._age + 1, self.config.stale_steps
+        self._steps += count
+        self._age += count
+        self._plain_run += count
+        batch = speculating + plain
+        self._whole.setdefault((False, batch_bucket(batch)), Recent()).add_run(cycles, first, stale)
+        self._spec.setdefault((1, batch_bucket(speculating)), Recent()).add_run([0.0] * count, first, stale)
+        self._cycles.setdefault((1, token_bucket(batch)), Cycle()).add_run(cycles, first)
+
     # prediction ----------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
         """See _acceptance; computed once per observed step (a choice asks for it once per budget)."""

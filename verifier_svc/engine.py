@@ -38,6 +38,7 @@ from splitspec.verifier_svc.draft_features import RunStates, pair_prompt_states,
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, draft_guide, no_grammars
 from splitspec.verifier_svc.overlap import InFlight, OverlapSchedule
+from splitspec.verifier_svc.policy_link import PolicyLink, QuietRun
 from splitspec.verifier_svc.scheduling import Scheduling
 from splitspec.verifier_svc.step_types import (Chunk, Request, SchedulerConfig, SpecConfig, StepEvent,
                                                StepReport)
@@ -47,7 +48,7 @@ from splitspec.verifier_svc.verification import (Verify, accept_tree, accepted_l
 logger = logging.getLogger(__name__)
 
 
-class Engine(Scheduling, OverlapSchedule):
+class Engine(Scheduling, OverlapSchedule, PolicyLink):
     def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int],
                  scheduler: SchedulerConfig | None = None, prefix_cache=None, sync_timing: bool = False,
                  grammars=None, overlap_schedule: bool = False):
@@ -60,7 +61,7 @@ class Engine(Scheduling, OverlapSchedule):
         self.sync_timing = sync_timing and runner.device.type == "cuda"
         self.overlap_schedule = overlap_schedule and not self.sync_timing
         self.in_flight: InFlight | None = None  # a launched plain step whose tokens have not landed (overlap.py)
-        self.run_states = RunStates()  # the states of the overlapped run so far (drafting off: overlap.py)
+        self.run_states, self.quiet = RunStates(), QuietRun()  # a drafting-off run's states, its held-back choices
         self.unsent_max: int | None = None  # in such a run, the most unsent tokens of a request (None: not counted)
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
         self.scheduler = scheduler or SchedulerConfig()
@@ -114,7 +115,7 @@ class Engine(Scheduling, OverlapSchedule):
         """The load-adaptive policy forgets what it learned (e.g. the warm-up's forwards, which compiled)."""
         if self.adaptive is not None:
             self.adaptive = adaptive_policy(self.spec)
-            self._unobserved = None
+            self._unobserved, self.quiet = None, QuietRun()
 
     @property
     def has_work(self) -> bool:
@@ -170,47 +171,6 @@ class Engine(Scheduling, OverlapSchedule):
             out = run()
         self.report.seconds[phase] = self._clock() - began
         return out
-
-    def _observe_last(self, start: float) -> None:
-        """The last step's whole cycle is known now (the caller's handling of its events, streaming and
-        detokenizing, is part of its cost too): the adaptive policy observes it."""
-        if self._unobserved is None:
-            return
-        shape, began, seconds = self._unobserved
-        self._unobserved = None
-        shape.base_seconds += max(min(start - began, 2 * seconds) - seconds, 0.0)  # not an idle wait
-        self.adaptive.observe(shape)
-
-    def _observe(self, verifies: list[Verify], start: float) -> None:
-        """What this step did, for the adaptive policy: fed at the next step's start, when the whole cycle is
-        known. Its base is everything but the forward and the speculation phases (schedule, accept, commit,
-        the engine's own bookkeeping, and then the caller's). A step the overlap schedule launched while the one
-        before it was in flight knows only its whole cycle (its forward ran under the host's work): it is a cycle
-        at budget 1 and a base, with no forward timed, so that the policy weighs drafting against plain steps as
-        they now run."""
-        seconds = self.report.seconds
-        speculating = sum(1 for v in verifies if v.request.speculate)
-        verify, spec = seconds.get("verify", 0.0), seconds.get("draft", 0.0) + seconds.get("ask", 0.0)
-        own = self._clock() - start
-        deferred = self.report.deferred
-        if deferred:
-            verify = spec = 0.0
-        self._unobserved = (StepShape(
-            budget=self.report.budget, speculating=speculating, plain=len(verifies) - speculating,
-            forward_tokens=0 if deferred else self.report.forward_tokens, verify_seconds=verify, spec_seconds=spec,
-            base_seconds=max(own - verify - spec, 0.0),
-            accepts=list(zip(self.report.tree_depths, [n - 1 for n in self.report.accept_lengths]))), start, own)
-
-    def _choose_budget(self, continuing: bool = False) -> int:
-        """The tree budget of the next step's asks: fixed, or the adaptive policy's choice for the batch that
-        will decode next (continuing: an overlapped run's, every request decoding)."""
-        if self.adaptive is None:
-            return self.spec.num_draft_tokens
-        limit = self.scheduler.chunked_prefill_size  # a prefill that fits the next chunk decodes next step too
-        decoding = self.running if continuing else [
-            r for r in self.running if r.decoding or limit <= 0 or r.fill_len - r.num_prefilled <= limit]
-        speculating = sum(1 for r in decoding if r.speculate)
-        return self.adaptive.choose(speculating, len(decoding) - speculating, self.report.prefill_tokens)
 
     # draft ---------------------------------------------------------------------------------------
     def _request_drafts(self, only_missing: bool = False, trees: bool = True, continuing: bool = False) -> None:

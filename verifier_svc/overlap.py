@@ -20,6 +20,9 @@ EAGLE's and MTP's, with the target's states of the step that sampled them: its f
 kept on the device until a feed sends them), the policy chooses each next budget as it would, and a budget of 2 or
 more lands the step in flight before any tree is asked (a tree must grow from the last token).
 
+While drafting stays off at a load the policy has settled on, the run's steps neither ask it nor report to it one by
+one (policy_link.QuietRun).
+
 A request that stopped at step N (its EOS, a stop token) still computed step N+1's row: that row is dropped when
 N+1 lands (what SGLang's and vLLM's overlap do too). Its slot N+1 holds the KV of its last token, so the prefix
 cache may keep it. Outputs are unchanged: the sampled token of every row is the one the unoverlapped step would

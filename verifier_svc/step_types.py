@@ -175,6 +175,7 @@ class StepReport:
     prompt_padding_tokens: int = 0  # filler tokens after prompt chunks that made a prefill step a prompt graph's shape
     grammar_pruned: int = 0  # drafted nodes a request's grammar forbids, pruned before verification
     deferred: bool = False  # a plain step launched and left in flight: its tokens come with the next step's (overlap.py)
+    quiet: bool = False  # a settled drafting-off run's step: the policy not asked nor told now (policy_link.QuietRun)
 
     def add(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verify with drafts in this step."""

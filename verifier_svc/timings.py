@@ -40,6 +40,16 @@ class Recent:
         del self.values[: -self.WINDOW]
         self._median = None
 
+    def add_run(self, xs: list[float], step: int, stale: int = 0) -> None:
+        """add(xs[i], step + i, stale) for every i, at once (a run of consecutive steps: only the first can find the
+        values before it stale)."""
+        self.add(xs[0], step, stale)
+        if len(xs) > 1:
+            self.values.extend(xs[1:])
+            del self.values[: -self.WINDOW]
+            self.count += len(xs) - 1
+            self.last = step + len(xs) - 1
+
     @property
     def value(self) -> float:
         if self._median is None:
