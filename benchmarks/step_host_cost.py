@@ -216,7 +216,7 @@ def bench(prompts: int, flags: list[str]) -> None:
     """The bench's own loop (bench_in_process.drive, as `splitspec bench` runs a point: its waves, its policy, the
     overlap schedule) over PROMPTS prompts at --batch-size, plain (no drafter, no captured layers) against the
     speculating engine (adaptive as the flags say), three rounds interleaved, the third under cProfile; then the
-    functions by the difference a decode step (speculating minus plain)."""
+    functions by the difference a decode step (speculating minus plain). STEP_HOST_ROUNDS=N: N rounds, none profiled."""
     from splitspec import engine_args
     from splitspec.bench_in_process import drive
     from splitspec.bench_measure import make_prompts
@@ -231,11 +231,11 @@ def bench(prompts: int, flags: list[str]) -> None:
     scheduler = engine_args.scheduler_config(args)
     policy = adaptive_policy(setup.spec)
     trees = verify_tree_sizes(setup.spec)
-    stats = {}
-    for round_ in range(3):
+    stats, rounds = {}, int(os.environ.get("STEP_HOST_ROUNDS", "0"))  # N: N rounds unprofiled, no cProfile
+    for round_ in range(rounds or 3):
         for label, speculating in (("plain", False), ("speculating", True)):
             setup.target_for(speculating, trees)
-            profile = cProfile.Profile() if round_ == 2 else None
+            profile = cProfile.Profile() if round_ == 2 and not rounds else None
             if profile is not None:
                 profile.enable()
             row, _ = drive(setup.runner, setup.drafter if speculating else None, setup.spec if speculating else None,
@@ -247,6 +247,8 @@ def bench(prompts: int, flags: list[str]) -> None:
             print(f"{label}{' (cProfile)' if profile else ''}: {row['output_tok_s']} tok/s, {row['decode_steps']} decode "
                   f"steps, step_ms {row['step_ms']}, budgets {row.get('budgets')}, tpot {row['tpot_ms']} ms", flush=True)
     setup.drafter.close()
+    if not stats:
+        return
     rows = []
     (spec_stats, spec_steps), (plain_stats, plain_steps) = stats["speculating"], stats["plain"]
     for key in spec_stats.keys() | plain_stats.keys():
