@@ -82,7 +82,7 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         self.budget = spec.num_draft_tokens  # the tree budget of the asks being made (adaptive: chosen per step)
         # the policy needs the forward's own time: on a GPU, wait for it (the accept phase that follows waits anyway)
         self._sync_verify = self.adaptive is not None and runner.device.type == "cuda"
-        self._unobserved: tuple[StepShape, float, float] | None = None  # the last step: (shape, start, seconds)
+        self._unobserved: tuple[StepShape | None, float, float] | None = None  # the last step: (shape, start, seconds)
         # called once per step with a forward, right after the forward is queued and before its results are
         # read: on a GPU the caller's host work for the last step (its metrics and streams) runs under the
         # device's (the serving loop's overlap; EngineWorker)
