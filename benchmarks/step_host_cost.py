@@ -24,8 +24,9 @@ prompts, the budget forced, no policy. No assertions.
         --speculative-algorithm EAGLE3 --batch-size 16 --prompt-len 128 [--disable-mixed-chunk]
 
 STEP_HOST_OVERLAP=1 runs the overlap schedule on a CPU too (a GPU server's host path: its drafting-off runs overlapped,
-the forwards synchronous); STEP_HOST_POLICY=1 keeps the load-adaptive policy choosing and observing every step as a
-server's does (the budget forced after each choice), so that its cost is in the steps.
+the forwards synchronous); STEP_HOST_POLICY=1 keeps the load-adaptive policy choosing and observing every step (the
+budget forced after each choice), so that its cost is in the steps: what a server's steps pay while the policy has not
+settled, not a settled drafting-off run's quiet steps (policy_link.QuietRun), which `bench` times as a server runs them.
 """
 
 from __future__ import annotations
