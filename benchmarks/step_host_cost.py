@@ -224,7 +224,10 @@ def bench(prompts: int, flags: list[str]) -> None:
     from splitspec.runtime.sampling_params import SamplingParams
     from splitspec.verifier_svc.adaptive import adaptive_policy, verify_tree_sizes
 
-    setup = Setup(flags, _flag(flags, "--prompt-len", 128) + _flag(flags, "--output-len", 128) + 64)
+    from splitspec.bench import build_parser
+
+    parsed = build_parser().parse_args(flags)
+    setup = Setup(flags, parsed.prompt_len + parsed.output_len + 64)
     args = setup.args
     texts = make_prompts(args, None if args.preset else setup.model_dir, setup.runner.config.vocab_size, prompts)
     params = [SamplingParams(temperature=0.0, seed=i, max_new_tokens=args.output_len, ignore_eos=True)
@@ -261,10 +264,6 @@ def bench(prompts: int, flags: list[str]) -> None:
         print(title)
         for r in sorted(rows, key=lambda r: -r[column])[:35]:
             print(f"{r[0] * 1e3:8.4f} {r[1] * 1e3:8.4f} {r[2]:7.1f} {r[3]:7.1f} {r[4]}")
-
-
-def _flag(flags: list[str], flag: str, default: int) -> int:
-    return int(flags[flags.index(flag) + 1]) if flag in flags else default
 
 
 def arrival(count: int, budget: int, flags: list[str]) -> None:

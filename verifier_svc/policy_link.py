@@ -34,11 +34,12 @@ class PolicyLink:
             return
         shape, began, seconds = self._unobserved
         self._unobserved = None
-        if shape is None:  # a quiet step (QuietRun): its whole cycle, as below (verify and spec 0)
-            self.quiet.cycles.append(seconds + max(min(start - began, 2 * seconds) - seconds, 0.0))
+        after = max(min(start - began, 2 * seconds) - seconds, 0.0)  # the caller's share, not an idle wait
+        if shape is None:  # a quiet step (QuietRun): its whole cycle (its base: verify and spec are 0)
+            self.quiet.cycles.append(seconds + after)
             return
         self._flush_quiet()
-        shape.base_seconds += max(min(start - began, 2 * seconds) - seconds, 0.0)  # not an idle wait
+        shape.base_seconds += after
         self.adaptive.observe(shape)
 
     def _observe(self, verifies: list[Verify], start: float) -> None:
