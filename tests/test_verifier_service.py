@@ -765,11 +765,27 @@ def test_grpc_runs_in_a_front_process_that_lives_and_dies_with_the_engine(verifi
         here = collect(stub, messages, len(messages))
     finally:
         stop(process, stub)
+    assert process.returncode == 128 + signal.SIGTERM  # SIGTERM, handled on the loop, ended it as it ends a front
     apart = collect(verifier, messages, len(messages))
     assert {k: r["tokens"] for k, r in here.items()} == {k: r["tokens"] for k, r in apart.items()}
     assert all(r["finish"] == pb.FINISH_REASON_LENGTH for r in apart.values())
     assert sum(r["spec"].accepted_tokens for r in apart.values()) > 0  # speculation ran on both
     assert sum(r["spec"].accepted_tokens for r in here.values()) > 0
+
+    # SIGTERM while it waits for drafters that never come (neither gRPC's nor the wait's thread holds it)
+    waiting = spawn_service([sys.executable, "-P", "-m", "splitspec", "verifier", "--port", str(free_port()),
+                             "--dtype", "float32", "--speculative-algorithm", "NGRAM", "--max-total-tokens", "2048",
+                             "--drafter-bind-addr", f"tcp://127.0.0.1:{free_port()}", "--wait-for-drafters", "1",
+                             "--disable-frontend-multiprocessing"])
+    try:
+        deadline = time.time() + 180
+        while "waiting for 1 drafters" not in waiting.stderr.read():
+            assert waiting.poll() is None and time.time() < deadline, waiting.stderr.read()
+            time.sleep(0.3)
+        waiting.terminate()
+        assert waiting.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        waiting.kill()
 
     for victim in ("front", "engine", "terminated"):
         process, stub = start_verifier("--max-total-tokens", "2048")

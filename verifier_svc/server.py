@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from splitspec import engine_args, event_loop, heap, model_flags, speculation
 from splitspec.log_format import setup_logging
@@ -324,7 +325,12 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
 async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo, limits: Limits, address: str,
                      ready, stream_interval: int = 1, stats: StatsLog | None = None,
                      watchdog_timeout: float = 0.0) -> int:
-    """gRPC on this process's event loop (--disable-frontend-multiprocessing)."""
+    """gRPC on this process's event loop (--disable-frontend-multiprocessing). SIGTERM is the loop's own callback
+    here, not an exception raised wherever the main thread is: one raised inside grpc's Cython callbacks (a client's
+    connection closing as the signal lands) can be swallowed there, and the verifier then never exits."""
+    loop = asyncio.get_running_loop()
+    terminated = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, terminated.set)
     worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap,
                           stats=stats, watchdog_timeout=watchdog_timeout)
     if metrics is not None:
@@ -333,10 +339,49 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
     counts = metrics if metrics is not None else NoCounts()  # EngineMetrics counts refusals and malformed messages
     server, health = await start_server(VerifierServicer(LocalBackend(worker, stream_interval), limits, info, counts),
                                         address)
-    await asyncio.get_running_loop().run_in_executor(None, ready)
-    await set_serving(health)
-    await server.wait_for_termination()
-    return 0
+    try:
+        if await _unless(terminated, _in_daemon_thread(ready)):
+            return 128 + signal.SIGTERM
+        await set_serving(health)
+        await terminated.wait()  # only this stops the server
+        return 128 + signal.SIGTERM
+    finally:
+        if terminated.is_set():
+            logger.info("SIGTERM: the verifier stops serving")
+        await server.stop(None)  # every stream ends now, as when a killed front process ends them
+
+
+async def _unless(event: asyncio.Event, awaitable) -> bool:
+    """Awaits awaitable unless event is set first: then True, and awaitable is cancelled."""
+    work, stop = asyncio.ensure_future(awaitable), asyncio.ensure_future(event.wait())
+    await asyncio.wait((work, stop), return_when=asyncio.FIRST_COMPLETED)
+    work.cancel(), stop.cancel()  # either is done already
+    if event.is_set():
+        return True
+    work.result()  # what it raised
+    return False
+
+
+async def _in_daemon_thread(function) -> None:
+    """function() on a daemon thread: an executor's thread holds the process's exit until it returns, and ready()
+    may wait for drafters that never come."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():  # not cancelled meanwhile
+            done.set_exception(error) if error is not None else done.set_result(None)
+
+    def body() -> None:
+        try:
+            function()
+        except BaseException as exc:  # noqa: BLE001 (raised where it is awaited)
+            loop.call_soon_threadsafe(settle, exc)
+        else:
+            loop.call_soon_threadsafe(settle, None)
+
+    threading.Thread(target=body, name="ready", daemon=True).start()
+    await done
 
 
 def _terminated(signum, frame) -> None:
