@@ -91,6 +91,10 @@
 #             writes) slows the steps it records: the demo EAGLE-3 chain in process as a server runs it (--no-phase-sync,
 #             adaptive on), batch 1 and 16, 32 requests of 256 tokens, two rounds each way, untraced then traced then
 #             untraced (tracecost_{off,on,off2}.json)
+#   graphs    what a CUDA graph's launch costs the host (benchmarks/graph_launch_cost.py): synthetic graphs of 1-300 tiny
+#             kernels (one stream, forked over two, kernels and copies alternating) against every graph the demo target
+#             and its EAGLE-3 chain head captured, host us per replay and the device work in it, at GRAPHS_BS (default
+#             1 16; graph_launch_bs<N>.txt)
 #   arrivals  what a request joining a running batch costs, in process (benchmarks/step_host_cost.py arrival: 15 requests
 #             of the demo pair decoding at batch 16, 30 arrivals of a 128-token prompt, the prompt step and the next
 #             timed, then under cProfile, then under torch.profiler: the device's busy time and kernels against the wall): NGRAM and the EAGLE-3 chain, drafting off (budget 1) and drafting (12; 6),
@@ -347,6 +351,12 @@ for stage in "${stages[@]}"; do
                            >> "$OUT/tracecost.log" 2>&1 || stop=1
                    done
                    gzip -f "$OUT/tracecost_trace.jsonl" ;;
+        graphs) for bs in ${GRAPHS_BS:-1 16}; do
+                    timeout 300 python3 -P benchmarks/graph_launch_cost.py --device cuda --dtype bfloat16 \
+                        --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1 \
+                        --speculative-num-draft-tokens 6 --prompt-len 128 --batch-size "$bs" \
+                        > "$OUT/graph_launch_bs$bs.txt" 2>&1 || stop=1
+                done ;;
         jitcache) # FlashInfer's JIT modules of the 8B shape (head dim 128) and the demo's (64), as one .txz (back in $OUT;
                   # keep it in .ficache/, carried: scripts/gpu_env.sh installs it as FlashInfer's AOT modules)
                   for shape in "--preset llama-3.1-8b --draft-preset eagle3-llama-3.1-8b" ""; do
