@@ -197,6 +197,13 @@ def collect(stub, messages, expected: int) -> dict[str, dict]:
     return results
 
 
+def streaming(stub):
+    """One stream of four long requests whose first tokens have arrived (cancel it when done)."""
+    stream = stub.Generate(iter([submit(f"long{i}", p, 400) for i, p in enumerate(PROMPTS[:4])]), timeout=300)
+    next(stream)
+    return stream
+
+
 def test_concurrent_requests_equal_plain_generation_and_speculate(verifier):
     """8 requests on one stream, plus the same prompt with speculation switched off and one that stops
     at a stop token id: all equal plain offline generation."""
@@ -763,9 +770,14 @@ def test_grpc_runs_in_a_front_process_that_lives_and_dies_with_the_engine(verifi
         assert not [c for c in _children(process.pid) if "front_process" in " ".join(_cmdline(c))]
         messages = [submit(f"q{i}", p, 24) for i, p in enumerate(PROMPTS[:4])]
         here = collect(stub, messages, len(messages))
+        # SIGTERM while streams decode, handled on the loop: the streams end, then the engine thread's loop (a process
+        # exiting under a running step died of SIGABRT in libtorch's teardown), and it exits as a front's verifier does
+        live = streaming(stub)
+        process.terminate()
+        assert process.wait(timeout=60) == 128 + signal.SIGTERM, process.stderr.read()[-2000:]
+        live.cancel()
     finally:
         stop(process, stub)
-    assert process.returncode == 128 + signal.SIGTERM  # SIGTERM, handled on the loop, ended it as it ends a front
     apart = collect(verifier, messages, len(messages))
     assert {k: r["tokens"] for k, r in here.items()} == {k: r["tokens"] for k, r in apart.items()}
     assert all(r["finish"] == pb.FINISH_REASON_LENGTH for r in apart.values())
@@ -796,15 +808,18 @@ def test_grpc_runs_in_a_front_process_that_lives_and_dies_with_the_engine(verifi
         argv = _cmdline(front)
         sockets = Path(argv[argv.index("--engine") + 1].removeprefix("ipc://")).parent  # the link's socket directory
         assert sockets.name.startswith("splitspec-verifier-") and not sockets.exists()
-        if victim == "terminated":  # as `up` and docker stop it; it served through the links first
+        if victim == "terminated":  # as `up` and docker stop it; it served through the links first, and streams
             served = collect(stub, messages[:2], 2)
             assert {k: r["tokens"] for k, r in served.items()} == {k: apart[k]["tokens"] for k in served}
+            live = streaming(stub)
             process.terminate()
         else:
             os.kill(front if victim == "front" else process.pid, signal.SIGKILL)
         try:
             process.wait(timeout=30)  # the engine ends with its front (exit 1), or was killed, or stopped
         finally:
+            if victim == "terminated":
+                live.cancel()
             stub.channel.close()
         assert process.returncode == {"front": 1, "engine": -signal.SIGKILL, "terminated": 128 + signal.SIGTERM}[victim]
         deadline = time.time() + 5

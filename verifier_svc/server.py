@@ -307,7 +307,7 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
                                          StatsLog(args.decode_log_interval), args.watchdog_timeout))
     from splitspec.verifier_svc.engine_link import FrontLink
 
-    front = FrontLink(address, args.log_level, args.stream_interval)
+    front, worker = FrontLink(address, args.log_level, args.stream_interval), None
     try:
         worker = EngineWorker(engine, metrics, publish=front.publish, overlap=overlap,
                               stats=StatsLog(args.decode_log_interval), watchdog_timeout=args.watchdog_timeout)
@@ -320,6 +320,8 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
         return front.run()
     finally:
         front.close()
+        if worker is not None:  # its loop ends before the process does
+            worker.stop()
 
 
 async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo, limits: Limits, address: str,
@@ -349,6 +351,7 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
         if terminated.is_set():
             logger.info("SIGTERM: the verifier stops serving")
         await server.stop(None)  # every stream ends now, as when a killed front process ends them
+        worker.stop()
 
 
 async def _unless(event: asyncio.Event, awaitable) -> bool:

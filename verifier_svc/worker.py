@@ -77,6 +77,9 @@ def deliver_each(deliveries: list[Delivery]) -> None:
         submission.deliver(submission.request, event)
 
 
+_STOP = object()  # EngineWorker.stop's wake-up in the inbox
+
+
 @dataclass
 class _Abort:
     submission: Submission
@@ -114,6 +117,7 @@ class EngineWorker(threading.Thread):
         self._flushed = {"metrics": 0.0, "publish": 0.0}  # seconds spent publishing since the loop last looked
         self.step_began: float | None = None  # perf_counter() at the running step's start, None between steps
         self.watchdog = StepWatchdog(self, stall_seconds, exit_after_s=watchdog_timeout)
+        self._stopping, self._stopped, self._intake = False, False, threading.Lock()  # stop(): the loop's end
         self.step_log = StepLog.from_env("verifier")  # SPLITSPEC_STEP_LOG
         if overlap:
             engine.while_forward = self._flush
@@ -128,9 +132,33 @@ class EngineWorker(threading.Thread):
 
     def abort(self, submission: Submission, timeout: float = 30.0) -> bool:
         command = _Abort(submission)
-        self.inbox.put(command)
+        with self._intake:
+            if self._stopped:  # nobody takes it: the process is ending
+                return False
+            self.inbox.put(command)
         command.done.wait(timeout)
         return command.found
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop between two steps (the running one completes; live requests are not ended: the process is
+        going) and wait for it. A process that exits while this thread runs torch work dies in libtorch's teardown
+        (SIGABRT, "terminate called without an active exception"), not with its exit code."""
+        self._stopping = True
+        self.inbox.put(_STOP)
+        if self.is_alive():
+            self.join(timeout)
+
+    def _stop_intake(self) -> None:
+        """The loop's end: aborts queued or to come are answered at once (not found)."""
+        with self._intake:
+            self._stopped = True
+            while True:
+                try:
+                    item = self.inbox.get_nowait()
+                except queue.Empty:
+                    return
+                if isinstance(item, _Abort):
+                    item.done.set()
 
     def run(self) -> None:
         clock = time.perf_counter
@@ -142,12 +170,18 @@ class EngineWorker(threading.Thread):
         if syncs is not None:
             syncs.start()
         self.watchdog.start()
-        while True:
+        try:
+            self._loop(clock, profile, device_profile, syncs)
+        finally:
+            self._stop_intake()
+
+    def _loop(self, clock, profile, device_profile, syncs) -> None:
+        while not self._stopping:
             busy = self.engine.has_work
             profile.tick(idle=not busy)
             start = clock()
             self._drain(block=not busy)
-            if self.engine.has_work:
+            if self.engine.has_work and not self._stopping:
                 stepped = clock()
                 self._take_flushed()  # an abort's flush during intake is intake's
                 self.step_began = stepped
@@ -217,6 +251,8 @@ class EngineWorker(threading.Thread):
             return
 
     def _handle(self, item) -> None:
+        if item is _STOP:
+            return
         if isinstance(item, Submission):
             if self.step_log is not None:
                 self.step_log.arrived(item.received, time.perf_counter())
