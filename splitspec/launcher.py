@@ -252,8 +252,14 @@ class Launcher:
                 try:
                     service.process.wait(timeout=15)
                 except subprocess.TimeoutExpired:
+                    self.say(f"{service.name} did not stop within 15 s of SIGTERM; killing it")
                     service.process.kill()
                     service.process.wait()
+                    continue
+                code = service.process.returncode
+                if code not in (0, -signal.SIGTERM, 128 + signal.SIGTERM):  # what a clean stop ends with
+                    self.say(f"{service.name} stopped with exit code {code}"
+                             + (f" ({signal.Signals(-code).name})" if code < 0 else ""))
         self.say("all services stopped")
         return 0
 

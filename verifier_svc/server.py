@@ -305,6 +305,12 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
     if args.disable_frontend_multiprocessing:
         return event_loop.run(serve_here(engine, metrics, overlap, info, limits, address, ready, args.stream_interval,
                                          StatsLog(args.decode_log_interval), args.watchdog_timeout))
+    return serve_with_front(args, engine, metrics, overlap, info, limits, address, ready)
+
+
+def serve_with_front(args: argparse.Namespace, engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
+                     limits: Limits, address: str, ready) -> int:
+    """gRPC in the front process (the default): the engine's thread here, until the front exits or a signal."""
     from splitspec.verifier_svc.engine_link import FrontLink
 
     front, worker = FrontLink(address, args.log_level, args.stream_interval), None
