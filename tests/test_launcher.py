@@ -108,6 +108,26 @@ def free_port_block(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports between 20000 and 32700")
 
 
+def stream_in_background(url: str) -> list[str]:
+    """A long streamed completion on a thread, once its first chunks arrived: the lines read, growing."""
+    lines: list[str] = []
+
+    def read() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+                    "model": "splitspec-demo", "prompt": "def fibonacci(n):", "max_tokens": 1500, "temperature": 0,
+                    "ignore_eos": True, "stream": True}) as response:
+                lines.extend(response.iter_lines())
+        except httpx.HTTPError:  # the stop cut it
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.time() + 60
+    while len(lines) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    return lines
+
+
 def drafter_tokens(metrics_url: str, name: str) -> float:
     text = httpx.get(metrics_url, timeout=10).text
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -230,9 +250,13 @@ def test_up_killed_with_sigkill_under_load_leaves_no_process_and_starts_again():
             "model": "splitspec-demo", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}).json()
         assert answer["choices"][0]["text"] and answer["speculative"]["algorithm"] == "NGRAM", answer
         assert answer["speculative"]["verify_steps"] > 0, answer
+        chunks = stream_in_background(again.url)  # and it stops while an answer streams
     finally:
         code = again.stop()
     assert code == 0 and again.lines[-1].endswith("all services stopped")
+    assert len(chunks) > 2  # it was streaming
+    # every service ended as a stop ends it (0, or SIGTERM's), none killed for hanging or dead of a signal of its own
+    assert not [line for line in again.lines if "stopped with exit code" in line or "did not stop within" in line]
     assert not any(alive(pid) for pid in again.service_pids()) and again.children() == []
 
 
