@@ -273,6 +273,55 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
 
 
 @needs_flashinfer
+@pytest.mark.parametrize("kv_heads", [2, 8], ids=["tensor-core-decode", "cuda-core-decode"])
+def test_a_work_split_left_in_place_is_what_flashinfers_plan_writes(tmp_path, kv_heads):
+    """SPLITSPEC_FLASHINFER_REPLAN=reuse: a batch whose requests keep their page counts (their key lengths moved
+    within their last pages) skips FlashInfer's planner, and what the graph then reads (index buffers, the int
+    workspace's work split, the plan info) equals what FlashInfer's own plan writes for it; a page more runs it."""
+    from splitspec.runtime.attention.base import AttentionBatch
+
+    r = runner(checkpoint(tmp_path, num_key_value_heads=kv_heads), "flashinfer")
+    backend, page_size = r.backend, r.kv_cache.page_size
+    g = torch.Generator().manual_seed(5)
+    bs, max_kv = 4, 160
+    pages = torch.randperm(r.kv_cache.num_pages, generator=g).tolist()
+    tables = [pages[i * (max_kv // page_size):(i + 1) * (max_kv // page_size)] for i in range(bs)]
+    for q_len, causal in ((1, False), (6, False), (4, True)):
+        state = backend.graph_state(bs, max_pages=bs * max_kv // page_size, q_len=q_len, max_kv_len=max_kv, causal=causal)
+        wrapper, arena = state.wrappers[None], state.arenas[None]
+        mask = None if q_len == 1 or causal else torch.ones(q_len, q_len, dtype=torch.bool).tril()
+
+        def batch(kv_lens: list[int]) -> AttentionBatch:
+            return AttentionBatch([q_len] * bs, kv_lens, tables, torch.zeros(bs * q_len, dtype=torch.long),
+                                  torch.zeros(bs * q_len, dtype=torch.long), [mask] * bs,
+                                  None if mask is None else [tuple(range(-1, q_len - 1))] * bs)
+
+        def seen() -> tuple:
+            torch.cuda.synchronize()
+            return arena.buffer.clone(), wrapper._int_workspace_buffer.clone(), list(wrapper._plan_info)
+
+        first = [page_size * int(n) + 1 for n in torch.randint(1, max_kv // page_size - 1, (bs,), generator=g)]
+        moved = [k + int(torch.randint(0, page_size - 1, (1,), generator=g)) for k in first]  # the same pages
+        backend.lean_replan, backend.reuse_plans = True, True
+        backend.graph_plan(state, batch(first))
+        before = (backend.lean_plans, backend.reused_plans)
+        backend.graph_plan(state, batch(moved))
+        assert (backend.lean_plans - before[0], backend.reused_plans - before[1]) == (1, 1), (q_len, causal)
+        reused = seen()
+        backend.lean_replan = False  # FlashInfer's own plan of the same batch
+        backend.graph_plan(state, batch(moved))
+        own = seen()
+        assert torch.equal(reused[0], own[0]) and torch.equal(reused[1], own[1]) and reused[2] == own[2], (q_len, causal)
+        backend.lean_replan = True
+        grown = [k + page_size for k in moved]  # a page more each: the planner runs
+        before = backend.reused_plans
+        backend.graph_plan(state, batch(grown))
+        backend.graph_plan(state, batch(grown))  # after FlashInfer's own plan, then its own: the second one reused
+        assert backend.reused_plans - before == 1, (q_len, causal)
+    backend.lean_replan, backend.reuse_plans = True, False
+
+
+@needs_flashinfer
 def test_piecewise_graphs_equal_eager(tmp_path):
     """Prompt chunks and mixed steps replay piecewise graphs (attention eager between the pieces) with the
     eager forward's logits and captured layer inputs, at every padded size, in any order of sizes; a forward

@@ -139,11 +139,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_tensor_cores = group_size >= 4
         self._wrappers: dict = {}
         # a captured graph's wrappers re-planned by flashinfer_replan once FlashInfer planned them (at capture);
-        # SPLITSPEC_FLASHINFER_REPLAN=flashinfer keeps FlashInfer's own plan (to compare the two on a GPU)
+        # SPLITSPEC_FLASHINFER_REPLAN=flashinfer keeps FlashInfer's own plan (to compare the two on a GPU); =reuse also
+        # leaves a work split in place while the query and page offsets it was planned for stay (replan's reuse)
         self.lean_replan = os.environ.get(REPLAN_ENV, "lean") != "flashinfer"
+        self.reuse_plans = os.environ.get(REPLAN_ENV, "lean") == "reuse"
         self._shape = dict(page_size=kv_cache.page_size, num_qo_heads=config.num_attention_heads,
                            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)  # replan's, fixed
-        self.lean_plans = self.full_plans = 0  # graph plans each way
+        self.lean_plans = self.full_plans = self.reused_plans = 0  # graph plans each way; lean ones the planner skipped
 
     # wrappers ----------------------------------------------------------------------------------------
     def _wrapper(self, kind: str, window):
@@ -347,10 +349,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         elif kind == "tree":
             packed, offsets = self._tree_mask(batch, list(range(batch.num_requests)), self._starts(batch), window)
             mask = dict(packed_mask=packed, mask_offsets=offsets.tolist())
-        replan(wrapper, state.arenas[window], q_lens=batch.q_lens, kv_lens=batch.kv_lens, page_tables=batch.page_tables,
-               causal=kind == "causal", window_left=-1 if window is None else window - 1, decode=kind == "decode",
-               **self._shape, **mask)
+        planned = replan(wrapper, state.arenas[window], q_lens=batch.q_lens, kv_lens=batch.kv_lens,
+                         page_tables=batch.page_tables, causal=kind == "causal",
+                         window_left=-1 if window is None else window - 1, decode=kind == "decode",
+                         reuse=self.reuse_plans, **self._shape, **mask)
         self.lean_plans += 1
+        self.reused_plans += not planned
 
     @staticmethod
     def _ancestor_words(batch: AttentionBatch, state: GraphState) -> list[int]:
@@ -383,9 +387,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         if state is None:
             state = PrefixState(self._wrapper("prefix", None))
         elif state.arena is not None and self.lean_replan and replannable(state.wrapper):
-            replan(state.wrapper, state.arena, q_lens=list(q_lens), kv_lens=list(kv_lens), page_tables=page_tables,
-                   causal=False, window_left=-1, decode=False, **self._shape)
+            planned = replan(state.wrapper, state.arena, q_lens=list(q_lens), kv_lens=list(kv_lens),
+                             page_tables=page_tables, causal=False, window_left=-1, decode=False, reuse=self.reuse_plans,
+                             **self._shape)
             self.lean_plans += 1
+            self.reused_plans += not planned
             return state
         batch = AttentionBatch(list(q_lens), list(kv_lens), page_tables, None, None, [])
         indptr, indices, last = self._pages(batch, list(range(len(kv_lens))), self.kv_cache.page_size)

@@ -38,6 +38,8 @@ class Arena:
     # next plan rewrites, so that plan waits until the stream has taken this one's (at once, unless the host runs
     # more than a step ahead of the device)
     planned: torch.cuda.Event | None = None
+    # replan(reuse=True): what FlashInfer's planner last read for this arena's wrapper, and the plan info it returned
+    last_plan: tuple | None = None
 
     @classmethod
     def make(cls, batch_size: int, max_pages: int, device: torch.device, mask: bool, ancestors: int = 0) -> "Arena":
@@ -69,12 +71,18 @@ def replannable(wrapper) -> bool:
 def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
            num_qo_heads: int, num_kv_heads: int, head_dim: int, causal: bool, window_left: int, decode: bool,
            packed_mask: torch.Tensor | None = None, mask_offsets: list[int] | None = None,
-           ancestors: list[int] | None = None) -> None:
+           ancestors: list[int] | None = None, reuse: bool = False) -> bool:
     """What wrapper.plan does for a batch of arena.batch_size requests of q_lens new tokens (kv_lens keys after
     them, in page_tables' pages): the arena filled by one copy, the mask by another, FlashInfer's C++ planner run
     on the host arrays. decode: a BatchDecodeWithPagedKVCacheWrapper (q_lens all 1), else a prefill wrapper. A tree's
     mask: packed_mask (bytes, copied) or ancestors (the arena's ancestor bits, packed on the device by the graph), and
-    its byte offsets."""
+    its byte offsets.
+
+    reuse: where the planner reads only the query and page offsets (FA2's prefill planner and the CUDA-core decode
+    one; their key lengths in tokens come from the arena's buffers), the same offsets as this wrapper's last plan,
+    which nothing has replaced since (FlashInfer's own plan makes a new plan info), leave its work split in place:
+    the planner's output is a function of what it reads. At batch 1 the page offsets change every page (16 tokens),
+    not every step. True when the planner ran."""
     bs = arena.batch_size
     counts = [-(-k // page_size) for k in kv_lens]
     kv_indptr = list(itertools.accumulate(counts, initial=0))
@@ -86,8 +94,17 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
     arena.buffer[: host.numel()].copy_(host, non_blocking=True)
     if packed_mask is not None:
         wrapper._custom_mask_buf[: packed_mask.numel()].copy_(packed_mask, non_blocking=True)
-    qo_host, kv_indptr_host, kv_lens_host = host[: bs + 1], host[bs + 1 : 2 * bs + 2], host[3 * bs + 2 : 4 * bs + 2]
     prefill = not decode
+    if prefill:
+        wrapper._max_q_len, wrapper._max_kv_len = max(q_lens), max(kv_lens)
+    else:
+        wrapper._max_kv_len = max(kv_lens)
+    key = None
+    if reuse and (getattr(wrapper, "_backend", None) == "fa2" if prefill or wrapper.use_tensor_cores else True):
+        key = (tuple(head[: 2 * bs + 2]), causal, window_left)
+        if arena.last_plan is not None and arena.last_plan[0] == key and arena.last_plan[1] is wrapper._plan_info:
+            return False
+    qo_host, kv_indptr_host, kv_lens_host = host[: bs + 1], host[bs + 1 : 2 * bs + 2], host[3 * bs + 2 : 4 * bs + 2]
     if arena.planned is None:
         arena.planned = torch.cuda.Event()
     else:
@@ -102,10 +119,6 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
         if wrapper._backend == "fa2":
             args += [-1, False, 0]  # fixed_split_size, disable_split_kv, num_colocated_ctas: the plan's defaults
         wrapper._plan_info = wrapper._cached_module.plan(*args)
-        if prefill:
-            wrapper._max_q_len, wrapper._max_kv_len = max(q_lens), max(kv_lens)
-        else:
-            wrapper._max_kv_len = max(kv_lens)
     else:  # the decode module's planner (CUDA cores)
         wrapper._plan_info = wrapper._cached_module.plan(
             wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
@@ -113,4 +126,6 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
             head_dim, head_dim, torch.empty(0, dtype=wrapper._cached_q_data_type),
             torch.empty(0, dtype=wrapper._cached_kv_data_type))
     arena.planned.record()
+    arena.last_plan = None if key is None else (key, wrapper._plan_info)
+    return True
 
