@@ -8,6 +8,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -211,11 +212,11 @@ def test_bench_refuses_what_it_cannot_measure():
 
 def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
     """`splitspec up` with a drafter process replaying the target's recorded outputs over ZeroMQ, measured by
-    `splitspec bench --url` with 1 and 2 concurrent streaming clients: every request completes, plain requests
-    (opted out) and speculative ones are both measured, and the accept length follows the profile. Two rounds
-    (--rounds 2): plain and speculative alternate in time, each round sends its own prompts, each row pools its rounds,
-    and the speedup is the median of the paired rounds' ratios."""
-    from test_launcher import Up
+    `splitspec bench --url` (started first: it waits for the deployment) with 1 and 2 concurrent streaming clients:
+    every request completes, plain requests (opted out) and speculative ones are both measured, and the accept length
+    follows the profile. Two rounds (--rounds 2): plain and speculative alternate in time, each round sends its own
+    prompts, each row pools its rounds, and the speedup is the median of the paired rounds' ratios."""
+    from test_launcher import Up, free_port_block
 
     rng = random.Random(3)
     # 4 prompts for each round and batch size, of 10, 11 (round 0: batch 1, 2), 12 and 13 tokens (round 1): the dataset's
@@ -230,20 +231,30 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
                                timeout=300)
     assert generated.returncode == 0, generated.stderr
     reference.write_text(generated.stdout)
-    up = Up("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5", "--speculative-replay",
-            str(reference), "--speculative-replay-profile", "accept-length:3", "--log-level", "warning")
+    # the bench first, the deployment once the bench says it waits for it (--ready-check-timeout-sec): started together,
+    # either may be first on a loaded machine
+    port = free_port_block(4)
+    url = f"http://127.0.0.1:{port}"
+    out, err = tmp_path / "bench.json", tmp_path / "bench.log"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        bench = lifeline.spawn([sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", "--url", url,
+                                "--batch-size", "1,2", "--num-prompts", "4", "--output-len", "40", "--dataset",
+                                str(dataset), "--warmup-requests", "0", "--rounds", "2", "--ready-check-timeout-sec",
+                                "300"], stdout=stdout, stderr=stderr, text=True)
+    up = None
     try:
-        # started with the deployment, not after it: the bench waits until it serves (--ready-check-timeout-sec)
-        assert not any("serving splitspec-demo at" in line for line in up.lines)
-        result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--log-level", "info", "--url", up.url,
-                               "--batch-size", "1,2", "--num-prompts", "4", "--output-len", "40", "--dataset", str(dataset),
-                               "--warmup-requests", "0", "--rounds", "2", "--ready-check-timeout-sec", "300"],
-                              capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stderr[-3000:]
-        report = json.loads(result.stdout)
-        assert f"waiting up to 300 s for {up.url} to be ready" in result.stderr, result.stderr[-3000:]
+        deadline = time.time() + 120
+        while f"waiting up to 300 s for {url} to be ready" not in err.read_text():
+            assert bench.poll() is None and time.time() < deadline, err.read_text()[-3000:]
+            time.sleep(0.2)
+        up = Up("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5", "--speculative-replay",
+                str(reference), "--speculative-replay-profile", "accept-length:3", "--log-level", "warning", port=port)
+        assert bench.wait(timeout=900) == 0, err.read_text()[-3000:]
+        report = json.loads(out.read_text())
     finally:
-        up.stop()
+        bench.kill()
+        if up is not None:
+            up.stop()
     assert report["model"] == "splitspec-demo" and report["rounds"] == 2
     rows = report["rows"]
     assert [(r["batch_size"], r["speculative"]) for r in rows] == [(1, None), (1, "NGRAM"), (2, None), (2, "NGRAM")]
