@@ -162,9 +162,9 @@ def drafted(steps: int, budget: int, flags: list[str]) -> None:
     setup.sync()
     print(f"unprofiled: median step {statistics.median(times) * 1e3:.3f} ms, mean {statistics.mean(times) * 1e3:.3f}, "
           f"{tokens / steps / setup.batch:.2f} tokens/request/step")
-    backends = {id(b): b for b in (setup.runner.backend, getattr(getattr(setup.drafter, "drafter", None), "runner", None)
-                                   and setup.drafter.drafter.runner.backend) if b is not None}
-    for backend in backends.values():  # FlashInfer's graph plans: lean (flashinfer_replan), of them reused, its own
+    head = getattr(getattr(setup.drafter, "drafter", None), "runner", None)  # a head's own runner, if it has one
+    for backend in {setup.runner.backend, *([head.backend] if head is not None else [])}:
+        # FlashInfer's graph plans: lean (flashinfer_replan), of them reused, its own
         if hasattr(backend, "lean_plans"):
             print(f"graph plans of {type(backend).__name__}: lean {backend.lean_plans}, reused {backend.reused_plans}, "
                   f"FlashInfer's own {backend.full_plans}")

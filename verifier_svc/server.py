@@ -339,7 +339,7 @@ async def serve_here(engine: Engine, metrics, overlap: bool, info: pb.ModelInfo,
     loop = asyncio.get_running_loop()
     terminated = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, terminated.set)
-    worker = EngineWorker(engine, metrics, publish=StreamRouter(asyncio.get_running_loop()).publish, overlap=overlap,
+    worker = EngineWorker(engine, metrics, publish=StreamRouter(loop).publish, overlap=overlap,
                           stats=stats, watchdog_timeout=watchdog_timeout)
     if metrics is not None:
         metrics.observe_state(engine)

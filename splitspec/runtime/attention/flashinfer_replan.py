@@ -99,8 +99,9 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
         wrapper._max_q_len, wrapper._max_kv_len = max(q_lens), max(kv_lens)
     else:
         wrapper._max_kv_len = max(kv_lens)
+    prefill_planner = prefill or wrapper.use_tensor_cores  # the prefill module's planner (a tensor-core decode's too)
     key = None
-    if reuse and (getattr(wrapper, "_backend", None) == "fa2" if prefill or wrapper.use_tensor_cores else True):
+    if reuse and (not prefill_planner or getattr(wrapper, "_backend", None) == "fa2"):
         key = (tuple(head[: 2 * bs + 2]), causal, window_left)
         if arena.last_plan is not None and arena.last_plan[0] == key and arena.last_plan[1] is wrapper._plan_info:
             return False
@@ -111,7 +112,7 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
         arena.planned.synchronize()
     if prefill and head[bs] > wrapper._max_total_num_rows:  # as FlashInfer's plan checks: the graph's q holds no more
         raise ValueError(f"{head[bs]} rows of q in a graph captured for {wrapper._max_total_num_rows}")
-    if prefill or wrapper.use_tensor_cores:  # the prefill module's planner (a tensor-core decode uses it too)
+    if prefill_planner:
         rows = wrapper._max_total_num_rows if prefill else bs
         args = [wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
                 qo_host, kv_indptr_host, kv_lens_host, rows, bs, num_qo_heads, num_kv_heads, page_size, True, head_dim,
