@@ -97,7 +97,9 @@
 #             1 16; graph_launch_bs<N>.txt)
 #   reuse     SPLITSPEC_FLASHINFER_REPLAN=reuse (a graph's work split left in place while its query and page offsets stay)
 #             against lean: its GPU test, then the demo EAGLE-3 chain's drafted steps in process
-#             (benchmarks/step_host_cost.py drafted) at REUSE_BS (default 1), lean / reuse / lean / reuse (reuse.log)
+#             (benchmarks/step_host_cost.py drafted) at REUSE_BS (default 1) for each REUSE_MODES entry REPLAN:GRAPH_PREFILL
+#             (SPLITSPEC_FLASHINFER_GRAPH_PREFILL: fa2 or auto, FA3's on Hopper; default lean:auto reuse:auto reuse:fa2
+#             lean:fa2 lean:auto reuse:fa2), each line with its plans by graph kind (reuse.log)
 #   arrivals  what a request joining a running batch costs, in process (benchmarks/step_host_cost.py arrival: 15 requests
 #             of the demo pair decoding at batch 16, 30 arrivals of a 128-token prompt, the prompt step and the next
 #             timed, then under cProfile, then under torch.profiler: the device's busy time and kernels against the wall): NGRAM and the EAGLE-3 chain, drafting off (budget 1) and drafting (12; 6),
@@ -357,9 +359,10 @@ for stage in "${stages[@]}"; do
         reuse) timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k work_split \
                    > "$OUT/reuse.log" 2>&1 || stop=1
                for bs in ${REUSE_BS:-1}; do
-                   for mode in lean reuse lean reuse; do
-                       echo "== batch $bs SPLITSPEC_FLASHINFER_REPLAN=$mode" >> "$OUT/reuse.log"
-                       SPLITSPEC_FLASHINFER_REPLAN=$mode timeout 240 python3 -P benchmarks/step_host_cost.py drafted 150 6 \
+                   for mode in ${REUSE_MODES:-lean:auto reuse:auto reuse:fa2 lean:fa2 lean:auto reuse:fa2}; do  # replan:graph prefill
+                       echo "== batch $bs SPLITSPEC_FLASHINFER_REPLAN=${mode%:*} SPLITSPEC_FLASHINFER_GRAPH_PREFILL=${mode#*:}" >> "$OUT/reuse.log"
+                       SPLITSPEC_FLASHINFER_REPLAN=${mode%:*} SPLITSPEC_FLASHINFER_GRAPH_PREFILL=${mode#*:} \
+                       timeout 240 python3 -P benchmarks/step_host_cost.py drafted 150 6 \
                            --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 --speculative-num-steps 5 \
                            --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 --prompt-len 128 --batch-size "$bs" \
                            2>&1 | grep -E "^unprofiled|^budget|replan|plans|torch.profiler" >> "$OUT/reuse.log" || stop=1

@@ -24,6 +24,7 @@ read them at replay.
 from __future__ import annotations
 
 import builtins
+import collections
 import itertools
 import logging
 import os
@@ -39,6 +40,9 @@ from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.tree import ancestor_rows
 
 REPLAN_ENV = "SPLITSPEC_FLASHINFER_REPLAN"
+# the FlashInfer backend of graphs' mask-free prefill wrappers (causal chains, a draft loop's prefix): "auto" (FA3 on
+# Hopper) or "fa2", whose planner reads only offsets, so that REPLAN=reuse can leave its work split in place
+GRAPH_PREFILL_ENV = "SPLITSPEC_FLASHINFER_GRAPH_PREFILL"
 LN2 = 0.6931471805599453
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
 _OVERFLOW = re.compile(r"Buffer overflow when allocating memory for (\w+) with size (\d+)")
@@ -143,9 +147,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         # leaves a work split in place while the query and page offsets it was planned for stay (replan's reuse)
         self.lean_replan = os.environ.get(REPLAN_ENV, "lean") != "flashinfer"
         self.reuse_plans = os.environ.get(REPLAN_ENV, "lean") == "reuse"
+        self.graph_prefill = os.environ.get(GRAPH_PREFILL_ENV, "auto")
         self._shape = dict(page_size=kv_cache.page_size, num_qo_heads=config.num_attention_heads,
                            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)  # replan's, fixed
         self.lean_plans = self.full_plans = self.reused_plans = 0  # graph plans each way; lean ones the planner skipped
+        # lean plans by (graph kind, FlashInfer's backend of the wrapper, whether its planner ran): where reuse pays
+        self.lean_plans_by_kind: collections.Counter = collections.Counter()
 
     # wrappers ----------------------------------------------------------------------------------------
     def _wrapper(self, kind: str, window):
@@ -302,7 +309,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                     custom_mask_buf=torch.zeros(batch_size * (-(-q_len * max_kv_len // 8)), dtype=torch.uint8,
                                                 device=self.device), mask_indptr_buf=arena.view("mask_indptr"))
                 wrappers[window] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"), **pages, **mask)
+                    self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"), **pages, **mask,
+                    backend=self.graph_prefill)
                 wrappers[window]._kv_lens_buffer = arena.view("kv_lens")  # its plan writes there, its kernels read it
         out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
         plan = FlashInferPlan(out_slots=out_slots, groups={w: [_Group(wr, None)] for w, wr in wrappers.items()})
@@ -353,8 +361,12 @@ class FlashInferAttentionBackend(AttentionBackend):
                          page_tables=batch.page_tables, causal=kind == "causal",
                          window_left=-1 if window is None else window - 1, decode=kind == "decode",
                          reuse=self.reuse_plans, **self._shape, **mask)
+        self._count_lean(kind, wrapper, planned)
+
+    def _count_lean(self, kind: str, wrapper, planned: bool) -> None:
         self.lean_plans += 1
         self.reused_plans += not planned
+        self.lean_plans_by_kind[kind, getattr(wrapper, "_backend", "cuda-cores"), "planned" if planned else "reused"] += 1
 
     @staticmethod
     def _ancestor_words(batch: AttentionBatch, state: GraphState) -> list[int]:
@@ -375,7 +387,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"),
             paged_kv_indptr_buf=arena.view("kv_indptr"), paged_kv_indices_buf=arena.view("ids"),
-            paged_kv_last_page_len_buf=arena.view("last"))
+            paged_kv_last_page_len_buf=arena.view("last"), backend=self.graph_prefill)
         wrapper._kv_lens_buffer = arena.view("kv_lens")
         return PrefixState(wrapper, arena)
 
@@ -390,8 +402,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             planned = replan(state.wrapper, state.arena, q_lens=list(q_lens), kv_lens=list(kv_lens),
                              page_tables=page_tables, causal=False, window_left=-1, decode=False, reuse=self.reuse_plans,
                              **self._shape)
-            self.lean_plans += 1
-            self.reused_plans += not planned
+            self._count_lean("prefix", state.wrapper, planned)
             return state
         batch = AttentionBatch(list(q_lens), list(kv_lens), page_tables, None, None, [])
         indptr, indices, last = self._pages(batch, list(range(len(kv_lens))), self.kv_cache.page_size)
