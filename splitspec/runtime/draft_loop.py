@@ -145,7 +145,10 @@ class DraftLoop:
             parents = (torch.cat(parent_list, 1) if parent_list
                        else torch.zeros(bs, 0, dtype=torch.long, device=self.device))
         path_tokens, path_hidden = self._best_path(candidates, step_tokens, beam_tokens, beam_hidden, beam_parents)
-        return order, all_tokens.gather(1, order), all_scores.gather(1, order), parents, path_tokens, path_hidden
+        outputs = (order, all_tokens.gather(1, order), all_scores.gather(1, order), parents, path_tokens)
+        # what the host reads, as one row a request for one transfer (ids < 2**53), packed in the graph: outside it,
+        # six more launches a step
+        return (*outputs, path_hidden, torch.cat([o.double() for o in outputs], 1))
 
     def _best_path(self, candidates, step_tokens, beam_tokens, beam_hidden, beam_parents):
         """The most likely full-depth path (the best last-step candidate and its beam ancestors): its tokens
@@ -202,7 +205,7 @@ class DraftLoop:
             plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
             outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
         with device_phase("loop.to_host"):
-            host, copied = copy_to_host(torch.cat([o[:count].double() for o in outputs[:5]], 1))  # one transfer (ids < 2**53)
+            host, copied = copy_to_host(outputs[6][:count])
         # a copy of what later reads need: the next replay overwrites the graph's outputs
         path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
         chain = outputs[1][:count] if self.topk == 1 else None
