@@ -96,7 +96,7 @@
 #             and its EAGLE-3 chain head captured, host us per replay and the device work in it, at GRAPHS_BS (default
 #             1 16; graph_launch_bs<N>.txt)
 #   reuse     SPLITSPEC_FLASHINFER_REPLAN=reuse (a graph's work split left in place while its query and page offsets stay)
-#             against lean: its GPU test, then the demo EAGLE-3 chain's drafted steps in process
+#             against lean: its GPU test (and the draft loop graph's), then the demo EAGLE-3 chain's drafted steps in process
 #             (benchmarks/step_host_cost.py drafted) at REUSE_BS (default 1) for each REUSE_MODES entry REPLAN:GRAPH_PREFILL
 #             (SPLITSPEC_FLASHINFER_GRAPH_PREFILL: fa2 or auto, FA3's on Hopper; default lean:auto reuse:auto reuse:fa2
 #             lean:fa2 lean:auto reuse:fa2), each line with its plans by graph kind (reuse.log)
@@ -356,7 +356,7 @@ for stage in "${stages[@]}"; do
                            >> "$OUT/tracecost.log" 2>&1 || stop=1
                    done
                    gzip -f "$OUT/tracecost_trace.jsonl" ;;
-        reuse) timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k work_split \
+        reuse) timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k "work_split or draft_loop_graphs" \
                    > "$OUT/reuse.log" 2>&1 || stop=1
                for bs in ${REUSE_BS:-1}; do
                    for mode in ${REUSE_MODES:-lean:auto reuse:auto reuse:fa2 lean:fa2 lean:auto reuse:fa2}; do  # replan:graph prefill
