@@ -98,7 +98,7 @@
 #   reuse     SPLITSPEC_FLASHINFER_REPLAN=reuse (a graph's work split left in place while its query and page offsets stay)
 #             against lean: its GPU test (and the draft loop graph's), then the demo EAGLE-3 chain's drafted steps in process
 #             (benchmarks/step_host_cost.py drafted) at REUSE_BS (default 1) for each REUSE_MODES entry REPLAN:GRAPH_PREFILL
-#             (SPLITSPEC_FLASHINFER_GRAPH_PREFILL: fa2 or auto, FA3's on Hopper; default lean:auto reuse:auto reuse:fa2
+#             (SPLITSPEC_FLASHINFER_GRAPH_PREFILL: small, fa2 or auto, FA3's on Hopper; default lean:auto reuse:auto reuse:fa2
 #             lean:fa2 lean:auto reuse:fa2), each line with its plans by graph kind (reuse.log)
 #   arrivals  what a request joining a running batch costs, in process (benchmarks/step_host_cost.py arrival: 15 requests
 #             of the demo pair decoding at batch 16, 30 arrivals of a 128-token prompt, the prompt step and the next

@@ -352,3 +352,26 @@ def test_flashinfer_page_arrays_are_the_requests_pages():
         assert indptr.tolist() == [sum(counts[:j]) for j in range(len(counts) + 1)]
         assert indices.tolist() == [p for i, c in zip(requests, counts) for p in tables[i][:c]]
         assert last.tolist() == [kv_lens[i] - (c - 1) * page for i, c in zip(requests, counts)]
+
+
+def test_graph_prefill_backend_and_replan_modes_from_the_environment(monkeypatch):
+    """SPLITSPEC_FLASHINFER_GRAPH_PREFILL: small (default) gives a graph's mask-free prefill wrapper FA2 up to 16 query
+    rows a request (the planner REPLAN=reuse can skip) and leaves larger ones to FlashInfer's choice; fa2 and auto
+    apply to all. A value neither variable knows is refused with its name, not read as the default."""
+    from types import SimpleNamespace
+
+    from splitspec.runtime.attention import flashinfer_backend as fb
+
+    pick = fb.FlashInferAttentionBackend._graph_prefill_backend
+    assert [pick(SimpleNamespace(graph_prefill="small"), rows) for rows in (1, 6, 16, 17, 512)] == \
+        ["fa2", "fa2", "fa2", "auto", "auto"]
+    assert {pick(SimpleNamespace(graph_prefill="fa2"), rows) for rows in (1, 512)} == {"fa2"}
+    assert {pick(SimpleNamespace(graph_prefill="auto"), rows) for rows in (1, 512)} == {"auto"}
+    monkeypatch.delenv(fb.REPLAN_ENV, raising=False)
+    assert fb._env_choice(fb.REPLAN_ENV, "reuse", ("reuse", "lean", "flashinfer")) == "reuse"
+    monkeypatch.setenv(fb.REPLAN_ENV, "lean")
+    assert fb._env_choice(fb.REPLAN_ENV, "reuse", ("reuse", "lean", "flashinfer")) == "lean"
+    for name, choices in ((fb.REPLAN_ENV, ("reuse", "lean", "flashinfer")), (fb.GRAPH_PREFILL_ENV, ("small", "fa2", "auto"))):
+        monkeypatch.setenv(name, "fa3")
+        with pytest.raises(ValueError, match=name):
+            fb._env_choice(name, choices[0], choices)

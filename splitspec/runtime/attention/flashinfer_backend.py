@@ -39,10 +39,14 @@ from splitspec.runtime.attention.flashinfer_replan import Arena, replan, replann
 from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.tree import ancestor_rows
 
+# how a captured graph's attention is re-planned each step: reuse (default; lean, and a work split left in place while
+# the offsets it was planned for stay), lean (flashinfer_replan, the C++ planner every time) or flashinfer (its own plan)
 REPLAN_ENV = "SPLITSPEC_FLASHINFER_REPLAN"
-# the FlashInfer backend of graphs' mask-free prefill wrappers (causal chains, a draft loop's prefix): "auto" (FA3 on
-# Hopper) or "fa2", whose planner reads only offsets, so that REPLAN=reuse can leave its work split in place
+# the FlashInfer backend of graphs' mask-free prefill wrappers (causal chains, a draft's catch-up, a draft loop's
+# prefix): small (default: fa2 up to SMALL_GRAPH_ROWS query rows a request, above them auto), fa2, or auto (FA3 on
+# Hopper, whose planner reads key lengths, so that reuse never applies). FA2's planner reads only offsets.
 GRAPH_PREFILL_ENV = "SPLITSPEC_FLASHINFER_GRAPH_PREFILL"
+SMALL_GRAPH_ROWS = 16
 LN2 = 0.6931471805599453
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partial results), shared by the wrappers
 _OVERFLOW = re.compile(r"Buffer overflow when allocating memory for (\w+) with size (\d+)")
@@ -142,12 +146,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         group_size = config.num_attention_heads // config.num_key_value_heads
         self.decode_tensor_cores = group_size >= 4
         self._wrappers: dict = {}
-        # a captured graph's wrappers re-planned by flashinfer_replan once FlashInfer planned them (at capture);
-        # SPLITSPEC_FLASHINFER_REPLAN=flashinfer keeps FlashInfer's own plan (to compare the two on a GPU); =reuse also
-        # leaves a work split in place while the query and page offsets it was planned for stay (replan's reuse)
-        self.lean_replan = os.environ.get(REPLAN_ENV, "lean") != "flashinfer"
-        self.reuse_plans = os.environ.get(REPLAN_ENV, "lean") == "reuse"
-        self.graph_prefill = os.environ.get(GRAPH_PREFILL_ENV, "auto")
+        # a captured graph's wrappers re-planned by flashinfer_replan once FlashInfer planned them (at capture)
+        replan_mode = _env_choice(REPLAN_ENV, "reuse", ("reuse", "lean", "flashinfer"))
+        self.lean_replan, self.reuse_plans = replan_mode != "flashinfer", replan_mode == "reuse"
+        self.graph_prefill = _env_choice(GRAPH_PREFILL_ENV, "small", ("small", "fa2", "auto"))
         self._shape = dict(page_size=kv_cache.page_size, num_qo_heads=config.num_attention_heads,
                            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)  # replan's, fixed
         self.lean_plans = self.full_plans = self.reused_plans = 0  # graph plans each way; lean ones the planner skipped
@@ -310,7 +312,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                                                 device=self.device), mask_indptr_buf=arena.view("mask_indptr"))
                 wrappers[window] = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"), **pages, **mask,
-                    backend=self.graph_prefill)
+                    backend=self._graph_prefill_backend(q_len))
                 wrappers[window]._kv_lens_buffer = arena.view("kv_lens")  # its plan writes there, its kernels read it
         out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
         plan = FlashInferPlan(out_slots=out_slots, groups={w: [_Group(wr, None)] for w, wr in wrappers.items()})
@@ -363,6 +365,11 @@ class FlashInferAttentionBackend(AttentionBackend):
                          reuse=self.reuse_plans, **self._shape, **mask)
         self._count_lean(kind, wrapper, planned)
 
+    def _graph_prefill_backend(self, rows: int) -> str:
+        """FlashInfer's backend for a graph's prefill wrapper of `rows` query rows a request (GRAPH_PREFILL_ENV)."""
+        small = self.graph_prefill == "small" and rows <= SMALL_GRAPH_ROWS
+        return "fa2" if self.graph_prefill == "fa2" or small else "auto"
+
     def _count_lean(self, kind: str, wrapper, planned: bool) -> None:
         self.lean_plans += 1
         self.reused_plans += not planned
@@ -387,7 +394,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"),
             paged_kv_indptr_buf=arena.view("kv_indptr"), paged_kv_indices_buf=arena.view("ids"),
-            paged_kv_last_page_len_buf=arena.view("last"), backend=self.graph_prefill)
+            paged_kv_last_page_len_buf=arena.view("last"), backend=self._graph_prefill_backend(-(-num_rows // num_requests)))
         wrapper._kv_lens_buffer = arena.view("kv_lens")
         return PrefixState(wrapper, arena)
 
@@ -441,3 +448,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         for group in groups:
             out[group.rows] = group.wrapper.run(q[group.rows].contiguous(), paged)
         return out
+
+
+def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
