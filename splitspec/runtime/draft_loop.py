@@ -91,7 +91,9 @@ class DraftLoop:
 
     def _body(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, root_positions: torch.Tensor,
               plan: object) -> tuple[torch.Tensor, ...]:
-        """Steps 0..S-1 and the ranking for bs requests (the batch size of root_logits [bs, V]).
+        """Steps 0..S-1 and the ranking for bs requests (the batch size of root_logits [bs, V]): the kept candidates'
+        order, tokens and scores, the parents, the best path's tokens and (heads) outputs, and the host's row of the
+        first five as doubles [bs, width].
 
         At top-k > 1 a request's step positions are one position expanded over its beams (at batch 1 a stride-0
         view): the RoPE kernel reads positions by their stride (read as contiguous, it read past them and faulted

@@ -373,7 +373,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _count_lean(self, kind: str, wrapper, planned: bool) -> None:
         self.lean_plans += 1
         self.reused_plans += not planned
-        self.lean_plans_by_kind[kind, getattr(wrapper, "_backend", "cuda-cores"), "planned" if planned else "reused"] += 1
+        self.lean_plans_by_kind[kind, str(getattr(wrapper, "_backend", "-")), "planned" if planned else "reused"] += 1
 
     @staticmethod
     def _ancestor_words(batch: AttentionBatch, state: GraphState) -> list[int]:
