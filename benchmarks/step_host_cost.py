@@ -168,7 +168,8 @@ def drafted(steps: int, budget: int, flags: list[str]) -> None:
         if hasattr(backend, "lean_plans"):
             print(f"graph plans of {type(backend).__name__}: lean {backend.lean_plans}, reused {backend.reused_plans}, "
                   f"FlashInfer's own {backend.full_plans}; lean by kind: "
-                  + ", ".join(f"{'/'.join(k)} {n}" for k, n in sorted(backend.lean_plans_by_kind.items())))
+                  + ", ".join(f"{kind}/{name}/{'planned' if planned else 'reused'} {n}"
+                              for (kind, name, planned), n in sorted(backend.lean_plans_by_kind.items())))
     profile = cProfile.Profile()
     times, tokens = timed(engine, steps, profile)
     print(f"budget {budget} batch {setup.batch}: median step {statistics.median(times) * 1e3:.2f} ms, "

@@ -152,8 +152,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_prefill = _env_choice(GRAPH_PREFILL_ENV, "small", ("small", "fa2", "auto"))
         self._shape = dict(page_size=kv_cache.page_size, num_qo_heads=config.num_attention_heads,
                            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)  # replan's, fixed
-        self.lean_plans = self.full_plans = self.reused_plans = 0  # graph plans each way; lean ones the planner skipped
-        # lean plans by (graph kind, FlashInfer's backend of the wrapper, whether its planner ran): where reuse pays
+        self.full_plans = 0  # graph plans by FlashInfer's own plan
+        # lean plans (flashinfer_replan) by (graph kind, FlashInfer's backend of the wrapper, whether its planner ran)
         self.lean_plans_by_kind: collections.Counter = collections.Counter()
 
     # wrappers ----------------------------------------------------------------------------------------
@@ -371,9 +371,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         return "fa2" if self.graph_prefill == "fa2" or small else "auto"
 
     def _count_lean(self, kind: str, wrapper, planned: bool) -> None:
-        self.lean_plans += 1
-        self.reused_plans += not planned
-        self.lean_plans_by_kind[kind, str(getattr(wrapper, "_backend", "-")), "planned" if planned else "reused"] += 1
+        self.lean_plans_by_kind[kind, getattr(wrapper, "_backend", "-"), planned] += 1
+
+    @property
+    def lean_plans(self) -> int:
+        return sum(self.lean_plans_by_kind.values())
+
+    @property
+    def reused_plans(self) -> int:
+        """Lean plans whose planner was skipped (REPLAN_ENV=reuse)."""
+        return sum(n for (_, _, planned), n in self.lean_plans_by_kind.items() if not planned)
 
     @staticmethod
     def _ancestor_words(batch: AttentionBatch, state: GraphState) -> list[int]:
