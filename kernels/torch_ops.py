@@ -224,3 +224,44 @@ def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     out = weights[..., :1] * out_prefix.float().reshape(*group, dim) \
         + torch.einsum("rhgj,rjhd->rhgd", weights[..., 1:], values.float())
     return out.reshape(rows, heads, dim).to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, qo: torch.Tensor,
+                    kv_indptr: torch.Tensor, kv_lens: torch.Tensor, page_ids: torch.Tensor, ancestors: torch.Tensor | None,
+                    mode: int, scale: float, out: torch.Tensor | None = None,
+                    lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Request b's rows of q [T, Hq, D] (qo[b] to qo[b + 1]) over its kv_lens[b] keys, which sit in pages
+    page_ids[kv_indptr[b]:] of k_cache and v_cache [slots, Hkv, D] (slot = page * page_size + offset), each row seeing,
+    by mode: 0 every key; 1 the keys up to its own (row i of n is key kv_len - n + i); 2 the keys before the request's
+    n new ones and the new ones its ancestor bits name (ancestors [B, n, W] int32, 16 bits a word). -> (out [T, Hq, D]
+    in q's dtype, lse [T, Hq] float32 natural log, or None unless mode 0 or lse is given); rows outside every request
+    are not written. Reads the offsets and lengths on the host (the Triton kernel does not)."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    out = torch.empty_like(q) if out is None else out
+    if lse is None and mode == 0:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    qo_h, base_h, kv_h = qo.tolist(), kv_indptr.tolist(), kv_lens.tolist()
+    for b in range(len(qo_h) - 1):
+        n, kv = qo_h[b + 1] - qo_h[b], kv_h[b]
+        if n == 0:
+            continue
+        j = torch.arange(kv, device=q.device)
+        slots = page_ids[base_h[b] + j // page_size].long() * page_size + j % page_size
+        keys = k_cache[slots].float().repeat_interleave(heads // kv_heads, 1)  # [kv, Hq, D]
+        values = v_cache[slots].float().repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("ihd,jhd->hij", q[qo_h[b]:qo_h[b + 1]].float(), keys) * scale
+        if mode == 1:
+            seen = j[None, :] <= kv - n + torch.arange(n, device=q.device)[:, None]
+        elif mode == 2:
+            node = (j - (kv - n)).clamp(min=0)
+            words = ancestors[b].long()[:, node // 16]  # [n, kv]
+            seen = (j < kv - n)[None, :] | (((words >> (node % 16)) & 1) == 1)
+        else:
+            seen = torch.ones(n, kv, dtype=torch.bool, device=q.device)
+        scores = scores.masked_fill(~seen, float("-inf"))
+        rows_lse = torch.logsumexp(scores, -1)  # [Hq, n]
+        weights = torch.exp(scores - rows_lse.clamp(min=torch.finfo(torch.float32).min)[..., None])
+        out[qo_h[b]:qo_h[b + 1]] = torch.einsum("hij,jhd->ihd", weights, values).to(out.dtype)
+        if lse is not None:
+            lse[qo_h[b]:qo_h[b + 1]] = rows_lse.t()
+    return out, lse

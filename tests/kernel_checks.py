@@ -4,12 +4,13 @@ equal. Run on a GPU (tests/test_gpu_kernels.py) and on CPU under Triton's interp
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 
 import torch
 
-from splitspec.kernels import torch_ops, triton_ops, triton_own_attention, triton_rope, triton_tree_mask
+from splitspec.kernels import torch_ops, triton_ops, triton_own_attention, triton_paged_attention, triton_rope, triton_tree_mask
 from splitspec.runtime.attention.flashinfer_backend import _packed_trees
 from splitspec.runtime.tree import NO_NODE, ancestor_rows, child_links
 from splitspec.verifier_svc.acceptance import accept_target_tokens
@@ -151,6 +152,86 @@ def check_merge_own_attention(device: str, dtype: torch.dtype) -> int:
             assert error < tol, (name, dtype, bs, topk, depth, heads, kv, dim, error)
         rows_checked += rows
     return rows_checked
+
+
+def _paged_case(g: torch.Generator, rng: random.Random, requests: int, rows: int, kv_heads: int, group: int, dim: int,
+                page: int, max_kv: int, mode: int, dtype: torch.dtype) -> tuple:
+    """A paged cache holding `requests` requests' keys in shuffled pages, their query rows (mode 0: 1 to rows each;
+    causal and tree: rows each), and the expected (output, natural-log sum of exp) in float64."""
+    kv_lens = [rng.randint(rows, max_kv) for _ in range(requests)]
+    counts = [-(-k // page) for k in kv_lens]
+    pages = list(range(sum(counts) + 3))
+    rng.shuffle(pages)
+    ids, n_q, parents = pages[: sum(counts)], [], []
+    for _ in range(requests):
+        n_q.append(rng.randint(1, rows) if mode == triton_paged_attention.PREFIX else rows)
+        parents.append(random_tree(rng, rows, 50)[1] if mode == triton_paged_attention.TREE else None)
+    slots = len(pages) * page
+    k_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    q = torch.randn(sum(n_q) + 2, kv_heads * group, dim, generator=g).to(dtype)  # two rows past the requests
+    words = -(-rows // 16)
+    ancestors = torch.tensor([[[a >> (16 * w) & 0xFFFF for w in range(words)] for a in ancestor_rows(tuple(p))]
+                              if p is not None else [[0] * words] * rows for p in parents], dtype=torch.int32)
+    want_out = torch.zeros(q.shape, dtype=torch.float64)
+    want_lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
+    qo, base = [0], 0
+    for b, (kv, n) in enumerate(zip(kv_lens, n_q)):
+        table = ids[base: base + counts[b]]
+        base += counts[b]
+        slot = torch.tensor([table[j // page] * page + j % page for j in range(kv)])
+        seen = torch.ones(n, kv, dtype=torch.bool)
+        for i in range(n):
+            for j in range(kv - n, kv):
+                if mode == triton_paged_attention.CAUSAL:
+                    seen[i, j] = j <= kv - n + i
+                elif mode == triton_paged_attention.TREE:
+                    seen[i, j] = bool(ancestor_rows(tuple(parents[b]))[i] >> (j - (kv - n)) & 1)
+        keys = k_cache[slot].double().repeat_interleave(group, 1)
+        values = v_cache[slot].double().repeat_interleave(group, 1)
+        scores = torch.einsum("ihd,jhd->hij", q[qo[-1]: qo[-1] + n].double(), keys) * dim ** -0.5
+        scores = scores.masked_fill(~seen, float("-inf"))
+        want_out[qo[-1]: qo[-1] + n] = torch.einsum("hij,jhd->ihd", torch.softmax(scores, -1), values)
+        want_lse[qo[-1]: qo[-1] + n] = torch.logsumexp(scores, -1).t()
+        qo.append(qo[-1] + n)
+    indptr = list(itertools.accumulate(counts, initial=0))
+    index = [torch.tensor(x, dtype=torch.int32) for x in (qo, indptr, kv_lens, ids)]
+    return q, k_cache, v_cache, index, ancestors, sum(n_q), want_out, want_lse
+
+
+def check_paged_attention(device: str, dtype: torch.dtype) -> int:
+    """A few query rows a request over a paged cache (shuffled pages, partly filled last pages) against attention in
+    float64 over the gathered keys: beams over a prefix (with their log-sum-exp), causal chains and trees; grouped
+    heads 1, 3 and 4 a key-value head, head sizes 64 and 48; keys in one split and in up to four (each at least 64
+    keys), merged by the last split; the rows past the requests left as they were."""
+    g, rng = torch.Generator().manual_seed(17), random.Random(17)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    checked = 0
+    for mode in (triton_paged_attention.PREFIX, triton_paged_attention.CAUSAL, triton_paged_attention.TREE):
+        for requests, rows, kv_heads, group, dim, page, max_kv, splits in (
+                (1, 6, 2, 3, 64, 16, 300, 4), (3, 4, 2, 4, 48, 4, 90, 1), (2, 8, 1, 1, 64, 16, 200, 3)):
+            q, k_cache, v_cache, index, ancestors, used, want_out, want_lse = _paged_case(
+                g, rng, requests, rows, kv_heads, group, dim, page, max_kv, mode, dtype)
+            qo, indptr, kv_lens, ids = (t.to(device) for t in index)
+            args = (q.to(device), k_cache.to(device), v_cache.to(device), page, qo, indptr, kv_lens, ids,
+                    ancestors.to(device) if mode == triton_paged_attention.TREE else None, mode, dim ** -0.5)
+            work = triton_paged_attention.scratch(requests, kv_heads, rows, group, dim, torch.device(device), splits)
+            for name in ("twin", "triton"):
+                out = torch.full(q.shape, 7.0, dtype=dtype, device=device)
+                lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=device)
+                if name == "twin":
+                    torch_ops.paged_attention(*args, out=out, lse=lse)
+                else:
+                    triton_paged_attention.paged_attention(*args, rows, work, out=out, lse=lse, min_chunk=64)
+                    assert int(work[2].abs().sum()) == 0, "the split counts were not reset"
+                got, got_lse = out.cpu().double(), lse.cpu().double()
+                error = (got[:used] - want_out[:used]).abs().max().item()
+                lse_error = (got_lse[:used] - want_lse[:used]).abs().max().item()
+                assert error < tol and lse_error < tol, (name, mode, dtype, requests, rows, group, dim, splits, error,
+                                                         lse_error)
+                assert bool((got[used:] == 7.0).all()), (name, mode, "rows past the requests were written")
+            checked += used
+    return checked
 
 
 def check_gumbel_argmax(device: str) -> int:
@@ -358,6 +439,7 @@ def main(device: str = "cpu") -> int:
             check_rope_and_kv_write(device, dtype)
             fp8_rows = check_fp8_quantization(device, dtype)
             merged_rows = check_merge_own_attention(device, dtype)
+            paged_rows = check_paged_attention(device, dtype)
         accepted = check_verify_tree_greedy(device)
         drawn = check_gumbel_argmax(device)
         draft_rows = check_draft_topk(device)
@@ -366,7 +448,7 @@ def main(device: str = "cpu") -> int:
         mask_bytes = check_tree_mask_bits(device)
     print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
           f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
-          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, {merged_rows} draft-node attention rows per dtype, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
+          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, {merged_rows} draft-node attention rows and {paged_rows} paged-attention rows per dtype, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
           f"{[str(d) for d in dtypes]}: all equal their twins")
     return 0
 
