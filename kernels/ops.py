@@ -37,6 +37,11 @@ def twins():
         _twins_forced -= 1
 
 
+def triton_ready() -> bool:
+    """Whether the Triton kernels can run here (Triton imports and SPLITSPEC_KERNELS is not torch)."""
+    return _triton() is not None
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins), outside
     torch.compile (inductor fuses the twins itself: runtime.compile) and outside twins()."""

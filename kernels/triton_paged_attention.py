@@ -143,11 +143,20 @@ def scratch(requests: int, kv_heads: int, max_rows: int, group: int, head_dim: i
     """paged_attention's `work` for launches over this many requests: (partial outputs, their log-sum-exps, the
     per-request-and-head counts, the splits; splits_for's unless given)."""
     splits = splits_for(requests, kv_heads) if splits is None else splits
-    m = _rows(max_rows, group)
-    parts = requests * kv_heads * splits * m
+    parts = requests * kv_heads * splits * _rows(max_rows, group) if splits > 1 else 1
     return (torch.empty(parts * triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
             torch.empty(parts, dtype=torch.float32, device=device),
             torch.zeros(requests * kv_heads, dtype=torch.int32, device=device), splits)
+
+
+def shared_scratch(max_rows: int, group: int, head_dim: int, device: torch.device) -> tuple:
+    """Partial outputs, log-sum-exps and counts that every launch of at most max_rows rows a request with
+    splits_for's splits can share (launches on one stream, one after another; the last split resets its count):
+    splits > 1 only below TARGET_PROGRAMS requests x heads, so fewer than 2 x TARGET_PROGRAMS partial results."""
+    parts = 2 * TARGET_PROGRAMS * _rows(max_rows, group)
+    return (torch.empty(parts * triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
+            torch.empty(parts, dtype=torch.float32, device=device),
+            torch.zeros(TARGET_PROGRAMS, dtype=torch.int32, device=device))
 
 
 def _rows(max_rows: int, group: int) -> int:

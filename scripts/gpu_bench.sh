@@ -95,6 +95,12 @@
 #             kernels (one stream, forked over two, kernels and copies alternating) against every graph the demo target
 #             and its EAGLE-3 chain head captured, host us per replay and the device work in it, at GRAPHS_BS (default
 #             1 16; graph_launch_bs<N>.txt)
+#   graphattn SPLITSPEC_GRAPH_ATTENTION=triton (graphs of a few query rows a request attend by kernels.paged_attention, no
+#             plan) against flashinfer, GRAPHATTN_PARTS (default all, in this order): checks (the kernel against its twin),
+#             bench (each graph kind's attention alone: benchmarks/graph_attention_cost.py on the demo shape at GRAPHATTN_BS,
+#             default 1,16,64; graph_attention_demo.json), drafted (the demo EAGLE-3 chain's drafted steps in process at
+#             REUSE_BS for each GRAPHATTN_MODES entry, default flashinfer triton flashinfer triton), tests (graphs against
+#             eager with each); graphattn.log
 #   reuse     SPLITSPEC_FLASHINFER_REPLAN=reuse (a graph's work split left in place while its query and page offsets stay)
 #             against lean: its GPU test (and the draft loop graph's), then the demo EAGLE-3 chain's drafted steps in process
 #             (benchmarks/step_host_cost.py drafted) at REUSE_BS (default 1) for each REUSE_MODES entry REPLAN:GRAPH_PREFILL
@@ -368,6 +374,31 @@ for stage in "${stages[@]}"; do
                            2>&1 | grep -E "^unprofiled|^budget|replan|plans|torch.profiler" >> "$OUT/reuse.log" || stop=1
                    done
                done ;;
+        graphattn) # FlashInfer against kernels.paged_attention for graphs of a few query rows a request, by part
+                   parts=" ${GRAPHATTN_PARTS:-checks bench drafted tests} "
+                   if [[ $parts == *" checks "* ]]; then  # the kernel against its twin, compiled
+                       timeout 200 python3 -P -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k twins_compiled \
+                           > "$OUT/graphattn.log" 2>&1 || stop=1
+                   fi
+                   if [[ $parts == *" bench "* ]]; then  # each graph kind's attention alone
+                       timeout 240 python3 -P benchmarks/graph_attention_cost.py --config splitspec/demo_models/target/config.json \
+                           --batch-sizes "${GRAPHATTN_BS:-1,16,64}" --out "$OUT/graph_attention_demo.json" >> "$OUT/graphattn.log" 2>&1 || stop=1
+                   fi
+                   if [[ $parts == *" drafted "* ]]; then  # the demo EAGLE-3 chain's drafted steps in process
+                       for bs in ${REUSE_BS:-1}; do
+                           for how in ${GRAPHATTN_MODES:-flashinfer triton flashinfer triton}; do
+                               echo "== batch $bs SPLITSPEC_GRAPH_ATTENTION=$how" >> "$OUT/graphattn.log"
+                               SPLITSPEC_GRAPH_ATTENTION=$how timeout 240 python3 -P benchmarks/step_host_cost.py drafted 150 6 \
+                                   --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 --speculative-num-steps 5 \
+                                   --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 --prompt-len 128 --batch-size "$bs" \
+                                   2>&1 | grep -E "^unprofiled|^budget|replan|plans|torch.profiler" >> "$OUT/graphattn.log" || stop=1
+                           done
+                       done
+                   fi
+                   if [[ $parts == *" tests "* ]]; then  # graphs against eager, with each
+                       timeout 420 python3 -P -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+                           -k "graphs_equal_eager or graph_decode_equals_eager" >> "$OUT/graphattn.log" 2>&1 || stop=1
+                   fi ;;
         graphs) for bs in ${GRAPHS_BS:-1 16}; do
                     timeout 300 python3 -P benchmarks/graph_launch_cost.py --device cuda --dtype bfloat16 \
                         --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1 \

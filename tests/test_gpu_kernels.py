@@ -106,6 +106,18 @@ def capture_eagle3_layers(eager, graphed) -> None:
     graphed.capture_cuda_graphs()
 
 
+@pytest.fixture(params=["flashinfer", "triton"])
+def graph_attention(request, monkeypatch) -> str:
+    """Graphs of a few query rows a request attend by FlashInfer, or by kernels.paged_attention (paged_graphs)."""
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", request.param)
+    return request.param
+
+
+def paged_plans(backend) -> dict:
+    """Graph plans by kernels.paged_attention's graphs, by kind (none unless SPLITSPEC_GRAPH_ATTENTION=triton)."""
+    return {kind: n for (kind, how, _), n in backend.lean_plans_by_kind.items() if how == "triton"}
+
+
 def close(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest logit difference relative to the logits' spread."""
     return ((a - b).abs().max() / b.std()).item()
@@ -140,7 +152,7 @@ def test_flashinfer_backend_matches_torch(tmp_path, overrides):
 
 
 @needs_flashinfer
-def test_cuda_graph_decode_equals_eager(tmp_path):
+def test_cuda_graph_decode_equals_eager(tmp_path, graph_attention):
     path = checkpoint(tmp_path)
     eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True)
     graphed.capture_cuda_graphs(tree_nodes=(6,))
@@ -187,6 +199,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path):
         assert close(outs[1].logits, outs[0].logits) < 1e-2
         commit(eager, tables[id(eager)], inputs)
         commit(graphed, tables[id(graphed)], inputs)
+    assert bool(paged_plans(graphed.backend).get("tree")) == (graph_attention == "triton"), graphed.backend.lean_plans_by_kind
 
 
 @needs_flashinfer
@@ -373,7 +386,7 @@ def test_piecewise_graphs_equal_eager(tmp_path):
 
 
 @needs_flashinfer
-def test_prompt_graphs_equal_eager(tmp_path):
+def test_prompt_graphs_equal_eager(tmp_path, graph_attention):
     """Steps that only prefill, their chunks padded by pad_prompts, replay whole prompt graphs (runtime.prompt_graph)
     with the eager forward's logits of each chunk's last real token and states of its real rows: one chunk, several
     of unequal lengths (batch padding with a dummy request), chunks after cached prefixes that sample nothing, EAGLE-3's
@@ -425,6 +438,7 @@ def test_prompt_graphs_equal_eager(tmp_path):
         got, want = outs[1].aux_hidden_states[16 * k : 16 * k + 9], outs[0].aux_hidden_states[9 * k : 9 * k + 9]
         assert close(got.float(), want.float()) < 1e-2
     assert close(outs[1].logits, outs[0].logits) < 1e-2
+    assert bool(paged_plans(graphed.backend).get("causal")) == (graph_attention == "triton")  # the 16-token graphs
 
 
 @needs_flashinfer
@@ -474,7 +488,7 @@ def test_flashinfer_prefix_attention_matches_torch(tmp_path):
 
 
 @needs_flashinfer
-def test_draft_loop_graphs_equal_eager(tmp_path):
+def test_draft_loop_graphs_equal_eager(tmp_path, graph_attention):
     """The whole draft replayed from CUDA graphs (batches padded to captured sizes) gives the eager loop's
     trees, and nothing is written to the paged cache. In fp16: a padded batch may split FlashInfer's work
     differently, and bf16's rounding then flips near-tied candidates of this random model (seen on an H100)."""
@@ -502,10 +516,11 @@ def test_draft_loop_graphs_equal_eager(tmp_path):
             assert (graphed.tokens, graphed.parents) == (eager.tokens, eager.parents), (count, eager, graphed)
             assert graphed.scores == pytest.approx(eager.scores, rel=1e-2, abs=1e-4), (count, eager, graphed)
     assert drafters[1].loop.replays == 3
+    assert bool(paged_plans(drafters[1].runner.backend).get("prefix")) == (graph_attention == "triton")
 
 
 @needs_flashinfer
-def test_head_catch_up_graphs_equal_eager():
+def test_head_catch_up_graphs_equal_eager(graph_attention):
     """A draft head's forwards fed features (catch-ups with the target's, overlap's bets with its own) replay
     the graphs capture_feature_graphs captured, chains included, and equal the same forwards run eagerly."""
     from splitspec.draft_models import build_drafter
@@ -559,3 +574,4 @@ def test_head_catch_up_graphs_equal_eager():
     compare([FEED_EVERY] * 5, wide, "last")  # drafting off: a feed of every request's last FEED_EVERY tokens
     compare([32, 32], wide, "last")  # within max_rows
     compare([32, 32, 32], wide, "last", replay=False)  # past it: eager
+    assert bool(paged_plans(graphed.backend).get("causal")) == (graph_attention == "triton")

@@ -375,3 +375,59 @@ def test_graph_prefill_backend_and_replan_modes_from_the_environment(monkeypatch
         monkeypatch.setenv(name, "fa3")
         with pytest.raises(ValueError, match=name):
             fb._env_choice(name, choices[0], choices)
+
+
+def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
+    """SPLITSPEC_GRAPH_ATTENTION=triton: graphs of at most 16 query rows a request (no sliding window, a bf16 or fp16
+    cache) attend by kernels.paged_attention from the arena one copy fills. On CPU its twin reads the same arena: a
+    batch of trees, of causal chains and of beams over a prefix, with pages shuffled, equals the torch backend's
+    attention over the same cache (the new tokens' K/V written by it first). The choice refuses unknown values."""
+    from splitspec.runtime.attention import paged_graphs
+    from splitspec.runtime.attention.base import AttentionBatch
+    from splitspec.runtime.attention.torch_backend import TorchAttentionBackend
+    from splitspec.runtime.config import ModelConfig
+    from splitspec.runtime.tree import ancestor_rows
+    from splitspec.runtime.tree import tree_mask as mask_of
+
+    config = ModelConfig.from_dir("splitspec/demo_models/target")
+    monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "triton")
+    graphs = paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu"))
+    assert [graphs.usable(rows) for rows in (1, 16, 17)] == [True, True, False]
+    assert not paged_graphs.PagedGraphs(config, torch.bfloat16, [None, 7], torch.device("cpu")).usable(6)
+    assert not paged_graphs.PagedGraphs(config, torch.float8_e4m3fn, [None], torch.device("cpu")).usable(6)
+    monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "flashinfer")
+    assert not paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
+    monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "fa3")
+    with pytest.raises(ValueError, match=paged_graphs.GRAPH_ATTENTION_ENV):
+        paged_graphs.graph_attention_choice()
+
+    g = torch.Generator().manual_seed(9)
+    cache = KVCache(config, 64, 4, torch.float32, torch.device("cpu"))
+    cache.pool.copy_(torch.randn(cache.pool.shape, generator=g))
+    torch_backend = TorchAttentionBackend(config, cache)
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    parents = (-1, 0, 0, 1, 2, 2)
+    pages = torch.randperm(64, generator=g).tolist()
+    bs, rows = 3, 6
+    tables = [pages[i * 16:(i + 1) * 16] for i in range(bs)]
+    kv_lens = [rows + 9, rows + 30, rows + 57]
+    for mode in (paged_graphs.TREE, paged_graphs.CAUSAL, paged_graphs.PREFIX):
+        graph = graphs.make(bs, rows, 64, mode)
+        q = torch.randn(bs * rows, heads, dim, generator=g)
+        slots = torch.tensor([t[j // 4] * 4 + j % 4 for t, k in zip(tables, kv_lens) for j in range(k - rows, k)])
+        positions = torch.tensor([j for k in kv_lens for j in range(k - rows, k)])
+        masks = {paged_graphs.TREE: [mask_of(list(parents))] * bs, paged_graphs.CAUSAL: [None] * bs}
+        if mode == paged_graphs.PREFIX:  # beams over the prefix: what the torch backend's prefix attention gives
+            want, want_lse = torch_backend.attend_prefix(0, q, torch_backend.plan_prefix(kv_lens, tables, [rows] * bs))
+        else:
+            batch = AttentionBatch([rows] * bs, kv_lens, tables, slots, positions, masks[mode])
+            k, v = (torch.randn(bs * rows, kv_heads, dim, generator=g) for _ in range(2))
+            want = torch_backend.run(0, q, k, v, torch_backend.plan(batch))  # writes the new tokens' K/V
+        words = [a for a in ancestor_rows(parents)] * bs if mode == paged_graphs.TREE else None
+        graph.fill([rows] * bs, kv_lens, tables, 4, words)
+        got, lse = graph.attend(q, *cache.flat_kv(0), 4, config.head_dim ** -0.5)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if mode == paged_graphs.PREFIX:
+            torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="rows"):
+        graph.fill([rows + 1] * bs, kv_lens, tables, 4)

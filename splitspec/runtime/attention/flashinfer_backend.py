@@ -35,7 +35,9 @@ import torch
 
 from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+from splitspec.runtime.attention import paged_graphs
 from splitspec.runtime.attention.flashinfer_replan import Arena, replan, replannable
+from splitspec.runtime.attention.paged_graphs import PagedGraph
 from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.tree import ancestor_rows
 
@@ -107,6 +109,7 @@ class _Group:
 class FlashInferPlan:
     out_slots: torch.Tensor  # [T] flat slot where each new token's K/V goes
     groups: dict = field(default_factory=dict)  # window (None = full) -> [_Group]
+    paged: PagedGraph | None = None  # a graph attending by kernels.paged_attention instead (paged_graphs)
 
 
 @dataclass
@@ -125,8 +128,9 @@ class GraphState:
 
 @dataclass
 class PrefixState:
-    wrapper: object  # a prefill wrapper without a mask
+    wrapper: object  # a prefill wrapper without a mask (None: paged)
     arena: Arena | None = None  # a graph's: its wrapper's index buffers
+    paged: PagedGraph | None = None  # a graph attending by kernels.paged_attention instead (paged_graphs)
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -150,6 +154,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         replan_mode = _env_choice(REPLAN_ENV, "reuse", ("reuse", "lean", "flashinfer"))
         self.lean_replan, self.reuse_plans = replan_mode != "flashinfer", replan_mode == "reuse"
         self.graph_prefill = _env_choice(GRAPH_PREFILL_ENV, "small", ("small", "fa2", "auto"))
+        self.paged = paged_graphs.PagedGraphs(config, kv_cache.dtype, self.windows, self.device)
         self._shape = dict(page_size=kv_cache.page_size, num_qo_heads=config.num_attention_heads,
                            num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim)  # replan's, fixed
         self.full_plans = 0  # graph plans by FlashInfer's own plan
@@ -293,6 +298,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Fixed buffers and wrappers for a graph of `batch_size` requests of `q_len` new tokens each (1:
         decode; more: trees, whose requests hold at most `max_kv_len` keys, or with causal chains, planned
         without a mask: no mask to build, pack or copy), `max_pages` pages in all."""
+        if q_len > 1 and self.paged.usable(q_len):
+            paged = self.paged.make(batch_size, q_len, max_pages, paged_graphs.CAUSAL if causal else paged_graphs.TREE)
+            out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
+            return GraphState(batch_size, q_len, {}, out_slots, FlashInferPlan(out_slots, paged=paged), causal,
+                              {None: paged.arena}, paged.words)
         wrappers, arenas = {}, {}
         tree = q_len > 1 and not causal
         # a tree graph without sliding windows packs its masks on the device from the nodes' ancestor bits
@@ -321,7 +331,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def graph_prologue(self, state) -> None:
         """What a captured graph runs before its layers: a tree graph's masks packed from its arena's ancestor bits
         and key lengths (kernels.tree_mask_bits) into the buffer FlashInfer's kernels read."""
-        if isinstance(state, GraphState) and state.words:
+        if isinstance(state, GraphState) and state.words and state.plan.paged is None:
             arena = state.arenas[None]
             kernels.tree_mask_bits(arena.view("kv_lens"), arena.view("mask_indptr"),
                                    arena.view("ancestors").view(state.batch_size, state.q_len, state.words),
@@ -333,6 +343,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         assert n == state.batch_size and all(q == state.q_len for q in batch.q_lens)
         requests, pages, starts = list(range(n)), None, None
         kind = "decode" if state.q_len == 1 else "causal" if state.causal else "tree"
+        if state.plan.paged is not None:  # no plan: the arena is what its kernel reads
+            ancestors = self._ancestor_words(batch, state) if state.words else None
+            state.plan.paged.fill(batch.q_lens, batch.kv_lens, batch.page_tables, self.kv_cache.page_size, ancestors)
+            self.lean_plans_by_kind[kind, "triton", False] += 1
         for window, wrapper in state.wrappers.items():
             if self.lean_replan and replannable(wrapper):
                 try:
@@ -397,6 +411,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # cascade attention (the device draft loop) ---------------------------------------------------------
     def prefix_graph_state(self, num_requests: int, num_rows: int, max_pages: int) -> PrefixState:
+        rows = -(-num_rows // num_requests)
+        if self.paged.usable(rows):
+            return PrefixState(None, paged=self.paged.make(num_requests, rows, max_pages, paged_graphs.PREFIX))
         arena = Arena.make(num_requests, max_pages, self.device, mask=False)  # its index buffers (flashinfer_replan)
         wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"),
@@ -410,6 +427,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         """A prefill wrapper without a mask: a request's rows share one pass over its keys (a draft's beams)."""
         if any(w is not None for w in self.windows):
             raise NotImplementedError("prefix attention under a sliding window")
+        if state is not None and state.paged is not None:  # no plan: the arena is what its kernel reads
+            state.paged.fill(list(q_lens), list(kv_lens), page_tables, self.kv_cache.page_size)
+            self.lean_plans_by_kind["prefix", "triton", False] += 1
+            return state
         if state is None:
             state = PrefixState(self._wrapper("prefix", None))
         elif state.arena is not None and self.lean_replan and replannable(state.wrapper):
@@ -426,6 +447,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         return state
 
     def attend_prefix(self, layer_id: int, q: torch.Tensor, plan: PrefixState) -> tuple[torch.Tensor, torch.Tensor]:
+        if plan.paged is not None:
+            return plan.paged.attend(q, *self.kv_cache.flat_kv(layer_id), self.kv_cache.page_size, self.scaling)
         cache = self.kv_cache.layers[layer_id]
         out, lse2 = plan.wrapper.run(q.contiguous(), (cache[0], cache[1]), return_lse=True)
         return out, lse2 * LN2  # FlashInfer's sums of exp are base 2
@@ -446,6 +469,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self._attend(layer_id, q, plan)
 
     def _attend(self, layer_id: int, q: torch.Tensor, plan: FlashInferPlan) -> torch.Tensor:
+        if plan.paged is not None:
+            return plan.paged.attend(q, *self.kv_cache.flat_kv(layer_id), self.kv_cache.page_size, self.scaling)[0]
         cache = self.kv_cache.layers[layer_id]
         paged = (cache[0], cache[1])
         groups = plan.groups[self.config.sliding_windows[layer_id]]

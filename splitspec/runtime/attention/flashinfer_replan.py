@@ -62,6 +62,21 @@ class Arena:
         return self.buffer[start:end]
 
 
+def fill(arena: Arena, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
+         mask_offsets: list[int] | None = None, ancestors: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """The arena's buffers for a batch of arena.batch_size requests, by one copy: (its head, what precedes the page
+    ids, as ints; the host array copied)."""
+    counts = [-(-k // page_size) for k in kv_lens]
+    kv_indptr = list(itertools.accumulate(counts, initial=0))
+    last = [k - (n - 1) * page_size for k, n in zip(kv_lens, counts)]
+    ids = [p for table, n in zip(page_tables, counts) for p in table[:n]]
+    head = [*itertools.accumulate(q_lens, initial=0), *kv_indptr, *last, *kv_lens, *(mask_offsets or ()),
+            *(ancestors or ())]
+    host = host_tensor(head + ids, torch.int32)
+    arena.buffer[: host.numel()].copy_(host, non_blocking=True)
+    return head, host
+
+
 def replannable(wrapper) -> bool:
     """Whether FlashInfer planned this wrapper once (its module and work split exist) and it replays in a graph."""
     return wrapper.is_cuda_graph_enabled and getattr(wrapper, "_plan_info", None) is not None \
@@ -84,14 +99,7 @@ def replan(wrapper, arena: Arena, *, q_lens: list[int], kv_lens: list[int], page
     the planner's output is a function of what it reads. At batch 1 the page offsets change every page (16 tokens),
     not every step. True when the planner ran."""
     bs = arena.batch_size
-    counts = [-(-k // page_size) for k in kv_lens]
-    kv_indptr = list(itertools.accumulate(counts, initial=0))
-    last = [k - (n - 1) * page_size for k, n in zip(kv_lens, counts)]
-    ids = [p for table, n in zip(page_tables, counts) for p in table[:n]]
-    head = [*itertools.accumulate(q_lens, initial=0), *kv_indptr, *last, *kv_lens, *(mask_offsets or ()),
-            *(ancestors or ())]
-    host = host_tensor(head + ids, torch.int32)
-    arena.buffer[: host.numel()].copy_(host, non_blocking=True)
+    head, host = fill(arena, q_lens, kv_lens, page_tables, page_size, mask_offsets, ancestors)
     if packed_mask is not None:
         wrapper._custom_mask_buf[: packed_mask.numel()].copy_(packed_mask, non_blocking=True)
     prefill = not decode
