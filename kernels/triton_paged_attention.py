@@ -76,15 +76,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale_log2
-        seen = live_r[:, None] & live_j[None, :]
-        if MODE == 1:  # causal: row i is the key at prefix + i
-            seen = seen & (j[None, :] <= prefix + i[:, None])
-        if MODE == 2:  # tree: the prefix, then node j - prefix where row i's ancestor bits say so
-            node = j[None, :] - prefix
-            in_tree = node >= 0
-            nn = tl.where(in_tree, node, 0)
-            word = tl.load(anc_ptr + ((b * Q + i[:, None]) * W + nn // 16), mask=seen & in_tree, other=0)
-            seen = seen & ((~in_tree) | (((word >> (nn % 16)) & 1) != 0))
+        seen = _seen(live_r[:, None] & live_j[None, :], i, j, prefix, anc_ptr + b * Q * W, MODE, W)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -112,25 +104,45 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
         done = tl.atomic_add(lock_ptr + b * num_kv_heads + h, 1, sem="acq_rel", scope="gpu")
         if done == active - 1:  # the last split of this request and head: merge every split's partial result
             tl.debug_barrier()
-            first = (b * num_kv_heads + h) * SPLITS * M
-            top = tl.full([M], float("-inf"), tl.float32)
-            for sp in range(0, active):
-                top = tl.maximum(top, tl.load(part_lse_ptr + first + sp * M + r, cache_modifier=".cg"))
-            safe = tl.where(top == float("-inf"), 0.0, top)
-            total = tl.zeros([M], tl.float32)
-            merged = tl.zeros([M, BLOCK_D], tl.float32)
-            for sp in range(0, active):
-                w = tl.exp2(tl.load(part_lse_ptr + first + sp * M + r, cache_modifier=".cg") - safe)
-                o = tl.load(part_ptr + (first + sp * M + r)[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
-                merged += w[:, None] * o
-                total += w
-            out = merged / tl.where(total > 0, total, 1.0)[:, None]
+            out, lse_all = _merge(part_ptr, part_lse_ptr, (b * num_kv_heads + h) * SPLITS * M, r, d, active, M, BLOCK_D)
             tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
             if WRITE_LSE:
-                lse_all = safe + tl.log2(tl.where(total > 0, total, 1.0))
-                lse_all = tl.where(top == float("-inf"), float("-inf"), lse_all)
                 tl.store(lse_ptr + (q_start + i) * (num_kv_heads * G) + heads, lse_all * 0.6931471805599453, mask=live_r)
             tl.atomic_xchg(lock_ptr + b * num_kv_heads + h, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _seen(seen, i, j, prefix, anc_ptr, MODE: tl.constexpr, W: tl.constexpr):
+    """Which keys j (columns) each row sees, of those `seen` allows: MODE 0 all, 1 up to its own key (row i is key
+    prefix + i), 2 the prefix and the nodes its ancestor bits name (anc_ptr: the request's [rows, W] words)."""
+    if MODE == 1:
+        seen = seen & (j[None, :] <= prefix + i[:, None])
+    if MODE == 2:
+        node = j[None, :] - prefix
+        in_tree = node >= 0
+        nn = tl.where(in_tree, node, 0)
+        word = tl.load(anc_ptr + (i[:, None] * W + nn // 16), mask=seen & in_tree, other=0)
+        seen = seen & ((~in_tree) | (((word >> (nn % 16)) & 1) != 0))
+    return seen
+
+
+@triton.jit
+def _merge(part_ptr, part_lse_ptr, first, r, d, active, M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(output, base-2 log-sum-exp) of `active` splits' partial results (each normalised, with its log-sum-exp) from
+    row `first` of the scratch on; read past L1 (other programs wrote them)."""
+    top = tl.full([M], float("-inf"), tl.float32)
+    for sp in range(0, active):
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + sp * M + r, cache_modifier=".cg"))
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([M], tl.float32)
+    merged = tl.zeros([M, BLOCK_D], tl.float32)
+    for sp in range(0, active):
+        w = tl.exp2(tl.load(part_lse_ptr + first + sp * M + r, cache_modifier=".cg") - safe)
+        o = tl.load(part_ptr + (first + sp * M + r)[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
+        merged += w[:, None] * o
+        total += w
+    lse = tl.where(top == float("-inf"), float("-inf"), safe + tl.log2(tl.where(total > 0, total, 1.0)))
+    return merged / tl.where(total > 0, total, 1.0)[:, None], lse
 
 
 def splits_for(requests: int, kv_heads: int) -> int:
