@@ -24,13 +24,17 @@ PLANS = 200
 PAGE = 16
 
 
-def measure(config, kind: str, bs: int, rows: int, kv_len: int, how: str) -> dict:
+def measure(config, kind: str, bs: int, rows: int, kv_len: int, how: str, min_chunk: int | None = None) -> dict:
     from splitspec.runtime.attention.base import AttentionBatch
     from splitspec.runtime.attention.flashinfer_backend import FlashInferAttentionBackend
     from splitspec.runtime.kv_cache import KVCache
     from splitspec.runtime.tree import ancestor_rows
 
+    from splitspec.kernels import triton_paged_attention
+
     os.environ["SPLITSPEC_GRAPH_ATTENTION"] = how
+    default_chunk = triton_paged_attention.MIN_CHUNK
+    triton_paged_attention.MIN_CHUNK = min_chunk or default_chunk  # read at each launch (and so at capture)
     pages_each = -(-(kv_len + rows) // PAGE)
     cache = KVCache(config, bs * pages_each + 8, PAGE, torch.bfloat16, torch.device("cuda"))
     cache.pool.normal_()
@@ -95,7 +99,9 @@ def measure(config, kind: str, bs: int, rows: int, kv_len: int, how: str) -> dic
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return dict(kind=kind, attention=how, batch_size=bs, rows=rows, kv_len=kv_len,
+    triton_paged_attention.MIN_CHUNK = default_chunk
+    return dict(kind=kind, attention=how, min_chunk=min_chunk if how == "triton" else None, batch_size=bs, rows=rows,
+                kv_len=kv_len,
                 device_us_per_layer=round(start.elapsed_time(end) * 1e3 / REPLAYS / layers, 2),
                 plan_host_us=round(statistics.median(host) * 1e6, 1))
 
@@ -108,6 +114,7 @@ def main() -> None:
     parser.add_argument("--preset", help="or a preset's shape (splitspec.model_shapes), e.g. llama-3.1-8b")
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--kv-lens", default="256,1024")
+    parser.add_argument("--min-chunks", default="256", help="the Triton kernel's least keys a split, each measured")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     if args.preset:
@@ -120,11 +127,13 @@ def main() -> None:
     for kind, q in (("tree", 6), ("causal", 6), ("prefix", 1)):
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             for kv in (int(k) for k in args.kv_lens.split(",")):
-                pair = [measure(config, kind, bs, q, kv, how) for how in ("flashinfer", "triton")]
+                pair = [measure(config, kind, bs, q, kv, "flashinfer")]
+                pair += [measure(config, kind, bs, q, kv, "triton", int(c)) for c in args.min_chunks.split(",")]
                 rows += pair
                 print(f"{kind:7s} bs {bs:3d} rows {q} kv {kv:5d}: device us/layer flashinfer "
-                      f"{pair[0]['device_us_per_layer']:7.2f} triton {pair[1]['device_us_per_layer']:7.2f}; plan host us "
-                      f"{pair[0]['plan_host_us']:6.1f} / {pair[1]['plan_host_us']:6.1f}", flush=True)
+                      f"{pair[0]['device_us_per_layer']:7.2f}, triton " + ", ".join(
+                          f"{p['device_us_per_layer']:.2f} (chunk {p['min_chunk']})" for p in pair[1:])
+                      + "; plan host us " + " / ".join(f"{p['plan_host_us']:.1f}" for p in pair), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(benchmark=__doc__.split("\n\n")[0], config=args.preset or args.config,

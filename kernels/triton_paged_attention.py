@@ -179,12 +179,12 @@ def _rows(max_rows: int, group: int) -> int:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, qo: torch.Tensor,
                     kv_indptr: torch.Tensor, kv_lens: torch.Tensor, page_ids: torch.Tensor, ancestors: torch.Tensor | None,
                     mode: int, scale: float, max_rows: int, work: tuple, out: torch.Tensor | None = None,
-                    lse: torch.Tensor | None = None, min_chunk: int = MIN_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    lse: torch.Tensor | None = None, min_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [T, Hq, D] in q's dtype, lse [T, Hq] natural log or None) of every request's rows of q [T, Hq, D] (request
     b's from qo[b] to qo[b + 1], at most max_rows) over its kv_lens[b] keys in pages page_ids[kv_indptr[b]:], k_cache
     and v_cache [slots, Hkv, D] (a layer's pages flattened), seen as `mode` says (TREE: ancestors [B, max_rows, W]
     int32, 16 bits a word); `work` from scratch; a split takes at least min_chunk keys (a multiple of
-    BLOCK_N). Rows of q outside every request are not written."""
+    BLOCK_N; default MIN_CHUNK, read at the call). Rows of q outside every request are not written."""
     requests = qo.numel() - 1
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
@@ -203,5 +203,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), scale * 1.4426950408889634, kv_heads, MODE=mode, PAGE=page_size, G=group, D=dim,
         Q=max_rows, W=words, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N,
-        SPLITS=splits, MIN_CHUNK=min_chunk, WRITE_LSE=want_lse, IEEE=q.dtype == torch.float32, num_warps=4)
+        SPLITS=splits, MIN_CHUNK=MIN_CHUNK if min_chunk is None else min_chunk, WRITE_LSE=want_lse, IEEE=q.dtype == torch.float32, num_warps=4)
     return out, (lse if want_lse else None)

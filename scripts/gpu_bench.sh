@@ -382,7 +382,7 @@ for stage in "${stages[@]}"; do
                    fi
                    if [[ $parts == *" bench "* ]]; then  # each graph kind's attention alone
                        timeout 240 python3 -P benchmarks/graph_attention_cost.py --config splitspec/demo_models/target/config.json \
-                           --batch-sizes "${GRAPHATTN_BS:-1,16,64}" --out "$OUT/graph_attention_demo.json" >> "$OUT/graphattn.log" 2>&1 || stop=1
+                           --batch-sizes "${GRAPHATTN_BS:-1,16,64}" --min-chunks "${GRAPHATTN_CHUNKS:-64,128,256}" --out "$OUT/graph_attention_demo.json" >> "$OUT/graphattn.log" 2>&1 || stop=1
                    fi
                    if [[ $parts == *" drafted "* ]]; then  # the demo EAGLE-3 chain's drafted steps in process
                        for bs in ${REUSE_BS:-1}; do
