@@ -98,7 +98,7 @@
 #   graphattn SPLITSPEC_GRAPH_ATTENTION=triton (graphs of a few query rows a request attend by kernels.paged_attention, no
 #             plan) against flashinfer, GRAPHATTN_PARTS (default all, in this order): checks (the kernel against its twin),
 #             bench (each graph kind's attention alone: benchmarks/graph_attention_cost.py on the demo shape at GRAPHATTN_BS,
-#             default 1,16,64; graph_attention_demo.json), drafted (the demo EAGLE-3 chain's drafted steps in process at
+#             default 1,16,64; graph_attention_demo.json), bench8b (the same at the 8B shape, not by default), drafted (the demo EAGLE-3 chain's drafted steps in process at
 #             REUSE_BS for each GRAPHATTN_MODES entry, default flashinfer triton flashinfer triton), tests (graphs against
 #             eager with each); graphattn.log
 #   reuse     SPLITSPEC_FLASHINFER_REPLAN=reuse (a graph's work split left in place while its query and page offsets stay)
@@ -383,6 +383,11 @@ for stage in "${stages[@]}"; do
                    if [[ $parts == *" bench "* ]]; then  # each graph kind's attention alone
                        timeout 240 python3 -P benchmarks/graph_attention_cost.py --config splitspec/demo_models/target/config.json \
                            --batch-sizes "${GRAPHATTN_BS:-1,16,64}" --min-chunks "${GRAPHATTN_CHUNKS:-64,128,256}" --out "$OUT/graph_attention_demo.json" >> "$OUT/graphattn.log" 2>&1 || stop=1
+                   fi
+                   if [[ $parts == *" bench8b "* ]]; then  # the same at a Llama-3.1-8B shape (32 layers, 8 x 128 key-value heads)
+                       timeout 300 python3 -P benchmarks/graph_attention_cost.py --preset llama-3.1-8b --batch-sizes 1,16,64 \
+                           --kv-lens 1024 --min-chunks "${GRAPHATTN_CHUNKS:-64,128,256}" --out "$OUT/graph_attention_8b.json" \
+                           >> "$OUT/graphattn.log" 2>&1 || stop=1
                    fi
                    if [[ $parts == *" drafted "* ]]; then  # the demo EAGLE-3 chain's drafted steps in process
                        for bs in ${REUSE_BS:-1}; do
