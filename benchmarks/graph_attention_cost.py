@@ -24,6 +24,7 @@ PLANS = 200
 PAGE = 16
 
 
+@torch.inference_mode()  # as the engine's forwards (kernels.ops runs the Triton kernels there, not their twins)
 def measure(config, kind: str, bs: int, rows: int, kv_len: int, how: str, min_chunk: int | None = None) -> dict:
     from splitspec.runtime.attention.base import AttentionBatch
     from splitspec.runtime.attention.flashinfer_backend import FlashInferAttentionBackend
