@@ -113,6 +113,13 @@ def graph_attention(request, monkeypatch) -> str:
     return request.param
 
 
+def graph_tolerance(graph_attention: str) -> float:
+    """How far a graph's outputs may be from eager FlashInfer's (close()): the same kernels round alike (1e-2); the
+    Triton kernel rounds its own way in bf16, as close to the fp32 forward as FlashInfer's (0.15-0.27 of the spread
+    for both on this random model, test_paged_graphs_are_as_close_to_fp32_as_flashinfers; 0.05 apart on an H100)."""
+    return 1e-2 if graph_attention == "flashinfer" else 0.1
+
+
 def paged_plans(backend) -> dict:
     """Graph plans by kernels.paged_attention's graphs, by kind (none unless SPLITSPEC_GRAPH_ATTENTION=triton)."""
     return {kind: n for (kind, how, _), n in backend.lean_plans_by_kind.items() if how == "triton"}
@@ -167,6 +174,7 @@ def test_paged_graphs_are_as_close_to_fp32_as_flashinfers(tmp_path, monkeypatch)
     tokens, parents = [5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 2, 2]
     schedule = [[(i, p, None) for i, p in enumerate(prompts)], [(i, tokens, parents) for i in range(3)],
                 [(i, [4 + i], None) for i in range(3)], [(i, tokens, list(range(-1, 5))) for i in range(3)]]
+    captured = paged_plans(runners["triton"].backend).get("tree", 0)  # one a batch size, at capture
     for inputs in schedule:
         got = {name: step(r, tables[name], inputs) for name, r in runners.items()}
         for i, truth, flashinfer, paged in zip(range(3), got["fp32"], got["flashinfer"], got["triton"]):
@@ -176,7 +184,8 @@ def test_paged_graphs_are_as_close_to_fp32_as_flashinfers(tmp_path, monkeypatch)
             assert errors[1] <= 1.5 * errors[0] + 0.01, (i, errors, inputs[i][2])
         for name, r in runners.items():
             commit(r, tables[name], inputs)
-    assert paged_plans(runners["triton"].backend).get("tree") == 2 and not paged_plans(runners["flashinfer"].backend)
+    assert paged_plans(runners["triton"].backend).get("tree") - captured == 2  # the two tree steps replayed its graphs
+    assert not paged_plans(runners["flashinfer"].backend)
 
 
 @needs_flashinfer
@@ -197,8 +206,8 @@ def test_cuda_graph_decode_equals_eager(tmp_path, graph_attention):
         want = step(eager, tables[id(eager)], inputs)
         before = graphed.graphs.replays
         have = step(graphed, tables[id(graphed)], inputs)
-        for a, b in zip(have, want):
-            assert close(a, b) < 1e-2
+        for a, b, (_, _, parents) in zip(have, want, inputs):  # decode graphs are FlashInfer's either way
+            assert close(a, b) < (1e-2 if parents is None else graph_tolerance(graph_attention))
         commit(eager, tables[id(eager)], inputs)
         commit(graphed, tables[id(graphed)], inputs)
         return graphed.graphs.replays - before
@@ -223,8 +232,8 @@ def test_cuda_graph_decode_equals_eager(tmp_path, graph_attention):
         assert graphed.graphs.replays == before + 1
         rows = sum(len(ids) for _, ids, _ in inputs)
         assert outs[1].aux_hidden_states.shape == outs[0].aux_hidden_states.shape == (rows, 3 * 512)
-        assert close(outs[1].aux_hidden_states.float(), outs[0].aux_hidden_states.float()) < 1e-2
-        assert close(outs[1].logits, outs[0].logits) < 1e-2
+        assert close(outs[1].aux_hidden_states.float(), outs[0].aux_hidden_states.float()) < graph_tolerance(graph_attention)
+        assert close(outs[1].logits, outs[0].logits) < graph_tolerance(graph_attention)
         commit(eager, tables[id(eager)], inputs)
         commit(graphed, tables[id(graphed)], inputs)
     assert bool(paged_plans(graphed.backend).get("tree")) == (graph_attention == "triton"), graphed.backend.lean_plans_by_kind
@@ -420,6 +429,7 @@ def test_prompt_graphs_equal_eager(tmp_path, graph_attention):
     of unequal lengths (batch padding with a dummy request), chunks after cached prefixes that sample nothing, EAGLE-3's
     captured layer inputs; a chunk too long for any prompt graph does not use them."""
     path = checkpoint(tmp_path)
+    tol = graph_tolerance(graph_attention)  # 16-token chunks' graphs (causal) use the Triton kernel with it
     eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True, piecewise=64, prompts=128)
     graphed.capture_cuda_graphs()
     prompts = graphed.prompts
@@ -439,11 +449,11 @@ def test_prompt_graphs_equal_eager(tmp_path, graph_attention):
             for i, ids in chunks:
                 r.kv_cache.set_length(tables[id(r)][i], tables[id(r)][i].num_tokens + len(ids))
         want, have = outs
-        assert have.logits.shape == want.logits.shape and (not want.logits.numel() or close(have.logits, want.logits) < 1e-2)
+        assert have.logits.shape == want.logits.shape and (not want.logits.numel() or close(have.logits, want.logits) < tol)
         starts = [[0, *itertools.accumulate(n)] for n in sizes]
         for k, (_, ids) in enumerate(chunks):  # each chunk's real rows
             a, b = starts[1][k], starts[0][k]
-            assert close(have.hidden_states[a : a + len(ids)].float(), want.hidden_states[b : b + len(ids)].float()) < 1e-2
+            assert close(have.hidden_states[a : a + len(ids)].float(), want.hidden_states[b : b + len(ids)].float()) < tol
         return prompts.replays
 
     def chunk(n):
@@ -464,8 +474,8 @@ def test_prompt_graphs_equal_eager(tmp_path, graph_attention):
     assert outs[1].aux_hidden_states.shape == (32, 3 * 512) and outs[0].aux_hidden_states.shape == (18, 3 * 512)
     for k in range(2):  # each request's real rows of its 16
         got, want = outs[1].aux_hidden_states[16 * k : 16 * k + 9], outs[0].aux_hidden_states[9 * k : 9 * k + 9]
-        assert close(got.float(), want.float()) < 1e-2
-    assert close(outs[1].logits, outs[0].logits) < 1e-2
+        assert close(got.float(), want.float()) < tol
+    assert close(outs[1].logits, outs[0].logits) < tol
     assert bool(paged_plans(graphed.backend).get("causal")) == (graph_attention == "triton")  # the 16-token graphs
 
 
