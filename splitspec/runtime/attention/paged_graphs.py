@@ -42,12 +42,13 @@ class PagedGraph:
     mode: int
     max_rows: int  # query rows a request at most (a tree's node count)
     words: int  # a tree's 16-bit words of ancestor bits a node (0: not a tree)
-    work: tuple  # triton_paged_attention.scratch
+    work: tuple  # kernels.paged_attention's: the shared scratch and this graph's splits
 
     @classmethod
     def make(cls, batch_size: int, max_rows: int, max_pages: int, mode: int, config, shared: tuple,
              device: torch.device) -> "PagedGraph":
-        """shared: scratch() of the backend, which every graph's launches share (one stream, one after another)."""
+        """shared: triton_paged_attention.shared_scratch's buffers, which every graph of a backend shares (their
+        launches run on one stream, one after another)."""
         from splitspec.kernels import triton_paged_attention
 
         words = -(-max_rows // 16) if mode == TREE else 0
