@@ -108,8 +108,14 @@ def capture_eagle3_layers(eager, graphed) -> None:
 
 @pytest.fixture(params=["flashinfer", "triton"])
 def graph_attention(request, monkeypatch) -> str:
-    """Graphs of a few query rows a request attend by FlashInfer, or by kernels.paged_attention (paged_graphs)."""
+    """Graphs of a few query rows a request attend by FlashInfer, or by kernels.paged_attention (paged_graphs).
+    FlashInfer's graphs then pick their prefill kernels as its eager wrappers do (SPLITSPEC_FLASHINFER_GRAPH_PREFILL=
+    auto: FA3 on Hopper), so that graph and eager run the same kernels: by default graphs of up to 16 rows a request
+    take FA2, which rounds its own way (a 16-token prompt graph's states 0.0156 off eager FA3's on an H100; the draft
+    loop's near-tied candidates swapped)."""
     monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", request.param)
+    if request.param == "flashinfer":
+        monkeypatch.setenv("SPLITSPEC_FLASHINFER_GRAPH_PREFILL", "auto")
     return request.param
 
 
