@@ -175,7 +175,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     mode: int, scale: float, max_rows: int, work: tuple | None = None, out: torch.Tensor | None = None,
                     lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A few query rows a request over its keys in the paged cache, no host plan (kernels.torch_ops.paged_attention;
-    the Triton kernel needs `work`: triton_paged_attention.scratch)."""
+    the Triton kernel needs `work`: triton_paged_attention.shared_scratch's buffers and the splits)."""
     if use_triton(q) and work is not None and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1:
         from splitspec.kernels import triton_paged_attention
 

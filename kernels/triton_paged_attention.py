@@ -150,21 +150,11 @@ def splits_for(requests: int, kv_heads: int) -> int:
     return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // (requests * kv_heads))))
 
 
-def scratch(requests: int, kv_heads: int, max_rows: int, group: int, head_dim: int, device: torch.device,
-            splits: int | None = None) -> tuple:
-    """paged_attention's `work` for launches over this many requests: (partial outputs, their log-sum-exps, the
-    per-request-and-head counts, the splits; splits_for's unless given)."""
-    splits = splits_for(requests, kv_heads) if splits is None else splits
-    parts = requests * kv_heads * splits * _rows(max_rows, group) if splits > 1 else 1
-    return (torch.empty(parts * triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
-            torch.empty(parts, dtype=torch.float32, device=device),
-            torch.zeros(requests * kv_heads, dtype=torch.int32, device=device), splits)
-
-
 def shared_scratch(max_rows: int, group: int, head_dim: int, device: torch.device) -> tuple:
     """Partial outputs, log-sum-exps and counts that every launch of at most max_rows rows a request with
     splits_for's splits can share (launches on one stream, one after another; the last split resets its count):
-    splits > 1 only below TARGET_PROGRAMS requests x heads, so fewer than 2 x TARGET_PROGRAMS partial results."""
+    splits > 1 only below TARGET_PROGRAMS requests x heads, so fewer than 2 x TARGET_PROGRAMS partial results.
+    paged_attention's `work` is these and the launch's splits."""
     parts = 2 * TARGET_PROGRAMS * _rows(max_rows, group)
     return (torch.empty(parts * triton.next_power_of_2(head_dim), dtype=torch.float32, device=device),
             torch.empty(parts, dtype=torch.float32, device=device),
@@ -183,7 +173,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """(out [T, Hq, D] in q's dtype, lse [T, Hq] natural log or None) of every request's rows of q [T, Hq, D] (request
     b's from qo[b] to qo[b + 1], at most max_rows) over its kv_lens[b] keys in pages page_ids[kv_indptr[b]:], k_cache
     and v_cache [slots, Hkv, D] (a layer's pages flattened), seen as `mode` says (TREE: ancestors [B, max_rows, W]
-    int32, 16 bits a word); `work` from scratch; a split takes at least min_chunk keys (a multiple of
+    int32, 16 bits a word); `work`: shared_scratch's buffers and the splits; a split takes at least min_chunk keys (a multiple of
     BLOCK_N; default MIN_CHUNK, read at the call). Rows of q outside every request are not written."""
     requests = qo.numel() - 1
     heads, dim = q.shape[1], q.shape[2]

@@ -215,7 +215,7 @@ def check_paged_attention(device: str, dtype: torch.dtype) -> int:
             qo, indptr, kv_lens, ids = (t.to(device) for t in index)
             args = (q.to(device), k_cache.to(device), v_cache.to(device), page, qo, indptr, kv_lens, ids,
                     ancestors.to(device) if mode == triton_paged_attention.TREE else None, mode, dim ** -0.5)
-            work = triton_paged_attention.scratch(requests, kv_heads, rows, group, dim, torch.device(device), splits)
+            work = (*triton_paged_attention.shared_scratch(rows, group, dim, torch.device(device)), splits)
             for name in ("twin", "triton"):
                 out = torch.full(q.shape, 7.0, dtype=dtype, device=device)
                 lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=device)

@@ -12,6 +12,7 @@ FlashInfer's plan/run and CUDA-graph replay need: nothing per-batch happens insi
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -89,6 +90,14 @@ class AttentionBackend(ABC):
 
     def graph_prologue(self, state: object) -> None:
         """Device work a captured step graph (graph_state's) runs before its layers; none by default."""
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """An environment variable that picks one of `choices` (default when unset); any other value is refused by name."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
+    return value
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ import builtins
 import collections
 import itertools
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ import torch
 
 from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend, AttentionBatch
+from splitspec.runtime.attention.base import env_choice as _env_choice
 from splitspec.runtime.attention import paged_graphs
 from splitspec.runtime.attention.flashinfer_replan import Arena, replan, replannable
 from splitspec.runtime.attention.paged_graphs import PagedGraph
@@ -418,7 +418,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=arena.view("qo"),
             paged_kv_indptr_buf=arena.view("kv_indptr"), paged_kv_indices_buf=arena.view("ids"),
-            paged_kv_last_page_len_buf=arena.view("last"), backend=self._graph_prefill_backend(-(-num_rows // num_requests)))
+            paged_kv_last_page_len_buf=arena.view("last"), backend=self._graph_prefill_backend(rows))
         wrapper._kv_lens_buffer = arena.view("kv_lens")
         return PrefixState(wrapper, arena)
 
@@ -480,10 +480,3 @@ class FlashInferAttentionBackend(AttentionBackend):
         for group in groups:
             out[group.rows] = group.wrapper.run(q[group.rows].contiguous(), paged)
         return out
-
-
-def _env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = os.environ.get(name, default)
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: expected one of {', '.join(choices)}")
-    return value

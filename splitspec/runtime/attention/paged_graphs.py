@@ -13,13 +13,13 @@ rows a request, without sliding windows, over a bfloat16 or float16 cache, when 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from splitspec import kernels
 from splitspec.kernels import ops
+from splitspec.runtime.attention.base import env_choice
 from splitspec.runtime.attention.flashinfer_replan import Arena, fill
 
 GRAPH_ATTENTION_ENV = "SPLITSPEC_GRAPH_ATTENTION"
@@ -28,10 +28,7 @@ PREFIX, CAUSAL, TREE = 0, 1, 2  # kernels.paged_attention's modes
 
 
 def graph_attention_choice() -> str:
-    value = os.environ.get(GRAPH_ATTENTION_ENV, "flashinfer")
-    if value not in ("flashinfer", "triton"):
-        raise ValueError(f"{GRAPH_ATTENTION_ENV}={value!r}: expected one of flashinfer, triton")
-    return value
+    return env_choice(GRAPH_ATTENTION_ENV, "flashinfer", ("flashinfer", "triton"))
 
 
 @dataclass
