@@ -173,13 +173,14 @@ def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, qo: torch.Tensor,
                     kv_indptr: torch.Tensor, kv_lens: torch.Tensor, page_ids: torch.Tensor, ancestors: torch.Tensor | None,
                     mode: int, scale: float, max_rows: int, work: tuple | None = None, out: torch.Tensor | None = None,
-                    lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    lse: torch.Tensor | None = None, min_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A few query rows a request over its keys in the paged cache, no host plan (kernels.torch_ops.paged_attention;
-    the Triton kernel needs `work`: triton_paged_attention.shared_scratch's buffers and the splits)."""
+    the Triton kernel needs `work`: triton_paged_attention.shared_scratch's buffers and the splits; min_chunk: its
+    least keys a split, None for its default)."""
     if use_triton(q) and work is not None and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1:
         from splitspec.kernels import triton_paged_attention
 
         return triton_paged_attention.paged_attention(q, k_cache, v_cache, page_size, qo, kv_indptr, kv_lens, page_ids,
-                                                      ancestors, mode, scale, max_rows, work, out, lse)
+                                                      ancestors, mode, scale, max_rows, work, out, lse, min_chunk)
     return torch_ops.paged_attention(q, k_cache, v_cache, page_size, qo, kv_indptr, kv_lens, page_ids, ancestors, mode,
                                      scale, out, lse)

@@ -99,7 +99,8 @@
 #             plan) against flashinfer, GRAPHATTN_PARTS (default all, in this order): checks (the kernel against its twin),
 #             bench (each graph kind's attention alone: benchmarks/graph_attention_cost.py on the demo shape at GRAPHATTN_BS,
 #             default 1,16,64; graph_attention_demo.json), bench8b (the same at the 8B shape, not by default), drafted (the demo EAGLE-3 chain's drafted steps in process at
-#             REUSE_BS for each GRAPHATTN_MODES entry, default flashinfer triton flashinfer triton), tests (graphs against
+#             REUSE_BS for each GRAPHATTN_MODES entry, default flashinfer triton flashinfer triton; triton:64 sets
+#             SPLITSPEC_GRAPH_ATTENTION_MIN_CHUNK=64), tests (graphs against
 #             eager with each); graphattn.log
 #   reuse     SPLITSPEC_FLASHINFER_REPLAN=reuse (a graph's work split left in place while its query and page offsets stay)
 #             against lean: its GPU test (and the draft loop graph's), then the demo EAGLE-3 chain's drafted steps in process
@@ -391,9 +392,10 @@ for stage in "${stages[@]}"; do
                    fi
                    if [[ $parts == *" drafted "* ]]; then  # the demo EAGLE-3 chain's drafted steps in process
                        for bs in ${REUSE_BS:-1}; do
-                           for how in ${GRAPHATTN_MODES:-flashinfer triton flashinfer triton}; do
-                               echo "== batch $bs SPLITSPEC_GRAPH_ATTENTION=$how" >> "$OUT/graphattn.log"
-                               SPLITSPEC_GRAPH_ATTENTION=$how timeout 240 python3 -P benchmarks/step_host_cost.py drafted 150 6 \
+                           for mode in ${GRAPHATTN_MODES:-flashinfer triton flashinfer triton}; do
+                               how=${mode%%:*} chunk=; [[ $mode == *:* ]] && chunk=${mode#*:}  # triton:64: 64 keys a split at least
+                               echo "== batch $bs SPLITSPEC_GRAPH_ATTENTION=$how${chunk:+ SPLITSPEC_GRAPH_ATTENTION_MIN_CHUNK=$chunk}" >> "$OUT/graphattn.log"
+                               SPLITSPEC_GRAPH_ATTENTION=$how SPLITSPEC_GRAPH_ATTENTION_MIN_CHUNK=$chunk timeout 240 python3 -P benchmarks/step_host_cost.py drafted 150 6 \
                                    --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 --speculative-num-steps 5 \
                                    --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 --prompt-len 128 --batch-size "$bs" \
                                    2>&1 | grep -E "^unprofiled|^budget|replan|plans|torch.profiler" >> "$OUT/graphattn.log" || stop=1

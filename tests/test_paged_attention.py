@@ -400,6 +400,16 @@ def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
     monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "fa3")
     with pytest.raises(ValueError, match=paged_graphs.GRAPH_ATTENTION_ENV):
         paged_graphs.graph_attention_choice()
+    # the least keys a split: a positive multiple of 64, or the kernel's default
+    assert paged_graphs.min_chunk_choice({}) is None
+    assert paged_graphs.min_chunk_choice({paged_graphs.MIN_CHUNK_ENV: "128"}) == 128
+    for bad in ("100", "0", "-64", "many"):
+        with pytest.raises(ValueError, match=paged_graphs.MIN_CHUNK_ENV):
+            paged_graphs.min_chunk_choice({paged_graphs.MIN_CHUNK_ENV: bad})
+    monkeypatch.setenv(paged_graphs.MIN_CHUNK_ENV, "64")
+    monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "triton")
+    graphs = paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu"))
+    assert graphs.make(2, 6, 8, paged_graphs.CAUSAL).min_chunk == 64
 
     g = torch.Generator().manual_seed(9)
     cache = KVCache(config, 64, 4, torch.float32, torch.device("cpu"))

@@ -13,6 +13,7 @@ rows a request, without sliding windows, over a bfloat16 or float16 cache, when 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +24,23 @@ from splitspec.runtime.attention.base import env_choice
 from splitspec.runtime.attention.flashinfer_replan import Arena, fill
 
 GRAPH_ATTENTION_ENV = "SPLITSPEC_GRAPH_ATTENTION"
+MIN_CHUNK_ENV = "SPLITSPEC_GRAPH_ATTENTION_MIN_CHUNK"  # keys a split at least (a multiple of 64; the kernel's default)
 MAX_ROWS = 16
 PREFIX, CAUSAL, TREE = 0, 1, 2  # kernels.paged_attention's modes
 
 
 def graph_attention_choice() -> str:
     return env_choice(GRAPH_ATTENTION_ENV, "flashinfer", ("flashinfer", "triton"))
+
+
+def min_chunk_choice(environ=os.environ) -> int | None:
+    """MIN_CHUNK_ENV's keys a split (None: the kernel's MIN_CHUNK); anything but a positive multiple of 64 refused."""
+    value = environ.get(MIN_CHUNK_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) <= 0 or int(value) % 64:
+        raise ValueError(f"{MIN_CHUNK_ENV}={value!r}: expected a positive multiple of 64 (keys a split at least)")
+    return int(value)
 
 
 @dataclass
@@ -40,10 +52,11 @@ class PagedGraph:
     max_rows: int  # query rows a request at most (a tree's node count)
     words: int  # a tree's 16-bit words of ancestor bits a node (0: not a tree)
     work: tuple  # kernels.paged_attention's: the shared scratch and this graph's splits
+    min_chunk: int | None = None  # keys a split at least (None: the kernel's default)
 
     @classmethod
     def make(cls, batch_size: int, max_rows: int, max_pages: int, mode: int, config, shared: tuple,
-             device: torch.device) -> "PagedGraph":
+             device: torch.device, min_chunk: int | None = None) -> "PagedGraph":
         """shared: triton_paged_attention.shared_scratch's buffers, which every graph of a backend shares (their
         launches run on one stream, one after another)."""
         from splitspec.kernels import triton_paged_attention
@@ -51,7 +64,7 @@ class PagedGraph:
         words = -(-max_rows // 16) if mode == TREE else 0
         arena = Arena.make(batch_size, max_pages, device, mask=False, ancestors=batch_size * max_rows * words)
         splits = triton_paged_attention.splits_for(batch_size, config.num_key_value_heads)
-        return cls(arena, mode, max_rows, words, (*shared, splits))
+        return cls(arena, mode, max_rows, words, (*shared, splits), min_chunk)
 
     def fill(self, q_lens: list[int], kv_lens: list[int], page_tables: list[list[int]], page_size: int,
              ancestors: list[int] | None = None) -> None:
@@ -70,7 +83,7 @@ class PagedGraph:
             ancestors = arena.view("ancestors").view(arena.batch_size, self.max_rows, self.words)
         return kernels.paged_attention(q.contiguous(), k_flat, v_flat, page_size, arena.view("qo"),
                                        arena.view("kv_indptr"), arena.view("kv_lens"), arena.view("ids"), ancestors,
-                                       self.mode, scale, self.max_rows, self.work)
+                                       self.mode, scale, self.max_rows, self.work, min_chunk=self.min_chunk)
 
 
 class PagedGraphs:
@@ -81,6 +94,7 @@ class PagedGraphs:
         self.config, self.device = config, device
         self.on = (graph_attention_choice() == "triton" and windows == [None]
                    and cache_dtype in (torch.bfloat16, torch.float16) and ops.triton_ready())
+        self.min_chunk = min_chunk_choice()
         self._shared = None
 
     def usable(self, rows: int) -> bool:
@@ -94,4 +108,5 @@ class PagedGraphs:
             c = self.config
             self._shared = triton_paged_attention.shared_scratch(MAX_ROWS, c.num_attention_heads // c.num_key_value_heads,
                                                                  c.head_dim, self.device)
-        return PagedGraph.make(batch_size, max_rows, max_pages, mode, self.config, self._shared, self.device)
+        return PagedGraph.make(batch_size, max_rows, max_pages, mode, self.config, self._shared, self.device,
+                               self.min_chunk)
