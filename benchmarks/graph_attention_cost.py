@@ -1,13 +1,13 @@
 """What a graph's attention costs, FlashInfer against kernels.paged_attention (SPLITSPEC_GRAPH_ATTENTION=triton): for a
 model's attention shape, each graph kind a speculative step replays (a tree verification, a causal chain, a draft loop's
-beams over the prefix) at a few batch sizes and key lengths, every layer's attention captured in one CUDA graph and
+beams over the prefix) and a decode step's at a few batch sizes and key lengths, every layer's attention captured in one CUDA graph and
 replayed; the device time a layer (CUDA events over REPLAYS replays) and the host time of the graph's plan a step
 (graph_plan / plan_prefix, pages moved every step so that no plan is reused). No assertions; GPU only.
 
     python -P benchmarks/graph_attention_cost.py --config splitspec/demo_models/target/config.json [--out FILE]
     python -P benchmarks/graph_attention_cost.py --preset llama-3.1-8b --batch-sizes 1,16,64
 
-The demo target: 8 layers of 6 query heads over 2 key-value heads of 64."""
+The demo target: 3 layers of 3 query heads over 1 key-value head of 64."""
 
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ def measure(config, kind: str, bs: int, rows: int, kv_len: int, how: str, min_ch
         state = backend.graph_state(bs, max_pages, q_len=rows, max_kv_len=kv_len + rows, causal=kind == "causal")
 
         def plan(shift: int):
-            masks = [None if kind == "causal" else mask] * bs
+            tree = kind == "tree"
             batch = AttentionBatch([rows] * bs, [kv_len + rows] * bs, [t[shift:] + t[:shift] for t in tables],
                                    torch.zeros(bs * rows, dtype=torch.long), torch.zeros(bs * rows, dtype=torch.long),
-                                   masks, None if kind == "causal" else [parents] * bs)
+                                   [mask if tree else None] * bs, [parents] * bs if tree else None)
             return backend.graph_plan(state, batch)
 
         def attend(layer, q, p):
@@ -125,7 +125,7 @@ def main() -> None:
     else:
         config = ModelConfig.from_dir(os.path.dirname(os.path.abspath(args.config)))
     rows = []
-    for kind, q in (("tree", 6), ("causal", 6), ("prefix", 1)):
+    for kind, q in (("tree", 6), ("causal", 6), ("prefix", 1), ("decode", 1)):
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             for kv in (int(k) for k in args.kv_lens.split(",")):
                 pair = [measure(config, kind, bs, q, kv, "flashinfer")]

@@ -418,10 +418,11 @@ def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
     heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     parents = (-1, 0, 0, 1, 2, 2)
     pages = torch.randperm(64, generator=g).tolist()
-    bs, rows = 3, 6
+    bs = 3
     tables = [pages[i * 16:(i + 1) * 16] for i in range(bs)]
-    kv_lens = [rows + 9, rows + 30, rows + 57]
-    for mode in (paged_graphs.TREE, paged_graphs.CAUSAL, paged_graphs.PREFIX):
+    # trees, chains and beams of 6 rows; a decode step's one row a request (a causal chain of one)
+    for mode, rows in ((paged_graphs.TREE, 6), (paged_graphs.CAUSAL, 6), (paged_graphs.PREFIX, 6), (paged_graphs.CAUSAL, 1)):
+        kv_lens = [rows + 9, rows + 30, rows + 57]
         graph = graphs.make(bs, rows, 64, mode)
         q = torch.randn(bs * rows, heads, dim, generator=g)
         slots = torch.tensor([t[j // 4] * 4 + j % 4 for t, k in zip(tables, kv_lens) for j in range(k - rows, k)])

@@ -298,8 +298,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Fixed buffers and wrappers for a graph of `batch_size` requests of `q_len` new tokens each (1:
         decode; more: trees, whose requests hold at most `max_kv_len` keys, or with causal chains, planned
         without a mask: no mask to build, pack or copy), `max_pages` pages in all."""
-        if q_len > 1 and self.paged.usable(q_len):
-            paged = self.paged.make(batch_size, q_len, max_pages, paged_graphs.CAUSAL if causal else paged_graphs.TREE)
+        if self.paged.usable(q_len):  # a decode row sees every key, as a chain's last row does
+            paged = self.paged.make(batch_size, q_len, max_pages,
+                                    paged_graphs.CAUSAL if causal or q_len == 1 else paged_graphs.TREE)
             out_slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=self.device)
             return GraphState(batch_size, q_len, {}, out_slots, FlashInferPlan(out_slots, paged=paged), causal,
                               {None: paged.arena}, paged.words)

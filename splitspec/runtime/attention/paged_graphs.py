@@ -2,7 +2,7 @@
 
 A speculative step at small batch replays three graphs whose attention is a handful of query rows a request over a few
 hundred keys: the verification's tree (or chain), the head's catch-up chain and the draft loop's beams over the
-committed prefix. FlashInfer serves each with a persistent prefill kernel, a merge of its split-KV partial results
+committed prefix; a decode step's graph, one row a request. FlashInfer serves each with a persistent prefill kernel, a merge of its split-KV partial results
 and a plan its C++ planner makes on the host every step (or, reused, every page). kernels.paged_attention reads the
 same arena of indices (flashinfer_replan.Arena: query and page offsets, key lengths, the nodes' ancestor bits, page
 ids), filled by one copy, and needs no plan: one launch a layer.
