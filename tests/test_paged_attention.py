@@ -406,10 +406,10 @@ def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
     for bad in ("100", "0", "-64", "many"):
         with pytest.raises(ValueError, match=paged_graphs.MIN_CHUNK_ENV):
             paged_graphs.min_chunk_choice({paged_graphs.MIN_CHUNK_ENV: bad})
-    monkeypatch.setenv(paged_graphs.MIN_CHUNK_ENV, "64")
+    monkeypatch.setenv(paged_graphs.MIN_CHUNK_ENV, "128")
     monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "triton")
     graphs = paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu"))
-    assert graphs.make(2, 6, 8, paged_graphs.CAUSAL).min_chunk == 64
+    assert graphs.make(2, 6, 8, paged_graphs.CAUSAL).min_chunk == 128
 
     g = torch.Generator().manual_seed(9)
     cache = KVCache(config, 64, 4, torch.float32, torch.device("cpu"))
