@@ -368,7 +368,7 @@ for stage in "${stages[@]}"; do
                for bs in ${REUSE_BS:-1}; do
                    for mode in ${REUSE_MODES:-lean:auto reuse:auto reuse:fa2 lean:fa2 lean:auto reuse:fa2}; do  # replan:graph prefill
                        echo "== batch $bs SPLITSPEC_FLASHINFER_REPLAN=${mode%:*} SPLITSPEC_FLASHINFER_GRAPH_PREFILL=${mode#*:}" >> "$OUT/reuse.log"
-                       SPLITSPEC_FLASHINFER_REPLAN=${mode%:*} SPLITSPEC_FLASHINFER_GRAPH_PREFILL=${mode#*:} \
+                       SPLITSPEC_GRAPH_ATTENTION=flashinfer SPLITSPEC_FLASHINFER_REPLAN=${mode%:*} SPLITSPEC_FLASHINFER_GRAPH_PREFILL=${mode#*:} \
                        timeout 240 python3 -P benchmarks/step_host_cost.py drafted 150 6 \
                            --device cuda --dtype bfloat16 --speculative-algorithm EAGLE3 --speculative-num-steps 5 \
                            --speculative-eagle-topk 1 --speculative-num-draft-tokens 6 --prompt-len 128 --batch-size "$bs" \

@@ -248,7 +248,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path, graph_attention):
 
 @needs_flashinfer
 @pytest.mark.parametrize("kv_heads", [2, 8], ids=["tensor-core-decode", "cuda-core-decode"])
-def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
+def test_graph_replans_equal_flashinfers_own_plans(tmp_path, monkeypatch, kv_heads):
     """A captured graph's wrappers re-planned in one copy (flashinfer_replan) hold exactly what FlashInfer's own plan
     writes: the index buffers its kernels read, a tree's packed mask and offsets, and the work split in its int
     workspace; for decode (both decode planners), trees, causal chains and the draft loop's prefix attention, over
@@ -256,6 +256,7 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, kv_heads):
     from splitspec.runtime.attention.base import AttentionBatch
     from splitspec.runtime.tree import ancestor_rows
 
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (Triton's by default)
     r = runner(checkpoint(tmp_path, num_key_value_heads=kv_heads), "flashinfer")
     backend, page_size = r.backend, r.kv_cache.page_size
     assert backend.decode_tensor_cores == (kv_heads == 2)
@@ -341,6 +342,7 @@ def test_a_work_split_left_in_place_is_what_flashinfers_plan_writes(tmp_path, mo
     from splitspec.runtime.attention.base import AttentionBatch
 
     monkeypatch.setenv("SPLITSPEC_FLASHINFER_GRAPH_PREFILL", graph_prefill)
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (Triton's by default)
     r = runner(checkpoint(tmp_path, num_key_value_heads=kv_heads), "flashinfer")
     backend, page_size = r.backend, r.kv_cache.page_size
     g = torch.Generator().manual_seed(5)
@@ -503,11 +505,12 @@ def test_a_pool_sized_for_one_request_still_captures_the_prompt_graphs(tmp_path)
 
 # the device draft loop -----------------------------------------------------------------------------
 @needs_flashinfer
-def test_flashinfer_prefix_attention_matches_torch(tmp_path):
+def test_flashinfer_prefix_attention_matches_torch(tmp_path, monkeypatch):
     """FlashInfer's prefix attention (a maskless prefill wrapper over each request's cached keys, its base-2
     sums of exp turned natural), planned eagerly and into graph buffers, equals the torch backend's."""
     from splitspec.runtime.attention.torch_backend import TorchAttentionBackend
 
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (Triton's by default)
     r = runner(checkpoint(tmp_path), "flashinfer")
     kv, config = r.kv_cache, r.config
     reference = TorchAttentionBackend(config, kv)

@@ -378,8 +378,8 @@ def test_graph_prefill_backend_and_replan_modes_from_the_environment(monkeypatch
 
 
 def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
-    """SPLITSPEC_GRAPH_ATTENTION=triton: graphs of at most 16 query rows a request (no sliding window, a bf16 or fp16
-    cache) attend by kernels.paged_attention from the arena one copy fills. On CPU its twin reads the same arena: a
+    """SPLITSPEC_GRAPH_ATTENTION=triton (the default): graphs of at most 16 query rows a request (no sliding window, a
+    bf16 or fp16 cache) attend by kernels.paged_attention from the arena one copy fills. On CPU its twin reads the same arena: a
     batch of trees, of causal chains and of beams over a prefix, with pages shuffled, equals the torch backend's
     attention over the same cache (the new tokens' K/V written by it first). The choice refuses unknown values."""
     from splitspec.runtime.attention import paged_graphs
@@ -397,6 +397,8 @@ def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
     assert not paged_graphs.PagedGraphs(config, torch.float8_e4m3fn, [None], torch.device("cpu")).usable(6)
     monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "flashinfer")
     assert not paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
+    monkeypatch.delenv(paged_graphs.GRAPH_ATTENTION_ENV)  # the kernel by default
+    assert paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
     monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "fa3")
     with pytest.raises(ValueError, match=paged_graphs.GRAPH_ATTENTION_ENV):
         paged_graphs.graph_attention_choice()

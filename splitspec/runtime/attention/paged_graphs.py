@@ -7,8 +7,10 @@ and a plan its C++ planner makes on the host every step (or, reused, every page)
 same arena of indices (flashinfer_replan.Arena: query and page offsets, key lengths, the nodes' ancestor bits, page
 ids), filled by one copy, and needs no plan: one launch a layer.
 
-GRAPH_ATTENTION_ENV picks it: `flashinfer` (every graph FlashInfer's), `triton` (graphs of at most MAX_ROWS query
-rows a request, without sliding windows, over a bfloat16 or float16 cache, when Triton runs).
+GRAPH_ATTENTION_ENV picks it: `triton` (the default: graphs of at most MAX_ROWS query rows a request, decode steps'
+included, without sliding windows, over a bfloat16 or float16 cache, when Triton runs; FlashInfer's otherwise),
+`flashinfer` (every graph FlashInfer's). On an H100 the kernel took less device time than FlashInfer's at every graph
+kind, batch size and key length measured at the demo and 8B shapes but one (a tie), docs/performance.md.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ PREFIX, CAUSAL, TREE = 0, 1, 2  # kernels.paged_attention's modes
 
 
 def graph_attention_choice() -> str:
-    return env_choice(GRAPH_ATTENTION_ENV, "flashinfer", ("flashinfer", "triton"))
+    return env_choice(GRAPH_ATTENTION_ENV, "triton", ("triton", "flashinfer"))
 
 
 def min_chunk_choice(environ=os.environ) -> int | None:
