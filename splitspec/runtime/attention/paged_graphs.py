@@ -2,15 +2,16 @@
 
 A speculative step at small batch replays three graphs whose attention is a handful of query rows a request over a few
 hundred keys: the verification's tree (or chain), the head's catch-up chain and the draft loop's beams over the
-committed prefix; a decode step's graph, one row a request. FlashInfer serves each with a persistent prefill kernel, a merge of its split-KV partial results
-and a plan its C++ planner makes on the host every step (or, reused, every page). kernels.paged_attention reads the
-same arena of indices (flashinfer_replan.Arena: query and page offsets, key lengths, the nodes' ancestor bits, page
-ids), filled by one copy, and needs no plan: one launch a layer.
+committed prefix; a decode step's graph has one row a request. FlashInfer serves each with a persistent kernel, for
+prefill a merge of its split-KV partial results, and a plan its C++ planner makes on the host every step (or, reused,
+every page). kernels.paged_attention reads the same arena of indices (flashinfer_replan.Arena: query and page
+offsets, key lengths, the nodes' ancestor bits, page ids), filled by one copy, and needs no plan: one launch a layer.
 
-GRAPH_ATTENTION_ENV picks it: `triton` (the default: graphs of at most MAX_ROWS query rows a request, decode steps'
+GRAPH_ATTENTION_ENV picks it: `triton` (the default: graphs of at most MAX_ROWS query rows a request, decode steps
 included, without sliding windows, over a bfloat16 or float16 cache, when Triton runs; FlashInfer's otherwise),
-`flashinfer` (every graph FlashInfer's). On an H100 the kernel took less device time than FlashInfer's at 34 of 36 graph
-kinds, batch sizes and key lengths measured at the demo and 8B shapes (within 2% at two decode steps), docs/performance.md.
+`flashinfer` (every graph FlashInfer's). On an H100 the kernel took less device time than FlashInfer's at 34 of 36
+graph kinds, batch sizes and key lengths measured at the demo and 8B shapes (within 2% at two decode steps):
+docs/performance.md.
 """
 
 from __future__ import annotations
