@@ -402,12 +402,12 @@ def test_piecewise_graphs_equal_eager(tmp_path):
     tables = {id(r): [BlockTable() for _ in prompts] for r in (eager, graphed)}
     tokens, parents = [20, 21, 22, 23, 24, 25], [-1, 0, 0, 1, 2, 2]
 
-    def compare(inputs) -> int:
+    def compare(inputs, tolerance: float = 1e-2) -> int:
         want = step(eager, tables[id(eager)], inputs)
         before = pieces.replays
         have = step(graphed, tables[id(graphed)], inputs)
         for a, b in zip(have, want):
-            assert a.shape == b.shape and close(a, b) < 1e-2, inputs
+            assert a.shape == b.shape and close(a, b) < tolerance, inputs
         commit(eager, tables[id(eager)], inputs)
         commit(graphed, tables[id(graphed)], inputs)
         return pieces.replays - before
@@ -415,7 +415,9 @@ def test_piecewise_graphs_equal_eager(tmp_path):
     assert compare([(i, p, None) for i, p in enumerate(prompts[:5])]) == 1  # 63 tokens: padded to 64
     assert compare([(0, [7], None), (1, tokens, parents), (2, [8, 9, 10], None)]) == 1  # mixed, 10 tokens: 16
     assert compare([(5, prompts[5][:25], None), (3, [11], None), (4, tokens, parents)]) == 1  # 32
-    assert compare([(i, [12 + i], None) for i in range(5)]) == 0  # a decode step: the step graphs'
+    # a decode step: the step graphs', which attend by the Triton kernel by default (0.043 off eager FlashInfer's on
+    # an H100, where the piecewise graphs run FlashInfer's eagerly between their pieces)
+    assert compare([(i, [12 + i], None) for i in range(5)], graph_tolerance("triton")) == 0
     assert compare([(5, prompts[5][25:], None), (0, tokens, parents), (1, [13], None)]) == 1  # 22 tokens: 32
     assert compare([(i, [30 + i] * 14, None) for i in range(5)]) == 0  # 70 tokens: eager
     assert compare([(2, [40] * 47, None)]) == 1  # 48, after 16 and 32 replayed
