@@ -1,8 +1,9 @@
 """What a graph's attention costs, FlashInfer against kernels.paged_attention (SPLITSPEC_GRAPH_ATTENTION=triton): for a
 model's attention shape, each graph kind a speculative step replays (a tree verification, a causal chain, a draft loop's
 beams over the prefix) and a decode step's, at a few batch sizes and key lengths, every layer's attention captured in
-one CUDA graph and replayed; the device time a layer (CUDA events over REPLAYS replays) and the host time of the graph's plan a step
-(graph_plan / plan_prefix, pages moved every step so that no plan is reused). No assertions; GPU only.
+one CUDA graph and replayed; the device time a layer (CUDA events over REPLAYS replays) and the host time of the
+graph's plan a step (graph_plan / plan_prefix, pages moved every step so that no plan is reused). No assertions; GPU
+only.
 
     python -P benchmarks/graph_attention_cost.py --config splitspec/demo_models/target/config.json [--out FILE]
     python -P benchmarks/graph_attention_cost.py --preset llama-3.1-8b --batch-sizes 1,16,64
