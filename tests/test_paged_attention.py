@@ -3,6 +3,8 @@ forward; a tree-masked forward equals separate forwards of each root-to-leaf pat
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import hf_logits, hf_model, load_runner, random_ids
@@ -399,6 +401,10 @@ def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
     assert not paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
     monkeypatch.delenv(paged_graphs.GRAPH_ATTENTION_ENV)  # the kernel by default
     assert paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
+    # but not for shapes it was not measured at: heads of 256, groups of 8 query heads a key-value head
+    for wide in (dict(head_dim=256), dict(num_attention_heads=8, num_key_value_heads=1)):
+        other = dataclasses.replace(config, **wide)
+        assert not paged_graphs.PagedGraphs(other, torch.bfloat16, [None], torch.device("cpu")).usable(6), wide
     monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "fa3")
     with pytest.raises(ValueError, match=paged_graphs.GRAPH_ATTENTION_ENV):
         paged_graphs.graph_attention_choice()

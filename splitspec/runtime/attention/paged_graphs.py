@@ -11,7 +11,8 @@ GRAPH_ATTENTION_ENV picks it: `triton` (the default: graphs of at most MAX_ROWS 
 included, without sliding windows, over a bfloat16 or float16 cache, when Triton runs; FlashInfer's otherwise),
 `flashinfer` (every graph FlashInfer's). On an H100 the kernel took less device time than FlashInfer's at 34 of 36
 graph kinds, batch sizes and key lengths measured at the demo and 8B shapes (within 2% at two decode steps):
-docs/performance.md.
+docs/performance.md. Heads wider than MAX_HEAD_DIM or more than MAX_GROUP query heads a key-value head keep
+FlashInfer's graphs: the kernel was measured and tested up to those (a 16-row tree at group 8 would be a 128-row tile).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from splitspec.runtime.attention.base import env_choice
 from splitspec.runtime.attention.flashinfer_replan import Arena, fill
 
 GRAPH_ATTENTION_ENV = "SPLITSPEC_GRAPH_ATTENTION"
+MAX_HEAD_DIM, MAX_GROUP = 128, 4  # the widest heads and the largest groups the kernel was measured and tested at
 MIN_CHUNK_ENV = "SPLITSPEC_GRAPH_ATTENTION_MIN_CHUNK"  # keys a split at least (a multiple of 64; the kernel's default)
 MAX_ROWS = 16
 PREFIX, CAUSAL, TREE = 0, 1, 2  # kernels.paged_attention's modes
@@ -95,7 +97,9 @@ class PagedGraphs:
 
     def __init__(self, config, cache_dtype: torch.dtype, windows: list, device: torch.device):
         self.config, self.device = config, device
-        self.on = (graph_attention_choice() == "triton" and windows == [None]
+        group = config.num_attention_heads // config.num_key_value_heads
+        shape = config.head_dim <= MAX_HEAD_DIM and group <= MAX_GROUP
+        self.on = (graph_attention_choice() == "triton" and windows == [None] and shape
                    and cache_dtype in (torch.bfloat16, torch.float16) and ops.triton_ready())
         self.min_chunk = min_chunk_choice()
         self._shared = None
