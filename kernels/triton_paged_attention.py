@@ -13,6 +13,9 @@ One program per (request, key-value head, split): its rows are the request's que
 query heads, one online softmax (base 2) over its share of the keys. A request whose keys need more than one split
 (MIN_CHUNK keys at least a split) has each split write its partial output and log-sum-exp to a scratch buffer; the
 last split to finish (an atomic count per request and head) merges them and resets the count for the next launch.
+
+The splits, the least keys a split and a tree's rows and words are runtime arguments, not constexprs: a verifier
+compiles one kernel a graph kind (mode, rows rounded to a power of 2), not one for every captured batch size's splits.
 """
 
 from __future__ import annotations
@@ -31,18 +34,17 @@ MAX_SPLITS = 16
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr, lock_ptr, qo_ptr,
                             kv_indptr_ptr, kv_len_ptr, ids_ptr, anc_ptr, sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t,
-                            so_h, scale_log2, num_kv_heads, MODE: tl.constexpr, PAGE: tl.constexpr, G: tl.constexpr,
-                            D: tl.constexpr, Q: tl.constexpr, W: tl.constexpr, BLOCK_Q: tl.constexpr,
+                            so_h, scale_log2, num_kv_heads, splits, min_chunk, max_rows, words, MODE: tl.constexpr,
+                            PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     q_start = tl.load(qo_ptr + b)
     n_q = tl.load(qo_ptr + b + 1) - q_start
     kv_len = tl.load(kv_len_ptr + b)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(kv_len, splits), BLOCK_N) * BLOCK_N, min_chunk)
     active = tl.cdiv(kv_len, chunk)
     if s >= active:
         return
@@ -76,7 +78,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale_log2
-        seen = _seen(live_r[:, None] & live_j[None, :], i, j, prefix, anc_ptr + b * Q * W, MODE, W)
+        seen = _seen(live_r[:, None] & live_j[None, :], i, j, prefix, anc_ptr + b * max_rows * words, words, MODE)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -97,14 +99,14 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
         if WRITE_LSE:
             tl.store(lse_ptr + (q_start + i) * (num_kv_heads * G) + heads, lse2 * 0.6931471805599453, mask=live_r)
     else:
-        part = ((b * num_kv_heads + h) * SPLITS + s) * M
+        part = ((b * num_kv_heads + h) * splits + s) * M
         tl.store(part_ptr + (part + r)[:, None] * BLOCK_D + d[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
         tl.store(part_lse_ptr + part + r, lse2)
         tl.debug_barrier()  # every thread's partial stored before the count says so
         done = tl.atomic_add(lock_ptr + b * num_kv_heads + h, 1, sem="acq_rel", scope="gpu")
         if done == active - 1:  # the last split of this request and head: merge every split's partial result
             tl.debug_barrier()
-            out, lse_all = _merge(part_ptr, part_lse_ptr, (b * num_kv_heads + h) * SPLITS * M, r, d, active, M, BLOCK_D)
+            out, lse_all = _merge(part_ptr, part_lse_ptr, (b * num_kv_heads + h) * splits * M, r, d, active, M, BLOCK_D)
             tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=out_mask)
             if WRITE_LSE:
                 tl.store(lse_ptr + (q_start + i) * (num_kv_heads * G) + heads, lse_all * 0.6931471805599453, mask=live_r)
@@ -112,16 +114,16 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
 
 
 @triton.jit
-def _seen(seen, i, j, prefix, anc_ptr, MODE: tl.constexpr, W: tl.constexpr):
+def _seen(seen, i, j, prefix, anc_ptr, words, MODE: tl.constexpr):
     """Which keys j (columns) each row sees, of those `seen` allows: MODE 0 all, 1 up to its own key (row i is key
-    prefix + i), 2 the prefix and the nodes its ancestor bits name (anc_ptr: the request's [rows, W] words)."""
+    prefix + i), 2 the prefix and the nodes its ancestor bits name (anc_ptr: the request's [rows, words] words)."""
     if MODE == 1:
         seen = seen & (j[None, :] <= prefix + i[:, None])
     if MODE == 2:
         node = j[None, :] - prefix
         in_tree = node >= 0
         nn = tl.where(in_tree, node, 0)
-        word = tl.load(anc_ptr + (i[:, None] * W + nn // 16), mask=seen & in_tree, other=0)
+        word = tl.load(anc_ptr + (i[:, None] * words + nn // 16), mask=seen & in_tree, other=0)
         seen = seen & ((~in_tree) | (((word >> (nn % 16)) & 1) != 0))
     return seen
 
@@ -191,7 +193,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _paged_attention_kernel[(requests, kv_heads, splits)](
         q, k_cache, v_cache, out, lse if want_lse else out, part, part_lse, lock, qo, kv_indptr, kv_lens, page_ids, anc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), scale * 1.4426950408889634, kv_heads, MODE=mode, PAGE=page_size, G=group, D=dim,
-        Q=max_rows, W=words, BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N,
-        SPLITS=splits, MIN_CHUNK=MIN_CHUNK if min_chunk is None else min_chunk, WRITE_LSE=want_lse, IEEE=q.dtype == torch.float32, num_warps=4)
+        out.stride(0), out.stride(1), scale * 1.4426950408889634, kv_heads, splits,
+        MIN_CHUNK if min_chunk is None else min_chunk, max_rows, words, MODE=mode, PAGE=page_size, G=group, D=dim,
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, WRITE_LSE=want_lse,
+        IEEE=q.dtype == torch.float32, num_warps=4)
     return out, (lse if want_lse else None)
