@@ -398,7 +398,8 @@ def main(argv: list[str]) -> int:
               f"in process {point['in_process_tok_s']:>9} tok/s  served/in process {point['served_over_in_process']}"
               + (f" (rounds {[r['ratio'] for r in point['rounds']]})" if point.get("rounds") else "")
               + (f"  accept length served {point['served_accept_length']} in process {point['in_process_accept_length']}"
-                 if point["speculative"] else "")
+                 f"  drafted token share served {point['served_drafted_token_share']} in process "
+                 f"{point['in_process_drafted_token_share']}" if point["speculative"] else "")
               + f"  host us served {point['host_us']['served']} in process {point['host_us']['in_process']}"
               + f"  client CPU share {point['served_client_cpu_share']}")
     return 0

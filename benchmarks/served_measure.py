@@ -175,6 +175,9 @@ def ratios(served: dict, in_process: dict) -> list[dict]:
                  "served_over_in_process": _median([s / i if i else None for s, i in split]),
                  "served_accept_length": _median([s.get("accept_length") for s, _ in pairs]),
                  "in_process_accept_length": _median([i.get("accept_length") for _, i in pairs]),
+                 # the share of output tokens drafted steps made: low, and a speedup is the undrafted steps'
+                 "served_drafted_token_share": _median([s.get("drafted_token_share") for s, _ in pairs]),
+                 "in_process_drafted_token_share": _median([i.get("drafted_token_share") for _, i in pairs]),
                  "served_errors": sum(len(s.get("errors") or []) for s, _ in pairs),
                  # the host's speed during each side's point (HostSpeed, median us of its loop; lower is faster)
                  "host_us": {"served": _median([s.get("host_us") for s, _ in pairs]),

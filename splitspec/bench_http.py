@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from splitspec import event_loop
-from splitspec.bench_measure import Timeline, latency_fields, make_prompts, prompts_for, round_prompts
+from splitspec.bench_measure import Timeline, drafted_token_share, latency_fields, make_prompts, prompts_for, round_prompts
 from splitspec.step_log import StepLog
 
 logger = logging.getLogger("splitspec.bench")
@@ -322,7 +322,8 @@ def _row(batch_size: int, speculative: bool, rounds: list[dict]) -> dict:
         accepted = sum(c["accepted_tokens"] for c in counts)
         row.update(speculative=next((c["algorithm"] for c in counts if c.get("algorithm")), "off"),
                    verify_steps=steps, accepted_tokens=accepted,
-                   accept_length=round(1 + accepted / steps, 4) if steps else None)
+                   accept_length=round(1 + accepted / steps, 4) if steps else None,
+                   drafted_token_share=drafted_token_share(steps, accepted, row["output_tokens"]))
     return row
 
 

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from splitspec import engine_args, heap, model_flags, speculation
-from splitspec.bench_measure import Timeline, ints, latency_fields, make_prompts, prompts_for, round_prompts
+from splitspec.bench_measure import (Timeline, drafted_token_share, ints, latency_fields, make_prompts, prompts_for,
+                                     round_prompts)
 from splitspec.lifeline import spawn
 from splitspec.step_log import StepLog
 
@@ -278,6 +279,7 @@ def _spec_row(args, ns, row: dict, requests, drafter, plain: dict, plain_outputs
     if reference is not None:
         row["profile"] = profile
     row["speedup"] = round(row["output_tok_s"] / plain["output_tok_s"], 3) if plain["output_tok_s"] else None
+    row["drafted_token_share"] = drafted_token_share(row["verify_steps"], row["accepted_tokens"], row["output_tokens"])
     row["outputs_equal_plain"] = sum(r.output_ids == p for r, p in zip(requests, plain_outputs))
     logger.info("batch %d %s steps %d topk %d tokens %d%s: accept length %s, %s tok/s (x%s)%s%s",
                 batch_size, ns.speculative_algorithm, steps, topk, tokens, " adaptive" if adaptive else "",

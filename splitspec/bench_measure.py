@@ -56,6 +56,15 @@ def latency_fields(timelines: list[Timeline], wall: float) -> dict:
             "tpot_ms": round(statistics.fmean(tpot) * 1e3, 3) if tpot else None}
 
 
+def drafted_token_share(verify_steps: int, accepted_tokens: int, output_tokens: int) -> float | None:
+    """The share of a point's output tokens that drafted steps made (each verify with drafts: its accepted drafts and
+    the bonus token); the rest came from steps without a tree (the prompt's step, drafting off, no match). A speedup
+    over plain decoding is speculation's only where this is large: with the load-adaptive policy's drafting off it
+    measures undrafted steps. Capped at 1: a request's last step may accept drafts past its max_tokens, which the
+    counts keep and the output does not."""
+    return round(min((verify_steps + accepted_tokens) / output_tokens, 1.0), 4) if output_tokens else None
+
+
 # prompts -------------------------------------------------------------------------------------------
 def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: int) -> list:
     """Token-id lists (texts for --url with held-out prompts, which the server tokenizes)."""

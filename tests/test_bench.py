@@ -121,6 +121,9 @@ def test_grid_in_process_with_a_real_eagle3_head():
     for row in spec:
         assert row["outputs_equal_plain"] == 2 and row["simulated"] is False
         assert row["verify_steps"] > 0 and row["accepted_tokens"] > 0 and row["accept_length"] > 1
+        # every step after the prompt's drafted (no policy): nearly all of the 48 tokens (a last step's drafts accepted
+        # past max_tokens count too: capped at 1)
+        assert 0.5 < row["drafted_token_share"] == min(round((row["verify_steps"] + row["accepted_tokens"]) / 48, 4), 1.0)
         assert row["fallbacks"] == 0 and row["drafter"]["faults"] == 0 and row["step_ms"]["draft"] > 0
         assert len(row["accepted_per_position"]) <= row["steps"] and row["speedup"] > 0
 
@@ -332,6 +335,8 @@ def test_served_against_in_process_in_one_command(tmp_path):
         assert row["client_cpu"]["ms_per_request"] > 0 and 0 <= row["client_cpu"]["share_of_wall"] <= 1.1, row
     assert all(0 <= p["served_client_cpu_share"] <= 1.1 for p in report["points"]), report["points"]
     assert points[(2, "NGRAM")]["served_accept_length"] > 1 and points[(2, "NGRAM")]["in_process_accept_length"] > 1
+    for side in ("served", "in_process"):  # some of the tokens came from drafted steps, and no more than all
+        assert 0 < points[(2, "NGRAM")][f"{side}_drafted_token_share"] <= 1, points[(2, "NGRAM")]
     assert report["served"]["url"] == f"http://127.0.0.1:{port}" and "served.py" in report["command"]
     loop = report["served_engine_loop"]  # the served verifier's loop, from its /metrics around the served bench
     assert loop["steps"] > 0 and loop["mean_ms"]["step"] > 0 and loop["mean_ms"]["verify"] > 0, loop
@@ -392,6 +397,7 @@ def test_served_simulated_acceptance_on_a_dummy_target_replays_what_in_process_r
     spec = points[(2, "EAGLE3")]
     assert spec["served_errors"] == 0 and abs(spec["in_process_accept_length"] - 3) < 0.4, spec
     assert spec["served_accept_length"] == spec["in_process_accept_length"], spec
+    assert spec["served_drafted_token_share"] == spec["in_process_drafted_token_share"] > 0.5, spec
     for r in (0, 1):
         served, inside = (next(row for row in report[side]["rows"] if row["speculative"] and row["round"] == r)
                           for side in ("served", "in_process"))
