@@ -380,10 +380,11 @@ def test_graph_prefill_backend_and_replan_modes_from_the_environment(monkeypatch
 
 
 def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
-    """SPLITSPEC_GRAPH_ATTENTION=triton (the default): graphs of at most 16 query rows a request (no sliding window, a
-    bf16 or fp16 cache) attend by kernels.paged_attention from the arena one copy fills. On CPU its twin reads the same arena: a
-    batch of trees, of causal chains and of beams over a prefix, with pages shuffled, equals the torch backend's
-    attention over the same cache (the new tokens' K/V written by it first). The choice refuses unknown values."""
+    """SPLITSPEC_GRAPH_ATTENTION=triton (and auto, the default, where it was measured: Hopper GPUs): graphs of at most
+    16 query rows a request (no sliding window, a bf16 or fp16 cache) attend by kernels.paged_attention from the arena
+    one copy fills. On CPU its twin reads the same arena: a batch of trees, of causal chains and of beams over a
+    prefix, with pages shuffled, equals the torch backend's attention over the same cache (the new tokens' K/V written
+    by it first). The choice refuses unknown values."""
     from splitspec.runtime.attention import paged_graphs
     from splitspec.runtime.attention.base import AttentionBatch
     from splitspec.runtime.attention.torch_backend import TorchAttentionBackend
@@ -399,12 +400,14 @@ def test_paged_graphs_read_the_arena_their_plan_fills(monkeypatch):
     assert not paged_graphs.PagedGraphs(config, torch.float8_e4m3fn, [None], torch.device("cpu")).usable(6)
     monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "flashinfer")
     assert not paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
-    monkeypatch.delenv(paged_graphs.GRAPH_ATTENTION_ENV)  # the kernel by default
-    assert paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
-    # but not for shapes it was not measured at: heads of 256, groups of 8 query heads a key-value head
+    # auto (the default): only where the kernel was measured, Hopper GPUs and the shapes measured (heads of 256, groups
+    # of 8 query heads a key-value head were not); not on a CPU
+    monkeypatch.delenv(paged_graphs.GRAPH_ATTENTION_ENV)
+    assert paged_graphs.graph_attention_choice() == "auto"
+    assert not paged_graphs.PagedGraphs(config, torch.bfloat16, [None], torch.device("cpu")).usable(6)
+    assert not paged_graphs.measured_device(torch.device("cpu")) and paged_graphs.measured_shape(config)
     for wide in (dict(head_dim=256), dict(num_attention_heads=8, num_key_value_heads=1)):
-        other = dataclasses.replace(config, **wide)
-        assert not paged_graphs.PagedGraphs(other, torch.bfloat16, [None], torch.device("cpu")).usable(6), wide
+        assert not paged_graphs.measured_shape(dataclasses.replace(config, **wide)), wide
     monkeypatch.setenv(paged_graphs.GRAPH_ATTENTION_ENV, "fa3")
     with pytest.raises(ValueError, match=paged_graphs.GRAPH_ATTENTION_ENV):
         paged_graphs.graph_attention_choice()

@@ -7,12 +7,12 @@ prefill a merge of its split-KV partial results, and a plan its C++ planner make
 every page). kernels.paged_attention reads the same arena of indices (flashinfer_replan.Arena: query and page
 offsets, key lengths, the nodes' ancestor bits, page ids), filled by one copy, and needs no plan: one launch a layer.
 
-GRAPH_ATTENTION_ENV picks it: `triton` (the default: graphs of at most MAX_ROWS query rows a request, decode steps
-included, without sliding windows, over a bfloat16 or float16 cache, when Triton runs; FlashInfer's otherwise),
-`flashinfer` (every graph FlashInfer's). On an H100 the kernel took less device time than FlashInfer's at 34 of 36
-graph kinds, batch sizes and key lengths measured at the demo and 8B shapes (within 2% at two decode steps):
-docs/performance.md. Heads wider than MAX_HEAD_DIM or more than MAX_GROUP query heads a key-value head keep
-FlashInfer's graphs: the kernel was measured and tested up to those (a 16-row tree at group 8 would be a 128-row tile).
+GRAPH_ATTENTION_ENV picks it. `triton`: graphs of at most MAX_ROWS query rows a request, decode steps included, without
+sliding windows, over a bfloat16 or float16 cache, when Triton runs (FlashInfer's otherwise). `auto` (the default):
+the same, where the kernel was measured: on Hopper GPUs, heads of at most MAX_HEAD_DIM and at most MAX_GROUP query heads
+a key-value head (a 16-row tree at group 8 would be a 128-row tile). `flashinfer`: every graph FlashInfer's. On an H100
+the kernel took less device time than FlashInfer's at 34 of 36 graph kinds, batch sizes and key lengths measured at
+the demo and 8B shapes (within 2% at two decode steps): docs/performance.md.
 """
 
 from __future__ import annotations
@@ -35,7 +35,19 @@ PREFIX, CAUSAL, TREE = 0, 1, 2  # kernels.paged_attention's modes
 
 
 def graph_attention_choice() -> str:
-    return env_choice(GRAPH_ATTENTION_ENV, "triton", ("triton", "flashinfer"))
+    return env_choice(GRAPH_ATTENTION_ENV, "auto", ("auto", "triton", "flashinfer"))
+
+
+def measured_shape(config) -> bool:
+    """Whether the kernel was measured and tested at this model's attention shape (heads and groups)."""
+    return config.head_dim <= MAX_HEAD_DIM and config.num_attention_heads // config.num_key_value_heads <= MAX_GROUP
+
+
+def measured_device(device: torch.device) -> bool:
+    """Whether the kernel was measured on this kind of device: Hopper GPUs (H100, H200). Elsewhere its tiles were
+    never compiled (GPUs with 100 KB of shared memory a block, say), so `auto` keeps FlashInfer's graphs there."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def min_chunk_choice(environ=os.environ) -> int | None:
@@ -97,10 +109,10 @@ class PagedGraphs:
 
     def __init__(self, config, cache_dtype: torch.dtype, windows: list, device: torch.device):
         self.config, self.device = config, device
-        group = config.num_attention_heads // config.num_key_value_heads
-        shape = config.head_dim <= MAX_HEAD_DIM and group <= MAX_GROUP
-        self.on = (graph_attention_choice() == "triton" and windows == [None] and shape
-                   and cache_dtype in (torch.bfloat16, torch.float16) and ops.triton_ready())
+        choice = graph_attention_choice()
+        wanted = choice == "triton" or (choice == "auto" and measured_shape(config) and measured_device(device))
+        self.on = (wanted and windows == [None] and cache_dtype in (torch.bfloat16, torch.float16)
+                   and ops.triton_ready())
         self.min_chunk = min_chunk_choice()
         self._shared = None
 
