@@ -32,11 +32,14 @@ def measure(config, kind: str, bs: int, rows: int, kv_len: int, how: str, min_ch
     from splitspec.runtime.kv_cache import KVCache
     from splitspec.runtime.tree import ancestor_rows
 
-    from splitspec.kernels import triton_paged_attention
+    from splitspec.runtime.attention import paged_graphs
 
-    os.environ["SPLITSPEC_GRAPH_ATTENTION"] = how
-    default_chunk = triton_paged_attention.MIN_CHUNK
-    triton_paged_attention.MIN_CHUNK = min_chunk or default_chunk  # read at each launch (and so at capture)
+    # the backend's graphs read both when it is made: the kernel, and its least keys a split (unset: its default)
+    os.environ[paged_graphs.GRAPH_ATTENTION_ENV] = how
+    if min_chunk:
+        os.environ[paged_graphs.MIN_CHUNK_ENV] = str(min_chunk)
+    else:
+        os.environ.pop(paged_graphs.MIN_CHUNK_ENV, None)
     pages_each = -(-(kv_len + rows) // PAGE)
     cache = KVCache(config, bs * pages_each + 8, PAGE, torch.bfloat16, torch.device("cuda"))
     cache.pool.normal_()
@@ -101,7 +104,6 @@ def measure(config, kind: str, bs: int, rows: int, kv_len: int, how: str, min_ch
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    triton_paged_attention.MIN_CHUNK = default_chunk
     return dict(kind=kind, attention=how, min_chunk=min_chunk if how == "triton" else None, batch_size=bs, rows=rows,
                 kv_len=kv_len,
                 device_us_per_layer=round(start.elapsed_time(end) * 1e3 / REPLAYS / layers, 2),

@@ -256,7 +256,7 @@ def test_graph_replans_equal_flashinfers_own_plans(tmp_path, monkeypatch, kv_hea
     from splitspec.runtime.attention.base import AttentionBatch
     from splitspec.runtime.tree import ancestor_rows
 
-    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (Triton's by default)
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (auto: Triton's on Hopper GPUs)
     r = runner(checkpoint(tmp_path, num_key_value_heads=kv_heads), "flashinfer")
     backend, page_size = r.backend, r.kv_cache.page_size
     assert backend.decode_tensor_cores == (kv_heads == 2)
@@ -342,7 +342,7 @@ def test_a_work_split_left_in_place_is_what_flashinfers_plan_writes(tmp_path, mo
     from splitspec.runtime.attention.base import AttentionBatch
 
     monkeypatch.setenv("SPLITSPEC_FLASHINFER_GRAPH_PREFILL", graph_prefill)
-    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (Triton's by default)
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (auto: Triton's on Hopper GPUs)
     r = runner(checkpoint(tmp_path, num_key_value_heads=kv_heads), "flashinfer")
     backend, page_size = r.backend, r.kv_cache.page_size
     g = torch.Generator().manual_seed(5)
@@ -415,7 +415,7 @@ def test_piecewise_graphs_equal_eager(tmp_path):
     assert compare([(i, p, None) for i, p in enumerate(prompts[:5])]) == 1  # 63 tokens: padded to 64
     assert compare([(0, [7], None), (1, tokens, parents), (2, [8, 9, 10], None)]) == 1  # mixed, 10 tokens: 16
     assert compare([(5, prompts[5][:25], None), (3, [11], None), (4, tokens, parents)]) == 1  # 32
-    # a decode step: the step graphs', which attend by the Triton kernel by default (0.043 off eager FlashInfer's on
+    # a decode step: the step graphs', which attend by the Triton kernel on Hopper GPUs (0.043 off eager FlashInfer's on
     # an H100, where the piecewise graphs run FlashInfer's eagerly between their pieces)
     assert compare([(i, [12 + i], None) for i in range(5)], graph_tolerance("triton")) == 0
     assert compare([(5, prompts[5][25:], None), (0, tokens, parents), (1, [13], None)]) == 1  # 22 tokens: 32
@@ -512,7 +512,7 @@ def test_flashinfer_prefix_attention_matches_torch(tmp_path, monkeypatch):
     sums of exp turned natural), planned eagerly and into graph buffers, equals the torch backend's."""
     from splitspec.runtime.attention.torch_backend import TorchAttentionBackend
 
-    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (Triton's by default)
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")  # FlashInfer's graphs (auto: Triton's on Hopper GPUs)
     r = runner(checkpoint(tmp_path), "flashinfer")
     kv, config = r.kv_cache, r.config
     reference = TorchAttentionBackend(config, kv)
