@@ -388,10 +388,13 @@ def test_a_work_split_left_in_place_is_what_flashinfers_plan_writes(tmp_path, mo
 
 
 @needs_flashinfer
-def test_piecewise_graphs_equal_eager(tmp_path):
+def test_piecewise_graphs_equal_eager(tmp_path, monkeypatch):
     """Prompt chunks and mixed steps replay piecewise graphs (attention eager between the pieces) with the
     eager forward's logits and captured layer inputs, at every padded size, in any order of sizes; a forward
-    past the largest size and the step graphs' shapes do not use them."""
+    past the largest size and the step graphs' shapes do not use them. The step graphs attend by FlashInfer here
+    (auto: the Triton kernel on Hopper GPUs, whose decode step writes KV that the later steps read, 0.034 off eager
+    FlashInfer's on an H200): the same kernels round alike, so every step is held to 1e-2."""
+    monkeypatch.setenv("SPLITSPEC_GRAPH_ATTENTION", "flashinfer")
     path = checkpoint(tmp_path)
     eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True, piecewise=64)
     graphed.capture_cuda_graphs()
@@ -415,9 +418,7 @@ def test_piecewise_graphs_equal_eager(tmp_path):
     assert compare([(i, p, None) for i, p in enumerate(prompts[:5])]) == 1  # 63 tokens: padded to 64
     assert compare([(0, [7], None), (1, tokens, parents), (2, [8, 9, 10], None)]) == 1  # mixed, 10 tokens: 16
     assert compare([(5, prompts[5][:25], None), (3, [11], None), (4, tokens, parents)]) == 1  # 32
-    # a decode step: the step graphs', which attend by the Triton kernel on Hopper GPUs (0.043 off eager FlashInfer's on
-    # an H100, where the piecewise graphs run FlashInfer's eagerly between their pieces)
-    assert compare([(i, [12 + i], None) for i in range(5)], graph_tolerance("triton")) == 0
+    assert compare([(i, [12 + i], None) for i in range(5)]) == 0  # a decode step: the step graphs'
     assert compare([(5, prompts[5][25:], None), (0, tokens, parents), (1, [13], None)]) == 1  # 22 tokens: 32
     assert compare([(i, [30 + i] * 14, None) for i in range(5)]) == 0  # 70 tokens: eager
     assert compare([(2, [40] * 47, None)]) == 1  # 48, after 16 and 32 replayed
