@@ -595,6 +595,48 @@ def test_a_quiet_drafting_off_run_leaves_the_policy_knowing_what_step_by_step_ca
     assert (tmp_path / "quiet.jsonl").read_text() == (tmp_path / "every.jsonl").read_text()
 
 
+def test_an_opted_out_run_told_at_once_leaves_the_policy_knowing_what_step_by_step_calls_would(tmp_path, monkeypatch):
+    """A run of overlapped steps whose requests all opted out ("speculative": false) is told to the policy at once
+    (observe_quiet with no speculating request, as policy_link._quiet_opted_out does), at the budget the engine's steps
+    report, after drafting at batch 2 (budget 6), between runs that speculate and after a prompt's step (a budget of 0
+    before it: its first cycle is not steady). The policy then chooses what one told step by step chooses, knows the
+    same and writes the same trace, line for line."""
+    from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
+
+    def opted_out(policy, gpu, plain, steps, budget, at_once):
+        shapes = [StepShape(budget, 0, plain, 0, 0.0, 0.0, gpu.step(1, plain).base_seconds) for _ in range(steps)]
+        if at_once:
+            for k in range(0, steps, 7):  # in runs of 7 (the engine hands one over whenever the policy is next told)
+                policy.observe_quiet(0, plain, 0, [s.base_seconds for s in shapes[k : k + 7]], budget)
+        else:
+            for shape in shapes:
+                policy.observe(shape)
+
+    policies, chosen = [], []
+    for name, at_once in (("every", False), ("quiet", True)):
+        monkeypatch.setenv(TRACE_ENV, str(tmp_path / f"{name}.jsonl"))
+        policy, gpu, made = chain_policy(probe_interval=40), QuietGpu(q=0.8), []
+        made += run_policy(policy, gpu, 2, 150)  # drafting pays: the engine's budget is a tree's
+        opted_out(policy, gpu, 4, 60, policy.budget, at_once)
+        made += run_policy(policy, gpu, 16, 300)  # drafting off, probed
+        opted_out(policy, gpu, 16, 100, policy.budget, at_once)
+        policy.observe(StepShape(1, 0, 3, 40, 0.001, 0.0, 0.0004))  # a prompt chunk's step: budget 0 after it
+        opted_out(policy, gpu, 3, 50, 1, at_once)
+        made += run_policy(policy, gpu, 2, 200)
+        policies.append(policy)
+        chosen.append(made)
+    every, quiet = policies
+    assert chosen[0] == chosen[1]
+    assert chosen[0][:150].count(1) < 10 and chosen[0][150:450].count(1) > 250, chosen[0]
+    assert _policy_state(quiet) == _policy_state(every)
+    assert every._cycles != {} and every._whole != {}
+    every._trace.close()
+    quiet._trace.close()
+    lines = (tmp_path / "every.jsonl").read_text().splitlines()
+    assert sum('"speculating": 0, "plain": 16' in line for line in lines) == 100
+    assert (tmp_path / "quiet.jsonl").read_text().splitlines() == lines
+
+
 def test_an_overlapped_plain_step_is_priced_at_its_whole_cycle_not_a_forward_on_top():
     """Under the overlap schedule a plain step's forward runs under the host's work, so the engine reports it as one
     whole cycle with no forward timed (engine._observe). At a large batch where every tree loses to plain decoding
@@ -897,6 +939,41 @@ def test_a_settled_drafting_off_run_is_quiet_and_the_policy_still_sees_every_ste
     assert len(observed) >= steps - 10  # all but the steps that only launched (the overlap's first of a run)
     settled = [r for r in records if r["kind"] == "choose" and "predicted" not in r and r["choice"] == 1]
     assert len(settled) >= quiet
+
+
+def test_an_opted_out_run_is_quiet_and_the_policy_still_sees_every_step(demo, tmp_path, monkeypatch):
+    """Requests that opted out (speculate False) beside a drafter and its policy, overlapped (a GPU server's schedule,
+    here on a CPU): their run's steps are quiet (nothing to choose; each cycle held back and handed over together), and
+    the trace still holds an observation of every step, numbered without a gap, at the engine's budget, none speculating.
+    Then a request that speculates joins: drafted steps are verified and observed as before; outputs equal plain's."""
+    import json
+
+    from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(TRACE_ENV, str(trace))
+    runner, prompts = demo
+    params = [SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True) for _ in prompts[:3]]
+    plain = Engine(runner, None, SpecConfig(), set()).run(prompts[:3], params)
+    engine = Engine(runner, InProcessDrafterClient(NgramDrafter(NgramConfig())),
+                    SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5), set(), overlap_schedule=True)
+    requests = [engine.add_request(p, sp, speculate=False) for p, sp in zip(prompts[:2], params)]
+    steps = quiet = 0
+    while engine.has_work:
+        if steps == 40:
+            requests.append(engine.add_request(prompts[2], params[2]))
+        engine.step()
+        steps, quiet = steps + 1, quiet + engine.report.quiet
+    assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
+    assert quiet >= 30, (quiet, steps)
+    assert requests[2].stats.verify_steps > 0 and requests[2].stats.draft_tokens > 0
+    engine._observe_last(engine._clock())
+    engine._flush_quiet()
+    engine.adaptive._trace.close()
+    observed = [json.loads(line) for line in trace.read_text().splitlines() if '"observe"' in line]
+    assert [r["step"] for r in observed] == list(range(len(observed))) == list(range(engine.adaptive._steps))
+    opted_out = [r for r in observed if r["speculating"] == 0 and r["plain"] == 2 and not r["forward_tokens"]]
+    assert len(opted_out) >= quiet and {r["budget"] for r in opted_out} == {6}
 
 
 def test_speculation_off_still_feeds_the_drafter(demo):

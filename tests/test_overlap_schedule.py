@@ -158,6 +158,9 @@ class ScriptedPolicy:
     def settled_off(self, speculating: int, plain: int) -> int:
         return 0  # every choice is the script's: none is skipped
 
+    def observe_quiet(self, speculating: int, plain: int, skipped: int, cycles: list, budget: int = 1) -> None:
+        pass  # an opted-out run's cycles (policy_link._quiet_opted_out)
+
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "scripted-policy"])
 def test_plain_requests_beside_a_drafter_overlap_until_one_speculates(target, adaptive):

@@ -240,13 +240,18 @@ class AdaptiveSpeculation(AdaptiveEstimates):
         return max(min(self._probe_every - self._off_steps, self.config.repredict_off_every
                        - (self._steps - cached[3])) - 1, 0)
 
-    def observe_quiet(self, speculating: int, plain: int, skipped: int, cycles: list[float]) -> None:
+    def observe_quiet(self, speculating: int, plain: int, skipped: int, cycles: list[float], budget: int = 1) -> None:
         """What `skipped` choices on the settled drafting-off path (see settled_off) and observe() of the overlapped
-        plain steps' whole cycles after each would have done, in that order, at once: ~1 us a step, not ~15."""
+        plain steps' whole cycles after each would have done, in that order, at once: ~1 us a step, not ~15. A run
+        with no speculating request (every request opted out: nothing is chosen for it) is observed at the budget its
+        steps reported (the engine's, which none of them used)."""
         if skipped:
             self._off_steps += skipped
             self._used[1] = self._age + skipped - 1  # the last choice's: before the cycle observed after it
-        self._observe_off_cycles(speculating, plain, cycles, skipped)
+        if speculating:
+            self._observe_off_cycles(speculating, plain, cycles, skipped)
+        else:
+            self._observe_opted_out_cycles(plain, cycles, budget)
 
     def _choose(self, speculating: int, plain: int, prefill_tokens: int) -> int:
         if speculating == 0:

@@ -203,6 +203,26 @@ class AdaptiveEstimates:
         self._spec.setdefault((1, batch_bucket(speculating)), Recent()).add_run([0.0] * count, first, stale)
         self._cycles.setdefault((1, token_bucket(batch)), Cycle()).add_run(cycles, first)
 
+    def _observe_opted_out_cycles(self, plain: int, cycles: list[float], budget: int) -> None:
+        """observe() of len(cycles) overlapped steps in a row of `plain` requests that all opted out (no forward timed:
+        their whole cycles; reported at `budget`), at once, their records in the trace as observe() writes them. Such
+        steps age nothing (no request speculates): each is a plain cycle of this batch at the same age."""
+        if cycles and self._previous_budget not in (budget, -1):  # the first after another budget's: not steady
+            self.observe(StepShape(budget, 0, plain, 0, 0.0, 0.0, cycles[0]))
+            cycles = cycles[1:]
+        if not cycles:
+            return
+        if self._trace is not None:
+            self._trace.write("".join(
+                f'{{"kind": "observe", "step": {self._steps + j}, "budget": {budget}, "speculating": 0, "plain": {plain}, '
+                f'"forward_tokens": 0, "verify_seconds": 0.0, "spec_seconds": 0.0, "base_seconds": {json.dumps(c)}, '
+                f'"accepts": []}}\n' for j, c in enumerate(cycles)))
+        self._steps += len(cycles)
+        self._previous_budget = budget
+        now, stale = self._age, self.config.stale_steps
+        self._whole.setdefault((False, batch_bucket(plain)), Recent()).add_same(cycles, now, stale)
+        self._cycles.setdefault((1, token_bucket(plain)), Cycle()).add_same(cycles, now)
+
     # prediction ----------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
         """See _acceptance; computed once per observed step (a choice asks for it once per budget)."""

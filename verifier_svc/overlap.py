@@ -20,8 +20,8 @@ EAGLE's and MTP's, with the target's states of the step that sampled them: its f
 kept on the device until a feed sends them), the policy chooses each next budget as it would, and a budget of 2 or
 more lands the step in flight before any tree is asked (a tree must grow from the last token).
 
-While drafting stays off at a load the policy has settled on, the run's steps neither ask it nor report to it one by
-one (policy_link.QuietRun).
+While drafting stays off at a load the policy has settled on, or every request opted out, the run's steps neither ask
+it nor report to it one by one (policy_link.QuietRun).
 
 A request that stopped at step N (its EOS, a stop token) still computed step N+1's row: that row is dropped when
 N+1 lands (what SGLang's and vLLM's overlap do too). Its slot N+1 holds the KV of its last token, so the prefix
@@ -85,7 +85,7 @@ def deferrable(spec, request: Request, drafting_off: bool) -> bool:
 class OverlapSchedule:
     """Engine's overlapped plain decoding; the attributes it uses are Engine's (runner, spec, running, waiting,
     scheduler, eos_ids, report, overlap_schedule, in_flight, budget, needs_hidden, run_states, unsent_max, _events,
-    _forward, _retire, _request_drafts)."""
+    _forward, _retire, _request_drafts, _quiet_opted_out)."""
 
     @property
     def _drafting_off(self) -> bool:
@@ -180,4 +180,6 @@ class OverlapSchedule:
             began = time.perf_counter()
             self._request_drafts(trees=False, continuing=True)
             self.report.seconds["ask"] = time.perf_counter() - began
+        elif continues:  # every request opted out: the policy told of the run's steps together (policy_link)
+            self._quiet_opted_out(len(flight.verifies))
         return events, continues

@@ -2,10 +2,11 @@
 observed once its whole cycle is known (the next step's start), and the tree budget of the next asks.
 
 While drafting stays off at a load the policy has settled on (AdaptiveSpeculation.settled_off: no probe due, its
-predictions fresh), its next choices are known to be 1. An overlapped run of such steps (overlap.py) neither asks it
-nor reports to it step by step (~15 us of Python a step, 5-10% of a small model's step on a GPU): the choices skipped
-and the cycles timed meanwhile go to it together (observe_quiet) before it is next asked or told anything, and it ends
-up knowing exactly what it would have known."""
+predictions fresh), its next choices are known to be 1; where every request opted out, nothing is chosen at all. An
+overlapped run of such steps (overlap.py) neither asks it nor reports to it step by step (~15 us of Python a step,
+5-10% of a small model's step on a GPU; with SPLITSPEC_ADAPTIVE_TRACE a line written each step too): the choices
+skipped and the cycles timed meanwhile go to it together (observe_quiet) before it is next asked or told anything, and
+it ends up knowing exactly what it would have known."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ class QuietRun:
     """A settled drafting-off run's policy calls held back (see the module's doc): choices still to skip, those
     skipped, the whole cycles of the steps since, and the batch's (speculating, plain) they are all for."""
 
-    __slots__ = ("left", "skipped", "cycles", "batch")
+    __slots__ = ("left", "skipped", "cycles", "batch", "budget")
 
     def __init__(self):
-        self.left, self.skipped, self.cycles, self.batch = 0, 0, [], (0, 0)
+        self.left, self.skipped, self.cycles, self.batch, self.budget = 0, 0, [], (0, 0), 1
 
 
 class PolicyLink:
@@ -97,10 +98,22 @@ class PolicyLink:
     def _settle(self, speculating: int, plain: int) -> None:
         """After the policy chose drafting off for a continuing run: how many of its next choices it is sure of."""
         self.quiet.left, self.quiet.batch = self.adaptive.settled_off(speculating, plain), (speculating, plain)
+        self.quiet.budget = 1
 
     def _flush_quiet(self) -> None:
         """The skipped choices and held-back cycles to the policy, before it is asked or told anything else."""
         quiet = self.quiet
         if quiet.skipped or quiet.cycles:
-            self.adaptive.observe_quiet(*quiet.batch, quiet.skipped, quiet.cycles)
+            self.adaptive.observe_quiet(*quiet.batch, quiet.skipped, quiet.cycles, quiet.budget)
             quiet.skipped, quiet.cycles = 0, []
+
+    def _quiet_opted_out(self, plain: int) -> None:
+        """An overlapped run's step whose requests all opted out: nothing is chosen for them, and its cycle is held back
+        with the run's (report.quiet), handed over at once as a settled drafting-off run's are (observe_quiet)."""
+        if self.adaptive is None:
+            return
+        quiet, budget = self.quiet, self.report.budget
+        if (quiet.skipped or quiet.cycles) and (quiet.batch, quiet.budget) != ((0, plain), budget):
+            self._flush_quiet()  # another run's, observed first
+        quiet.batch, quiet.budget = (0, plain), budget
+        self.report.quiet = True

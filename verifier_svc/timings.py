@@ -50,6 +50,11 @@ class Recent:
             self.count += len(xs) - 1
             self.last = step + len(xs) - 1
 
+    def add_same(self, xs: list[float], step: int, stale: int = 0) -> None:
+        """add(x, step, stale) for every x, at once (steps that did not move the policy's step count)."""
+        self.add_run(xs, step, stale)
+        self.last = step
+
     @property
     def value(self) -> float:
         if self._median is None:
