@@ -3,7 +3,8 @@ the per-step metrics (`EngineMetrics.observe` of a drafted step's report at batc
 plain one; `observe_loop`), one step's 16 deltas built and serialised (with the speculation counts, and without: a
 step that left them as they were), as the TokenDeltas the engine thread built before 2026-12-06 and as the columns it
 writes now (verifier_svc/step_columns.py), and the front's reading of them back, the load-adaptive policy's choice and
-observation of a drafting-off step (and a quiet step's share of handing them over together), and the logprobs (k=5) of 16 requests' 4-token paths on [192, 4096] logits. No
+observation of a drafting-off step (and a quiet step's share of handing them over together), the same for a step of
+requests that all opted out, and the logprobs (k=5) of 16 requests' 4-token paths on [192, 4096] logits. No
 assertions; medians of 5 runs of N calls.
 
     python -P benchmarks/engine_thread_costs.py [N]
@@ -134,6 +135,12 @@ def policy_pieces(calls: int) -> None:
     cycles = [0.0006] * 16
     quiet = timed(lambda: policy.observe_quiet(batch, 0, 16, cycles), max(calls // 16, 1)) / 16
     print(f"AdaptiveSpeculation.observe_quiet of 16 quiet steps, a step's share: {quiet:.2f} us")
+    # a run of 16 requests that all opted out (policy_link._quiet_opted_out), at the engine's budget of 6: one by one, as
+    # before, against told together
+    opted = lambda: policy.observe(StepShape(6, 0, batch, 0, 0.0, 0.0, 0.0006))  # noqa: E731
+    print(f"AdaptiveSpeculation.observe of an opted-out run's overlapped cycle (its StepShape built): {timed(opted, calls):.1f} us")
+    quiet = timed(lambda: policy.observe_quiet(0, batch, 0, cycles, 6), max(calls // 16, 1)) / 16
+    print(f"AdaptiveSpeculation.observe_quiet of 16 opted-out steps, a step's share: {quiet:.2f} us")
 
 
 if __name__ == "__main__":
