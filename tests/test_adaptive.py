@@ -907,22 +907,38 @@ def test_engine_turns_speculation_off_when_it_cannot_pay_and_stays_lossless(demo
     assert budgets[-60:].count(1) >= 50, budgets
 
 
-def test_a_settled_drafting_off_run_is_quiet_and_the_policy_still_sees_every_step(demo, tmp_path, monkeypatch):
-    """Under the overlap schedule (a GPU server's, here on a CPU), once drafting is settled off most steps neither ask
-    the policy nor report to it (report.quiet); outputs stay plain's, and the policy's trace still holds an
-    observation of every step it would have seen, numbered without a gap, and a choice for each quiet step."""
-    import json
-
+def traced_overlap(demo, tmp_path, monkeypatch, drafter, max_new_tokens: int, **spec):
+    """An overlapped engine with this in-process drafter and the load-adaptive policy tracing to a file; three of the
+    demo's prompts, greedy params of max_new_tokens for each and plain decoding's requests of them: (engine, prompts,
+    params, plain requests, trace path)."""
     from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
 
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv(TRACE_ENV, str(trace))
     runner, prompts = demo
-    params = [SamplingParams(temperature=0.0, max_new_tokens=160, ignore_eos=True) for _ in prompts[:3]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True) for _ in prompts[:3]]
     plain = Engine(runner, None, SpecConfig(), set()).run(prompts[:3], params)
-    engine = Engine(runner, InProcessDrafterClient(Wrong(NgramConfig())),
-                    SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5, adaptive_probe_interval=40), set(),
-                    overlap_schedule=True)
+    engine = Engine(runner, InProcessDrafterClient(drafter), SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5,
+                                                                        **spec), set(), overlap_schedule=True)
+    return engine, prompts, params, plain, trace
+
+
+def trace_records(engine, trace) -> list[dict]:
+    """The policy's trace once the last step's cycle and the held-back ones are told, as a next step would tell them."""
+    import json
+
+    engine._observe_last(engine._clock())
+    engine._flush_quiet()
+    engine.adaptive._trace.close()
+    return [json.loads(line) for line in trace.read_text().splitlines()]
+
+
+def test_a_settled_drafting_off_run_is_quiet_and_the_policy_still_sees_every_step(demo, tmp_path, monkeypatch):
+    """Under the overlap schedule (a GPU server's, here on a CPU), once drafting is settled off most steps neither ask
+    the policy nor report to it (report.quiet); outputs stay plain's, and the policy's trace still holds an
+    observation of every step it would have seen, numbered without a gap, and a choice for each quiet step."""
+    engine, prompts, params, plain, trace = traced_overlap(demo, tmp_path, monkeypatch, Wrong(NgramConfig()), 160,
+                                                          adaptive_probe_interval=40)
     requests = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], params)]
     steps = quiet = 0
     while engine.has_work:
@@ -930,10 +946,7 @@ def test_a_settled_drafting_off_run_is_quiet_and_the_policy_still_sees_every_ste
         steps, quiet = steps + 1, quiet + engine.report.quiet
     assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
     assert quiet > steps / 2, (quiet, steps)
-    engine._observe_last(engine._clock())  # the last step's cycle and the held-back ones, as a next step would
-    engine._flush_quiet()
-    engine.adaptive._trace.close()
-    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    records = trace_records(engine, trace)
     observed = [r for r in records if r["kind"] == "observe"]
     assert [r["step"] for r in observed] == list(range(len(observed))) == list(range(engine.adaptive._steps))
     assert len(observed) >= steps - 10  # all but the steps that only launched (the overlap's first of a run)
@@ -946,34 +959,22 @@ def test_an_opted_out_run_is_quiet_and_the_policy_still_sees_every_step(demo, tm
     here on a CPU): their run's steps are quiet (nothing to choose; each cycle held back and handed over together), and
     the trace still holds an observation of every step, numbered without a gap, at the engine's budget, none speculating.
     Then a request that speculates joins: drafted steps are verified and observed as before; outputs equal plain's."""
-    import json
-
-    from splitspec.verifier_svc.adaptive_estimates import TRACE_ENV
-
-    trace = tmp_path / "trace.jsonl"
-    monkeypatch.setenv(TRACE_ENV, str(trace))
-    runner, prompts = demo
-    params = [SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True) for _ in prompts[:3]]
-    plain = Engine(runner, None, SpecConfig(), set()).run(prompts[:3], params)
-    engine = Engine(runner, InProcessDrafterClient(NgramDrafter(NgramConfig())),
-                    SpecConfig(num_draft_tokens=6, adaptive=True, num_steps=5), set(), overlap_schedule=True)
+    engine, prompts, params, plain, trace = traced_overlap(demo, tmp_path, monkeypatch, NgramDrafter(NgramConfig()), 80)
     requests = [engine.add_request(p, sp, speculate=False) for p, sp in zip(prompts[:2], params)]
     steps = quiet = 0
     while engine.has_work:
         if steps == 40:
             requests.append(engine.add_request(prompts[2], params[2]))
         engine.step()
-        steps, quiet = steps + 1, quiet + engine.report.quiet
+        steps, quiet = steps + 1, quiet + (engine.report.quiet and steps < 40)
     assert [r.output_ids for r in requests] == [r.output_ids for r in plain]
     assert quiet >= 30, (quiet, steps)
     assert requests[2].stats.verify_steps > 0 and requests[2].stats.draft_tokens > 0
-    engine._observe_last(engine._clock())
-    engine._flush_quiet()
-    engine.adaptive._trace.close()
-    observed = [json.loads(line) for line in trace.read_text().splitlines() if '"observe"' in line]
+    observed = [r for r in trace_records(engine, trace) if r["kind"] == "observe"]
     assert [r["step"] for r in observed] == list(range(len(observed))) == list(range(engine.adaptive._steps))
     opted_out = [r for r in observed if r["speculating"] == 0 and r["plain"] == 2 and not r["forward_tokens"]]
-    assert len(opted_out) >= quiet and {r["budget"] for r in opted_out} == {6}
+    # before the join the engine's budget is the spec's (nothing is chosen for opted-out requests); after it, the policy's
+    assert len(opted_out) >= quiet and {r["budget"] for r in opted_out[:quiet]} == {6}
 
 
 def test_speculation_off_still_feeds_the_drafter(demo):
