@@ -115,5 +115,5 @@ class PolicyLink:
         quiet, budget = self.quiet, self.report.budget
         if (quiet.skipped or quiet.cycles) and (quiet.batch, quiet.budget) != ((0, plain), budget):
             self._flush_quiet()  # another run's, observed first
-        quiet.batch, quiet.budget = (0, plain), budget
+        quiet.batch, quiet.budget, quiet.left = (0, plain), budget, 0  # no settled choice carries over to another run
         self.report.quiet = True
