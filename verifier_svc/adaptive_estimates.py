@@ -16,6 +16,14 @@ TRACE_ENV = "SPLITSPEC_ADAPTIVE_TRACE"  # a file path: every observation and cho
 OFF_RUN = 16  # plain steps in a row after which a drafted step is a probe's or a switch's first (drafter_svc.base.FEED_EVERY)
 
 
+def _cycle_record(step: int, budget: int, speculating: int, plain: int, seconds: float) -> str:
+    """The trace line observe() writes for an overlapped plain step's whole cycle (StepShape(budget, speculating, plain,
+    0, 0.0, 0.0, seconds)), without building the shape: the quiet runs' records."""
+    return (f'{{"kind": "observe", "step": {step}, "budget": {budget}, "speculating": {speculating}, "plain": {plain}, '
+            f'"forward_tokens": 0, "verify_seconds": 0.0, "spec_seconds": 0.0, "base_seconds": {json.dumps(seconds)}, '
+            f'"accepts": []}}\n')
+
+
 @dataclass
 class StepShape:
     """What a finished step did, for the policy."""
@@ -188,9 +196,7 @@ class AdaptiveEstimates:
                     lines.append(f'{{"kind": "choose", "step": {step}, "speculating": {speculating}, "plain": {plain}, '
                                  f'"prefill": 0, "choice": 1, "budget": {self.budget}}}\n')
                 if j < len(cycles):
-                    lines.append(f'{{"kind": "observe", "step": {step}, "budget": 1, "speculating": {speculating}, '
-                                 f'"plain": {plain}, "forward_tokens": 0, "verify_seconds": 0.0, "spec_seconds": 0.0, '
-                                 f'"base_seconds": {json.dumps(cycles[j])}, "accepts": []}}\n')
+                    lines.append(_cycle_record(step, 1, speculating, plain, cycles[j]))
             self._trace.write("".join(lines))
         if not cycles:
             return
@@ -213,10 +219,7 @@ class AdaptiveEstimates:
         if not cycles:
             return
         if self._trace is not None:
-            self._trace.write("".join(
-                f'{{"kind": "observe", "step": {self._steps + j}, "budget": {budget}, "speculating": 0, "plain": {plain}, '
-                f'"forward_tokens": 0, "verify_seconds": 0.0, "spec_seconds": 0.0, "base_seconds": {json.dumps(c)}, '
-                f'"accepts": []}}\n' for j, c in enumerate(cycles)))
+            self._trace.write("".join(_cycle_record(self._steps + j, budget, 0, plain, c) for j, c in enumerate(cycles)))
         self._steps += len(cycles)
         self._previous_budget = budget
         now, stale = self._age, self.config.stale_steps

@@ -113,7 +113,7 @@ class PolicyLink:
         if self.adaptive is None:
             return
         quiet, budget = self.quiet, self.report.budget
-        if (quiet.skipped or quiet.cycles) and (quiet.batch, quiet.budget) != ((0, plain), budget):
-            self._flush_quiet()  # another run's, observed first
+        if (quiet.batch, quiet.budget) != ((0, plain), budget):
+            self._flush_quiet()  # another run's held-back calls, if any, told first
         quiet.batch, quiet.budget, quiet.left = (0, plain), budget, 0  # no settled choice carries over to another run
         self.report.quiet = True
