@@ -9,6 +9,9 @@ request with its first token and then sends every later token with the state bef
     2. steps      runtime.draft_loop: the root row's distribution -> top-K beams, then steps 1..S-1 on the
                   device, each beam node with its parent's output x as feature (the root's children: the
                   root row's x); the best N-1 candidates by probability product make the tree
+
+A verifier in this process may queue step 1 before it knows what it accepted (catch_up_ahead, keep_ahead:
+verifier_svc.catch_up_ahead): every verified row of a chain, its root picked on the device.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from splitspec.runtime.tree import DraftTree
 
 
 class _State:
-    __slots__ = ("last_token", "pending_tokens", "pending_hidden", "table", "root_rows", "root_row")
+    __slots__ = ("last_token", "pending_tokens", "pending_hidden", "table", "root_rows", "root_row", "root_logit_rows")
 
     def __init__(self, first_token: int):
         self.last_token = first_token
@@ -39,10 +42,17 @@ class _State:
         # when read (a tensor op per request per step otherwise)
         self.root_rows: torch.Tensor | None = None
         self.root_row = 0
+        self.root_logit_rows: torch.Tensor | None = None  # the roots' logits beside root_rows, where kept (keep_ahead)
 
     @property
     def root_feature(self) -> torch.Tensor | None:
         return None if self.root_rows is None else self.root_rows[self.root_row]
+
+    def root_logits(self, model) -> torch.Tensor:
+        """The head's distribution at the root [V]: kept with the root, else computed from its feature."""
+        if self.root_logit_rows is not None:
+            return self.root_logit_rows[self.root_row]
+        return model.logits(self.root_feature[None])[0]
 
     def add(self, tokens: list[int], hidden: torch.Tensor) -> None:
         self.pending_tokens.extend(tokens)
@@ -72,6 +82,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.states: dict[str, _State] = {}
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
+        self._ahead: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None  # catch_up_ahead's, until kept
 
     def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
         super().extend(request_id, tokens, hidden)
@@ -147,7 +158,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             for k, ((i, s), n) in enumerate(zip(catch_up, taken)):
                 kv.set_length(s.table, s.table.num_tokens + n)
                 if k in finished:
-                    s.root_rows, s.root_row = feats, finished[k]
+                    s.root_rows, s.root_row, s.root_logit_rows = feats, finished[k], None
                     root_logits[i] = (logits, finished[k])
                     s.pending_tokens, s.pending_hidden = [], []
                 else:
@@ -173,7 +184,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
     def _root_logits(self, states: list[_State]) -> list[torch.Tensor]:
         """Each (caught-up or catching-up) state's root logits."""
         computed = self._catch_up(states)
-        return [computed[i][0][computed[i][1]] if i in computed else self.runner.model.logits(s.root_feature[None])[0]
+        return [computed[i][0][computed[i][1]] if i in computed else s.root_logits(self.runner.model)
                 for i, s in enumerate(states)]
 
     def _bet_roots(self, request_ids: list[str]):
@@ -227,17 +238,63 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                                      [s.last_token for _, s, _ in asked], logits, [s.table for _, s, _ in asked],
                                      [b for _, _, b in asked], features)
 
+    @torch.inference_mode()
+    def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens: torch.Tensor, features: torch.Tensor,
+                       accepted: torch.Tensor) -> bool:
+        """The catch-up of a step's verified chains queued before their acceptance reaches the host: tokens [B, n]
+        the target's own token at each chain row, features [B * n, W] those rows' states, accepted [B] the drafts
+        each chain accepted, all on the device; lengths: each request's verified length (its root's position).
+        Row j pairs the target's token at verified row j with that row's state: for every row up to the bonus token
+        it is the pair the accepted path would send (an accepted draft is the target's token there, and so is the
+        bonus token). So all n rows are caught up, and each root (the head's output and logits at its accepted row)
+        is gathered on the device; keep_ahead commits the accepted rows. The rows past them hold keys beyond the
+        head's length, never read and overwritten by the next catch-up, as a padded round's are. False, with nothing
+        queued, unless every request is caught up to its verified length with nothing pending, a captured graph
+        holds the batch (on a GPU) and its pages are free."""
+        states = [self.states.get(r) for r in request_ids]
+        if any(s is None or s.pending_tokens or s.table.num_tokens != length for s, length in zip(states, lengths)):
+            return False
+        count, n = tokens.shape
+        graphs = self.runner.graphs
+        if self.runner.cuda_graph_max_bs and (graphs is None or not graphs.has(n, features.shape[-1], count)):
+            return False  # an eager forward at a row count not seen costs more host time than this saves
+        kv = self.runner.kv_cache
+        if kv.allocator.num_free < sum(max(kv.pages_for(s.table.num_tokens + n) - len(s.table.pages), 0) for s in states):
+            return False
+        batch = self.runner.batch([SequenceInput(s.table, [s.last_token] * n, logits="all") for s in states])
+        batch.adopt_ids(tokens.reshape(-1).to(batch.host_ids.dtype))
+        output = self.runner.forward(batch, return_hidden=True, features=features)
+        rows = torch.arange(0, count * n, n, device=accepted.device) + accepted
+        self._ahead = ({r: k for k, r in enumerate(request_ids)}, output.hidden_states.index_select(0, rows),
+                       output.logits.index_select(0, rows))
+        return True
+
+    def keep_ahead(self, kept: dict[str, list[int]]) -> None:
+        """What acceptance kept of the last catch_up_ahead: each listed request's accepted tokens (its accepted drafts
+        and the bonus token) as its next rows, its root the one gathered at its accepted row. A request not listed
+        (finished) keeps nothing. The catch-up ahead is spent either way."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            raise RuntimeError("keep_ahead without a catch-up ahead")
+        places, features, logits = ahead
+        kv = self.runner.kv_cache
+        for request_id, tokens in kept.items():
+            s = self.states[request_id]
+            kv.set_length(s.table, s.table.num_tokens + len(tokens))
+            s.last_token = tokens[-1]
+            s.root_rows, s.root_logit_rows, s.root_row = features, logits, places[request_id]
+
 
 def _roots(asked: list, model) -> tuple[torch.Tensor, torch.Tensor]:
     """(root logits [B, V], root features [B, H]) of the asked (index, state, budget, (round's logits, row) or None):
-    the round's own tensors when one catch-up round held every asked request's root, in order (a step's usual case:
-    no per-request op); else stacked per request."""
-    first = asked[0][3]
-    if first is not None and first[0].shape[0] == len(asked) and all(
-            c is not None and c[0] is first[0] and c[1] == k for k, (_, _, _, c) in enumerate(asked)):
-        features = asked[0][1].root_rows
-        if all(s.root_rows is features for _, s, _, _ in asked):
-            return first[0], features
-    logits = torch.stack([c[0][c[1]] if c is not None else model.logits(s.root_feature[None])[0]
-                          for _, s, _, c in asked])
+    the round's own tensors when one catch-up round (or one catch-up ahead, kept) held every asked request's root, in
+    order (a step's usual case: no per-request op); else stacked per request."""
+    first, features = asked[0][3], asked[0][1].root_rows
+    kept = asked[0][1].root_logit_rows
+    logits = first[0] if first is not None else kept
+    if logits is not None and logits.shape[0] == len(asked) and all(
+            s.root_rows is features and s.root_row == k and (c[0] is logits if c is not None else s.root_logit_rows is logits)
+            and (c is None or c[1] == k) for k, (_, s, _, c) in enumerate(asked)):
+        return logits, features
+    logits = torch.stack([c[0][c[1]] if c is not None else s.root_logits(model) for _, s, _, c in asked])
     return logits, torch.stack([s.root_feature for _, s, _, _ in asked])

@@ -140,7 +140,7 @@ def test_served_top1_drafts_in_the_verifiers_process_equal_plain_over_http():
     """What `splitspec up` runs for EAGLE-3 on a GPU, here on the CPU: the head in the verifier's process
     (--drafters 0) drafting top-1 chains, so every verified draft takes the launched path. Through the gateway with the
     openai client, greedy completions of token prompts equal plain decoding's text, and the responses count drafts
-    proposed and accepted; up stops cleanly."""
+    proposed and accepted; the verifier counts chains its head caught up on ahead; up stops cleanly."""
     from openai import OpenAI
     from test_launcher import Up
     from test_speculative import PROMPTS
@@ -172,5 +172,11 @@ def test_served_top1_drafts_in_the_verifiers_process_equal_plain_over_http():
             assert spec["algorithm"] == "EAGLE3"
             drafted, accepted = drafted + spec["draft_tokens"], accepted + spec["accepted_tokens"]
         assert drafted > 0 and accepted > 0
+        # the head caught up on verified chains before their acceptance reached the host (catch_up_ahead.py)
+        import httpx
+        metrics = httpx.get(f"http://127.0.0.1:{up.port + 2}/metrics", timeout=10).text
+        ahead = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("splitspec:spec_catch_up_ahead_requests_total")]
+        assert ahead and ahead[0] > 0, metrics
     finally:
         assert up.stop() == 0

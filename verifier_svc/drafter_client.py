@@ -86,6 +86,8 @@ class DrafterClient(ABC):
     def close(self) -> None:
         """Stop background work (the pool's I/O thread)."""
 
+    catches_up_ahead = False  # catch_up_ahead() may queue a catch-up before acceptance (verifier_svc.catch_up_ahead)
+
     def idle(self) -> None:
         """Nobody waits for the drafter now (the target's forward runs): its deferred bookkeeping, where it
         runs in this process (Drafter.idle). Default: nothing here."""
@@ -208,6 +210,33 @@ class InProcessDrafterClient(DrafterClient):
         except Exception:
             logger.exception("drafter %s failed on %s; it decodes a plain token this step", self.drafter.name, request_id)
             return DRAFT_FAULT
+
+    @property
+    def catches_up_ahead(self) -> bool:
+        return hasattr(self.drafter, "catch_up_ahead")
+
+    def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens, features, accepted) -> bool:
+        """The drafter's catch-up on a step's verified chains, queued before acceptance (a drafter's catch_up_ahead);
+        False where it did not (a request broken or guided, a drafter that declined or failed): nothing queued, and
+        the step's tokens reach it with their states as always."""
+        if any(r in self._broken or r in self._guides for r in request_ids):
+            return False
+        try:
+            return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, accepted)
+        except Exception:
+            logger.exception("drafter %s failed to catch up ahead on a batch of %d; its tokens go with their states",
+                             self.drafter.name, len(request_ids))
+            return False
+
+    def keep_ahead(self, kept: dict[str, list[int]]) -> None:
+        """What acceptance kept of the catch-up ahead (each request's accepted tokens). Where that fails the
+        requests' histories have a hole: they decode without drafts."""
+        try:
+            self.drafter.keep_ahead(kept)
+        except Exception:
+            logger.exception("drafter %s failed to keep a catch-up ahead; %d requests decode without drafts",
+                             self.drafter.name, len(kept))
+            self._broken.update(kept)
 
     def idle(self) -> None:
         try:

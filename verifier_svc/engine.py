@@ -34,6 +34,7 @@ from splitspec.runtime.tree import DraftTree, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance
 from splitspec.verifier_svc.adaptive import adaptive_policy
 from splitspec.verifier_svc.adaptive_estimates import StepShape
+from splitspec.verifier_svc.catch_up_ahead import CatchUpAhead, HostRows
 from splitspec.verifier_svc.draft_features import RunStates, pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, draft_guide, no_grammars
@@ -82,6 +83,7 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         self.budget = spec.num_draft_tokens  # the tree budget of the asks being made (adaptive: chosen per step)
         # the policy needs the forward's own time: on a GPU, wait for it (the accept phase that follows waits anyway)
         self._sync_verify = self.adaptive is not None and runner.device.type == "cuda"
+        self._host_rows = HostRows()  # where a catch-up ahead's target tokens land (catch_up_ahead.py)
         self._unobserved: tuple[StepShape | None, float, float] | None = None  # the last step: (shape, start, seconds)
         # called once per step with a forward, right after the forward is queued and before its results are
         # read: on a GPU the caller's host work for the last step (its metrics and streams) runs under the
@@ -269,8 +271,9 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         if not sequences:
             return []
         defer = self._defers(prefills, verifies, masks)  # its tokens land at the next step (overlap.py)
+        ahead = None if defer else CatchUpAhead.plan(self.spec, self.drafter, prefills, verifies, chains, masks)
         with device_phase("engine.verify"):
-            batch, logits, features = self._forward(sequences, sync=not defer, chains=chains)
+            batch, logits, features = self._forward(sequences, sync=not defer, chains=chains, ahead=ahead)
         if chains:  # drafts verified on the device before they reached the host: their tokens now
             vocab = self.runner.config.vocab_size
             for v in verifies:
@@ -289,10 +292,12 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         # from one sampling kernel over the batch and one transfer, not one per request; requests with
         # penalties or coins use their own rows below
         with device_phase("engine.target_rows"):
-            targets = target_rows(self.spec, logits, batch.cu_logits, prefills, verifies)
+            targets = (ahead.targets() if ahead is not None else
+                       target_rows(self.spec, logits, batch.cu_logits, prefills, verifies))
         with device_phase("engine.accept"):
             events = self._first_tokens(prefills, batch.cu_logits, logits, targets, rows, features)
-            events += self._accept_trees(verifies, len(prefills), batch.cu_logits, logits, targets, rows, features)
+            events += self._accept_trees(verifies, len(prefills), batch.cu_logits, logits, targets, rows, features,
+                                         ahead.caught_up if ahead is not None else frozenset())
         self.report.seconds["accept"] = self._clock() - accept_start - self.report.seconds["commit"]
         return events
 
@@ -327,11 +332,13 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         return sequences, chains
 
     def _forward(self, sequences: list[SequenceInput], roots: torch.Tensor | None = None, sync: bool = True,
-                 chains: list[tuple[int, PendingChain]] = ()):
+                 chains: list[tuple[int, PendingChain]] = (), ahead: CatchUpAhead | None = None):
         """One target forward over the step's sequences: (batch, logits [rows, V], the drafter's features).
         roots: the input ids on the device, one per sequence (the overlap schedule's tokens not landed). sync: the
         adaptive policy may wait for the forward to time it (not for a step the overlap schedule leaves in flight).
-        chains: (sequence index, draft on the device) whose drafts go into their sequences' rows on the device."""
+        chains: (sequence index, draft on the device) whose drafts go into their sequences' rows on the device.
+        ahead: the drafter's catch-up queued right behind it (catch_up_ahead.py); a wait is then for the target's
+        tokens only."""
         forward_start = self._clock()
         batch = self.runner.batch(sequences)
         if roots is not None and not chains:  # the ids are the roots: a graph's replay copies them in once
@@ -343,6 +350,9 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
             write_chains(batch.input_ids, [starts[i] for i, _ in chains], [c for _, c in chains],
                          self.runner.config.vocab_size)
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
+        features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
+        if ahead is not None:
+            ahead.launch(self.spec, self.drafter, batch, output.logits, features, self._host_rows)
         # the forward is queued on the device: the drafter's deferred bookkeeping and the caller's host work run
         # under it (on a CPU device the forward has run already: they cost what they cost, after it)
         began = time.perf_counter()
@@ -351,9 +361,11 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         if self.while_forward is not None:
             self.while_forward()
         hidden_work = time.perf_counter() - began
-        features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         if self._sync_verify and sync and not self.sync_timing:
-            torch.cuda.synchronize(self.runner.device)
+            if ahead is not None:
+                ahead.wait()
+            else:
+                torch.cuda.synchronize(self.runner.device)
         self.report.seconds["verify"] = self._clock() - forward_start - hidden_work
         self.report.forward_tokens = sum(batch.attention.q_lens)
         return batch, output.logits, features
@@ -386,10 +398,11 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         return events
 
     def _accept_trees(self, verifies: list[Verify], offset: int, cu_logits: list[int], logits: torch.Tensor,
-                      targets: list[int] | None, rows: list[int], features) -> list[StepEvent]:
+                      targets: list[int] | None, rows: list[int], features, ahead: frozenset[str]) -> list[StepEvent]:
         """Every tree walked and its accepted tokens emitted; the accepted paths' KV compacted in one kernel
         (report.seconds["commit"]). A root alone verified by the target's own token (plain decoding) takes
-        that token: no walk, no slice of the logits, no KV to move."""
+        that token: no walk, no slice of the logits, no KV to move. ahead: the requests whose drafter caught up
+        on their chains already (catch_up_ahead.py): their accepted tokens go to it now, without states."""
         commit_seconds, move_src, move_dst, lengths, accepted = 0.0, [], [], [], []
         page_size = self.runner.kv_cache.page_size
         penalized = penalized_targets(self.spec, logits, verifies, offset, cu_logits)  # one transfer for all of them
@@ -409,10 +422,16 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
                 commit_seconds += time.perf_counter() - commit_start
                 self._count(v, acceptance)
             accepted.append((v, acceptance, first, rows[i]))
-        states = path_states(accepted, features) if self.needs_hidden else {}
+        states = path_states([a for a in accepted if a[0].request.request_id not in ahead], features) \
+            if self.needs_hidden else {}
         logprobs = accepted_logprobs(logits, accepted)
-        events = [v.request.emit(acceptance.tokens, self.eos_ids, states.get(v.request.request_id), logprobs.get(k))
+        events = [v.request.emit(acceptance.tokens, self.eos_ids, states.get(v.request.request_id), logprobs.get(k),
+                                 told=v.request.request_id in ahead)
                   for k, (v, acceptance, _, _) in enumerate(accepted)]
+        if ahead:
+            self.report.caught_up_ahead = len(ahead)
+            self.drafter.keep_ahead({e.request_id: e.new_token_ids for e in events
+                                     if e.request_id in ahead and e.finish_reason is None})
         commit_start = self._clock()
         kv = self.runner.kv_cache
         if move_src:  # every request's compaction in one kernel, before any page is freed

@@ -36,6 +36,9 @@ class EngineMetrics:
         self.prompt_padding_tokens = counter("prompt_padding_tokens", "Filler tokens prefilled after prompt chunks so that "
                                              "a step that only prefills replays a captured prompt graph "
                                              "(--prompt-cuda-graph-max-tokens; their rows are not read).")
+        self.caught_up_ahead = counter("spec_catch_up_ahead_requests", "Verified chains whose draft head caught up on "
+                                       "them before their acceptance reached the host (a drafter in the verifier's "
+                                       "process: queued behind the verification, not after the host's walk).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token (cached included).")
         self.prefill_tokens = counter("prefill_computed_tokens", "Tokens prefilled by the target (recomputation after preemption included).")
         self.deferred_steps = counter("overlap_deferred_steps", "Plain decoding steps launched and left in flight: their "
@@ -84,7 +87,8 @@ class EngineMetrics:
         self._step_counts = ((self.draft_tokens, "draft_tokens"), (self.accepted_tokens, "accepted_tokens"),
                              (self.fallbacks, "fallbacks"), (self.padding_tokens, "padding_tokens"),
                              (self.prompt_padding_tokens, "prompt_padding_tokens"),
-                             (self.grammar_pruned, "grammar_pruned"), (self.prompt_tokens, "prompt_tokens"),
+                             (self.grammar_pruned, "grammar_pruned"), (self.caught_up_ahead, "caught_up_ahead"),
+                             (self.prompt_tokens, "prompt_tokens"),
                              (self.prefill_tokens, "prefill_tokens"), (self.preemptions, "preemptions"),
                              (self.generation_tokens, "generated_tokens"), (self.prefix_hit_tokens, "cached_tokens"))
 

@@ -91,10 +91,11 @@ class Request:
     def __post_init__(self):
         self.fill_len = self.fill_len or len(self.prompt_ids)
 
-    def emit(self, tokens: list[int], eos_ids: set[int], hidden=None, logprobs: list[TokenLogprob] | None = None) -> StepEvent:
+    def emit(self, tokens: list[int], eos_ids: set[int], hidden=None, logprobs: list[TokenLogprob] | None = None,
+             told: bool = False) -> StepEvent:
         """Append tokens until a stop condition; what follows a stop is dropped. hidden: one state per
         token (a hidden-state drafter's pairing: draft_features.StateRows), kept for the emitted ones; the tokens
-        (and states) the drafter has not been told about grow."""
+        (and states) the drafter has not been told about grow, unless told (it has them: a catch-up ahead)."""
         emitted = []
         for token in tokens:
             self.output_ids.append(token)
@@ -107,7 +108,7 @@ class Request:
                 self.finish_reason = "length"
             if self.finish_reason:
                 break
-        if self.speculate and self.finish_reason is None:  # a finished request is never asked again
+        if self.speculate and self.finish_reason is None and not told:  # a finished request is never asked again
             self.unsent.extend(emitted)
             if hidden is not None:
                 self.unsent_hidden.append(hidden.first(len(emitted)))
@@ -174,6 +175,7 @@ class StepReport:
     padding_tokens: int = 0  # filler tree nodes that made the verify batch one captured graph's shape
     prompt_padding_tokens: int = 0  # filler tokens after prompt chunks that made a prefill step a prompt graph's shape
     grammar_pruned: int = 0  # drafted nodes a request's grammar forbids, pruned before verification
+    caught_up_ahead: int = 0  # verified chains whose drafter caught up on them before acceptance (catch_up_ahead.py)
     deferred: bool = False  # a plain step launched and left in flight: its tokens come with the next step's (overlap.py)
     quiet: bool = False  # a settled drafting-off run's step: the policy not asked nor told now (policy_link.QuietRun)
 

@@ -141,6 +141,13 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
     sampled with its request's parameters at its output position (a tree node: the request's output
     length plus the node's depth), exactly as the request's own rows would be, in one `sample` over the
     batch and one transfer. Rows of requests that do not decide by it are argmaxed and never read."""
+    ids = target_row_ids(spec, logits, cu_logits, prefills, verifies)
+    return None if ids is None else ids.tolist()
+
+
+def target_row_ids(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[int], prefills: list[Chunk],
+                   verifies: list[Verify]) -> torch.Tensor | None:
+    """target_rows' tokens where the logits are (a device's: not yet on the host), or None."""
     if logits is None:
         return None
     sampled, used = {}, False  # row -> (its parameters, its output position), for the rows that sample
@@ -163,11 +170,11 @@ def target_rows(spec: SpecConfig, logits: torch.Tensor | None, cu_logits: list[i
     if not used:
         return None
     if not sampled:  # every row argmaxed: one kernel, no per-row parameter lists
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     params, output_positions = [ARGMAX] * logits.shape[0], [0] * logits.shape[0]
     for row, (row_params, position) in sampled.items():
         params[row], output_positions[row] = row_params, position
-    return sample(logits, params, output_positions).tolist()
+    return sample(logits, params, output_positions)
 
 
 def penalized_targets(spec: SpecConfig, logits: torch.Tensor, verifies: list[Verify], offset: int,
