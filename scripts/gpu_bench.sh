@@ -68,7 +68,7 @@
 #             1, 8, 32, 64), 8b-eagle3-sim-local (--drafters 0) and 8b-eagle3-sim-remote (--drafters 1: the head in a
 #             drafter process); the in-process side runs the server's adaptive setting
 #             (auto: on for a GPU target); the demo cases serve 32 requests of 256 tokens a point (since 2026-12-03;
-#             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; SERVED_ROUNDS=N measures both sides N
+#             before, 2 per batch slot of 128); SERVED_LOAD adds bench flags; SERVED_BS=1 runs batch 1 alone; SERVED_ROUNDS=N measures both sides N
 #             times, alternating (served.py --rounds: in-process round, served round, ...; each ratio the median of the
 #             paired rounds'; the simulated 8b cases' rounds repeat the reference's prompts); each
 #             side's load-adaptive policy writes its observations and choices to adaptive_<case>.<side>.jsonl; SERVED_LOG_LEVEL is
@@ -282,6 +282,7 @@ for stage in "${stages[@]}"; do
                         8b-plain-serial) pre=(--dummy-preset llama-3.1-8b --serve=--disable-overlap-schedule); model=(); bs=1,8,32,64 ;;
                         *) echo "unknown served case $case" >> "$OUT/served.log"; stop=1; break ;;
                     esac
+                    [[ -n "${SERVED_BS:-}" ]] && bs=$SERVED_BS  # the case's batch sizes, e.g. 1 alone
                     [[ -n "${SERVED_UP:-}" ]] && pre+=(--serve="$SERVED_UP")
                     [[ -n "${SERVED_MODEL:-}" ]] && read -r -a extra_model <<< "$SERVED_MODEL" && model+=("${extra_model[@]}")
                     # the demo pair's points last 0.2-0.3 s at 2 requests per batch slot of 128 tokens: a policy's first
