@@ -69,12 +69,16 @@ def beam_trees(drafter, request_ids: list[str], roots: list[int], root_logits: t
 
 
 def launch_beam_draft(drafter, count: int, indices: list[int], request_ids: list[str], roots: list[int],
-                      root_logits: torch.Tensor, tables: list[BlockTable], budgets: list[int],
-                      root_features: torch.Tensor | None) -> LaunchedDraft:
+                      root_logits: torch.Tensor | None, tables: list[BlockTable], budgets: list[int],
+                      root_features: torch.Tensor | None, run=None) -> LaunchedDraft:
     """The device loop launched for the asked requests (indices: their places among `count`), as a LaunchedDraft of
     `count` trees (None where not asked): the trees finished, and remembered for bets, when read; top-1 chains
-    readable on the device meanwhile (runtime.launched_draft)."""
-    run = drafter.loop.launch(roots, root_logits, root_features, tables, budgets)
+    readable on the device meanwhile (runtime.launched_draft). run: the loop launched already for them (a
+    DraftLoop.launch_ahead's, its roots and budgets set to these)."""
+    if run is None:
+        run = drafter.loop.launch(roots, root_logits, root_features, tables, budgets)
+    else:
+        run.roots, run.budgets = list(roots), list(budgets)
     rows: list[int | None] = [None] * count
     sizes: list[int | None] = [None] * count
     for j, (i, size) in enumerate(zip(indices, run.sizes())):

@@ -83,14 +83,17 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
         self._ahead: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None  # catch_up_ahead's, until kept
+        self._ahead_run: tuple[list[str], object] | None = None  # its draft loop launched too, until launch() asks
 
     def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
+        self._ahead_run = None
         super().extend(request_id, tokens, hidden)
         self.pending_bytes += hidden.numel() * hidden.element_size()
         if self.pending_bytes >= self.max_pending_bytes:
             self._catch_up([s for s in self.states.values() if s.pending_tokens])
 
     def release(self, request_id: str) -> None:
+        self._ahead_run = None
         state = self.states.get(request_id)
         if state is not None:
             self.pending_bytes -= sum(h.numel() * h.element_size() for h in state.pending_hidden)
@@ -230,6 +233,12 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         finished when asked; a top-1 draft's chains readable on the device meanwhile."""
         if self.loop is None:
             return LaunchedDraft.ready(self.draft(request_ids, max_nodes))
+        ahead, self._ahead_run = self._ahead_run, None
+        if ahead is not None and ahead[0] == list(request_ids) and all(b >= 2 for b in max_nodes):
+            states = [self.states[r] for r in request_ids]  # its loop launched with the catch-up ahead: taken as it is
+            return launch_beam_draft(self, len(request_ids), list(range(len(request_ids))), list(request_ids),
+                                     [s.last_token for s in states], None, [s.table for s in states],
+                                     [min(self.num_draft_tokens, b) for b in max_nodes], None, run=ahead[1])
         asked, logits, features = self._asked_roots(request_ids, max_nodes)
         if not asked:
             return LaunchedDraft.ready([None] * len(request_ids))
@@ -265,8 +274,16 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         batch.adopt_ids(tokens.reshape(-1).to(batch.host_ids.dtype))
         output = self.runner.forward(batch, return_hidden=True, features=features)
         rows = torch.arange(0, count * n, n, device=accepted.device) + accepted
-        self._ahead = ({r: k for k, r in enumerate(request_ids)}, output.hidden_states.index_select(0, rows),
-                       output.logits.index_select(0, rows))
+        roots, logits = output.hidden_states.index_select(0, rows), output.logits.index_select(0, rows)
+        self._ahead = ({r: k for k, r in enumerate(request_ids)}, roots, logits)
+        # the next draft too, for the same requests at the same budget (launch() takes it if the next ask is that)
+        self._ahead_run = None
+        if self.loop is not None:
+            tables = [s.table for s in states]
+            lengths = device_tensor([t.num_tokens + 1 for t in tables], accepted.device) + accepted
+            run = self.loop.launch_ahead(logits, roots, tables, [t.num_tokens + n for t in tables], lengths,
+                                         [min(self.num_draft_tokens, n)] * count)
+            self._ahead_run = None if run is None else (list(request_ids), run)
         return True
 
     def keep_ahead(self, kept: dict[str, list[int]]) -> None:

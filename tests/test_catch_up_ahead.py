@@ -1,12 +1,13 @@
 """The head's catch-up queued before acceptance (verifier_svc.catch_up_ahead): the demo EAGLE-3 head caught up on
 every row of a verified chain and kept to its accepted rows is in the state a catch-up on the accepted rows alone
 leaves (the same length, root, and next drafts); in the engine, top-1 drafting with it gives plain decoding's greedy
-outputs and a seeded request's text unchanged, drafts what the catch-up after acceptance drafts, and a drafter that
-fails there falls back to sending the states."""
+outputs and a seeded request's text unchanged, drafts what the catch-up after acceptance drafts, launches the next
+draft with it, and a drafter that fails there falls back to sending the states."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from test_launched_draft import eagle3_drafter, opened
 from test_speculative import PROMPTS
 
 from splitspec.demo import demo_model_dirs
+from splitspec.draft_models import build_drafter
 from splitspec.engine_args import in_process_drafter
 from splitspec.generate import generate_ids
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
@@ -58,6 +60,43 @@ def test_a_chain_caught_up_ahead_and_kept_leaves_the_head_as_a_catch_up_of_the_a
     assert [(t.tokens, t.parents) for t in trees["ahead"]] == [(t.tokens, t.parents) for t in trees["after"]]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("SPLITSPEC_TEST_DEVICE") != "cuda",
+    reason="needs a CUDA device and SPLITSPEC_TEST_DEVICE=cuda"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_draft_launched_with_the_catch_up_ahead_is_the_draft_launched_after_it(device):
+    """The draft loop launched with a catch-up ahead (DraftLoop.launch_ahead: each request's key count known on the
+    device only; on a GPU written into the graph's attention arena after its plan) and taken by the next launch()
+    drafts what a loop launched after acceptance from the same roots drafts: the same chains, the same scores."""
+    extra = ("--device", "cuda", "--dtype", "bfloat16", "--attention-backend", "flashinfer") if device == "cuda" else ()
+    n, accepted = 6, [1, 5, 3]
+    drafter = build_drafter(resolve(eagle3_flags(demo_model_dirs(heads=True)["eagle3"], "--speculative-num-steps", "5",
+                                                 "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(n),
+                                                 "--max-total-tokens", "4096", *extra)))
+    if device == "cuda":
+        assert drafter.loop.graphs, "no draft loop graphs captured"
+    ids = opened(drafter, [40, 75, 23], seed=2)
+    drafter.launch(ids, [n] * 3).trees()
+    generator = torch.Generator().manual_seed(4)
+    width = drafter.runner.model.fc_input_size
+    tokens = torch.randint(0, 4096, (3, n), generator=generator).to(device)
+    states = torch.randn(3 * n, width, generator=generator).to(device, drafter.runner.dtype)
+    lengths = [drafter.states[r].table.num_tokens for r in ids]
+    assert drafter.catch_up_ahead(ids, lengths, tokens, states, torch.tensor(accepted, device=device))
+    assert drafter._ahead_run is not None  # launched with it
+    drafter.keep_ahead({r: tokens[k, : a + 1].tolist() for k, (r, a) in enumerate(zip(ids, accepted))})
+    taken = drafter.launch(ids, [n] * 3).trees()
+    assert drafter._ahead_run is None
+    states_now = [drafter.states[r] for r in ids]
+    again = drafter.loop.launch([s.last_token for s in states_now], states_now[0].root_logit_rows,
+                                states_now[0].root_rows, [s.table for s in states_now], [n] * 3).finish()
+    assert [(t.tokens, t.parents) for t in taken] == [(t.tokens, t.parents) for t in again]
+    assert [t.scores for t in taken] == [t.scores for t in again]
+    assert [s.table.num_tokens for s in states_now] == [length + a + 1 for length, a in zip(lengths, accepted)]
+
+
 @pytest.fixture(scope="module")
 def demo_pair():
     from transformers import AutoTokenizer
@@ -69,15 +108,17 @@ def demo_pair():
 
 def _run(target_dir, prompts, params, batch: int, ahead: bool, monkeypatch, broken: bool = False):
     """The demo target with its EAGLE-3 head in process, top-1 chains of 4 drafts, fixed budget; (requests, how many
-    verified chains the head caught up on ahead, fallbacks of the drafter's client)."""
+    verified chains the head caught up on ahead and kept, how many draft loops were launched when asked, not with a
+    catch-up ahead)."""
     monkeypatch.setenv(catch_up_ahead.ENV, "1" if ahead else "0")
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=4096))
     flags = eagle3_flags(demo_model_dirs(heads=True)["eagle3"], "--speculative-num-steps", "4", "--speculative-eagle-topk",
                          "1", "--speculative-num-draft-tokens", "5", "--dtype", "float32", "--device", "cpu")
     client, spec = in_process_drafter(resolve(flags), 4096, runner)
-    kept = []
-    keep = client.drafter.keep_ahead
+    kept, launched = [], []
+    keep, launch = client.drafter.keep_ahead, client.drafter.loop.launch
     client.drafter.keep_ahead = lambda got: (kept.append(len(got)), keep(got))[1]
+    client.drafter.loop.launch = lambda *args: (launched.append(1), launch(*args))[1]  # not with the catch-up ahead
     if broken:
         def fail(*args):
             raise RuntimeError("a drafter that fails to catch up ahead")
@@ -87,7 +128,7 @@ def _run(target_dir, prompts, params, batch: int, ahead: bool, monkeypatch, brok
         out += generate_ids(runner, prompts[start : start + batch], params[start : start + batch], set(),
                             drafter=client, spec=spec)
     assert runner.kv_cache.allocator.num_used == 0 and client.drafter.runner.kv_cache.allocator.num_used == 0
-    return out, sum(kept)
+    return out, sum(kept), len(launched)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -105,7 +146,7 @@ def test_top1_drafting_with_the_catch_up_ahead_keeps_outputs_and_drafts_what_the
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=4096))
     plain = generate_ids(runner, prompts, params, set())
     runs = {ahead: _run(target_dir, prompts, params, batch, ahead, monkeypatch) for ahead in (False, True)}
-    (before, none), (after, caught_up) = runs[False], runs[True]
+    (before, none, asked_before), (after, caught_up, asked_after) = runs[False], runs[True]
     assert none == 0
     for p, b, a in zip(plain, before, after):
         assert a.output_ids == b.output_ids
@@ -120,6 +161,9 @@ def test_top1_drafting_with_the_catch_up_ahead_keeps_outputs_and_drafts_what_the
     chains = sum(r.stats.verify_steps for r in after)
     print(f"batch {batch}: {caught_up} of {chains} verified chains caught up ahead")
     assert caught_up >= chains - len(prompts) > 0, (caught_up, chains)
+    # and the draft after it launched with it (DraftLoop.launch_ahead) and taken when asked: a loop launched when
+    # asked only for a request's first draft, or where a batch's requests changed (one finished)
+    assert asked_after <= len(prompts) < asked_before, (asked_after, asked_before)
 
 
 def test_a_drafter_that_fails_to_catch_up_ahead_sends_the_states_as_before(demo_pair, monkeypatch, caplog):
@@ -128,7 +172,7 @@ def test_a_drafter_that_fails_to_catch_up_ahead_sends_the_states_as_before(demo_
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target_dir), dtype="float32", device="cpu", max_total_tokens=4096))
     plain = generate_ids(runner, prompts[:2], params, set())
     with caplog.at_level(logging.ERROR):
-        out, caught_up = _run(target_dir, prompts[:2], params, 2, True, monkeypatch, broken=True)
+        out, caught_up, _ = _run(target_dir, prompts[:2], params, 2, True, monkeypatch, broken=True)
     assert caught_up == 0 and "failed to catch up ahead" in caplog.text
     for p, s in zip(plain, out):
         assert s.output_ids == p.output_ids and s.stats.fallbacks == 0

@@ -191,8 +191,29 @@ class DraftLoop:
                tables: list[BlockTable], budgets: list[int]) -> "LoopRun":
         """run()'s draft queued on the device with its copy to the host, not waited for: LoopRun.finish() gives the
         trees. Meanwhile the host may queue work that reads the drafts on the device (LoopRun.chain_tokens)."""
+        return self._launch(roots, root_logits, root_features, tables, budgets, [t.num_tokens for t in tables], None)
+
+    @torch.inference_mode()
+    def launch_ahead(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, tables: list[BlockTable],
+                     upper: list[int], lengths: torch.Tensor, budgets: list[int]) -> "LoopRun | None":
+        """launch() for requests whose committed keys are known on the device only (lengths [B], a catch-up ahead's:
+        at most upper[i], for which tables hold pages): the graph's plan made for upper, each request's key count and
+        root position then written on the device. The roots' tokens are not needed until the trees are read: set
+        LoopRun.roots before. On a CPU the lengths are read (no wait there). None where a GPU's batch replays no
+        graph whose attention reads its key lengths as it runs (FlashInfer's plans depend on them)."""
+        if lengths.device.type != "cuda":
+            kv_lens = lengths.tolist()
+            return self._launch([0] * len(kv_lens), root_logits, root_features, tables, budgets, kv_lens, None)
+        graph_bs = next((b for b in sorted(self.graphs) if b >= len(upper)), None)
+        if self.num_steps == 1 or graph_bs is None \
+                or self.runner.backend.prefix_key_lengths(self.graphs[graph_bs].prefix_state) is None:
+            return None
+        return self._launch([0] * len(upper), root_logits, root_features, tables, budgets, upper, lengths)
+
+    def _launch(self, roots: list[int], root_logits: torch.Tensor, root_features: torch.Tensor | None,
+                tables: list[BlockTable], budgets: list[int], kv_lens: list[int],
+                lengths: torch.Tensor | None) -> "LoopRun":
         count = len(roots)
-        kv_lens = [t.num_tokens for t in tables]
         positions = torch.tensor([n - 1 for n in kv_lens], dtype=torch.long)
         self.runner.model.rotary_emb.reserve(max(kv_lens) + self.num_steps, self.device)
         graph_bs = next((b for b in sorted(self.graphs) if b >= count), None)
@@ -200,7 +221,7 @@ class DraftLoop:
             outputs = self._body(root_logits, root_features, positions.to(self.device), None)
         elif graph_bs is not None:
             with device_phase("loop.replay"):
-                outputs = self._replay(graph_bs, root_logits, root_features, positions, tables)
+                outputs = self._replay(graph_bs, root_logits, root_features, positions, tables, kv_lens, lengths)
         else:
             if self.local.shape[2] < count:
                 self.local = self._local_buffer(count)
@@ -278,13 +299,19 @@ class DraftLoop:
         pad = bs - len(kv_lens)
         return kv_lens + [1] * pad, pages + [self._scratch] * pad, [self.topk] * bs
 
-    def _replay(self, bs: int, root_logits, root_features, positions, tables) -> tuple[torch.Tensor, ...]:
+    def _replay(self, bs: int, root_logits, root_features, positions, tables, kv_lens: list[int],
+                lengths: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """lengths: each request's key count on the device (launch_ahead's), at most kv_lens, which the plan was made for."""
         entry = self.graphs[bs]
         count = root_logits.shape[0]
-        self.runner.backend.plan_prefix(*self._padding(bs, [t.num_tokens for t in tables], [t.pages for t in tables]),
-                                        state=entry.prefix_state)
+        backend = self.runner.backend
+        backend.plan_prefix(*self._padding(bs, kv_lens, [t.pages for t in tables]), state=entry.prefix_state)
         self.static_logits[:count].copy_(root_logits)
-        self.static_positions[:count].copy_(positions, non_blocking=True)
+        if lengths is None:
+            self.static_positions[:count].copy_(positions, non_blocking=True)
+        else:  # after the plan's own copy of the arena, in stream order
+            backend.prefix_key_lengths(entry.prefix_state)[:count].copy_(lengths)
+            torch.sub(lengths, 1, out=self.static_positions[:count])
         if self.static_features is not None:
             self.static_features[:count].copy_(root_features)
         if bs > count:

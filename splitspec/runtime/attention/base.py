@@ -88,6 +88,12 @@ class AttentionBackend(ABC):
         (CUDA graphs); None where the backend's plans cannot be replayed."""
         return None
 
+    def prefix_key_lengths(self, state: object) -> torch.Tensor | None:
+        """The device buffer of each request's key count a planned graph state's kernel reads as it runs, where one does
+        (its plan does not depend on them otherwise: a caller may write lengths known on the device only, up to those
+        planned); None where the plan depends on them."""
+        return None
+
     def graph_prologue(self, state: object) -> None:
         """Device work a captured step graph (graph_state's) runs before its layers; none by default."""
 

@@ -423,6 +423,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper._kv_lens_buffer = arena.view("kv_lens")
         return PrefixState(wrapper, arena)
 
+    def prefix_key_lengths(self, state: PrefixState) -> torch.Tensor | None:
+        """kernels.paged_attention reads its key lengths as it runs (FlashInfer's plans depend on them)."""
+        return state.paged.arena.view("kv_lens") if state.paged is not None else None
+
     def plan_prefix(self, kv_lens: list[int], page_tables: list[list[int]], q_lens: list[int],
                     state: PrefixState | None = None) -> PrefixState:
         """A prefill wrapper without a mask: a request's rows share one pass over its keys (a draft's beams)."""
