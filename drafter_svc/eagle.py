@@ -84,6 +84,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
         self._ahead: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None  # catch_up_ahead's, until kept
         self._ahead_run: tuple[list[str], object] | None = None  # its draft loop launched too, until launch() asks
+        self._starts: dict[tuple[int, int], torch.Tensor] = {}  # _row_starts'
 
     def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
         self._ahead_run = None
@@ -273,7 +274,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         batch = self.runner.batch([SequenceInput(s.table, [s.last_token] * n, logits="all") for s in states])
         batch.adopt_ids(tokens.reshape(-1).to(batch.host_ids.dtype))
         output = self.runner.forward(batch, return_hidden=True, features=features)
-        rows = torch.arange(0, count * n, n, device=accepted.device) + accepted
+        rows = self._row_starts(count, n, accepted.device) + accepted
         roots, logits = output.hidden_states.index_select(0, rows), output.logits.index_select(0, rows)
         self._ahead = ({r: k for k, r in enumerate(request_ids)}, roots, logits)
         # the next draft too, for the same requests at the same budget (launch() takes it if the next ask is that)
@@ -285,6 +286,13 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                                          [min(self.num_draft_tokens, n)] * count)
             self._ahead_run = None if run is None else (list(request_ids), run)
         return True
+
+    def _row_starts(self, count: int, n: int, device: torch.device) -> torch.Tensor:
+        """[0, n, 2n, ...] of count requests on the device, made once a shape (a kernel a step less)."""
+        starts = self._starts.get((count, n))
+        if starts is None:
+            starts = self._starts[count, n] = torch.arange(0, count * n, n, device=device)
+        return starts
 
     def keep_ahead(self, kept: dict[str, list[int]]) -> None:
         """What acceptance kept of the last catch_up_ahead: each listed request's accepted tokens (its accepted drafts

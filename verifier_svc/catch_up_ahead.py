@@ -95,7 +95,7 @@ class CatchUpAhead:
             return
         tokens = ids.view(count, q)[:, :n]
         drafts = batch.input_ids.view(count, q)[:, 1:n]
-        accepted = (drafts == tokens[:, :-1]).to(torch.int64).cumprod(1).sum(1)
+        accepted = (drafts == tokens[:, :-1]).cumprod(1).sum(1)  # leading drafts equal to the target's (int64)
         states = features.view(count, q, -1)[:, :n].reshape(count * n, -1)
         request_ids = [v.request.request_id for v in self.verifies]
         if drafter.catch_up_ahead(request_ids, [v.seq_len for v in self.verifies], tokens, states, accepted):
