@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from splitspec.runtime.host_tensors import copy_to_host
 from splitspec.verifier_svc.step_types import SpecConfig
 from splitspec.verifier_svc.verification import Verify, by_target, target_row_ids
 
@@ -34,22 +35,6 @@ ENV = "SPLITSPEC_CATCH_UP_AHEAD"
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
-
-
-class HostRows:
-    """A pinned host buffer the target's tokens are copied into without waiting (reused step after step)."""
-
-    __slots__ = ("buffer",)
-
-    def __init__(self):
-        self.buffer: torch.Tensor | None = None
-
-    def take(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < ids.numel() or self.buffer.dtype != ids.dtype:
-            self.buffer = torch.empty(max(ids.numel(), 256), dtype=ids.dtype, pin_memory=True)
-        host = self.buffer[: ids.numel()]
-        host.copy_(ids, non_blocking=True)
-        return host
 
 
 class CatchUpAhead:
@@ -78,17 +63,11 @@ class CatchUpAhead:
             return None
         return cls(verifies, nodes)
 
-    def launch(self, spec: SpecConfig, drafter, batch, logits: torch.Tensor, features: torch.Tensor,
-               host_rows: HostRows) -> None:
+    def launch(self, spec: SpecConfig, drafter, batch, logits: torch.Tensor, features: torch.Tensor) -> None:
         """Queued behind the verification: the target's tokens and their copy to the host, then the drafter's
         catch-up on every chain row with each chain's accepted drafts counted on the device."""
         ids = target_row_ids(spec, logits, batch.cu_logits, [], self.verifies)
-        if ids.is_cuda:
-            self._host = host_rows.take(ids)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = ids
+        self._host, self._event = copy_to_host(ids)
         count, n = len(self.verifies), self.nodes
         q = ids.shape[0] // count  # rows a request (a chain padded to a captured graph's shape: its first n)
         if q * count != ids.shape[0] or batch.input_ids.shape[0] != ids.shape[0] or features is None:

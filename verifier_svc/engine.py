@@ -34,7 +34,7 @@ from splitspec.runtime.tree import DraftTree, depths, positions, tree_mask
 from splitspec.verifier_svc.acceptance import Acceptance
 from splitspec.verifier_svc.adaptive import adaptive_policy
 from splitspec.verifier_svc.adaptive_estimates import StepShape
-from splitspec.verifier_svc.catch_up_ahead import CatchUpAhead, HostRows
+from splitspec.verifier_svc.catch_up_ahead import CatchUpAhead
 from splitspec.verifier_svc.draft_features import RunStates, pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, draft_guide, no_grammars
@@ -83,7 +83,6 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         self.budget = spec.num_draft_tokens  # the tree budget of the asks being made (adaptive: chosen per step)
         # the policy needs the forward's own time: on a GPU, wait for it (the accept phase that follows waits anyway)
         self._sync_verify = self.adaptive is not None and runner.device.type == "cuda"
-        self._host_rows = HostRows()  # where a catch-up ahead's target tokens land (catch_up_ahead.py)
         self._unobserved: tuple[StepShape | None, float, float] | None = None  # the last step: (shape, start, seconds)
         # called once per step with a forward, right after the forward is queued and before its results are
         # read: on a GPU the caller's host work for the last step (its metrics and streams) runs under the
@@ -352,7 +351,7 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
         features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         if ahead is not None:
-            ahead.launch(self.spec, self.drafter, batch, output.logits, features, self._host_rows)
+            ahead.launch(self.spec, self.drafter, batch, output.logits, features)
         # the forward is queued on the device: the drafter's deferred bookkeeping and the caller's host work run
         # under it (on a CPU device the forward has run already: they cost what they cost, after it)
         began = time.perf_counter()
