@@ -11,6 +11,8 @@ import torch
 
 from splitspec.kernels import torch_ops
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
 
 @functools.cache
 def _triton():
@@ -124,7 +126,7 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def draft_topk(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k most likely tokens and their probabilities times the row's parent score (a draft step's
     candidates: kernels.torch_ops.draft_topk). Ties: the kernel takes the lower token id first."""
-    if use_triton(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+    if use_triton(logits) and logits.dtype in FLOATS and logits.stride(-1) == 1:  # read as float32 in the kernel
         return _triton().draft_topk(logits, parent_scores, k)
     return torch_ops.draft_topk(logits, parent_scores, k)
 

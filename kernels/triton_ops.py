@@ -229,18 +229,18 @@ def _draft_topk_kernel(logits_ptr, stride, parent_ptr, score_ptr, index_ptr, V: 
     m = float("-inf")
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        m = tl.maximum(m, tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")), axis=0))
+        m = tl.maximum(m, tl.max(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32), axis=0))
     z = 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        z += tl.sum(tl.exp(tl.load(base + cols, mask=cols < V, other=float("-inf")) - m), axis=0)
+        z += tl.sum(tl.exp(tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32) - m), axis=0)
     parent = tl.load(parent_ptr + row)
     prev_value, prev_index = float("inf"), -1
     for j in tl.static_range(K):  # the j-th largest (value, then lower index first): K more passes
         best_value, best_index = float("-inf"), V
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf"))
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
             ok = (cols < V) & ((x < prev_value) | ((x == prev_value) & (cols > prev_index)))
             x = tl.where(ok, x, float("-inf"))
             top = tl.max(x, axis=0)
@@ -253,7 +253,8 @@ def _draft_topk_kernel(logits_ptr, stride, parent_ptr, score_ptr, index_ptr, V: 
 
 
 def draft_topk(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One program per row: the softmax's max and normaliser, then k passes for the k largest."""
+    """One program per row: the softmax's max and normaliser, then k passes for the k largest (logits of any float
+    dtype, read as float32: what the twin's logits.float() gives)."""
     rows, vocab = logits.shape
     scores = torch.empty((rows, k), dtype=torch.float32, device=logits.device)
     index = torch.empty((rows, k), dtype=torch.long, device=logits.device)

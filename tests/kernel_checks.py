@@ -271,6 +271,14 @@ def check_draft_topk(device: str) -> int:
         assert torch.equal(got_index, want_index), (rows, vocab, k)
         torch.testing.assert_close(got_scores, want_scores, rtol=1e-5, atol=1e-7)
         rows_checked += rows
+        # a model's own logits, read as float32 in the kernel: what it gives their float32 copy (fp16 only under
+        # Triton's interpreter, which reads bf16 wrong; both on a GPU)
+        for dtype in (torch.float16,) if device == "cpu" else (torch.bfloat16, torch.float16):
+            low = logits.to(dtype)
+            got_scores, got_index = triton_ops.draft_topk(low, parents, k)
+            want_scores, want_index = triton_ops.draft_topk(low.float(), parents, k)
+            assert torch.equal(got_index, want_index) and torch.equal(got_scores, want_scores), (dtype, rows, vocab, k)
+            rows_checked += rows
     return rows_checked
 
 

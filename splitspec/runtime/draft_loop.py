@@ -74,6 +74,12 @@ class DraftLoop:
         self.token_map = None if token_map is None else token_map.to(self.device)
         self.num_candidates = topk + (num_steps - 1) * topk * topk
         self.keep = min(num_draft_tokens - 1, self.num_candidates)
+        # made once, outside any graph: each step's position offset per beam [S-1, 1, K] (a step's positions are one
+        # add for all steps), and a chain's ranking and parents (top-1: kept in chain order, see _rank)
+        self._step_offsets = torch.arange(1, num_steps, device=self.device)[:, None, None].expand(
+            num_steps - 1, 1, topk).contiguous()
+        self._chain_order = torch.arange(self.keep, device=self.device)
+        self._chain_parents = torch.arange(1, max(num_steps - 1, 1), device=self.device)
         self.local = self._local_buffer(1)
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
@@ -109,15 +115,16 @@ class DraftLoop:
         # the beams of each step (their tokens, outputs and parent beams), to trace the best path at the end
         beam_tokens, beam_hidden, beam_parents = [], [], []
         candidates, step_tokens = scores, tokens
+        step_positions = root_positions.view(1, bs, 1) + self._step_offsets  # [S-1, bs, K]
         for step in range(1, self.num_steps):
             cascade.depth = step
-            positions = (root_positions + step)[:, None].expand(bs, topk).reshape(-1)
+            positions = step_positions[step - 1].view(-1)
             extra = {} if features is None else {"features": features.reshape(bs * topk, -1)}
             hidden, _ = self.runner.model_call(bs, tokens.reshape(-1), positions, cascade, plan, (), **extra)
             beam_tokens.append(tokens)
             beam_hidden.append(hidden.view(bs, topk, -1))
             # each beam's top-K children, scored beam score x probability: [bs*K, K] -> [bs, K*K]
-            candidates, top_index = kernels.draft_topk(model.logits(hidden).float(), scores.reshape(-1), topk)
+            candidates, top_index = kernels.draft_topk(model.logits(hidden), scores.reshape(-1), topk)
             candidates = candidates.view(bs, topk * topk)
             step_tokens = self._ids(top_index).view(bs, topk * topk)
             flat_scores.append(candidates)
@@ -140,14 +147,21 @@ class DraftLoop:
             index = parent_beam.view(1, 1, bs, topk, 1, 1, 1).expand(local.shape)
             local.copy_(local.gather(3, index))
         all_scores, all_tokens = torch.cat(flat_scores, 1), torch.cat(flat_tokens, 1)
-        order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, : self.keep]
-        if topk == 1:  # node i's parent is node i - 1 (flat index i: node i + 1 of the tree)
-            parents = torch.arange(1, self.num_steps - 1, device=self.device).expand(bs, -1).contiguous()
+        keep = self.keep
+        if topk == 1:
+            # a chain's scores never rise (each is the last times a probability <= 1: 1 / the softmax's normaliser, at
+            # least 1, at its top token; float rounding keeps the order), so the stable ranking is the chain's own
+            # order: no sort, no gathers. Node i's parent is node i - 1 (flat index i: node i + 1 of the tree).
+            order = self._chain_order.expand(bs, -1)
+            ranked_tokens, ranked_scores = all_tokens[:, :keep], all_scores[:, :keep]
+            parents = self._chain_parents.expand(bs, -1)
         else:
+            order = torch.sort(all_scores, dim=1, descending=True, stable=True).indices[:, :keep]
+            ranked_tokens, ranked_scores = all_tokens.gather(1, order), all_scores.gather(1, order)
             parents = (torch.cat(parent_list, 1) if parent_list
                        else torch.zeros(bs, 0, dtype=torch.long, device=self.device))
         path_tokens, path_hidden = self._best_path(candidates, step_tokens, beam_tokens, beam_hidden, beam_parents)
-        outputs = (order, all_tokens.gather(1, order), all_scores.gather(1, order), parents, path_tokens)
+        outputs = (order, ranked_tokens, ranked_scores, parents, path_tokens)
         # what the host reads, as one row a request for one transfer (ids < 2**53), packed in the graph: outside it,
         # six more launches a step
         return (*outputs, path_hidden, torch.cat([o.double() for o in outputs], 1))
