@@ -277,7 +277,9 @@ def check_draft_topk(device: str) -> int:
             low = logits.to(dtype)
             got_scores, got_index = triton_ops.draft_topk(low, parents, k)
             want_scores, want_index = triton_ops.draft_topk(low.float(), parents, k)
-            assert torch.equal(got_index, want_index) and torch.equal(got_scores, want_scores), (dtype, rows, vocab, k)
+            assert torch.equal(got_index, want_index), (dtype, rows, vocab, k)
+            # the normaliser's sum may group its terms otherwise (a block's layout follows the loaded dtype)
+            torch.testing.assert_close(got_scores, want_scores, rtol=1e-6, atol=1e-8)
             rows_checked += rows
     return rows_checked
 
