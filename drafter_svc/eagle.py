@@ -84,7 +84,6 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
         self._ahead: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None  # catch_up_ahead's, until kept
         self._ahead_run: tuple[list[str], object] | None = None  # its draft loop launched too, until launch() asks
-        self._starts: dict[tuple[int, int], torch.Tensor] = {}  # _row_starts'
 
     def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
         self._ahead_run = None
@@ -250,10 +249,11 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
 
     @torch.inference_mode()
     def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens: torch.Tensor, features: torch.Tensor,
-                       accepted: torch.Tensor) -> bool:
+                       acceptance: torch.Tensor) -> bool:
         """The catch-up of a step's verified chains queued before their acceptance reaches the host: tokens [B, n]
-        the target's own token at each chain row, features [B * n, W] those rows' states, accepted [B] the drafts
-        each chain accepted, all on the device; lengths: each request's verified length (its root's position).
+        the target's own token at each chain row, features [B * n, W] those rows' states, acceptance [3, B] each
+        chain's accepted drafts, accepted row among the B * n and length after acceptance (kernels.chain_acceptance),
+        all on the device; lengths: each request's verified length (its root's position).
         Row j pairs the target's token at verified row j with that row's state: for every row up to the bonus token
         it is the pair the accepted path would send (an accepted draft is the target's token there, and so is the
         bonus token). So all n rows are caught up, and each root (the head's output and logits at its accepted row)
@@ -273,26 +273,19 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             return False
         batch = self.runner.batch([SequenceInput(s.table, [s.last_token] * n, logits="all") for s in states])
         batch.adopt_ids(tokens.reshape(-1).to(batch.host_ids.dtype))
-        output = self.runner.forward(batch, return_hidden=True, features=features)
-        rows = self._row_starts(count, n, accepted.device) + accepted
+        # the graph's own outputs, not copies: read by the gathers queued right behind it
+        output = self.runner.forward(batch, return_hidden=True, features=features, borrow=True)
+        rows = acceptance[1]
         roots, logits = output.hidden_states.index_select(0, rows), output.logits.index_select(0, rows)
         self._ahead = ({r: k for k, r in enumerate(request_ids)}, roots, logits)
         # the next draft too, for the same requests at the same budget (launch() takes it if the next ask is that)
         self._ahead_run = None
         if self.loop is not None:
             tables = [s.table for s in states]
-            lengths = device_tensor([t.num_tokens + 1 for t in tables], accepted.device) + accepted
-            run = self.loop.launch_ahead(logits, roots, tables, [t.num_tokens + n for t in tables], lengths,
+            run = self.loop.launch_ahead(logits, roots, tables, [t.num_tokens + n for t in tables], acceptance[2],
                                          [min(self.num_draft_tokens, n)] * count)
             self._ahead_run = None if run is None else (list(request_ids), run)
         return True
-
-    def _row_starts(self, count: int, n: int, device: torch.device) -> torch.Tensor:
-        """[0, n, 2n, ...] of count requests on the device, made once a shape (a kernel a step less)."""
-        starts = self._starts.get((count, n))
-        if starts is None:
-            starts = self._starts[count, n] = torch.arange(0, count * n, n, device=device)
-        return starts
 
     def keep_ahead(self, kept: dict[str, list[int]]) -> None:
         """What acceptance kept of the last catch_up_ahead: each listed request's accepted tokens (its accepted drafts

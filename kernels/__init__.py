@@ -28,9 +28,9 @@ the twin does. Twins are the reference: tests/kernel_checks.py compares the two,
 
 from __future__ import annotations
 
-from splitspec.kernels.ops import (accept_tree_coins, add_rms_norm, apply_rope, draft_topk, gumbel_argmax,
+from splitspec.kernels.ops import (accept_tree_coins, add_rms_norm, apply_rope, chain_acceptance, draft_topk, gumbel_argmax,
                                    merge_own_attention, move_kv_slots, paged_attention, quantize_fp8_per_token, rms_norm, rope_and_store, silu_and_mul,
                                    top_k_top_p, tree_mask_bits, twins, use_triton, verify_tree_greedy)
 
-__all__ = ["accept_tree_coins", "add_rms_norm", "apply_rope", "draft_topk", "gumbel_argmax", "merge_own_attention", "move_kv_slots", "paged_attention",
+__all__ = ["accept_tree_coins", "add_rms_norm", "apply_rope", "chain_acceptance", "draft_topk", "gumbel_argmax", "merge_own_attention", "move_kv_slots", "paged_attention",
            "quantize_fp8_per_token", "rms_norm", "rope_and_store", "silu_and_mul", "top_k_top_p", "tree_mask_bits", "twins", "use_triton", "verify_tree_greedy"]

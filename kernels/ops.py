@@ -123,6 +123,14 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch_ops.gumbel_argmax(logits, keys)
 
 
+def chain_acceptance(targets: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """Verified chains' accepted drafts, accepted rows and lengths after acceptance, [3, B], in one kernel
+    (kernels.torch_ops.chain_acceptance: five ops there)."""
+    if use_triton(targets) and all(t.is_contiguous() for t in (targets, input_ids, lengths)):
+        return _triton().chain_acceptance(targets, input_ids, lengths, n)
+    return torch_ops.chain_acceptance(targets, input_ids, lengths, n)
+
+
 def draft_topk(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k most likely tokens and their probabilities times the row's parent score (a draft step's
     candidates: kernels.torch_ops.draft_topk). Ties: the kernel takes the lower token id first."""

@@ -83,6 +83,19 @@ def verify_tree_greedy(candidates: torch.Tensor, parents: torch.Tensor, targets:
     return accept_index, accept_len, targets.gather(1, last[:, None])[:, 0]
 
 
+def chain_acceptance(targets: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """B verified chains of n nodes, q >= n rows each (targets, input_ids [B * q]: the target's token at every row;
+    the rows verified, each chain's root then its n - 1 drafts): [3, B] int64 of each chain's accepted drafts (the
+    leading drafts equal to the target's token at the row before), its accepted row among B * n rows (b * n +
+    accepted) and its length after acceptance (lengths [B], its verified length, + 1 + accepted)."""
+    count = lengths.shape[0]
+    q = targets.shape[0] // count
+    drafts, tokens = input_ids.view(count, q)[:, 1:n], targets.view(count, q)[:, : n - 1]
+    accepted = (drafts == tokens).long().cumprod(1).sum(1)
+    starts = torch.arange(0, count * n, n, device=accepted.device)
+    return torch.stack([accepted, starts + accepted, lengths.long() + 1 + accepted])
+
+
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax_v(logits[b, v] + G(keys[b], v)) for logits [B, V] fp32 and position keys [B]: a position-keyed
     Gumbel-max sample of each row (splitspec.runtime.sampling)."""

@@ -220,6 +220,30 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# chain acceptance -------------------------------------------------------------------------------------------
+@triton.jit
+def _chain_acceptance_kernel(targets_ptr, ids_ptr, lengths_ptr, out_ptr, count, q, n, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    inside = j < n - 1
+    token = tl.load(targets_ptr + b * q + j, mask=inside, other=0)
+    draft = tl.load(ids_ptr + b * q + 1 + j, mask=inside, other=0)
+    # the first draft unlike the target's token; n - 1 (every draft accepted) is the first row past them
+    accepted = tl.min(tl.where(inside & (draft == token), BLOCK, j), axis=0).to(tl.int64)
+    tl.store(out_ptr + b, accepted)
+    tl.store(out_ptr + count + b, b * n + accepted)
+    tl.store(out_ptr + 2 * count + b, tl.load(lengths_ptr + b).to(tl.int64) + 1 + accepted)
+
+
+def chain_acceptance(targets: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, n: int) -> torch.Tensor:
+    """One program per chain (torch_ops.chain_acceptance)."""
+    count = lengths.shape[0]
+    out = torch.empty((3, count), dtype=torch.long, device=targets.device)
+    _chain_acceptance_kernel[(count,)](targets, input_ids, lengths, out, count, targets.shape[0] // count, n,
+                                       BLOCK=triton.next_power_of_2(n))
+    return out
+
+
 # draft top-k ----------------------------------------------------------------------------------------------
 @triton.jit
 def _draft_topk_kernel(logits_ptr, stride, parent_ptr, score_ptr, index_ptr, V: tl.constexpr, K: tl.constexpr,

@@ -258,6 +258,26 @@ def check_gumbel_argmax(device: str) -> int:
     return drawn
 
 
+def check_chain_acceptance(device: str) -> int:
+    """Verified chains' accepted drafts, rows and lengths: the kernel's equal the twin's, for chains accepting
+    nothing, some drafts and all of them, padded rows (q > n) and n of one, two and past a power of two."""
+    g = torch.Generator().manual_seed(6)
+    chains = 0
+    for count, q, n in ((1, 6, 6), (3, 8, 5), (5, 9, 9), (2, 2, 2), (4, 4, 1), (7, 17, 17)):
+        targets = torch.randint(0, 5, (count * q,), generator=g)
+        ids = torch.randint(0, 5, (count * q,), generator=g)
+        for b in range(count):  # chain b accepts b % n drafts at least (the rest random)
+            for j in range(min(b, n - 1)):
+                ids[b * q + 1 + j] = targets[b * q + j]
+        lengths = torch.randint(1, 1000, (count,), generator=g)
+        want = torch_ops.chain_acceptance(targets, ids, lengths, n)
+        got = triton_ops.chain_acceptance(targets.to(device), ids.to(device), lengths.to(device), n)
+        assert torch.equal(got.cpu(), want), (count, q, n, got, want)
+        assert (want[0] >= torch.arange(count).clamp(max=n - 1)).all() and (want[0] <= n - 1).all()
+        chains += count
+    return chains
+
+
 def check_draft_topk(device: str) -> int:
     """A draft step's softmax + top-k scored by the parent beam: the same tokens, in the same order, and the
     same scores to fp32 rounding, for vocabularies across block boundaries."""
@@ -453,12 +473,13 @@ def main(device: str = "cpu") -> int:
         accepted = check_verify_tree_greedy(device)
         drawn = check_gumbel_argmax(device)
         draft_rows = check_draft_topk(device)
+        chains = check_chain_acceptance(device)
         filtered = check_top_k_top_p(device)
         coin_accepted = check_accept_tree_coins(device)
         mask_bytes = check_tree_mask_bits(device)
     print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
           f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
-          f"top-k rows, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, {merged_rows} draft-node attention rows and {paged_rows} paged-attention rows per dtype, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
+          f"top-k rows, {chains} verified chains' acceptance, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, {merged_rows} draft-node attention rows and {paged_rows} paged-attention rows per dtype, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
           f"{[str(d) for d in dtypes]}: all equal their twins")
     return 0
 

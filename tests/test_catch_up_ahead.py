@@ -15,6 +15,7 @@ from test_draft_loading import eagle3_flags
 from test_launched_draft import eagle3_drafter, opened
 from test_speculative import PROMPTS
 
+from splitspec import kernels
 from splitspec.demo import demo_model_dirs
 from splitspec.draft_models import build_drafter
 from splitspec.engine_args import in_process_drafter
@@ -23,6 +24,19 @@ from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 from splitspec.runtime.sampling_params import SamplingParams
 from splitspec.speculation import resolve
 from splitspec.verifier_svc import catch_up_ahead
+
+
+def acceptance(tokens: torch.Tensor, accepted: list[int], lengths: list[int]) -> torch.Tensor:
+    """kernels.chain_acceptance of chains verified by tokens [B, n] (the target's) whose drafts equal the first
+    accepted[b] of them and nothing after."""
+    count, n = tokens.shape
+    ids = torch.full((count, n), -1, dtype=tokens.dtype, device=tokens.device)  # -1 equals no token
+    for b, a in enumerate(accepted):
+        ids[b, 1 : a + 1] = tokens[b, :a]
+    out = kernels.chain_acceptance(tokens.reshape(-1).contiguous(), ids.reshape(-1),
+                                   torch.tensor(lengths, device=tokens.device), n)
+    assert out[0].tolist() == accepted and out[2].tolist() == [v + 1 + a for v, a in zip(lengths, accepted)]
+    return out
 
 
 def test_a_chain_caught_up_ahead_and_kept_leaves_the_head_as_a_catch_up_of_the_accepted_rows():
@@ -45,9 +59,10 @@ def test_a_chain_caught_up_ahead_and_kept_leaves_the_head_as_a_catch_up_of_the_a
         else:
             verified = [drafter.states[r].table.num_tokens for r in ids]
             free = drafter.runner.kv_cache.allocator.num_free
-            assert not drafter.catch_up_ahead(ids, [v + 1 for v in verified], tokens, states, torch.tensor(accepted))
+            wrong = [v + 1 for v in verified]
+            assert not drafter.catch_up_ahead(ids, wrong, tokens, states, acceptance(tokens, accepted, wrong))
             assert drafter.runner.kv_cache.allocator.num_free == free  # declined: nothing reserved, nothing queued
-            assert drafter.catch_up_ahead(ids, verified, tokens, states, torch.tensor(accepted))
+            assert drafter.catch_up_ahead(ids, verified, tokens, states, acceptance(tokens, accepted, verified))
             drafter.keep_ahead({r: tokens[k, : a + 1].tolist() for k, (r, a) in enumerate(zip(ids, accepted))})
             with pytest.raises(RuntimeError):
                 drafter.keep_ahead({})  # spent
@@ -84,7 +99,7 @@ def test_a_draft_launched_with_the_catch_up_ahead_is_the_draft_launched_after_it
     tokens = torch.randint(0, 4096, (3, n), generator=generator).to(device)
     states = torch.randn(3 * n, width, generator=generator).to(device, drafter.runner.dtype)
     lengths = [drafter.states[r].table.num_tokens for r in ids]
-    assert drafter.catch_up_ahead(ids, lengths, tokens, states, torch.tensor(accepted, device=device))
+    assert drafter.catch_up_ahead(ids, lengths, tokens, states, acceptance(tokens, accepted, lengths))
     assert drafter._ahead_run is not None  # launched with it
     drafter.keep_ahead({r: tokens[k, : a + 1].tolist() for k, (r, a) in enumerate(zip(ids, accepted))})
     taken = drafter.launch(ids, [n] * 3).trees()

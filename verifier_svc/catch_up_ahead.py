@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from splitspec import kernels
+from splitspec.runtime.batch import device_tensor
 from splitspec.runtime.host_tensors import copy_to_host
 from splitspec.verifier_svc.step_types import SpecConfig
 from splitspec.verifier_svc.verification import Verify, by_target, target_row_ids
@@ -65,7 +67,7 @@ class CatchUpAhead:
 
     def launch(self, spec: SpecConfig, drafter, batch, logits: torch.Tensor, features: torch.Tensor) -> None:
         """Queued behind the verification: the target's tokens and their copy to the host, then the drafter's
-        catch-up on every chain row with each chain's accepted drafts counted on the device."""
+        catch-up on every chain row with each chain's acceptance counted on the device (kernels.chain_acceptance)."""
         ids = target_row_ids(spec, logits, batch.cu_logits, [], self.verifies)
         self._host, self._event = copy_to_host(ids)
         count, n = len(self.verifies), self.nodes
@@ -73,11 +75,12 @@ class CatchUpAhead:
         if q * count != ids.shape[0] or batch.input_ids.shape[0] != ids.shape[0] or features is None:
             return
         tokens = ids.view(count, q)[:, :n]
-        drafts = batch.input_ids.view(count, q)[:, 1:n]
-        accepted = (drafts == tokens[:, :-1]).cumprod(1).sum(1)  # leading drafts equal to the target's (int64)
+        lengths = [v.seq_len for v in self.verifies]
+        # each chain's leading drafts equal to the target's, its accepted row and its length after, in one kernel
+        acceptance = kernels.chain_acceptance(ids, batch.input_ids, device_tensor(lengths, ids.device), n)
         states = features.view(count, q, -1)[:, :n].reshape(count * n, -1)
         request_ids = [v.request.request_id for v in self.verifies]
-        if drafter.catch_up_ahead(request_ids, [v.seq_len for v in self.verifies], tokens, states, accepted):
+        if drafter.catch_up_ahead(request_ids, lengths, tokens, states, acceptance):
             self.caught_up = frozenset(request_ids)
 
     def wait(self) -> None:

@@ -215,14 +215,14 @@ class InProcessDrafterClient(DrafterClient):
     def catches_up_ahead(self) -> bool:
         return hasattr(self.drafter, "catch_up_ahead")
 
-    def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens, features, accepted) -> bool:
+    def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens, features, acceptance) -> bool:
         """The drafter's catch-up on a step's verified chains, queued before acceptance (a drafter's catch_up_ahead);
         False where it did not (a request broken or guided, a drafter that declined or failed): nothing queued, and
         the step's tokens reach it with their states as always."""
         if any(r in self._broken or r in self._guides for r in request_ids):
             return False
         try:
-            return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, accepted)
+            return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, acceptance)
         except Exception:
             logger.exception("drafter %s failed to catch up ahead on a batch of %d; its tokens go with their states",
                              self.drafter.name, len(request_ids))

@@ -249,10 +249,11 @@ class StepGraphs:
             return None
         return q if chains or batch.cu_logits == list(range(0, n * q + 1, q)) else None
 
-    def run(self, batch, q: int, features: torch.Tensor | None = None, return_hidden: bool = True):
+    def run(self, batch, q: int, features: torch.Tensor | None = None, return_hidden: bool = True, borrow: bool = False):
         """(hidden [r*q, H] or None when not asked for, the captured layers' states concatenated [r*q, n*H] or None,
         logits of the rows asking for them) of a graph-shaped batch (see tokens_per_request), fed features [r*q,
-        width] when given; all copies (the next replay overwrites the graph's buffers), made only of what is read."""
+        width] when given; all copies (the next replay overwrites the graph's buffers), made only of what is read;
+        borrow: the graph's own buffers where they hold what is asked (no copy: read them before the next replay)."""
         attention = batch.attention
         r = attention.num_requests
         bs = next(b for b in self.sizes if b >= r)
@@ -272,9 +273,10 @@ class StepGraphs:
                 static_features[rows : bs * q].zero_()
         entry.graph.replay()
         self.replays += 1
+        keep = (lambda t: t) if borrow else torch.Tensor.clone
         if batch.cu_logits[-1] == rows:  # every row's logits
-            logits = entry.logits[:rows].clone()
+            logits = keep(entry.logits[:rows])
         else:
             logits = entry.logits.index_select(0, batch.logits_indices)
-        captured = entry.captured[:rows].clone() if entry.captured is not None else None
-        return entry.hidden[:rows].clone() if return_hidden else None, captured, logits
+        captured = keep(entry.captured[:rows]) if entry.captured is not None else None
+        return keep(entry.hidden[:rows]) if return_hidden else None, captured, logits

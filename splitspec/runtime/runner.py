@@ -418,16 +418,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None,
-                draft_layer: int | None = None) -> ForwardOutput:
+                draft_layer: int | None = None, borrow: bool = False) -> ForwardOutput:
         """features [T, F]: one per new token, for models that take them (draft heads); draft_layer: which
-        of a multi-layer MTP head's layers runs. A wide forward on a CPU may take more threads (self.wide)."""
+        of a multi-layer MTP head's layers runs. A wide forward on a CPU may take more threads (self.wide).
+        borrow: a graph's outputs may be its own buffers, not copies (the caller reads them only by work it queues
+        before the next replay)."""
         if self.wide is None:
-            return self._forward(batch, return_hidden, features, draft_layer)
+            return self._forward(batch, return_hidden, features, draft_layer, borrow)
         with self.wide.around(batch.num_tokens):
-            return self._forward(batch, return_hidden, features, draft_layer)
+            return self._forward(batch, return_hidden, features, draft_layer, borrow)
 
     def _forward(self, batch: ForwardBatch, return_hidden: bool, features: torch.Tensor | None,
-                 draft_layer: int | None) -> ForwardOutput:
+                 draft_layer: int | None, borrow: bool = False) -> ForwardOutput:
         self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
         if self.cuda_graph_max_bs and draft_layer is None:
             if self.graphs is None and features is None:
@@ -437,7 +439,7 @@ class ModelRunner:
             width = 0 if features is None else features.shape[-1]
             if q is not None and self.graphs.has(q, width, batch.attention.num_requests):
                 hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device),
-                                                           return_hidden)
+                                                           return_hidden, borrow)
                 return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
             q = self.prompts.shape_of(batch) if self.prompts is not None and features is None else None
             if q is not None:
