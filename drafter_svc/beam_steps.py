@@ -91,7 +91,7 @@ def launch_beam_draft(drafter, count: int, indices: list[int], request_ids: list
             out[i] = tree
         return out
 
-    return LaunchedDraft(finish, rows, sizes, run.chain_tokens)
+    return LaunchedDraft(finish, rows, sizes, run.chain_tokens, drafter.loop.id_bound)
 
 
 def host_beam_draft(runner: ModelRunner, roots: list[int], root_logits: torch.Tensor, tables: list[BlockTable],

@@ -45,6 +45,7 @@ def test_eagle3_loop_trees_equal_the_host_reference(topk, steps, tokens):
                                          "--speculative-eagle-topk", str(topk),
                                          "--speculative-num-draft-tokens", str(tokens))))
     assert drafter.token_map is not None and drafter.loop.token_map is not None  # draft ids map through d2t
+    assert drafter.loop.id_bound == int(drafter.loop.token_map.max()) + 1 <= 4096  # what write_chains copies unclamped
     width = drafter.runner.model.fc_input_size
     generator = torch.Generator().manual_seed(topk * 100 + steps)
     ids = []
@@ -64,6 +65,7 @@ def test_standalone_loop_trees_equal_the_host_reference(topk, steps, tokens):
     runner = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["draft"]), dtype="float32", device="cpu",
                                             max_total_tokens=4096, page_size=4))
     drafter = StandaloneDrafter(runner, topk=topk, num_steps=steps, num_draft_tokens=tokens)
+    assert drafter.loop.id_bound == runner.model.logits(torch.zeros(1, runner.config.hidden_size)).shape[-1]
     generator = torch.Generator().manual_seed(steps)
     ids = []
     for i, n in enumerate(PROMPT_LENGTHS):

@@ -65,10 +65,10 @@ def test_a_launched_draft_gives_the_trees_draft_gives(topk):
     assert [(t.tokens, t.parents) if t else None for t in trees["draft"]] == [(t.tokens, t.parents) if t else None for t in trees["launch"]]
 
 
-def launched_chains(rows: list[list[int]], sizes: list[int]) -> LaunchedDraft:
+def launched_chains(rows: list[list[int]], sizes: list[int], id_bound: int | None = None) -> LaunchedDraft:
     tokens = torch.tensor(rows)
     trees = [DraftTree.chain(0, row[: n - 1]) for row, n in zip(rows, sizes)]
-    return LaunchedDraft(lambda: trees, list(range(len(rows))), sizes, tokens)
+    return LaunchedDraft(lambda: trees, list(range(len(rows))), sizes, tokens, id_bound)
 
 
 def test_write_chains_puts_each_chain_in_its_rows():
@@ -91,6 +91,13 @@ def test_write_chains_puts_each_chain_in_its_rows():
     assert ids.tolist() == [-1, 11, 12, 13, -1, -1, 21, 22, 23, -1, -1, 31, 32, 99]
     # a past-vocabulary draft is read back as written
     assert chains[2].resolve(5, vocab).tokens == (5, 31, 32, 99)
+    # a drafter whose ids all fit the vocabulary (its bound at most the vocabulary) is copied as it is, unclamped;
+    # one whose bound is past it is clamped, as one with no bound is
+    for bound, last in ((vocab, 99), (vocab + 1, 99), (None, 99)):
+        fitting = launched_chains([[11, 12, 13], [21, 22, 23], [31, 32, 99 if bound == vocab else 130]], [4, 4, 4], bound)
+        ids = torch.full((12,), -1)
+        write_chains(ids, [0, 4, 8], fitting.pending(), vocab)
+        assert ids.tolist() == [-1, 11, 12, 13, -1, 21, 22, 23, -1, 31, 32, last]
 
 
 def test_a_chain_whose_drafter_fails_to_finish_is_read_from_the_device(caplog):

@@ -72,6 +72,7 @@ class DraftLoop:
         self.feature_size = feature_size
         self.device = runner.device
         self.token_map = None if token_map is None else token_map.to(self.device)
+        self._id_bound: int | None = None
         self.num_candidates = topk + (num_steps - 1) * topk * topk
         self.keep = min(num_draft_tokens - 1, self.num_candidates)
         # made once, outside any graph: each step's position offset per beam [S-1, 1, K] (a step's positions are one
@@ -85,6 +86,18 @@ class DraftLoop:
         self.capture_seconds = 0.0
         self.replays = 0
         self._scratch: list[int] = []
+
+    @property
+    def id_bound(self) -> int:
+        """Every draft id is below it: the token map's largest id + 1, else the model's logits' width (found once)."""
+        if self._id_bound is None:
+            if self.token_map is not None:
+                self._id_bound = int(self.token_map.max()) + 1
+            else:
+                hidden = torch.zeros(1, self.runner.config.hidden_size, dtype=self.runner.dtype, device=self.device)
+                with torch.inference_mode():
+                    self._id_bound = self.runner.model.logits(hidden).shape[-1]
+        return self._id_bound
 
     def _local_buffer(self, batch_size: int) -> torch.Tensor:
         c = self.runner.config

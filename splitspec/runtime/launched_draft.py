@@ -29,12 +29,13 @@ class LaunchedDraft:
     """A drafter's trees for a batch of requests (one per request, None for no tree), launched: trees() gives them,
     finishing the draft once. chain_tokens [R, >= n - 1] (None unless every tree is a chain): row rows[i] holds
     request i's drafts in chain order on the device, sizes[i] its tree's node count; readable by work queued
-    before the drafter's next launch."""
+    before the drafter's next launch. id_bound: every id in chain_tokens is below it (None: not known)."""
 
     def __init__(self, finish: Callable[[], list], rows: list[int | None] | None = None,
-                 sizes: list[int | None] | None = None, chain_tokens: torch.Tensor | None = None):
+                 sizes: list[int | None] | None = None, chain_tokens: torch.Tensor | None = None,
+                 id_bound: int | None = None):
         self._finish, self._trees = finish, None
-        self.rows, self.sizes, self.chain_tokens = rows, sizes, chain_tokens
+        self.rows, self.sizes, self.chain_tokens, self.id_bound = rows, sizes, chain_tokens, id_bound
 
     @classmethod
     def ready(cls, trees: list) -> "LaunchedDraft":
@@ -109,7 +110,9 @@ def write_chains(input_ids: torch.Tensor, starts: list[int], chains: list[Pendin
             and all(c.launched is chains[0].launched and c.row == k and c.num_nodes == n for k, c in enumerate(chains))
             and all(s == starts[0] + k * stride for k, s in enumerate(starts))):
         rows = input_ids[starts[0] : starts[0] + stride * len(chains)].view(len(chains), stride)
-        rows[:, 1:n].copy_(tokens[: len(chains), : n - 1].clamp(max=vocab - 1))
+        drafts = tokens[: len(chains), : n - 1]
+        bound = chains[0].launched.id_bound  # a drafter whose ids all fit the vocabulary needs no clamp (a kernel)
+        rows[:, 1:n].copy_(drafts if bound is not None and bound <= vocab else drafts.clamp(max=vocab - 1))
         return
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # per launch: its tokens, rows read, rows written
     for start, chain in zip(starts, chains):
