@@ -76,7 +76,7 @@ class DraftLoop:
         self.num_candidates = topk + (num_steps - 1) * topk * topk
         self.keep = min(num_draft_tokens - 1, self.num_candidates)
         # made once, outside any graph: each step's position offset per beam [S-1, 1, K] (a step's positions are one
-        # add for all steps), and a chain's ranking and parents (top-1: kept in chain order, see _rank)
+        # add for all steps), and a chain's ranking and parents (top-1: kept in chain order, see _body)
         self._step_offsets = torch.arange(1, num_steps, device=self.device)[:, None, None].expand(
             num_steps - 1, 1, topk).contiguous()
         self._chain_order = torch.arange(self.keep, device=self.device)
