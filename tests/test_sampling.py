@@ -119,3 +119,30 @@ def test_invalid_params_are_refused():
     assert SamplingParams(temperature=1.0).with_seed().seed is not None
     with pytest.raises(ValueError, match="needs a seed"):
         sample(torch.zeros(1, 4), [SamplingParams(temperature=1.0)], [0])
+
+
+def test_the_engines_own_kernel_calls_run_outside_autograd(monkeypatch):
+    """The engine's step samples and accepts with kernels of its own (kernels.ops: keyed Gumbel-max here), which a GPU
+    runs as Triton kernels only outside autograd: the step runs with it off (the engine's thread had it on, so a GPU
+    ran their torch twins)."""
+    from splitspec.demo import demo_model_dirs
+    from splitspec.generate import generate_ids
+    from splitspec.kernels import ops
+    from splitspec.runtime.runner import ModelRunner, RuntimeConfig
+
+    seen = []
+    original = ops.use_triton
+
+    def recording(x, *args, **kwargs):
+        seen.append(torch.is_grad_enabled())
+        return original(x, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "use_triton", recording)
+    runner = ModelRunner.load(RuntimeConfig(model_path=str(demo_model_dirs()["target"]), dtype="float32", device="cpu",
+                                            max_total_tokens=1024))
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=4, ignore_eos=True)
+    seen.clear()  # what the loading ran
+    assert torch.is_grad_enabled()  # as in a thread of its own
+    out = generate_ids(runner, [[5, 6, 7, 8]], [params], set())
+    assert len(out[0].output_ids) == 4
+    assert seen and not any(seen), seen

@@ -127,6 +127,7 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
             torch.cuda.synchronize(self.runner.device)
         return time.perf_counter()
 
+    @torch.no_grad()  # nothing here trains: the kernels the step calls itself (sampling, acceptance) run as kernels
     def step(self) -> list[StepEvent]:
         """schedule -> draft (collect the trees asked for) -> verify, accept and commit (one forward) -> ask
         (the next trees, as soon as acceptance is known); each phase timed into the step's report. A step
