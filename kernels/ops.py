@@ -47,8 +47,8 @@ def triton_ready() -> bool:
 def use_triton(x: torch.Tensor, grad_free: bool = False) -> bool:
     """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins), outside
     torch.compile (inductor fuses the twins itself: runtime.compile) and outside twins(). grad_free: an op no
-    gradient can flow through (integers in, integers out), kernel whatever autograd's mode (the engine's thread
-    runs with it on)."""
+    gradient can flow through (integers in, integers out): the kernel whatever autograd's mode (the engine's step
+    turns it off: Engine.step)."""
     return (x.is_cuda and (grad_free or not torch.is_grad_enabled()) and not _twins_forced
             and not torch.compiler.is_compiling() and _triton() is not None)
 
