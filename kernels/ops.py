@@ -44,12 +44,11 @@ def triton_ready() -> bool:
     return _triton() is not None
 
 
-def use_triton(x: torch.Tensor, grad_free: bool = False) -> bool:
-    """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins), outside
-    torch.compile (inductor fuses the twins itself: runtime.compile) and outside twins(). grad_free: an op no
-    gradient can flow through (integers in, integers out): the kernel whatever autograd's mode (the engine's step
-    turns it off: Engine.step)."""
-    return (x.is_cuda and (grad_free or not torch.is_grad_enabled()) and not _twins_forced
+def use_triton(x: torch.Tensor) -> bool:
+    """CUDA tensors outside autograd (the kernels have no backward; the head trainer gets the twins; the engine's
+    step turns autograd off: Engine.step), outside torch.compile (inductor fuses the twins itself: runtime.compile)
+    and outside twins()."""
+    return (x.is_cuda and not torch.is_grad_enabled() and not _twins_forced
             and not torch.compiler.is_compiling() and _triton() is not None)
 
 
@@ -128,7 +127,7 @@ def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 def chain_acceptance(targets: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, n: int) -> torch.Tensor:
     """Verified chains' accepted drafts, accepted rows and lengths after acceptance, [3, B], in one kernel
     (kernels.torch_ops.chain_acceptance: five ops there)."""
-    if use_triton(targets, grad_free=True) and all(t.is_contiguous() for t in (targets, input_ids, lengths)):
+    if use_triton(targets) and all(t.is_contiguous() for t in (targets, input_ids, lengths)):
         return _triton().chain_acceptance(targets, input_ids, lengths, n)
     return torch_ops.chain_acceptance(targets, input_ids, lengths, n)
 
