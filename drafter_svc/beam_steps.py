@@ -16,6 +16,7 @@ import torch
 
 from splitspec.runtime.batch import SequenceInput, device_tensor
 from splitspec.runtime.draft_loop import DraftLoop
+from splitspec.runtime.inference import inference
 from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.runner import ModelRunner
@@ -235,7 +236,7 @@ class ModelBets:
         self.current.pop(request_id, None)
         self.bets.pop(request_id, None)
 
-    @torch.inference_mode()
+    @inference
     def draft_bets(self, request_ids: list[str], num_bets: int) -> list[list[Bet]]:
         try:
             return self._draft_bets(request_ids, num_bets)

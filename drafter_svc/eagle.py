@@ -24,6 +24,7 @@ from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for, launch_beam_draft
 from splitspec.runtime.batch import SequenceInput, device_tensor
+from splitspec.runtime.inference import inference
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.runner import ModelRunner
@@ -209,7 +210,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             logits, features = _roots(asked, self.runner.model)
         return [(i, s, b) for i, s, b, _ in asked], logits, features
 
-    @torch.inference_mode()
+    @inference
     def draft(self, request_ids: list[str], max_nodes: list[int], guides: list | None = None) -> list[DraftTree | None]:
         """guides: per request a grammar guide or None (takes_guides): a guided request drafts on the host, its
         candidates masked to its grammar at every step (beam_steps.beam_trees)."""
@@ -227,7 +228,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
             out[i] = tree
         return out
 
-    @torch.inference_mode()
+    @inference
     def launch(self, request_ids: list[str], max_nodes: list[int]) -> LaunchedDraft:
         """draft() queued on the device (runtime.launched_draft): the catch-up and the draft loop launched, the trees
         finished when asked; a top-1 draft's chains readable on the device meanwhile."""
@@ -247,7 +248,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
                                      [s.last_token for _, s, _ in asked], logits, [s.table for _, s, _ in asked],
                                      [b for _, _, b in asked], features)
 
-    @torch.inference_mode()
+    @inference
     def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens: torch.Tensor, features: torch.Tensor,
                        acceptance: torch.Tensor) -> bool:
         """The catch-up of a step's verified chains queued before their acceptance reaches the host: tokens [B, n]

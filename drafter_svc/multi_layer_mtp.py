@@ -20,6 +20,7 @@ import torch
 
 from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.inference import inference
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner
 from splitspec.runtime.tree import DraftTree
@@ -85,7 +86,7 @@ class MultiLayerMtpDrafter(HiddenStateDrafter):
         does too, but keeping one row fewer means a repeated ask still has the root row to compute)."""
         return max(0, len(s.tokens) - 1 - self.num_steps)
 
-    @torch.inference_mode()
+    @inference
     def draft(self, request_ids: list[str], max_nodes: list[int]) -> list[DraftTree | None]:
         """Asks with a budget below 2 (the verifier feeding a prompt chunk by chunk) only catch up on their
         verified rows, so that a long prompt is not all computed at its first real ask."""

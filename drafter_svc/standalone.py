@@ -16,6 +16,7 @@ import torch
 
 from splitspec.drafter_svc.base import Drafter
 from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for, launch_beam_draft
+from splitspec.runtime.inference import inference
 from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.batch import SequenceInput
 from splitspec.runtime.kv_cache import BlockTable
@@ -83,7 +84,7 @@ class StandaloneDrafter(ModelBets, Drafter):
         return [(i, r, min(self.num_draft_tokens, budget)) for i, (r, budget) in enumerate(zip(request_ids, max_nodes))
                 if budget >= 2]
 
-    @torch.inference_mode()
+    @inference
     def draft(self, request_ids: list[str], max_nodes: list[int], guides: list | None = None) -> list[DraftTree | None]:
         """guides: as EagleDrafter.draft's."""
         asked = self._asked(request_ids, max_nodes)
@@ -100,7 +101,7 @@ class StandaloneDrafter(ModelBets, Drafter):
             out[i] = tree
         return out
 
-    @torch.inference_mode()
+    @inference
     def launch(self, request_ids: list[str], max_nodes: list[int]) -> LaunchedDraft:
         """draft() queued on the device (as EagleDrafter.launch)."""
         asked = self._asked(request_ids, max_nodes)

@@ -102,6 +102,9 @@ class InProcessDrafterClient(DrafterClient):
         super().__init__()
         self.drafter = drafter
         self.needs_hidden_states = getattr(drafter, "needs_hidden_states", False)
+        loop = getattr(drafter, "loop", None)
+        if loop is not None:  # no bets are drafted in this process: a launch keeps no copy of its best path's outputs
+            loop.keep_path_hidden = False
         self._asked: dict[str, int] = {}  # request id -> tree budget
         self._guides: dict[str, object] = {}  # request id -> its grammar's guide (DraftAsk.guide)
         self._broken: set[str] = set()

@@ -25,6 +25,7 @@ import torch
 from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import FEED_EVERY
 from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.inference import inference
 from splitspec.runtime.launched_draft import PendingChain, write_chains
 from splitspec.runtime.penalties import apply_penalties
 from splitspec.runtime.runner import ModelRunner
@@ -127,7 +128,9 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
             torch.cuda.synchronize(self.runner.device)
         return time.perf_counter()
 
-    @torch.no_grad()  # nothing here trains: the kernels the step calls itself (sampling, acceptance) run as kernels
+    # nothing here trains: the kernels the step calls itself (sampling, acceptance) run as kernels, and the forwards and
+    # drafts it calls find inference mode on (runtime.inference: no enter and exit of their own)
+    @inference
     def step(self) -> list[StepEvent]:
         """schedule -> draft (collect the trees asked for) -> verify, accept and commit (one forward) -> ask
         (the next trees, as soon as acceptance is known); each phase timed into the step's report. A step
@@ -349,10 +352,15 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
             starts = list(itertools.accumulate(batch.attention.q_lens, initial=0))
             write_chains(batch.input_ids, [starts[i] for i, _ in chains], [c for _, c in chains],
                          self.runner.config.vocab_size)
-        output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers)
+        # a step caught up ahead reads the verification graph's own outputs (no clones): its logits within the step,
+        # its states by the catch-up queued right behind it; a catch-up the drafter declines keeps a copy of them
+        output = self.runner.forward(batch, return_hidden=self.needs_hidden and not self.runner.capture_layers,
+                                     borrow=ahead is not None)
         features = output.aux_hidden_states if self.runner.capture_layers else output.hidden_states
         if ahead is not None:
             ahead.launch(self.spec, self.drafter, batch, output.logits, features)
+            if not ahead.caught_up and features is not None:
+                features = features.clone()
         # the forward is queued on the device: the drafter's deferred bookkeeping and the caller's host work run
         # under it (on a CPU device the forward has run already: they cost what they cost, after it)
         began = time.perf_counter()

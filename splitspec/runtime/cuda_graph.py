@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from splitspec.runtime.attention.base import AttentionBatch
+from splitspec.runtime.inference import inference
 from splitspec.runtime.tree import tree_mask
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class StepGraphs:
             self.capture_seconds.pop(q, None)
             self.memory_bytes.pop(q, None)
 
-    @torch.inference_mode()
+    @inference
     def capture(self, q: int = 1, width: int = 0, max_rows: int | None = None) -> None:
         """Capture every batch size for requests of q new tokens (1: decode; more: trees of q nodes), fed
         features of this width (0: none; a head's catch-ups and bets); max_rows: only the batch sizes of at most

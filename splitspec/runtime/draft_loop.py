@@ -29,8 +29,10 @@ import torch
 
 from splitspec import kernels
 from splitspec.device_profile import phase as device_phase
+from splitspec.runtime.batch import to_device
 from splitspec.runtime.cuda_graph import capture_sizes, warm_and_capture
-from splitspec.runtime.host_tensors import copy_to_host
+from splitspec.runtime.host_tensors import copy_to_host, host_tensor
+from splitspec.runtime.inference import inference
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.tree import NO_NODE, DraftTree, parents_from_selection
 
@@ -85,6 +87,8 @@ class DraftLoop:
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
         self.replays = 0
+        # LoopRun.path_hidden kept (a copy a launch) for overlap's bets; off where none are made (the verifier's process)
+        self.keep_path_hidden = True
         self._scratch: list[int] = []
 
     @property
@@ -206,21 +210,21 @@ class DraftLoop:
         return path_tokens, torch.cat(hidden[::-1], 1)
 
     # driving it ------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def run(self, roots: list[int], root_logits: torch.Tensor, root_features: torch.Tensor | None,
             tables: list[BlockTable], budgets: list[int]) -> list[DraftTree]:
         """Trees of at most budgets[i] (<= num_draft_tokens) nodes for requests whose committed keys (the
         root's row last) are in tables; root_logits [B, V], root_features [B, H] (heads)."""
         return self.launch(roots, root_logits, root_features, tables, budgets).finish()
 
-    @torch.inference_mode()
+    @inference
     def launch(self, roots: list[int], root_logits: torch.Tensor, root_features: torch.Tensor | None,
                tables: list[BlockTable], budgets: list[int]) -> "LoopRun":
         """run()'s draft queued on the device with its copy to the host, not waited for: LoopRun.finish() gives the
         trees. Meanwhile the host may queue work that reads the drafts on the device (LoopRun.chain_tokens)."""
         return self._launch(roots, root_logits, root_features, tables, budgets, [t.num_tokens for t in tables], None)
 
-    @torch.inference_mode()
+    @inference
     def launch_ahead(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, tables: list[BlockTable],
                      upper: list[int], lengths: torch.Tensor, budgets: list[int]) -> "LoopRun | None":
         """launch() for requests whose committed keys are known on the device only (lengths [B], a catch-up ahead's:
@@ -241,23 +245,22 @@ class DraftLoop:
                 tables: list[BlockTable], budgets: list[int], kv_lens: list[int],
                 lengths: torch.Tensor | None) -> "LoopRun":
         count = len(roots)
-        positions = torch.tensor([n - 1 for n in kv_lens], dtype=torch.long)
         self.runner.model.rotary_emb.reserve(max(kv_lens) + self.num_steps, self.device)
         graph_bs = next((b for b in sorted(self.graphs) if b >= count), None)
         if self.num_steps == 1:
-            outputs = self._body(root_logits, root_features, positions.to(self.device), None)
+            outputs = self._body(root_logits, root_features, _root_positions(kv_lens, self.device), None)
         elif graph_bs is not None:
             with device_phase("loop.replay"):
-                outputs = self._replay(graph_bs, root_logits, root_features, positions, tables, kv_lens, lengths)
+                outputs = self._replay(graph_bs, root_logits, root_features, tables, kv_lens, lengths)
         else:
             if self.local.shape[2] < count:
                 self.local = self._local_buffer(count)
             plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
-            outputs = self._body(root_logits, root_features, positions.to(self.device, non_blocking=True), plan)
+            outputs = self._body(root_logits, root_features, _root_positions(kv_lens, self.device), plan)
         with device_phase("loop.to_host"):
             host, copied = copy_to_host(outputs[6][:count])
-        # a copy of what later reads need: the next replay overwrites the graph's outputs
-        path_hidden = None if outputs[5] is None else outputs[5][:count].clone()
+        # a copy for overlap's bets (the next replay overwrites the graph's outputs), where a drafter makes them
+        path_hidden = None if outputs[5] is None or not self.keep_path_hidden else outputs[5][:count].clone()
         chain = outputs[1][:count] if self.topk == 1 else None
         return LoopRun(self, list(roots), list(budgets), host, copied, outputs[3].shape[1], path_hidden, chain)
 
@@ -282,7 +285,7 @@ class DraftLoop:
         return trees
 
     # CUDA graphs -----------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def capture(self, max_bs: int) -> None:
         """One graph per batch size of SGLang's ladder up to max_bs: all S-1 steps and the ranking."""
         if self.num_steps == 1 or self.device.type != "cuda":
@@ -326,7 +329,7 @@ class DraftLoop:
         pad = bs - len(kv_lens)
         return kv_lens + [1] * pad, pages + [self._scratch] * pad, [self.topk] * bs
 
-    def _replay(self, bs: int, root_logits, root_features, positions, tables, kv_lens: list[int],
+    def _replay(self, bs: int, root_logits, root_features, tables, kv_lens: list[int],
                 lengths: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         """lengths: each request's key count on the device (launch_ahead's), at most kv_lens, which the plan was made for."""
         entry = self.graphs[bs]
@@ -335,7 +338,7 @@ class DraftLoop:
         backend.plan_prefix(*self._padding(bs, kv_lens, [t.pages for t in tables]), state=entry.prefix_state)
         self.static_logits[:count].copy_(root_logits)
         if lengths is None:
-            self.static_positions[:count].copy_(positions, non_blocking=True)
+            self.static_positions[:count].copy_(_root_positions(kv_lens, None), non_blocking=True)
         else:  # after the plan's own copy of the arena, in stream order
             backend.prefix_key_lengths(entry.prefix_state)[:count].copy_(lengths)
             torch.sub(lengths, 1, out=self.static_positions[:count])
@@ -347,6 +350,12 @@ class DraftLoop:
         entry.graph.replay()
         self.replays += 1
         return entry.outputs
+
+
+def _root_positions(kv_lens: list[int], device: torch.device | None) -> torch.Tensor:
+    """Each root's position (its key count - 1), on the device (None: on the host)."""
+    positions = host_tensor([n - 1 for n in kv_lens])
+    return positions if device is None else to_device(positions, device)
 
 
 class LoopRun:

@@ -30,6 +30,7 @@ import time
 import torch
 
 from splitspec.runtime.cuda_graph import collector_paused
+from splitspec.runtime.inference import inference
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(self.max_tokens, dtype=torch.long, device=device)
         self.out = torch.zeros(self.max_tokens, config.q_size, dtype=runner.dtype, device=device)
 
-    @torch.inference_mode()
+    @inference
     def capture(self) -> None:
         """Capture every size, largest first, in a memory pool of their own."""
         runner, device = self.runner, self.runner.device

@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from splitspec.runtime.cuda_graph import StepGraphs, graph_outputs, warm_and_capture
+from splitspec.runtime.inference import inference
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class PromptGraphs:
         cu = batch.cu_logits
         return q if all(cu[i + 1] - cu[i] <= 1 for i in range(attention.num_requests)) else None
 
-    @torch.inference_mode()
+    @inference
     def capture(self) -> None:
         """Every q of SIZES up to max_tokens, each at the decode ladder's batch sizes whose rows fit max_tokens
         (batch 1 always), largest first, in StepGraphs' pool."""

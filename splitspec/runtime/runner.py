@@ -21,6 +21,7 @@ from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_b
 from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
 from splitspec.runtime.host_threads import one_thread_for_gpu, wide_forwards
 from splitspec.runtime.hub import resolve_model_dir
+from splitspec.runtime.inference import inference
 from splitspec.runtime.kv_cache import BlockTable, KVCache, OutOfPagesError
 from splitspec.runtime import quantization
 from splitspec.runtime.loader import load_model
@@ -416,7 +417,7 @@ class ModelRunner:
         return ForwardOutput(output.logits, None if output.hidden_states is None else output.hidden_states[:rows],
                              None if output.aux_hidden_states is None else output.aux_hidden_states[:rows])
 
-    @torch.inference_mode()
+    @inference
     def forward(self, batch: ForwardBatch, return_hidden: bool = False, features: torch.Tensor | None = None,
                 draft_layer: int | None = None, borrow: bool = False) -> ForwardOutput:
         """features [T, F]: one per new token, for models that take them (draft heads); draft_layer: which
