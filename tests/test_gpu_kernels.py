@@ -626,3 +626,21 @@ def test_head_catch_up_graphs_equal_eager(graph_attention):
     compare([32, 32], wide, "last")  # within max_rows
     compare([32, 32, 32], wide, "last", replay=False)  # past it: eager
     assert bool(paged_plans(graphed.backend).get("causal")) == (graph_attention == "triton")
+
+
+def test_copy_to_host_records_on_the_current_stream():
+    """copy_to_host's event is recorded on whatever stream is current (its cached Stream object is remade when the
+    current stream changes), so waiting on it means the copy is done."""
+    from splitspec.runtime.host_tensors import copy_to_host, current_stream
+
+    x = torch.arange(1 << 20, device="cuda")
+    assert current_stream(None).stream_id == torch.cuda.current_stream().stream_id
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 2
+        assert current_stream(x.device.index).stream_id == side.stream_id
+        host, copied = copy_to_host(y)
+    copied.synchronize()
+    assert torch.equal(host, (x * 2).cpu())
+    assert current_stream(x.device.index).stream_id == torch.cuda.current_stream().stream_id
