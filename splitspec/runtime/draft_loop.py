@@ -60,8 +60,10 @@ class _Cascade:
 
 
 class _Graph:
-    def __init__(self, graph, prefix_state, outputs):
+    def __init__(self, graph, prefix_state, outputs, positions_in_graph: bool = False):
         self.graph, self.prefix_state, self.outputs = graph, prefix_state, outputs
+        # the roots' positions computed in the graph from the key counts its attention reads (no copy, no op a launch)
+        self.positions_in_graph = positions_in_graph
 
 
 class DraftLoop:
@@ -112,8 +114,8 @@ class DraftLoop:
     def _ids(self, indices: torch.Tensor) -> torch.Tensor:
         return indices if self.token_map is None else self.token_map[indices]
 
-    def _body(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, root_positions: torch.Tensor,
-              plan: object) -> tuple[torch.Tensor, ...]:
+    def _body(self, root_logits: torch.Tensor, root_features: torch.Tensor | None, root_positions: torch.Tensor | None,
+              plan: object, key_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """Steps 0..S-1 and the ranking for bs requests (the batch size of root_logits [bs, V]): the kept candidates'
         order, tokens and scores, the parents, the best path's tokens and (heads) outputs, and the host's row of the
         first five as doubles [bs, width].
@@ -123,6 +125,8 @@ class DraftLoop:
         in the capture; until that was found, top-k > 1 drafts ran every kernel's torch twin)."""
         model, topk = self.runner.model, self.topk
         bs = root_logits.shape[0]
+        if root_positions is None:  # each root's position is its key count - 1 (key_lengths [bs], int32)
+            root_positions = torch.sub(key_lengths, 1).long()
         ones = torch.ones(bs, dtype=torch.float32, device=root_logits.device)
         scores, index = kernels.draft_topk(root_logits.float(), ones, topk)  # [bs, K]
         tokens = self._ids(index)
@@ -316,9 +320,13 @@ class DraftLoop:
             state = runner.backend.prefix_graph_state(bs, bs * self.topk, max(kv.num_pages, bs * per_request) + bs)
             plan = runner.backend.plan_prefix(*self._padding(bs, [], []), state=state)
             features = None if self.static_features is None else self.static_features[:bs]
-            args = (self.static_logits[:bs], features, self.static_positions[:bs], plan)
+            # where the prefix attention reads its key counts as it runs (our Triton kernel), the roots' positions
+            # are computed from them in the graph; FlashInfer's plans do not keep them on the device
+            lengths = runner.backend.prefix_key_lengths(state)
+            args = (self.static_logits[:bs], features, None if lengths is not None else self.static_positions[:bs],
+                    plan, None if lengths is None else lengths[:bs])
             graph, outputs = warm_and_capture(lambda: self._body(*args), pool, stream, self.device)
-            self.graphs[bs] = _Graph(graph, state, outputs)
+            self.graphs[bs] = _Graph(graph, state, outputs, positions_in_graph=lengths is not None)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured CUDA graphs of the whole %d-step draft (top-%d, %d tree nodes) for batch sizes %s "
@@ -337,16 +345,19 @@ class DraftLoop:
         backend = self.runner.backend
         backend.plan_prefix(*self._padding(bs, kv_lens, [t.pages for t in tables]), state=entry.prefix_state)
         self.static_logits[:count].copy_(root_logits)
-        if lengths is None:
-            self.static_positions[:count].copy_(_root_positions(kv_lens, None), non_blocking=True)
-        else:  # after the plan's own copy of the arena, in stream order
+        if lengths is not None:  # after the plan's own copy of the arena, in stream order
             backend.prefix_key_lengths(entry.prefix_state)[:count].copy_(lengths)
-            torch.sub(lengths, 1, out=self.static_positions[:count])
+        if not entry.positions_in_graph:
+            if lengths is None:
+                self.static_positions[:count].copy_(_root_positions(kv_lens, None), non_blocking=True)
+            else:
+                torch.sub(lengths, 1, out=self.static_positions[:count])
+            if bs > count:
+                self.static_positions[count:bs].zero_()
         if self.static_features is not None:
             self.static_features[:count].copy_(root_features)
         if bs > count:
             self.static_logits[count:bs].zero_()
-            self.static_positions[count:bs].zero_()
         entry.graph.replay()
         self.replays += 1
         return entry.outputs
