@@ -439,7 +439,7 @@ def test_an_engine_failure_ends_requests_with_an_error_instead_of_hanging():
     target = demo_model_dirs()["target"]
     runner = ModelRunner.load(RuntimeConfig(model_path=str(target), dtype="float32", device="cpu", max_total_tokens=1024))
 
-    def broken_forward(batch, return_hidden=False):
+    def broken_forward(batch, **kwargs):  # what the engine passes: return_hidden, borrow
         raise RuntimeError("simulated device failure")
 
     runner.forward = broken_forward
