@@ -39,8 +39,11 @@ def current_stream(device_index: int | None) -> "torch.cuda.Stream":
     is read (one C call) and the object made for that id last is reused. An event recorded behind a copy needs the
     stream; torch.cuda.current_stream's Python (device index resolution, a new object) cost more host time than the
     copy's launch on a lent H100 (twice a drafted step, under cProfile)."""
-    stream_id, index, device_type = torch._C._cuda_getCurrentStream(
-        torch.cuda.current_device() if device_index is None else device_index)
+    try:
+        stream_id, index, device_type = torch._C._cuda_getCurrentStream(
+            torch.cuda.current_device() if device_index is None else device_index)
+    except (AttributeError, TypeError, ValueError):  # torch's private call as it was in 2.11-2.13; else the public one
+        return torch.cuda.current_stream(device_index)
     stream = _STREAMS.get(index)
     if stream is None or stream.stream_id != stream_id:
         stream = _STREAMS[index] = torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=device_type)
