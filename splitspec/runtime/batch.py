@@ -42,12 +42,15 @@ class ForwardBatch:
     this and the overlap's adopted ids: benchmarks/results/ab_h100_0829df2_vs_6d47d44_demo_plain.json)."""
 
     __slots__ = ("host_ids", "host_positions", "host_logits", "attention", "cu_logits", "device", "_ids", "_positions",
-                 "_logits")
+                 "_logits", "max_position")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBatch,
-                 logits_indices: torch.Tensor, cu_logits: list[int], device: torch.device | None = None):
-        """The three tensors on the host (copied to device when read) or already on it (device None: theirs)."""
+                 logits_indices: torch.Tensor, cu_logits: list[int], device: torch.device | None = None,
+                 max_position: int | None = None):
+        """The three tensors on the host (copied to device when read) or already on it (device None: theirs).
+        max_position: the largest of the positions (None: read from them when asked)."""
         self.host_ids, self.host_positions, self.host_logits = input_ids, positions, logits_indices
+        self.max_position = int(positions.max()) if max_position is None else max_position
         self.attention, self.cu_logits = attention, cu_logits
         self.device = input_ids.device if device is None else torch.device(device)
         self._ids = self._positions = self._logits = None
@@ -123,6 +126,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
     input_ids, positions, out_slots, logits_rows = [], [], [], []
     q_lens, kv_lens, page_tables, masks, trees, cu_logits = [], [], [], [], [], [0]
     page_size, short = kv_cache.page_size, []  # short: the slots of the sequences of at most SHORT_SLOTS tokens
+    top = 0  # the largest position (the RoPE cache a forward reserves covers it): Python ints, not a tensor op after
     rows = logit_rows = 0  # new tokens so far, logits rows so far
     # a step's batch holds tens of sequences per forward, several forwards a step: the loop's body is its host cost
     for seq in sequences:
@@ -133,7 +137,12 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         if len(pages) * page_size < end:
             kv_cache.reserve(table, end)
         input_ids += ids
-        positions += seq.positions if seq.positions is not None else range(start, end)
+        if seq.positions is not None:
+            positions += seq.positions
+            top = max(top, max(seq.positions))
+        else:
+            positions += range(start, end)
+            top = max(top, end - 1)
         if q_len <= SHORT_SLOTS:  # a decode's or a tree's few slots: Python ints, one tensor for the whole batch
             first, offset = divmod(start, page_size)
             if offset + q_len <= page_size:  # within one page
@@ -173,7 +182,7 @@ def build_forward_batch(kv_cache: KVCache, sequences: list[SequenceInput], devic
         masks=masks,
         trees=trees,
     )
-    return ForwardBatch(host_tensor(input_ids), positions_t, attention, host_tensor(logits_rows), cu_logits, device)
+    return ForwardBatch(host_tensor(input_ids), positions_t, attention, host_tensor(logits_rows), cu_logits, device, top)
 
 
 def device_tensor(data, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -431,7 +431,7 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch, return_hidden: bool, features: torch.Tensor | None,
                  draft_layer: int | None, borrow: bool = False) -> ForwardOutput:
-        self.model.rotary_emb.reserve(int(batch.attention.positions.max()) + 1, self.device)  # CPU tensor: no sync
+        self.model.rotary_emb.reserve(batch.max_position + 1, self.device)  # found as the batch was built: no tensor op
         if self.cuda_graph_max_bs and draft_layer is None:
             if self.graphs is None and features is None:
                 self.capture_cuda_graphs()
