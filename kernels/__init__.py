@@ -2,6 +2,8 @@
 
     rms_norm(x, weight, eps)                    x / rms(x) * weight (HF's order: fp32 norm, cast, times weight)
     add_rms_norm(x, residual, weight, eps)      residual += x (in x's dtype); returns (rms_norm(residual), residual)
+    rms_norm_pair(a, weight_a, b, weight_b, eps)
+                                                [rms_norm(a), rms_norm(b)] side by side (an EAGLE-3 or MTP head's input)
     silu_and_mul(gate_up)                       silu(gate) * up of a fused [T, 2I] projection
     apply_rope(q, k, cos_cache, sin_cache, positions, rot_dim)
                                                 NeoX rotation of q [T, Hq, D] and k [T, Hkv, D] at positions
@@ -29,8 +31,8 @@ the twin does. Twins are the reference: tests/kernel_checks.py compares the two,
 from __future__ import annotations
 
 from splitspec.kernels.ops import (accept_tree_coins, add_rms_norm, apply_rope, chain_acceptance, draft_topk, gumbel_argmax,
-                                   merge_own_attention, move_kv_slots, paged_attention, quantize_fp8_per_token, rms_norm, rope_and_store, silu_and_mul,
+                                   merge_own_attention, move_kv_slots, paged_attention, quantize_fp8_per_token, rms_norm, rms_norm_pair, rope_and_store, silu_and_mul,
                                    top_k_top_p, tree_mask_bits, twins, use_triton, verify_tree_greedy)
 
 __all__ = ["accept_tree_coins", "add_rms_norm", "apply_rope", "chain_acceptance", "draft_topk", "gumbel_argmax", "merge_own_attention", "move_kv_slots", "paged_attention",
-           "quantize_fp8_per_token", "rms_norm", "rope_and_store", "silu_and_mul", "top_k_top_p", "tree_mask_bits", "twins", "use_triton", "verify_tree_greedy"]
+           "quantize_fp8_per_token", "rms_norm", "rms_norm_pair", "rope_and_store", "silu_and_mul", "top_k_top_p", "tree_mask_bits", "twins", "use_triton", "verify_tree_greedy"]

@@ -65,6 +65,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return torch_ops.add_rms_norm(x, residual, weight, eps)
 
 
+def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """[rms_norm(a), rms_norm(b)] concatenated on the last dim: one kernel on a GPU (the twin takes three)."""
+    if use_triton(a) and a.shape == b.shape and a.dtype == b.dtype == weight_a.dtype == weight_b.dtype:
+        return _triton().rms_norm_pair(a, weight_a, b, weight_b, eps)
+    return torch_ops.rms_norm_pair(a, weight_a, b, weight_b, eps)
+
+
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (float8_e4m3fn [T, K], scale [T, 1] float32): dynamic per-token FP8 quantization of
     activations, one kernel on a GPU (the twin takes seven)."""

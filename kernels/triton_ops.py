@@ -54,6 +54,39 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
+def _rms_norm_pair_kernel(a_ptr, b_ptr, wa_ptr, wb_ptr, out_ptr, stride_a, stride_b, stride_out, n, eps,
+                          BLOCK: tl.constexpr):
+    """Row program_id(0) of a (program_id(1) 0) or of b (1), each normalised with its own weight, into its half of
+    the row: rms_norm_pair's one launch for what two norms and a concatenation took three."""
+    row = tl.program_id(0)
+    side = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    keep = cols < n
+    if side == 0:
+        x = tl.load(a_ptr + row * stride_a + cols, mask=keep, other=0.0)
+        w = tl.load(wa_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(b_ptr + row * stride_b + cols, mask=keep, other=0.0)
+        w = tl.load(wb_ptr + cols, mask=keep, other=0.0).to(tl.float32)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
+    y = (h * rstd).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + side * n + cols, (y * w).to(x.dtype), mask=keep)
+
+
+def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, b: torch.Tensor, weight_b: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    rows_a, rows_b = _rows(a), _rows(b)
+    n = rows_a.shape[1]
+    out = torch.empty(rows_a.shape[0], 2 * n, dtype=a.dtype, device=a.device)
+    block = triton.next_power_of_2(n)
+    _rms_norm_pair_kernel[(rows_a.shape[0], 2)](rows_a, rows_b, weight_a, weight_b, out, rows_a.stride(0),
+                                                rows_b.stride(0), out.stride(0), n, eps, BLOCK=block,
+                                                num_warps=min(max(block // 256, 1), 16))
+    return out.view(*a.shape[:-1], 2 * n)
+
+
+@triton.jit
 def _quantize_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, fp8_max, min_scale, N: tl.constexpr,
                          BLOCK: tl.constexpr):
     """One row: max |x| (first pass), then x / (max / fp8_max) saturated and rounded to float8 e4m3 (second pass).

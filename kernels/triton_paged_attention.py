@@ -37,7 +37,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
                             so_h, scale_log2, num_kv_heads, splits, min_chunk, max_rows, words, MODE: tl.constexpr,
                             PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                             BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            WRITE_LSE: tl.constexpr, IEEE: tl.constexpr):
+                            WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, ONE_WORD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -60,6 +60,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
                 mask=live_r[:, None] & live_d[None, :], other=0.0)
     prefix = kv_len - n_q  # keys before the request's new tokens
     kv_base = tl.load(kv_indptr_ptr + b)
+    row_word = i * 0
+    if MODE == 2:
+        if ONE_WORD:  # a tree of up to 16 nodes: each row's ancestor bits are one word, read once (not per key)
+            row_word = tl.load(anc_ptr + b * max_rows + i, mask=live_r, other=0)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BLOCK_D], tl.float32)
@@ -78,7 +82,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale_log2
-        seen = _seen(live_r[:, None] & live_j[None, :], i, j, prefix, anc_ptr + b * max_rows * words, words, MODE)
+        seen = _seen(live_r[:, None] & live_j[None, :], i, j, prefix, anc_ptr + b * max_rows * words, words, row_word,
+                     MODE, ONE_WORD)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -114,17 +119,22 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
 
 
 @triton.jit
-def _seen(seen, i, j, prefix, anc_ptr, words, MODE: tl.constexpr):
+def _seen(seen, i, j, prefix, anc_ptr, words, row_word, MODE: tl.constexpr, ONE_WORD: tl.constexpr):
     """Which keys j (columns) each row sees, of those `seen` allows: MODE 0 all, 1 up to its own key (row i is key
-    prefix + i), 2 the prefix and the nodes its ancestor bits name (anc_ptr: the request's [rows, words] words)."""
+    prefix + i), 2 the prefix and the nodes its ancestor bits name (anc_ptr: the request's [rows, words] words; with
+    ONE_WORD, row_word: each row's only word, loaded before the key loop, so no gather lies on a loop step's path)."""
     if MODE == 1:
         seen = seen & (j[None, :] <= prefix + i[:, None])
     if MODE == 2:
         node = j[None, :] - prefix
         in_tree = node >= 0
         nn = tl.where(in_tree, node, 0)
-        word = tl.load(anc_ptr + (i[:, None] * words + nn // 16), mask=seen & in_tree, other=0)
-        seen = seen & ((~in_tree) | (((word >> (nn % 16)) & 1) != 0))
+        if ONE_WORD:  # nn < 16 where in_tree: the tree has at most 16 nodes
+            bit = (row_word[:, None] >> (nn & 15)) & 1
+        else:
+            word = tl.load(anc_ptr + (i[:, None] * words + nn // 16), mask=seen & in_tree, other=0)
+            bit = (word >> (nn % 16)) & 1
+        seen = seen & ((~in_tree) | (bit != 0))
     return seen
 
 
@@ -196,5 +206,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), scale * 1.4426950408889634, kv_heads, splits,
         MIN_CHUNK if min_chunk is None else min_chunk, max_rows, words, MODE=mode, PAGE=page_size, G=group, D=dim,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=triton.next_power_of_2(dim), BLOCK_N=BLOCK_N, WRITE_LSE=want_lse,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        IEEE=q.dtype == torch.float32, ONE_WORD=words == 1, num_warps=4)
     return out, (lse if want_lse else None)

@@ -202,14 +202,15 @@ def _paged_case(g: torch.Generator, rng: random.Random, requests: int, rows: int
 def check_paged_attention(device: str, dtype: torch.dtype) -> int:
     """A few query rows a request over a paged cache (shuffled pages, partly filled last pages) against attention in
     float64 over the gathered keys: beams over a prefix (with their log-sum-exp), causal chains and trees; grouped
-    heads 1, 3 and 4 a key-value head, head sizes 64 and 48; keys in one split and in up to four (each at least 64
+    heads 1, 2, 3 and 4 a key-value head, head sizes 64, 48 and 32, trees of up to 16 nodes and of 20; keys in one split and in up to four (each at least 64
     keys), merged by the last split; the rows past the requests left as they were."""
     g, rng = torch.Generator().manual_seed(17), random.Random(17)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     checked = 0
     for mode in (triton_paged_attention.PREFIX, triton_paged_attention.CAUSAL, triton_paged_attention.TREE):
         for requests, rows, kv_heads, group, dim, page, max_kv, splits in (
-                (1, 6, 2, 3, 64, 16, 300, 4), (3, 4, 2, 4, 48, 4, 90, 1), (2, 8, 1, 1, 64, 16, 200, 3)):
+                (1, 6, 2, 3, 64, 16, 300, 4), (3, 4, 2, 4, 48, 4, 90, 1), (2, 8, 1, 1, 64, 16, 200, 3),
+                (2, 20, 1, 2, 32, 16, 150, 2)):  # 20 rows: a tree's ancestor bits in two words a row
             q, k_cache, v_cache, index, ancestors, used, want_out, want_lse = _paged_case(
                 g, rng, requests, rows, kv_heads, group, dim, page, max_kv, mode, dtype)
             qo, indptr, kv_lens, ids = (t.to(device) for t in index)
@@ -430,6 +431,10 @@ def check_norms_and_activation(device: str, dtype: torch.dtype) -> None:
         want, want_res = torch_ops.add_rms_norm(x, r, w, 1e-5)
         assert torch.equal(got_res, want_res)
         torch.testing.assert_close(got, want, **tol)
+        wide = torch.randn(rows, width + 8, generator=g).to(device, dtype)[:, 4: width + 4]  # rows width + 8 apart
+        pair = triton_ops.rms_norm_pair(x, w, wide, w.flip(0), 1e-5)
+        assert torch.equal(pair, torch.cat([triton_ops.rms_norm(x, w, 1e-5), triton_ops.rms_norm(wide, w.flip(0), 1e-5)], -1))
+        torch.testing.assert_close(pair, torch_ops.rms_norm_pair(x, w, wide, w.flip(0), 1e-5), **tol)
         gate_up = torch.randn(rows, 2 * width, generator=g).to(device, dtype)
         torch.testing.assert_close(triton_ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), **tol)
 

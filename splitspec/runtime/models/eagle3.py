@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend
 from splitspec.runtime.config import ConfigError, ModelConfig
 from splitspec.runtime.layers import RMSNorm
@@ -62,7 +63,8 @@ class Eagle3FirstLayer(DecoderLayer):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)
+        # [input_layernorm(embeds), hidden_norm(h)]: one kernel on a GPU, not two norms and a concatenation
+        x = kernels.rms_norm_pair(embeds, self.input_layernorm.weight, h, self.hidden_norm.weight, self.hidden_norm.eps)
         normed, x = self.post_attention_layernorm(self.self_attn(positions, x, ctx), h)  # x = h + attention, fused
         return x + self.mlp(normed)
 

@@ -20,6 +20,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from splitspec import kernels
 from splitspec.runtime.attention.base import AttentionBackend
 from splitspec.runtime.config import ConfigError, ModelConfig
 from splitspec.runtime.layers import RMSNorm
@@ -37,7 +38,8 @@ class MtpLayer(DecoderLayer):
         self.final_layernorm = RMSNorm(hidden, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.input_proj(torch.cat([self.hidden_layernorm(h), self.token_layernorm(embeds)], dim=-1))
+        x = self.input_proj(kernels.rms_norm_pair(h, self.hidden_layernorm.weight, embeds, self.token_layernorm.weight,
+                                                  self.token_layernorm.eps))
         return self.final_layernorm(super().forward(positions, x, ctx))
 
 
