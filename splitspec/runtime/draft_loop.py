@@ -145,7 +145,8 @@ class DraftLoop:
             beam_tokens.append(tokens)
             beam_hidden.append(hidden.view(bs, topk, -1))
             # each beam's top-K children, scored beam score x probability: [bs*K, K] -> [bs, K*K]
-            candidates, top_index = kernels.draft_topk(model.logits(hidden), scores.reshape(-1), topk)
+            # the logits as the head computes them: the top-k kernel reads them as fp32 (no upcast copy a step)
+            candidates, top_index = kernels.draft_topk(model.logits(hidden, upcast=False), scores.reshape(-1), topk)
             candidates = candidates.view(bs, topk * topk)
             step_tokens = self._ids(top_index).view(bs, topk * topk)
             flat_scores.append(candidates)

@@ -71,5 +71,6 @@ class EagleHead(nn.Module):
         x = self.layers[0](positions, x, ctx)
         return x, []
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = nn.functional.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        return logits.float() if upcast else logits

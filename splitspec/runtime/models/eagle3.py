@@ -145,5 +145,7 @@ class Eagle3Head(nn.Module):
             x = layer(positions, x, ctx)
         return x, []
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype))).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[N, H] -> [N, draft vocabulary] logits, fp32 (upcast) or in the head's dtype (a reader that upcasts itself)."""
+        logits = self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))
+        return logits.float() if upcast else logits

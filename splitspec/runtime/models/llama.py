@@ -150,7 +150,9 @@ class LlamaForCausalLM(nn.Module):
         """FR-Spec: logits() gives only these ids' logits, in this order (a draft model's cut head)."""
         self.hot_head = self.lm_head_weight[token_ids.to(self.lm_head_weight.device)].contiguous()
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] fp32 logits ([N, R] after set_hot_tokens)."""
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[N, H] -> [N, V] logits ([N, R] after set_hot_tokens): fp32, or in the model's dtype with upcast False (for a
+        reader that upcasts as it reads: a draft loop's top-k kernel, spared a copy a step)."""
         weight = getattr(self, "hot_head", None)
-        return torch.nn.functional.linear(hidden, self.lm_head_weight if weight is None else weight).float()
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight if weight is None else weight)
+        return logits.float() if upcast else logits

@@ -87,6 +87,7 @@ class MtpHead(nn.Module):
         embeds = embeds.masked_fill((positions == 0)[:, None], 0.0)
         return layer(positions, embeds, features.to(dtype), ctx), []
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight).float()
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        logits = nn.functional.linear(hidden.to(self.lm_head_weight.dtype), self.lm_head_weight)
+        return logits.float() if upcast else logits
 
