@@ -49,11 +49,13 @@ class _Cascade:
 
     def run_rope(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: object, rope,
                  positions: torch.Tensor) -> torch.Tensor:
-        q, k = rope.rotate(q, k, positions)
-        bs, topk, depth = self.batch_size, self.loop.topk, self.depth
-        local = self.loop.local[layer_id, :, :bs]  # [2, bs, K, S-1, Hkv, D]
-        local[0, :, :, depth - 1] = k.view(bs, topk, *k.shape[1:]).to(local.dtype)
-        local[1, :, :, depth - 1] = v.view(bs, topk, *v.shape[1:]).to(local.dtype)
+        bs, depth = self.batch_size, self.depth
+        layer = self.loop.local[layer_id]  # [2, B, K, S-1, Hkv, D]
+        # q and k rotated, and k and v written to this step's column of the beams' own keys, in one kernel (on a GPU)
+        flat_k, flat_v = (layer[i].view(-1, *layer.shape[-2:]) for i in (0, 1))
+        q = kernels.rope_and_store(q, k, v, rope.cos_cache, rope.sin_cache, positions, rope.rot_dim, flat_k, flat_v,
+                                   self.loop.own_slots[depth - 1, : bs * self.loop.topk])
+        local = layer[:, :bs]  # [2, bs, K, S-1, Hkv, D]
         out_prefix, lse_prefix = self.backend.attend_prefix(layer_id, q, plan)
         keys, values = (local[i, :, :, :depth].flatten(0, 1) for i in (0, 1))  # [bs*K, depth, Hkv, D]
         return kernels.merge_own_attention(q, keys, values, out_prefix, lse_prefix, self.scaling)
@@ -85,7 +87,7 @@ class DraftLoop:
             num_steps - 1, 1, topk).contiguous()
         self._chain_order = torch.arange(self.keep, device=self.device)
         self._chain_parents = torch.arange(1, max(num_steps - 1, 1), device=self.device)
-        self.local = self._local_buffer(1)
+        self.local = self._local_buffer(1)  # and self.own_slots
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
         self.replays = 0
@@ -106,8 +108,13 @@ class DraftLoop:
         return self._id_bound
 
     def _local_buffer(self, batch_size: int) -> torch.Tensor:
+        """The beams' own keys and values [layers, 2, batch_size, K, S-1, Hkv, D]; own_slots [S-1, batch_size * K] is
+        made with it: the rows of a layer's keys (flattened) where step d writes each beam's (d - 1: column d)."""
         c = self.runner.config
-        return torch.zeros(c.num_hidden_layers, 2, batch_size, self.topk, max(self.num_steps - 1, 1),
+        columns = max(self.num_steps - 1, 1)
+        rows = torch.arange(batch_size * self.topk, device=self.device)
+        self.own_slots = (rows[None, :] * columns + torch.arange(columns, device=self.device)[:, None]).contiguous()
+        return torch.zeros(c.num_hidden_layers, 2, batch_size, self.topk, columns,
                            c.num_key_value_heads, c.head_dim, dtype=self.runner.dtype, device=self.device)
 
     # the steps -------------------------------------------------------------------------------------------
