@@ -143,6 +143,8 @@ def chain_acceptance(targets: torch.Tensor, input_ids: torch.Tensor, lengths: to
 def draft_topk(logits: torch.Tensor, parent_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k most likely tokens and their probabilities times the row's parent score (a draft step's
     candidates: kernels.torch_ops.draft_topk). Ties: the kernel takes the lower token id first."""
+    if parent_scores.numel() != logits.shape[0]:  # the kernel reads one a row (the twin would broadcast one)
+        raise ValueError(f"draft_topk: {parent_scores.numel()} parent scores for {logits.shape[0]} rows of logits")
     if use_triton(logits) and logits.dtype in FLOATS and logits.stride(-1) == 1:  # read as float32 in the kernel
         return _triton().draft_topk(logits, parent_scores, k)
     return torch_ops.draft_topk(logits, parent_scores, k)

@@ -20,7 +20,7 @@ from splitspec.runtime.attention.torch_backend import dense_attention
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.runner import ModelRunner, RuntimeConfig
 
-SHAPES = [(1, 3, 4), (2, 4, 8), (4, 3, 10), (3, 5, 16)]  # topk, steps, tree nodes
+SHAPES = [(1, 3, 4), (2, 4, 8), (4, 3, 10), (3, 5, 16), (2, 1, 3)]  # topk, steps, tree nodes (steps 1: roots alone)
 PROMPT_LENGTHS = (5, 17, 33)
 
 

@@ -87,7 +87,7 @@ class DraftLoop:
             num_steps - 1, 1, topk).contiguous()
         self._chain_order = torch.arange(self.keep, device=self.device)
         self._chain_parents = torch.arange(1, max(num_steps - 1, 1), device=self.device)
-        self.local = self._local_buffer(1)  # and self.own_slots
+        self.local = self._local_buffer(1)  # and self.own_slots, self.ones
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
         self.replays = 0
@@ -109,11 +109,13 @@ class DraftLoop:
 
     def _local_buffer(self, batch_size: int) -> torch.Tensor:
         """The beams' own keys and values [layers, 2, batch_size, K, S-1, Hkv, D]; own_slots [S-1, batch_size * K] is
-        made with it: the rows of a layer's keys (flattened) where step d writes each beam's (d - 1: column d)."""
+        made with it: the rows of a layer's keys (flattened) where step d writes each beam's (d - 1: column d); and
+        ones [batch_size], the roots' scores (made here, not in a graph: a fill a replay)."""
         c = self.runner.config
         columns = max(self.num_steps - 1, 1)
         rows = torch.arange(batch_size * self.topk, device=self.device)
         self.own_slots = (rows[None, :] * columns + torch.arange(columns, device=self.device)[:, None]).contiguous()
+        self.ones = torch.ones(batch_size, dtype=torch.float32, device=self.device)
         return torch.zeros(c.num_hidden_layers, 2, batch_size, self.topk, columns,
                            c.num_key_value_heads, c.head_dim, dtype=self.runner.dtype, device=self.device)
 
@@ -134,8 +136,7 @@ class DraftLoop:
         bs = root_logits.shape[0]
         if root_positions is None:  # each root's position is its key count - 1 (key_lengths [bs], int32)
             root_positions = torch.sub(key_lengths, 1).long()
-        ones = torch.ones(bs, dtype=torch.float32, device=root_logits.device)
-        scores, index = kernels.draft_topk(root_logits.float(), ones, topk)  # [bs, K]
+        scores, index = kernels.draft_topk(root_logits.float(), self.ones[:bs], topk)  # [bs, K]
         tokens = self._ids(index)
         flat_scores, flat_tokens, parent_list = [scores], [tokens], []
         features = None if root_features is None else root_features[:, None].expand(bs, topk, root_features.shape[-1])
@@ -259,14 +260,14 @@ class DraftLoop:
         count = len(roots)
         self.runner.model.rotary_emb.reserve(max(kv_lens) + self.num_steps, self.device)
         graph_bs = next((b for b in sorted(self.graphs) if b >= count), None)
+        if graph_bs is None and self.local.shape[2] < count:  # run eagerly: the buffers (the roots' ones too) for count
+            self.local = self._local_buffer(count)
         if self.num_steps == 1:
             outputs = self._body(root_logits, root_features, _root_positions(kv_lens, self.device), None)
         elif graph_bs is not None:
             with device_phase("loop.replay"):
                 outputs = self._replay(graph_bs, root_logits, root_features, tables, kv_lens, lengths)
         else:
-            if self.local.shape[2] < count:
-                self.local = self._local_buffer(count)
             plan = self.runner.backend.plan_prefix(kv_lens, [t.pages for t in tables], [self.topk] * count)
             outputs = self._body(root_logits, root_features, _root_positions(kv_lens, self.device), plan)
         with device_phase("loop.to_host"):
