@@ -33,11 +33,11 @@ MAX_SPLITS = 16
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, part_lse_ptr, lock_ptr, qo_ptr,
-                            kv_indptr_ptr, kv_len_ptr, ids_ptr, anc_ptr, sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t,
-                            so_h, scale_log2, num_kv_heads, splits, min_chunk, max_rows, words, MODE: tl.constexpr,
-                            PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                            BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                            WRITE_LSE: tl.constexpr, IEEE: tl.constexpr, ONE_WORD: tl.constexpr):
+                            kv_indptr_ptr, kv_len_ptr, ids_ptr, anc_ptr, sq_t, sq_h, sk_s, sk_h, sv_s, sv_h, so_t, so_h,
+                            scale_log2, num_kv_heads, splits, min_chunk, max_rows, words, MODE: tl.constexpr,
+                            PAGE: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G:
+                            tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
+                            IEEE: tl.constexpr, ONE_WORD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -60,16 +60,13 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
                 mask=live_r[:, None] & live_d[None, :], other=0.0)
     prefix = kv_len - n_q  # keys before the request's new tokens
     kv_base = tl.load(kv_indptr_ptr + b)
-    row_word = i * 0
-    if MODE == 2:
-        if ONE_WORD:  # a tree of up to 16 nodes: each row's ancestor bits are one word, read once (not per key)
-            row_word = tl.load(anc_ptr + b * max_rows + i, mask=live_r, other=0)
+    anc = anc_ptr + b * max_rows * words  # the request's ancestor words [rows, words] (a tree's)
+    row_word = _row_words(anc, i, live_r, MODE, ONE_WORD)
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BLOCK_D], tl.float32)
-    start = s * chunk
-    end = tl.minimum(start + chunk, kv_len)
-    for n0 in range(start, end, BLOCK_N):
+    end = tl.minimum(s * chunk + chunk, kv_len)  # this split's keys: s * chunk up to end
+    for n0 in range(s * chunk, end, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         live_j = j < end
         page = tl.load(ids_ptr + kv_base + j // PAGE, mask=live_j, other=0)
@@ -82,8 +79,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale_log2
-        seen = _seen(live_r[:, None] & live_j[None, :], i, j, prefix, anc_ptr + b * max_rows * words, words, row_word,
-                     MODE, ONE_WORD)
+        seen = _seen(live_r[:, None] & live_j[None, :], i, j, prefix, anc, words, row_word, MODE, ONE_WORD)
         scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -116,6 +112,17 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, part_ptr, par
             if WRITE_LSE:
                 tl.store(lse_ptr + (q_start + i) * (num_kv_heads * G) + heads, lse_all * 0.6931471805599453, mask=live_r)
             tl.atomic_xchg(lock_ptr + b * num_kv_heads + h, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _row_words(anc_ptr, i, live_r, MODE: tl.constexpr, ONE_WORD: tl.constexpr):
+    """Each row's one ancestor word in a tree of up to 16 nodes, read once before the key loop (not a gather per key);
+    zeros otherwise."""
+    word = i * 0
+    if MODE == 2:
+        if ONE_WORD:
+            word = tl.load(anc_ptr + i, mask=live_r, other=0)
+    return word
 
 
 @triton.jit
