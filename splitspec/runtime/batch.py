@@ -45,12 +45,12 @@ class ForwardBatch:
                  "_logits", "max_position")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBatch,
-                 logits_indices: torch.Tensor, cu_logits: list[int], device: torch.device | None = None,
-                 max_position: int | None = None):
+                 logits_indices: torch.Tensor, cu_logits: list[int], device: torch.device | None,
+                 max_position: int):
         """The three tensors on the host (copied to device when read) or already on it (device None: theirs).
-        max_position: the largest of the positions (None: read from them when asked)."""
+        max_position: the largest of the positions, found as they were gathered (no tensor op to read it)."""
         self.host_ids, self.host_positions, self.host_logits = input_ids, positions, logits_indices
-        self.max_position = int(positions.max()) if max_position is None else max_position
+        self.max_position = max_position
         self.attention, self.cu_logits = attention, cu_logits
         self.device = input_ids.device if device is None else torch.device(device)
         self._ids = self._positions = self._logits = None

@@ -87,7 +87,7 @@ class DraftLoop:
             num_steps - 1, 1, topk).contiguous()
         self._chain_order = torch.arange(self.keep, device=self.device)
         self._chain_parents = torch.arange(1, max(num_steps - 1, 1), device=self.device)
-        self.local = self._local_buffer(1)  # and self.own_slots, self.ones
+        self._make_buffers(1)  # self.local, self.own_slots, self.ones
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
         self.replays = 0
@@ -107,17 +107,18 @@ class DraftLoop:
                     self._id_bound = self.runner.model.logits(hidden).shape[-1]
         return self._id_bound
 
-    def _local_buffer(self, batch_size: int) -> torch.Tensor:
-        """The beams' own keys and values [layers, 2, batch_size, K, S-1, Hkv, D]; own_slots [S-1, batch_size * K] is
-        made with it: the rows of a layer's keys (flattened) where step d writes each beam's (d - 1: column d); and
-        ones [batch_size], the roots' scores (made here, not in a graph: a fill a replay)."""
+    def _make_buffers(self, batch_size: int) -> None:
+        """The loop's buffers for up to batch_size requests, made outside any graph (a graph reads them in place):
+        local, the beams' own keys and values [layers, 2, batch_size, K, S-1, Hkv, D]; own_slots [S-1, batch_size * K],
+        the rows of a layer's keys (flattened) where step d writes each beam's (d - 1: column d); ones [batch_size],
+        the roots' scores."""
         c = self.runner.config
         columns = max(self.num_steps - 1, 1)
         rows = torch.arange(batch_size * self.topk, device=self.device)
         self.own_slots = (rows[None, :] * columns + torch.arange(columns, device=self.device)[:, None]).contiguous()
         self.ones = torch.ones(batch_size, dtype=torch.float32, device=self.device)
-        return torch.zeros(c.num_hidden_layers, 2, batch_size, self.topk, columns,
-                           c.num_key_value_heads, c.head_dim, dtype=self.runner.dtype, device=self.device)
+        self.local = torch.zeros(c.num_hidden_layers, 2, batch_size, self.topk, columns,
+                                 c.num_key_value_heads, c.head_dim, dtype=self.runner.dtype, device=self.device)
 
     # the steps -------------------------------------------------------------------------------------------
     def _ids(self, indices: torch.Tensor) -> torch.Tensor:
@@ -260,8 +261,8 @@ class DraftLoop:
         count = len(roots)
         self.runner.model.rotary_emb.reserve(max(kv_lens) + self.num_steps, self.device)
         graph_bs = next((b for b in sorted(self.graphs) if b >= count), None)
-        if graph_bs is None and self.local.shape[2] < count:  # run eagerly: the buffers (the roots' ones too) for count
-            self.local = self._local_buffer(count)
+        if graph_bs is None and self.local.shape[2] < count:  # run eagerly: buffers for count requests
+            self._make_buffers(count)
         if self.num_steps == 1:
             outputs = self._body(root_logits, root_features, _root_positions(kv_lens, self.device), None)
         elif graph_bs is not None:
@@ -310,7 +311,7 @@ class DraftLoop:
         runner.model.rotary_emb.reserve(runner.config.max_position_embeddings, self.device)
         sizes = capture_sizes(max_bs)
         max_bs = sizes[-1]
-        self.local = self._local_buffer(max_bs)
+        self._make_buffers(max_bs)
         vocab = runner.model.logits(torch.zeros(1, runner.config.hidden_size, dtype=runner.dtype,
                                                 device=self.device)).shape[-1]
         self.static_logits = torch.zeros(max_bs, vocab, device=self.device)
