@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitspec.runtime.config import ModelConfig
+from splitspec.runtime.host_tensors import host_tensor
 
 
 def slot_list(pages: list[int], page_size: int, start: int, end: int) -> list[int]:
@@ -197,12 +198,16 @@ class KVCache:
         kv = self.layers[layer_id]
         return kv[0].view(-1, self.num_kv_heads, self.head_dim), kv[1].view(-1, self.num_kv_heads, self.head_dim)
 
-    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    def copy_slots(self, src_slots: torch.Tensor | list[int], dst_slots: torch.Tensor | list[int]) -> None:
         """KV of flat slots src -> dst in every layer, as if moved in order (tree commit compacts the accepted
         nodes of every request of a step with one call: no move may read a slot an earlier one wrote)."""
         from splitspec.kernels import ops
 
-        src = torch.as_tensor(src_slots, dtype=torch.long).to(self.device, non_blocking=True)
-        dst = torch.as_tensor(dst_slots, dtype=torch.long).to(self.device, non_blocking=True)
+        if isinstance(src_slots, list) and isinstance(dst_slots, list):  # the engine's lists: one copy for both
+            both = host_tensor(src_slots + dst_slots).to(self.device, non_blocking=True)
+            src, dst = both[: len(src_slots)], both[len(src_slots) :]
+        else:
+            src = torch.as_tensor(src_slots, dtype=torch.long).to(self.device, non_blocking=True)
+            dst = torch.as_tensor(dst_slots, dtype=torch.long).to(self.device, non_blocking=True)
         planes = self.pool.view(self.num_layers * 2, self.num_pages * self.page_size, self.num_kv_heads * self.head_dim)
         ops.move_kv_slots(planes, src, dst)
