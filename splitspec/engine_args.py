@@ -240,3 +240,13 @@ def report(algorithm: str, stats: SpecStats) -> dict:
     return {"algorithm": algorithm, "verify_steps": stats.verify_steps, "draft_tokens": stats.draft_tokens,
             "accepted_tokens": stats.accepted_tokens, "mean_accept_length": round(stats.mean_accept_length, 4),
             "accepted_per_position": stats.accepted_per_position, "fallbacks": stats.fallbacks}
+
+
+def check_context(prompt_lengths: list[int], max_new_tokens: int, context: int, flag: str) -> None:
+    """What the gateway refuses over HTTP (OpenAI's context_length_exceeded), refused in process too: a prompt and its
+    new tokens past the model's context (its max_position_embeddings). Past it a GPU's captured graphs have no room
+    for the request's pages, and the model was never trained there. FlagError names the flag that asks for too much."""
+    longest = max(prompt_lengths, default=0)
+    if longest + max_new_tokens > context:
+        raise FlagError(f"This model's maximum context length is {context} tokens; the longest prompt has {longest} "
+                        f"tokens and {flag} asks for {max_new_tokens} more")

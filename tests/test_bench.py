@@ -200,6 +200,10 @@ def test_bench_refuses_what_it_cannot_measure():
     result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--preset", "quick", "--rounds", "0"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--rounds 0 --first-round 0: at least 1 round" in result.stderr
+    result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--batch-size", "1", "--prompt-len", "128",
+                           "--output-len", "2000"], capture_output=True, text=True, timeout=120)  # the demo target: 2048
+    assert result.returncode == 2 and "maximum context length is 2048 tokens; the longest prompt has 128 tokens and " \
+        "--output-len asks for 2000 more" in result.stderr, result.stderr
     result = lifeline.run([sys.executable, "-P", "-m", "splitspec", "bench", "--url", "http://127.0.0.1:9",
                            "--pause-before-rounds"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--pause-before-rounds is for the in-process bench" in result.stderr

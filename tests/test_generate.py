@@ -135,13 +135,18 @@ def test_cli_input_ids_batch_and_sampling_flags(model_with_tokenizer):
 
 
 def test_cli_rejects_bad_input(model_with_tokenizer):
-    path, _ = model_with_tokenizer
+    path, model = model_with_tokenizer
+    context = model.config.max_position_embeddings
     runs = [("--model-path", str(path), "--input-ids", "1,99999"), ("--model-path", str(path), "--input-ids", "1,x"),
             ("--model-path", str(path)), ("--model-path", "/no/such/dir", "--input-ids", "1"),
             ("--model-path", str(path), "--input-ids", "1,2,3", "--max-new-tokens", "40", "--max-total-tokens", "16",
-             "--page-size", "4")]
+             "--page-size", "4"),
+            ("--model-path", str(path), "--input-ids", "1,2,3", "--max-new-tokens", str(context - 2))]
     with ThreadPoolExecutor(3) as pool:  # separate processes: side by side
-        out_of_vocab, garbage, nothing, missing, small_cache = pool.map(lambda args: run_cli(*args), runs)
+        out_of_vocab, garbage, nothing, missing, small_cache, too_long = pool.map(lambda args: run_cli(*args), runs)
+    # past the model's context, as the gateway refuses it (a GPU's graphs have no pages for it: it crashed there)
+    assert too_long.returncode == 2, too_long.stderr
+    assert f"maximum context length is {context} tokens; the longest prompt has 3 tokens" in too_long.stderr
     assert out_of_vocab.returncode == 2 and "outside the vocabulary" in out_of_vocab.stderr
     assert garbage.returncode == 2 and "comma-separated integers" in garbage.stderr
     assert nothing.returncode == 2 and "--prompt or --input-ids" in nothing.stderr
