@@ -247,6 +247,39 @@ def test_cuda_graph_decode_equals_eager(tmp_path, graph_attention):
 
 
 @needs_flashinfer
+def test_a_tree_past_the_context_leaves_the_graphs_rope_cache_in_place(tmp_path, graph_attention):
+    """A tree verified at a request's limit, the context's end, has nodes past the context (their tokens are dropped at
+    emit). The RoPE cache the graphs captured stays where it is (RotaryEmbedding.reserve_for_graphs): before, it grew for
+    those nodes and every graph went on reading the freed cache. Steps replayed afterwards equal eager ones."""
+    path = checkpoint(tmp_path)
+    eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True)
+    graphed.capture_cuda_graphs(tree_nodes=(6,))
+    rope = graphed.model.rotary_emb
+    cache = rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr()
+    context = graphed.config.max_position_embeddings
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 300, (context - 4,), generator=g).tolist(), [7, 8, 9]]
+    tables = {id(r): [BlockTable() for _ in prompts] for r in (eager, graphed)}
+    for r in (eager, graphed):
+        inputs = [(i, p, None) for i, p in enumerate(prompts)]
+        step(r, tables[id(r)], inputs)
+        commit(r, tables[id(r)], inputs)
+    chain = [-1, 0, 1, 2, 3, 4]  # nodes at positions context - 4 .. context + 1
+    for inputs in ([(0, [11, 12, 13, 14, 15, 16], chain)], [(1, [20], None)], [(1, [21], None)]):
+        before = graphed.graphs.replays
+        for have, want in zip(step(graphed, tables[id(graphed)], inputs), step(eager, tables[id(eager)], inputs)):
+            assert close(have, want) < graph_tolerance(graph_attention)
+        assert graphed.graphs.replays == before + 1
+        assert (rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr()) == cache
+        if inputs[0][0] == 1:
+            commit(eager, tables[id(eager)], inputs)
+            commit(graphed, tables[id(graphed)], inputs)
+        # what a moved cache would have freed, taken and filled by others (before the fix: the next replay read NaNs)
+        junk = [torch.full((1 << 18,), float("nan"), device="cuda") for _ in range(16)]
+        del junk
+
+
+@needs_flashinfer
 @pytest.mark.parametrize("kv_heads", [2, 8], ids=["tensor-core-decode", "cuda-core-decode"])
 def test_graph_replans_equal_flashinfers_own_plans(tmp_path, monkeypatch, kv_heads):
     """A captured graph's wrappers re-planned in one copy (flashinfer_replan) hold exactly what FlashInfer's own plan

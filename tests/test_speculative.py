@@ -593,3 +593,31 @@ def test_a_drafter_failing_on_one_request_does_not_cost_the_others_their_drafts(
         assert_greedy_match(r.output_ids, p.output_ids, reference, chosen[i], f"picky {i}")
     assert requests[0].stats.fallbacks > 0 and requests[0].stats.accepted_tokens == 0
     assert all(r.stats.fallbacks == 0 and r.stats.accepted_tokens > 0 for r in requests[1:])
+
+
+def test_a_request_run_to_the_context_end_stays_within_a_rope_cache_fixed_for_graphs(tmp_path):
+    """A request that decodes up to the model's context verifies, in its last steps, trees whose nodes lie past it
+    (their tokens past its limit are dropped at emit). On a GPU the RoPE cache is made before the CUDA graphs capture
+    it and never moves (RotaryEmbedding.reserve_for_graphs); before, those nodes grew it and the graphs read the freed
+    cache from then on. Here it is fixed the same way, so a forward asking past it would raise: the run ends at the
+    context with plain decoding's output, having speculated, and the positions asked did pass the context."""
+    from helpers import load_runner
+
+    context = 48
+    path = save_checkpoint(make_hf_model("llama-gqa-llama3", seed=3, vocab_size=8, max_position_embeddings=context),
+                           tmp_path / "m")
+    runner = load_runner(path)
+    rope = runner.model.rotary_emb
+    rope.reserve_for_graphs(context, runner.device)
+    asked, reserve = [], rope.reserve
+    rope.reserve = lambda n, device: (asked.append(n), reserve(n, device))[1]
+    prompt = [3, 5, 6, 1] * 4
+    params = [SamplingParams(temperature=0.0, max_new_tokens=context - len(prompt), ignore_eos=True)]
+    plain = run(runner, [prompt], params, batch=1)[0]
+    spec = run(runner, [prompt], params, InProcessDrafterClient(FixedTreeDrafter()), SpecConfig(num_draft_tokens=10),
+               batch=1)[0]
+    assert spec.output_ids == plain.output_ids and len(spec.output_ids) == context - len(prompt)
+    assert spec.finish_reason == "length" and spec.stats.accepted_tokens > 0 and spec.stats.fallbacks == 0
+    assert max(asked) > context, asked  # the last trees' nodes past the context were rotated
+    with pytest.raises(RuntimeError, match="fixed at"):  # and past the fixed cache nothing moves it
+        rope.reserve(rope.num_cached_positions + 1, runner.device)

@@ -167,7 +167,7 @@ class StepGraphs:
         runner = self.runner
         config = runner.config
         device = runner.device
-        runner.model.rotary_emb.reserve(config.max_position_embeddings, device)  # never grows after this
+        runner.model.rotary_emb.reserve_for_graphs(config.max_position_embeddings, device)  # never moves after this
         torch.cuda.synchronize(device)
         free_before, reserved_before = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         start = time.perf_counter()

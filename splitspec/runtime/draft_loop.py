@@ -308,7 +308,7 @@ class DraftLoop:
         kv = runner.kv_cache
         if runner.backend.prefix_graph_state(1, 1, 1) is None:  # its plans are not graph-safe: steps run eagerly
             return
-        runner.model.rotary_emb.reserve(runner.config.max_position_embeddings, self.device)
+        runner.model.rotary_emb.reserve_for_graphs(runner.config.max_position_embeddings, self.device)  # never moves after
         sizes = capture_sizes(max_bs)
         max_bs = sizes[-1]
         self._make_buffers(max_bs)

@@ -87,7 +87,7 @@ class PromptGraphs:
         (batch 1 always), largest first, in StepGraphs' pool."""
         runner, steps = self.runner, self.steps
         device, config, kv = runner.device, runner.config, runner.kv_cache
-        runner.model.rotary_emb.reserve(config.max_position_embeddings, device)  # never grows after this
+        runner.model.rotary_emb.reserve_for_graphs(config.max_position_embeddings, device)  # never moves after this
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         if steps.pool is None:

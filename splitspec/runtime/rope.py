@@ -86,6 +86,13 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[tor
     return inv_freq, float(attention_factor)
 
 
+# CUDA graphs read the cache at the address they were captured with, so before the first capture it is made for every
+# position a forward can ask for, never to move again: the model's context and the draft nodes past it (a tree verified
+# near a request's limit, a draft loop's beam steps after it: tokens past the limit are dropped at emit, but their
+# positions are still rotated). A tree of up to this many nodes a request is covered twice over.
+POSITIONS_PAST_CONTEXT = 1024
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE at explicit positions (tree depths allowed) for q [T, Hq, D] and k [T, Hkv, D].
 
@@ -101,6 +108,7 @@ class RotaryEmbedding(nn.Module):
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
         self._device: torch.device | None = None  # as the caller names it ("cuda" and "cuda:0" differ)
+        self._fixed = False  # reserve_for_graphs made it: it never moves again
 
     @property
     def cos_cache(self) -> torch.Tensor:
@@ -119,6 +127,10 @@ class RotaryEmbedding(nn.Module):
         device = torch.device(device)
         if self._device == device and self.num_cached_positions >= num_positions:
             return
+        if self._fixed:  # moving it would leave captured graphs reading freed memory: refused, loudly
+            raise RuntimeError(f"RoPE positions up to {num_positions - 1} on {device} asked of a cache fixed at "
+                               f"{self.num_cached_positions} positions on {self._device} for CUDA graphs (a draft "
+                               f"tree more than {POSITIONS_PAST_CONTEXT} positions past the model's context)")
         grow = 2 * self.num_cached_positions if self._device == device else 0  # amortise growth, never re-double
         size = max(num_positions, grow, 1)
         inv_freq, scale = inv_freq_and_scale(self._rope, self._head_dim, self._max_pos)
@@ -126,6 +138,14 @@ class RotaryEmbedding(nn.Module):
         self._cos = (freqs.cos() * scale).to(device)
         self._sin = (freqs.sin() * scale).to(device)
         self._device = device
+
+    def reserve_for_graphs(self, context: int, device: torch.device) -> None:
+        """Before a CUDA graph captures it: the cache for every position a forward can ask for (the model's context
+        and POSITIONS_PAST_CONTEXT more), fixed there. Before, a tree verified at a request's limit (the context's
+        end) asked for positions past the context, the cache grew, and graphs captured earlier went on reading the
+        freed one."""
+        self.reserve(context + POSITIONS_PAST_CONTEXT, device)
+        self._fixed = True
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin [T, 1, rot_dim // 2] (positions must be reserved)."""
