@@ -71,6 +71,10 @@ def _build_drafter(speculation: Speculation, max_total_tokens: int | None, targe
         disable_cuda_graph=load.disable_cuda_graph, cuda_graph_max_bs=load.cuda_graph_max_bs,
         torch_compile_max_bs=load.torch_compile_max_bs, family=None if kind == "standalone" else kind,
         quantization=load.quantization, kv_tokens_beside_target=beside))
+    # the draft follows its target's sequences, however short its own config's context (EAGLE heads often name 2048):
+    # its graphs are made for the target's (SGLang gives a draft model its target's context length too)
+    runner.context_length = max(runner.context_length, target.context_length if target is not None
+                                else target_cfg.max_position_embeddings)
     check_vocabulary(kind, runner.config, target_cfg, path, target.model_dir if target is not None else s.checkpoints.target_dir())
     layers = s.hidden_state_layers
     check_feature_width(kind, runner, target_cfg, layers, path)

@@ -84,6 +84,14 @@ def test_eagle3_ignores_the_token_map_with_a_warning(tmp_path, caplog):
     assert len(drafter.token_map) == 512 and drafter.hidden_state_layers == (2, 4, 5) and drafter.name == "EAGLE3"
 
 
+def test_a_draft_with_a_shorter_context_than_its_target_is_sized_for_the_targets(tmp_path):
+    """EAGLE heads often name a context of 2048 whatever their target's. A draft follows its target's sequences, so its
+    CUDA graphs (the RoPE cache they read, their page tables) are made for the target's context (2048 for the demo)."""
+    head = demo_shaped_head(tmp_path, config_edit=lambda config: config.update(max_position_embeddings=512))
+    drafter = build_drafter(resolve(eagle3_flags(head)))
+    assert drafter.runner.config.max_position_embeddings == 512 and drafter.runner.context_length == 2048
+
+
 def test_draft_load_format_and_revision(tmp_path, caplog):
     head = demo_shaped_head(tmp_path)  # pytorch_model.bin only
     assert build_drafter(resolve(eagle3_flags(head, "--speculative-draft-load-format", "pt"))).runner.config.hidden_size == 384

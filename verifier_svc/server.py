@@ -250,6 +250,8 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
         args.metrics_port = args.port + 1
     model_dir = model_flags.resolve_model(args)
     runner = ModelRunner.load(model_flags.runtime_config(args, model_dir))
+    # the context served (--context-length may pass the model's own): what the graphs, and an in-process drafter's, hold
+    runner.context_length = context = context_length(args, runner.config.max_position_embeddings)
     eos = eos_token_ids(model_dir, runner.config.eos_token_ids, None)
     model_id = args.served_model_name or args.model_path or str(model_dir)
     metrics = registry = None
@@ -281,7 +283,6 @@ def serve(args: argparse.Namespace, settings: speculation.Speculation | None, cu
     if runner.device.type == "cuda" and not args.skip_server_warmup:
         warm_up(engine)
     heap.freeze("verifier")
-    context = context_length(args, runner.config.max_position_embeddings)
     info = pb.ModelInfo(model_id=model_id, model_path=str(model_dir),
                         vocab_size=runner.config.vocab_size, max_context_tokens=context,
                         eos_token_ids=sorted(eos), speculative_algorithm=args.speculative_algorithm or "",

@@ -165,9 +165,8 @@ class StepGraphs:
         sizes = self.sizes if max_rows is None else [b for b in self.sizes if b * q <= max_rows] or self.sizes[:1]
         self.max_bs_of[(q, width)] = sizes[-1]
         runner = self.runner
-        config = runner.config
         device = runner.device
-        runner.model.rotary_emb.reserve_for_graphs(config.max_position_embeddings, device)  # never moves after this
+        runner.model.rotary_emb.reserve_for_graphs(runner.context_length, device)  # never moves after this
         torch.cuda.synchronize(device)
         free_before, reserved_before = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         start = time.perf_counter()
@@ -178,7 +177,7 @@ class StepGraphs:
         positions = torch.zeros(max_bs * q, dtype=torch.long, device=device)
         features = torch.zeros(max_bs * q, width, dtype=runner.dtype, device=device) if width else None
         self.inputs[(q, width)] = (ids, positions, features)
-        max_kv = min(runner.kv_cache.capacity_tokens, config.max_position_embeddings + q)
+        max_kv = min(runner.kv_cache.capacity_tokens, runner.context_length + q)
         kv = runner.kv_cache
         stream = torch.cuda.Stream(device)
         # the largest size's outputs are every size's: a smaller graph copies its rows into their first rows, so that

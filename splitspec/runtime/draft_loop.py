@@ -308,7 +308,7 @@ class DraftLoop:
         kv = runner.kv_cache
         if runner.backend.prefix_graph_state(1, 1, 1) is None:  # its plans are not graph-safe: steps run eagerly
             return
-        runner.model.rotary_emb.reserve_for_graphs(runner.config.max_position_embeddings, self.device)  # never moves after
+        runner.model.rotary_emb.reserve_for_graphs(runner.context_length, self.device)  # never moves after
         sizes = capture_sizes(max_bs)
         max_bs = sizes[-1]
         self._make_buffers(max_bs)
@@ -326,7 +326,7 @@ class DraftLoop:
         for bs in sorted(sizes, reverse=True):
             # page indices of bs requests: distinct pages, except that overlap's bets draft in KV forks sharing
             # them, so bound each request by the longest context instead of the pool
-            per_request = min(kv.num_pages, kv.pages_for(runner.config.max_position_embeddings))
+            per_request = min(kv.num_pages, kv.pages_for(runner.context_length))
             state = runner.backend.prefix_graph_state(bs, bs * self.topk, max(kv.num_pages, bs * per_request) + bs)
             plan = runner.backend.plan_prefix(*self._padding(bs, [], []), state=state)
             features = None if self.static_features is None else self.static_features[:bs]

@@ -86,14 +86,14 @@ class PromptGraphs:
         """Every q of SIZES up to max_tokens, each at the decode ladder's batch sizes whose rows fit max_tokens
         (batch 1 always), largest first, in StepGraphs' pool."""
         runner, steps = self.runner, self.steps
-        device, config, kv = runner.device, runner.config, runner.kv_cache
-        runner.model.rotary_emb.reserve_for_graphs(config.max_position_embeddings, device)  # never moves after this
+        device, kv = runner.device, runner.kv_cache
+        runner.model.rotary_emb.reserve_for_graphs(runner.context_length, device)  # never moves after this
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         if steps.pool is None:
             steps.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
-        max_kv = min(kv.capacity_tokens, config.max_position_embeddings)
+        max_kv = min(kv.capacity_tokens, runner.context_length)
         for q in tqdm([q for q in SIZES if q <= self.max_tokens], desc="CUDA graphs (prompt steps)", unit="length",
                       disable=None, leave=False):
             sizes = [b for b in steps.sizes if b * q <= self.max_tokens] or steps.sizes[:1]

@@ -206,6 +206,10 @@ class ModelRunner:
         self.config, self.model, self.kv_cache, self.backend = config, model, kv_cache, backend
         self.model_dir = model_dir
         self.device, self.dtype = kv_cache.device, kv_cache.dtype
+        # the longest sequence its forwards serve: the model's own, or a served --context-length past it, or a draft's
+        # target's (draft_models); what CUDA graphs are sized for (the RoPE cache they read, their page tables). Set
+        # before the graphs are captured
+        self.context_length = config.max_position_embeddings
         self.wide = None  # host_threads.WideForwards: a CPU model's threads for wide forwards (load() sets it)
         self.weight_bytes = weight_bytes_of(model)  # {"total", "fp8_layers"}: the model's own weights (shared ones not counted)
         self.cuda_graph_max_bs = cuda_graph_max_bs if _graphs_supported(backend) and self.device.type == "cuda" else 0
