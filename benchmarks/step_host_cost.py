@@ -167,7 +167,7 @@ def drafted(steps: int, budget: int, flags: list[str]) -> None:
         if engine is not None:  # its pages back to the pool first
             for request in list(engine.running) + list(engine.waiting):
                 engine.abort(request)
-        room = setup.runner.config.max_position_embeddings - max(len(p) for p in setup.prompts) - budget
+        room = setup.runner.context_length - max(len(p) for p in setup.prompts) - budget
         engine = setup.engine(budget, min((steps + 10) * min(budget, 20) + 60, room))  # ten warm-up steps first
         return engine
 

@@ -358,7 +358,7 @@ def run_in_process(args) -> dict:
     per_request = args.prompt_len + args.output_len + max_tree + 2 * args.page_size
     runner = ModelRunner.load(model_flags.runtime_config(args, model_dir,
                                                           default_max_total_tokens=max(batch_sizes) * per_request))
-    engine_args.check_context([args.prompt_len], args.output_len, runner.config.max_position_embeddings, "--output-len")
+    engine_args.check_context([args.prompt_len], args.output_len, runner.context_length, "--output-len")
     overlap = runner.device.type == "cuda" and not args.disable_overlap_schedule  # as the served verifier's
     heap.freeze("bench")  # as the served verifier does: the same garbage collection on both sides
     # each round its own prompts, as --url's rounds; a simulated acceptance's rounds repeat the first's (its reference)

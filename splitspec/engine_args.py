@@ -244,7 +244,7 @@ def report(algorithm: str, stats: SpecStats) -> dict:
 
 def check_context(prompt_lengths: list[int], max_new_tokens: int, context: int, flag: str) -> None:
     """What the gateway refuses over HTTP (OpenAI's context_length_exceeded), refused in process too: a prompt and its
-    new tokens past the model's context (its max_position_embeddings). Past it a GPU's captured graphs have no room
+    new tokens past the model's context (ModelRunner.context_length). Past it a GPU's captured graphs have no room
     for the request's pages, and the model was never trained there. FlagError names the flag that asks for too much."""
     longest = max(prompt_lengths, default=0)
     if longest + max_new_tokens > context:

@@ -153,8 +153,7 @@ def _run(args: argparse.Namespace) -> int:
                           f"{needed_pages} pages of {args.page_size} tokens ({needed_pages * args.page_size} tokens)")
     runner = ModelRunner.load(model_flags.runtime_config(
         args, model_dir, default_max_total_tokens=needed_pages * args.page_size))
-    engine_args.check_context([len(p) for p in prompts], args.max_new_tokens, runner.config.max_position_embeddings,
-                              "--max-new-tokens")
+    engine_args.check_context([len(p) for p in prompts], args.max_new_tokens, runner.context_length, "--max-new-tokens")
     draft_tokens = needed_pages * args.page_size
     if settings is not None and settings.kind != "ngram":  # room for each request's beam nodes too
         draft_tokens += len(prompts) * (settings.num_steps * settings.topk + args.page_size)

@@ -96,9 +96,9 @@ POSITIONS_PAST_CONTEXT = 1024
 class RotaryEmbedding(nn.Module):
     """RoPE at explicit positions (tree depths allowed) for q [T, Hq, D] and k [T, Hkv, D].
 
-    cos/sin live in a per-position fp32 cache ([num_positions, rot_dim // 2]); `reserve` grows it
-    outside the forward (from CPU-side positions, so no device sync), `cos_sin` gathers once per batch
-    and `apply` rotates in every layer.
+    cos/sin live in a per-position fp32 cache ([num_positions, rot_dim // 2]); `reserve` grows it outside the
+    forward (from CPU-side positions, so no device sync) until `reserve_for_graphs` fixes it for CUDA graphs,
+    `cos_sin` gathers once per batch and `apply` rotates in every layer.
     """
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int):
