@@ -280,6 +280,59 @@ def test_a_tree_past_the_context_leaves_the_graphs_rope_cache_in_place(tmp_path,
 
 
 @needs_flashinfer
+def test_a_graph_replayed_at_upper_lengths_and_moved_back_on_the_device_equals_eager(tmp_path, graph_attention):
+    """The device-fed step's launch (runtime.batch_shift): trees built at each request's upper length and moved back by
+    a shift on the device. Under kernels.paged_attention's graphs the key counts, positions and K/V slots move on the
+    device; FlashInfer's graphs move the batch on the host first. The logits equal an eager verification's at the
+    lengths themselves, and a decode step after it (reading the K/V the shifted graph wrote) too."""
+    path = checkpoint(tmp_path)
+    eager, graphed = runner(path, "flashinfer"), runner(path, "flashinfer", graphs=True)
+    graphed.capture_cuda_graphs(tree_nodes=(4,))
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 22, 14)]
+    tables = {id(r): [BlockTable() for _ in prompts] for r in (eager, graphed)}
+    for r in (eager, graphed):
+        inputs = [(i, p, None) for i, p in enumerate(prompts)]
+        step(r, tables[id(r)], inputs)
+        commit(r, tables[id(r)], inputs)
+    pool = graphed.kv_cache.pool  # unwritten pages hold noise: a key read or written at a wrong slot shows
+    written = torch.zeros(pool.shape[2], dtype=torch.bool, device=pool.device)
+    for table in tables[id(graphed)]:
+        written[table.pages] = True
+    pool[:, :, ~written] = torch.randn_like(pool[:, :, ~written])
+    upper, trees = 5, [[-1, 0, 1, 2], [-1, 0, 0, 1], [-1, 0, 1, 2]]
+    nodes = [[30 + 4 * i + j for j in range(4)] for i in range(3)]
+    for moved in ([1, 5, 3], [2, 2, 5]):
+        accepted = [(i, [40 + i] * d, None) for i, d in enumerate(moved)]  # the last step's accepted tokens
+        for r in (eager, graphed):
+            step(r, tables[id(r)], accepted)
+            commit(r, tables[id(r)], accepted)
+        want = step(eager, tables[id(eager)], [(i, nodes[i], trees[i]) for i in range(3)])
+        mine = tables[id(graphed)]
+        lengths = [t.num_tokens for t in mine]
+        for table, d in zip(mine, moved):  # built as the device-fed step builds it: at the upper lengths
+            graphed.kv_cache.reserve(table, table.num_tokens - d + upper + 4)
+            table.num_tokens += upper - d
+        batch = graphed.batch([SequenceInput(t, nodes[i], positions(trees[i], t.num_tokens), tree_mask(trees[i]), "all",
+                                             tuple(trees[i])) for i, t in enumerate(mine)])
+        batch.shift_back(torch.tensor([d - upper for d in moved], device="cuda"))
+        before = graphed.graphs.replays
+        have = graphed.forward(batch).logits
+        assert graphed.graphs.replays == before + 1
+        for table, length in zip(mine, lengths):
+            table.num_tokens = length
+        for i in range(3):
+            assert close(have[4 * i : 4 * i + 4], want[i]) < graph_tolerance(graph_attention)
+        roots = [(i, [nodes[i][0]], trees[i][:1]) for i in range(3)]
+        for r in (eager, graphed):
+            commit(r, tables[id(r)], roots)
+    decode = [(i, [50 + i], None) for i in range(3)]  # reads every root's K/V the shifted graphs wrote
+    for have, want in zip(step(graphed, tables[id(graphed)], decode), step(eager, tables[id(eager)], decode)):
+        assert close(have, want) < graph_tolerance(graph_attention)
+    assert bool(paged_plans(graphed.backend).get("tree")) == (graph_attention == "triton")
+
+
+@needs_flashinfer
 @pytest.mark.parametrize("kv_heads", [2, 8], ids=["tensor-core-decode", "cuda-core-decode"])
 def test_graph_replans_equal_flashinfers_own_plans(tmp_path, monkeypatch, kv_heads):
     """A captured graph's wrappers re-planned in one copy (flashinfer_replan) hold exactly what FlashInfer's own plan

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.runtime.attention.base import AttentionBatch
+from splitspec.runtime.batch_shift import check as check_shift
 from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.kv_cache import BlockTable, KVCache, slot_list
 
@@ -42,7 +43,7 @@ class ForwardBatch:
     this and the overlap's adopted ids: benchmarks/results/ab_h100_0829df2_vs_6d47d44_demo_plain.json)."""
 
     __slots__ = ("host_ids", "host_positions", "host_logits", "attention", "cu_logits", "device", "_ids", "_positions",
-                 "_logits", "max_position")
+                 "_logits", "max_position", "shift")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBatch,
                  logits_indices: torch.Tensor, cu_logits: list[int], device: torch.device | None,
@@ -54,6 +55,13 @@ class ForwardBatch:
         self.attention, self.cu_logits = attention, cu_logits
         self.device = input_ids.device if device is None else torch.device(device)
         self._ids = self._positions = self._logits = None
+        self.shift: torch.Tensor | None = None  # shift_back's
+
+    def shift_back(self, shift: torch.Tensor) -> None:
+        """Built at each request's upper length, request i's new tokens sit shift[i] (<= 0; a device tensor, one a
+        request) slots earlier: the forward moves their positions, KV slots and key counts by it (runtime.batch_shift)."""
+        check_shift(shift, self.attention.num_requests)
+        self.shift = shift
 
     @property
     def num_tokens(self) -> int:

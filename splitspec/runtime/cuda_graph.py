@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from splitspec.runtime.attention.base import AttentionBatch
+from splitspec.runtime.batch_shift import settle_on_host, shift_graph_inputs, shiftable
 from splitspec.runtime.inference import inference
 from splitspec.runtime.tree import tree_mask
 
@@ -259,6 +260,10 @@ class StepGraphs:
         bs = next(b for b in self.sizes if b >= r)
         width = 0 if features is None else features.shape[-1]
         entry = self.graphs[(bs, q, width)]
+        page_size = self.runner.kv_cache.page_size
+        if batch.shift is not None and not shiftable(entry.state):  # planned on the host: moved there first
+            settle_on_host(batch, page_size)
+            attention = batch.attention
         self.runner.backend.graph_plan(entry.state, self._pad(attention, bs, q))
         ids, positions, static_features = self.inputs[(q, width)]
         rows = r * q
@@ -266,6 +271,8 @@ class StepGraphs:
         positions[:rows].copy_(batch.source("positions"), non_blocking=True)
         if static_features is not None:
             static_features[:rows].copy_(features)
+        if batch.shift is not None:  # built at the upper lengths: moved back on the device (runtime.batch_shift)
+            shift_graph_inputs(entry.state, positions, r, q, batch.shift, page_size)
         if bs > r:
             ids[rows : bs * q].zero_()
             positions[rows : bs * q].zero_()

@@ -18,6 +18,7 @@ import torch
 
 from splitspec.runtime.attention import AttentionBackend, get_attention_backend
 from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_batch
+from splitspec.runtime.batch_shift import settle_on_host
 from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig
 from splitspec.runtime.host_threads import one_thread_for_gpu, wide_forwards
 from splitspec.runtime.hub import resolve_model_dir
@@ -446,10 +447,14 @@ class ModelRunner:
                 hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device),
                                                            return_hidden, borrow)
                 return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
+            if batch.shift is not None:  # no graph moves it on the device: moved on the host
+                settle_on_host(batch, self.kv_cache.page_size)
             q = self.prompts.shape_of(batch) if self.prompts is not None and features is None else None
             if q is not None:
                 hidden, captured, logits = self.prompts.run(batch, q, return_hidden)
                 return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
+        if batch.shift is not None:
+            settle_on_host(batch, self.kv_cache.page_size)
         plan = self.backend.plan(batch.attention)
         extra = {} if features is None else {"features": features.to(self.device)}
         if draft_layer is not None:

@@ -1,0 +1,74 @@
+"""A step's batch built before its lengths reach the host: each request moved back on the device.
+
+A drafted step whose next verification is launched before the host has read this one's acceptance (the device-fed
+step loop) knows each request's length after acceptance only on the device. The host builds that batch at each
+request's upper length (every draft accepted: the pages reserved up to there, its arena and page table holding them)
+and hands the forward a shift [num_requests] (<= 0, on the device): request i's new tokens sit shift[i] slots before
+where they were built. The forward moves their positions, KV slots and key counts by it where it runs:
+
+    a captured graph (its attention by kernels.paged_attention: paged_graphs)
+        after the plan's copies, three small ops on the graph's static inputs: the key counts its kernel reads, the
+        positions, and the slots each new token's K/V is written to (from the arena's page ids); no wait
+    anything else (an eager forward, FlashInfer's planned graphs)
+        the shift read to the host (a wait for the device) and the batch's host inputs moved by it
+
+A tree's node j is written at slot (key count - q + j) and rotated at position (length + its depth): both move by the
+same shift, so a tree's shape is the host's. Padding requests (a graph's dummies) are never moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from splitspec.runtime.host_tensors import host_tensor
+from splitspec.runtime.kv_cache import slot_list
+
+
+def check(shift: torch.Tensor, num_requests: int) -> None:
+    if shift.dim() != 1 or shift.shape[0] != num_requests or shift.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"a shift of shape {tuple(shift.shape)} and {shift.dtype} for a batch of {num_requests} "
+                         "requests (one integer each)")
+
+
+def settle_on_host(batch, page_size: int) -> None:
+    """The batch's own inputs moved by its shift, read to the host (for a forward that plans on the host: an eager one,
+    FlashInfer's graphs); the shift is spent. Its device ids (written there: drafts, roots) are kept."""
+    shift, batch.shift = batch.shift.tolist(), None
+    attention = batch.attention
+    if any(s > 0 for s in shift):
+        raise ValueError(f"a batch moved forward ({shift}): it was built at each request's upper length")
+    if not any(shift):
+        return
+    rows = [s for s, q in zip(shift, attention.q_lens) for _ in range(q)]
+    positions = batch.host_positions + host_tensor(rows)
+    kv_lens = [k + s for k, s in zip(attention.kv_lens, shift)]
+    slots = [slot for q, k, pages in zip(attention.q_lens, kv_lens, attention.page_tables)
+             for slot in slot_list(pages, page_size, k - q, k)]
+    batch.attention = dataclasses.replace(attention, kv_lens=kv_lens, positions=positions, out_slots=host_tensor(slots))
+    batch.host_positions, batch._positions = positions, None
+
+
+def shift_graph_inputs(state, positions: torch.Tensor, num_requests: int, q: int, shift: torch.Tensor,
+                       page_size: int) -> None:
+    """A paged graph's static inputs, planned for the batch at its upper lengths, moved by shift [num_requests] on the
+    device: its key counts, positions [rows] and K/V slots (state: a GraphState whose plan attends by
+    kernels.paged_attention, its arena holding every page up to the upper lengths)."""
+    arena, r = state.plan.paged.arena, num_requests
+    rows = r * q
+    kv_lens = arena.view("kv_lens")[:r]
+    kv_lens.add_(shift.to(torch.int32))
+    positions[:rows].view(r, q).add_(shift.view(r, 1))
+    # row j of request i: key index (count - q + j), in page (its first page's place + index // page_size)
+    index = (kv_lens.view(r, 1).long() - q + torch.arange(q, device=positions.device)).view(-1)
+    first = arena.view("kv_indptr")[:r].long().repeat_interleave(q)
+    pages = arena.view("ids").index_select(0, first + torch.div(index, page_size, rounding_mode="floor")).long()
+    torch.add(pages * page_size, torch.remainder(index, page_size), out=state.out_slots[:rows])
+
+
+def shiftable(state) -> bool:
+    """Whether a captured graph's inputs can be moved on the device: its attention reads the arena's key counts as it
+    runs (kernels.paged_attention); FlashInfer's graphs plan their work split from the host's."""
+    plan = getattr(state, "plan", None)
+    return getattr(plan, "paged", None) is not None
