@@ -93,3 +93,37 @@ def test_a_shift_that_is_not_one_integer_a_request_is_refused(tmp_path):
     for bad in (torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.float32), torch.zeros(3, 1, dtype=torch.long)):
         with pytest.raises(ValueError, match="a shift of shape"):
             batch.shift_back(bad.to(runner.device))
+
+
+def test_a_paged_graphs_inputs_moved_back_equal_those_planned_at_the_lengths():
+    """shift_graph_inputs' ops (a captured graph's static inputs, moved on the device; run here on the CPU's tensors):
+    the key counts, positions and K/V slots of trees planned at their upper lengths and moved back equal those planned
+    at the lengths themselves, and the padding request after them is left as it was."""
+    from types import SimpleNamespace
+
+    from splitspec.runtime.attention.flashinfer_replan import Arena, fill
+    from splitspec.runtime.batch_shift import shift_graph_inputs
+    from splitspec.runtime.kv_cache import slot_list
+
+    page_size, q, bs = 4, NODES, 4  # three requests and a padding one
+    tables = [[9, 3, 7, 1, 12], [2, 8, 5, 11, 4, 6], [10, 0, 13, 14]]  # each request's pages, upper lengths' worth
+    lengths = [6, 9, 3]  # after acceptance
+    moved = [-4, 0, -2]
+    upper = [n - m for n, m in zip(lengths, moved)]
+    pad = (q + 1, [15, 16], list(range(61, 61 + q)), list(range(1, q + 1)))  # kv_len, pages, slots, positions
+
+    def planned(at: list[int]):
+        arena = Arena.make(bs, 64, torch.device("cpu"), mask=False)
+        fill(arena, [q] * bs, [n + q for n in at] + [pad[0]], tables + [pad[1]], page_size)
+        slots = [s for n, pages in zip(at, tables) for s in slot_list(pages, page_size, n, n + q)] + pad[2]
+        depths = [0, 1, 1, 2]
+        positions = torch.tensor([n + d for n in at for d in depths] + pad[3])
+        state = SimpleNamespace(plan=SimpleNamespace(paged=SimpleNamespace(arena=arena)), out_slots=torch.tensor(slots))
+        return state, positions
+
+    want, want_positions = planned(lengths)
+    state, positions = planned(upper)
+    shift_graph_inputs(state, positions, 3, q, torch.tensor(moved), page_size)
+    torch.testing.assert_close(state.plan.paged.arena.view("kv_lens"), want.plan.paged.arena.view("kv_lens"))
+    torch.testing.assert_close(positions, want_positions)
+    torch.testing.assert_close(state.out_slots, want.out_slots)
