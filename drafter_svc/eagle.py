@@ -17,6 +17,7 @@ verifier_svc.catch_up_ahead): every verified row of a chain, its root picked on 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import torch
 
@@ -83,7 +84,8 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         self.states: dict[str, _State] = {}
         self.current, self.bets = {}, {}  # overlap (beam_steps.ModelBets)
         self.loop = draft_loop_for(runner, topk, num_steps, num_draft_tokens, token_map, runner.config.hidden_size)
-        self._ahead: tuple[dict[str, int], torch.Tensor, torch.Tensor] | None = None  # catch_up_ahead's, until kept
+        # catch_up_ahead's (places, roots, logits), oldest first, until kept: two while a device-fed step is in flight
+        self._ahead: deque[tuple[dict[str, int], torch.Tensor, torch.Tensor]] = deque()
         self._ahead_run: tuple[list[str], object] | None = None  # its draft loop launched too, until launch() asks
 
     def extend(self, request_id: str, tokens: list[int], hidden=None) -> None:
@@ -250,7 +252,7 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
 
     @inference
     def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens: torch.Tensor, features: torch.Tensor,
-                       acceptance: torch.Tensor) -> bool:
+                       acceptance: torch.Tensor, verified: torch.Tensor | None = None) -> bool:
         """The catch-up of a step's verified chains queued before their acceptance reaches the host: tokens [B, n]
         the target's own token at each chain row, features [B * n, W] those rows' states, acceptance [3, B] each
         chain's accepted drafts, accepted row among the B * n and length after acceptance (kernels.chain_acceptance),
@@ -261,45 +263,68 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         is gathered on the device; keep_ahead commits the accepted rows. The rows past them hold keys beyond the
         head's length, never read and overwritten by the next catch-up, as a padded round's are. False, with nothing
         queued, unless every request is caught up to its verified length with nothing pending, a captured graph
-        holds the batch (on a GPU) and its pages are free."""
+        holds the batch (on a GPU) and its pages are free.
+        verified [B] (the device-fed step, verifier_svc.device_fed): the verified lengths are on the device only, the
+        step before's acceptance not yet kept here; lengths are their upper bounds, the batch is built there and moved
+        back on the device (runtime.batch_shift)."""
         states = [self.states.get(r) for r in request_ids]
-        if any(s is None or s.pending_tokens or s.table.num_tokens != length for s, length in zip(states, lengths)):
+        if any(s is None or s.pending_tokens or (s.table.num_tokens != length if verified is None else
+                                                  s.table.num_tokens > length) for s, length in zip(states, lengths)):
             return False
         count, n = tokens.shape
         graphs = self.runner.graphs
         if self.runner.cuda_graph_max_bs and (graphs is None or not graphs.has(n, features.shape[-1], count)):
             return False  # an eager forward at a row count not seen costs more host time than this saves
         kv = self.runner.kv_cache
-        if kv.allocator.num_free < sum(max(kv.pages_for(s.table.num_tokens + n) - len(s.table.pages), 0) for s in states):
+        if kv.allocator.num_free < sum(max(kv.pages_for(length + n) - len(s.table.pages), 0)
+                                       for s, length in zip(states, lengths)):
             return False
-        batch = self.runner.batch([SequenceInput(s.table, [s.last_token] * n, logits="all") for s in states])
+        committed = [s.table.num_tokens for s in states]
+        try:
+            for s, length in zip(states, lengths):  # built at the upper lengths (the verified ones unless moved back)
+                s.table.num_tokens = length
+            batch = self.runner.batch([SequenceInput(s.table, [s.last_token] * n, logits="all") for s in states])
+        finally:
+            for s, length in zip(states, committed):
+                s.table.num_tokens = length
+        if verified is not None:
+            batch.shift_back(verified - device_tensor(lengths, verified.device))
         batch.adopt_ids(tokens.reshape(-1).to(batch.host_ids.dtype))
         # the graph's own outputs, not copies: read by the gathers queued right behind it
         output = self.runner.forward(batch, return_hidden=True, features=features, borrow=True)
         rows = acceptance[1]
         roots, logits = output.hidden_states.index_select(0, rows), output.logits.index_select(0, rows)
-        self._ahead = ({r: k for k, r in enumerate(request_ids)}, roots, logits)
+        self._ahead.append(({r: k for k, r in enumerate(request_ids)}, roots, logits))
         # the next draft too, for the same requests at the same budget (launch() takes it if the next ask is that)
         self._ahead_run = None
         if self.loop is not None:
             tables = [s.table for s in states]
-            run = self.loop.launch_ahead(logits, roots, tables, [t.num_tokens + n for t in tables], acceptance[2],
+            run = self.loop.launch_ahead(logits, roots, tables, [length + n for length in lengths], acceptance[2],
                                          [min(self.num_draft_tokens, n)] * count)
             self._ahead_run = None if run is None else (list(request_ids), run)
         return True
 
+    def launched_ahead(self, request_ids: list[str]) -> bool:
+        """Whether the draft loop launched with the last catch-up ahead is these requests' next draft (launch takes it)."""
+        return self._ahead_run is not None and self._ahead_run[0] == list(request_ids)
+
     def keep_ahead(self, kept: dict[str, list[int]]) -> None:
-        """What acceptance kept of the last catch_up_ahead: each listed request's accepted tokens (its accepted drafts
-        and the bonus token) as its next rows, its root the one gathered at its accepted row. A request not listed
-        (finished) keeps nothing. The catch-up ahead is spent either way."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
+        """What acceptance kept of the oldest catch_up_ahead not yet kept: each listed request's accepted tokens (its
+        accepted drafts and the bonus token) as its next rows, its root the one gathered at its accepted row. A request
+        not listed (finished) keeps nothing. That catch-up ahead is spent either way. While a later one is queued (a
+        device-fed step's), the pages past the kept rows stay: that catch-up writes there."""
+        if not self._ahead:
             raise RuntimeError("keep_ahead without a catch-up ahead")
-        places, features, logits = ahead
+        places, features, logits = self._ahead.popleft()
+        later = bool(self._ahead)
         kv = self.runner.kv_cache
         for request_id, tokens in kept.items():
             s = self.states[request_id]
-            kv.set_length(s.table, s.table.num_tokens + len(tokens))
+            length = s.table.num_tokens + len(tokens)
+            if later:
+                kv.commit(s.table, length)
+            else:
+                kv.set_length(s.table, length)
             s.last_token = tokens[-1]
             s.root_rows, s.root_logit_rows, s.root_row = features, logits, places[request_id]
 

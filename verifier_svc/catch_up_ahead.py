@@ -43,13 +43,20 @@ class CatchUpAhead:
     """One step's catch-up ahead: its verifies (every one a chain of n nodes) and, once launched, the target's tokens
     on their way to the host and whether the drafter queued the catch-up (caught_up: its requests' ids)."""
 
-    __slots__ = ("verifies", "nodes", "_host", "_event", "caught_up")
+    __slots__ = ("verifies", "nodes", "_host", "_event", "caught_up", "upper", "verified", "roots", "lengths_after")
 
-    def __init__(self, verifies: list[Verify], nodes: int):
+    def __init__(self, verifies: list[Verify], nodes: int, upper: list[int] | None = None,
+                 verified: torch.Tensor | None = None):
+        """upper, verified: a device-fed step's (verifier_svc.device_fed): each chain built at its upper length, its
+        verified length on the device only."""
         self.verifies, self.nodes = verifies, nodes
+        self.upper, self.verified = upper, verified
         self._host: torch.Tensor | None = None
         self._event = None
         self.caught_up: frozenset[str] = frozenset()
+        # once caught up, on the device: each chain's bonus token (the next root) and its length after acceptance
+        self.roots: torch.Tensor | None = None
+        self.lengths_after: torch.Tensor | None = None
 
     @classmethod
     def plan(cls, spec: SpecConfig, drafter, prefills: list, verifies: list[Verify], chains: list,
@@ -75,13 +82,16 @@ class CatchUpAhead:
         if q * count != ids.shape[0] or batch.input_ids.shape[0] != ids.shape[0] or features is None:
             return
         tokens = ids.view(count, q)[:, :n]
-        lengths = [v.seq_len for v in self.verifies]
+        lengths = [v.seq_len for v in self.verifies] if self.upper is None else self.upper
+        verified = device_tensor(lengths, ids.device) if self.verified is None else self.verified
         # each chain's leading drafts equal to the target's, its accepted row and its length after, in one kernel
-        acceptance = kernels.chain_acceptance(ids, batch.input_ids, device_tensor(lengths, ids.device), n)
+        acceptance = kernels.chain_acceptance(ids, batch.input_ids, verified, n)
         states = features.view(count, q, -1)[:, :n].reshape(count * n, -1)
         request_ids = [v.request.request_id for v in self.verifies]
-        if drafter.catch_up_ahead(request_ids, lengths, tokens, states, acceptance):
+        extra = {} if self.verified is None else {"verified": self.verified}
+        if drafter.catch_up_ahead(request_ids, lengths, tokens, states, acceptance, **extra):
             self.caught_up = frozenset(request_ids)
+            self.roots, self.lengths_after = tokens.reshape(-1).index_select(0, acceptance[1]), acceptance[2]
 
     def wait(self) -> None:
         """Until the target's tokens are on the host (the verification done; not the catch-up queued after it)."""

@@ -88,6 +88,10 @@ class DrafterClient(ABC):
 
     catches_up_ahead = False  # catch_up_ahead() may queue a catch-up before acceptance (verifier_svc.catch_up_ahead)
 
+    def launched_ahead(self, request_ids: list[str]) -> bool:
+        """Whether these requests' next drafts were launched on the device with a catch-up ahead (none here)."""
+        return False
+
     def idle(self) -> None:
         """Nobody waits for the drafter now (the target's forward runs): its deferred bookkeeping, where it
         runs in this process (Drafter.idle). Default: nothing here."""
@@ -218,18 +222,30 @@ class InProcessDrafterClient(DrafterClient):
     def catches_up_ahead(self) -> bool:
         return hasattr(self.drafter, "catch_up_ahead")
 
-    def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens, features, acceptance) -> bool:
-        """The drafter's catch-up on a step's verified chains, queued before acceptance (a drafter's catch_up_ahead);
-        False where it did not (a request broken or guided, a drafter that declined or failed): nothing queued, and
-        the step's tokens reach it with their states as always."""
+    def catch_up_ahead(self, request_ids: list[str], lengths: list[int], tokens, features, acceptance,
+                       verified=None) -> bool:
+        """The drafter's catch-up on a step's verified chains, queued before acceptance (a drafter's catch_up_ahead;
+        verified: the lengths on the device, lengths their upper bounds); False where it did not (a request broken or
+        guided, a drafter that declined or failed): nothing queued, and the step's tokens reach it with their states
+        as always."""
         if any(r in self._broken or r in self._guides for r in request_ids):
             return False
         try:
+            if verified is not None:
+                return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, acceptance, verified=verified)
             return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, acceptance)
         except Exception:
             logger.exception("drafter %s failed to catch up ahead on a batch of %d; its tokens go with their states",
                              self.drafter.name, len(request_ids))
             return False
+
+    def launched_ahead(self, request_ids: list[str]) -> bool:
+        """Whether these requests' next drafts were launched with the last catch-up ahead, none broken or guided (the
+        next ask takes them as they are: a device-fed step's next verification reads them on the device)."""
+        if self._launched or any(r in self._broken or r in self._guides for r in request_ids):
+            return False
+        check = getattr(self.drafter, "launched_ahead", None)
+        return check is not None and check(request_ids)
 
     def keep_ahead(self, kept: dict[str, list[int]]) -> None:
         """What acceptance kept of the catch-up ahead (each request's accepted tokens). Where that fails the

@@ -24,7 +24,7 @@ import torch
 
 from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import FEED_EVERY
-from splitspec.runtime.batch import SequenceInput
+from splitspec.runtime.batch import ForwardBatch, SequenceInput, device_tensor
 from splitspec.runtime.inference import inference
 from splitspec.runtime.launched_draft import PendingChain, write_chains
 from splitspec.runtime.penalties import apply_penalties
@@ -36,6 +36,7 @@ from splitspec.verifier_svc.acceptance import Acceptance
 from splitspec.verifier_svc.adaptive import adaptive_policy
 from splitspec.verifier_svc.adaptive_estimates import StepShape
 from splitspec.verifier_svc.catch_up_ahead import CatchUpAhead
+from splitspec.verifier_svc.device_fed import DeviceFedSteps, FedFlight
 from splitspec.verifier_svc.draft_features import RunStates, pair_prompt_states, path_states, unsent_states
 from splitspec.verifier_svc.drafter_client import DRAFT_FAULT, DraftAsk, DrafterClient
 from splitspec.verifier_svc.grammar_masks import GrammarMasks, draft_guide, no_grammars
@@ -50,7 +51,7 @@ from splitspec.verifier_svc.verification import (Verify, accept_tree, accepted_l
 logger = logging.getLogger(__name__)
 
 
-class Engine(Scheduling, OverlapSchedule, PolicyLink):
+class Engine(Scheduling, OverlapSchedule, DeviceFedSteps, PolicyLink):
     def __init__(self, runner: ModelRunner, drafter: DrafterClient | None, spec: SpecConfig, eos_ids: set[int],
                  scheduler: SchedulerConfig | None = None, prefix_cache=None, sync_timing: bool = False,
                  grammars=None, overlap_schedule: bool = False):
@@ -63,6 +64,8 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         self.sync_timing = sync_timing and runner.device.type == "cuda"
         self.overlap_schedule = overlap_schedule and not self.sync_timing
         self.in_flight: InFlight | None = None  # a launched plain step whose tokens have not landed (overlap.py)
+        self.fed: FedFlight | None = None  # a drafted step whose acceptance has not landed (device_fed.py)
+        self.device_fed = self.overlap_schedule and self.fed_enabled()
         self.run_states, self.quiet = RunStates(), QuietRun()  # a drafting-off run's states, its held-back choices
         self.unsent_max: int | None = None  # in such a run, the most unsent tokens of a request (None: not counted)
         self.runner, self.drafter, self.spec, self.eos_ids = runner, drafter, spec, eos_ids
@@ -121,7 +124,7 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.in_flight)
+        return bool(self.waiting or self.running or self.in_flight or self.fed)
 
     def _clock(self) -> float:
         if self.sync_timing:
@@ -145,6 +148,8 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
             events, launched = self._step_in_flight()
             if launched:  # the same batch again: nothing to schedule or draft; observed as a whole cycle (_observe)
                 return self._close(events, [], self.in_flight.verifies, start)
+        if self.fed is not None:  # a drafted step's acceptance still on the device: the next launched, then it lands
+            return self._step_fed(start)
         prefills = self._timed("schedule", self._schedule)
         decode = not prefills or self.mixed  # else the decoding requests wait a step
         trees = self._timed("draft", self._draft) if decode else {}
@@ -277,6 +282,10 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         ahead = None if defer else CatchUpAhead.plan(self.spec, self.drafter, prefills, verifies, chains, masks)
         with device_phase("engine.verify"):
             batch, logits, features = self._forward(sequences, sync=not defer, chains=chains, ahead=ahead)
+        if ahead is not None and self._feeds(ahead, verifies):  # lands at the next step, after its successor's launch
+            self.fed = FedFlight.of(verifies, batch, ahead, features)
+            self.report.deferred = True
+            return []
         if chains:  # drafts verified on the device before they reached the host: their tokens now
             vocab = self.runner.config.vocab_size
             for v in verifies:
@@ -334,22 +343,23 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
                                            tree_mask(tree) if tree else None, "all", tree))
         return sequences, chains
 
-    def _forward(self, sequences: list[SequenceInput], roots: torch.Tensor | None = None, sync: bool = True,
+    def _forward(self, sequences: list[SequenceInput] | ForwardBatch, roots: torch.Tensor | None = None, sync: bool = True,
                  chains: list[tuple[int, PendingChain]] = (), ahead: CatchUpAhead | None = None):
         """One target forward over the step's sequences: (batch, logits [rows, V], the drafter's features).
-        roots: the input ids on the device, one per sequence (the overlap schedule's tokens not landed). sync: the
+        sequences: or their batch, built. roots: the input ids on the device, one per sequence (the overlap schedule's
+        tokens not landed; with chains, each chain's root: a device-fed step's). sync: the
         adaptive policy may wait for the forward to time it (not for a step the overlap schedule leaves in flight).
         chains: (sequence index, draft on the device) whose drafts go into their sequences' rows on the device.
         ahead: the drafter's catch-up queued right behind it (catch_up_ahead.py); a wait is then for the target's
         tokens only."""
         forward_start = self._clock()
-        batch = self.runner.batch(sequences)
+        batch = sequences if isinstance(sequences, ForwardBatch) else self.runner.batch(sequences)
         if roots is not None and not chains:  # the ids are the roots: a graph's replay copies them in once
             batch.adopt_ids(roots)
-        elif roots is not None:
-            batch.input_ids.copy_(roots)
         if chains:
             starts = list(itertools.accumulate(batch.attention.q_lens, initial=0))
+            if roots is not None:
+                batch.input_ids.index_copy_(0, device_tensor([starts[i] for i, _ in chains], roots.device), roots)
             write_chains(batch.input_ids, [starts[i] for i, _ in chains], [c for _, c in chains],
                          self.runner.config.vocab_size)
         # a step caught up ahead reads the verification graph's own outputs (no clones): its logits within the step,
@@ -406,11 +416,13 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         return events
 
     def _accept_trees(self, verifies: list[Verify], offset: int, cu_logits: list[int], logits: torch.Tensor,
-                      targets: list[int] | None, rows: list[int], features, ahead: frozenset[str]) -> list[StepEvent]:
+                      targets: list[int] | None, rows: list[int], features, ahead: frozenset[str],
+                      keep_pages: bool = False) -> list[StepEvent]:
         """Every tree walked and its accepted tokens emitted; the accepted paths' KV compacted in one kernel
         (report.seconds["commit"]). A root alone verified by the target's own token (plain decoding) takes
         that token: no walk, no slice of the logits, no KV to move. ahead: the requests whose drafter caught up
-        on their chains already (catch_up_ahead.py): their accepted tokens go to it now, without states."""
+        on their chains already (catch_up_ahead.py): their accepted tokens go to it now, without states. keep_pages: a
+        device-fed step in flight writes past the lengths committed (KVCache.commit)."""
         commit_seconds, move_src, move_dst, lengths, accepted = 0.0, [], [], [], []
         page_size = self.runner.kv_cache.page_size
         penalized = penalized_targets(self.spec, logits, verifies, offset, cu_logits)  # one transfer for all of them
@@ -445,7 +457,7 @@ class Engine(Scheduling, OverlapSchedule, PolicyLink):
         if move_src:  # every request's compaction in one kernel, before any page is freed
             kv.copy_slots(move_src, move_dst)
         for table, length in lengths:
-            kv.set_length(table, length)
+            (kv.commit if keep_pages else kv.set_length)(table, length)
         self.report.seconds["commit"] = commit_seconds + self._clock() - commit_start
         return events
 

@@ -205,7 +205,8 @@ class EngineWorker(threading.Thread):
                 self._flush()  # the last step's, if this step ran no forward to hide it under
                 self._pending = (self.engine.report, self._deliveries(events))
                 # the overlap schedule's step in flight hides it now; else the next step's forward will
-                if not (self.overlap and self.engine.has_work) or self.engine.in_flight is not None:
+                if not (self.overlap and self.engine.has_work) or self.engine.in_flight is not None \
+                        or self.engine.fed is not None:
                     self._flush()
                 if self.metrics is not None:
                     self.metrics.observe_loop({"intake": stepped - start if busy else 0.0, "step": observed - stepped - hidden,

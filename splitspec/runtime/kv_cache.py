@@ -157,6 +157,12 @@ class KVCache:
             del table.pages[keep:]
         table.num_tokens = num_tokens
 
+    def commit(self, table: BlockTable, num_tokens: int) -> None:
+        """set_length that frees nothing: the pages past the new length stay the table's (work queued on the device
+        writes there: a device-fed step's next verification), returned by a later set_length or release."""
+        assert num_tokens <= len(table.pages) * self.page_size, "commit past the reserved pages"
+        table.num_tokens = num_tokens
+
     def release(self, table: BlockTable) -> None:
         self.set_length(table, 0)
 
