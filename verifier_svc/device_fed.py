@@ -35,7 +35,7 @@ from splitspec.runtime.launched_draft import PendingChain
 from splitspec.verifier_svc.catch_up_ahead import CatchUpAhead
 from splitspec.verifier_svc.drafter_client import DraftAsk
 from splitspec.verifier_svc.step_types import StepEvent
-from splitspec.verifier_svc.verification import ARGMAX, Verify, pad_size, target_params
+from splitspec.verifier_svc.verification import ARGMAX, Verify, target_params
 
 ENV = "SPLITSPEC_DEVICE_FED"
 
@@ -104,6 +104,8 @@ class DeviceFedSteps:
         n = flight.ahead.nodes
         kv = self.runner.kv_cache
         upper = [r.table.num_tokens + n for r in requests]  # every draft of step N accepted
+        if max(upper) + n > self.runner.context_length:  # near the context's end: what the graphs are sized for
+            return None
         if sum(max(kv.pages_for(u + n) - len(r.table.pages), 0) for r, u in zip(requests, upper)) > kv.allocator.num_free:
             return None
         self.drafter.request([DraftAsk(r, [], n) for r in request_ids])  # takes the draft launched with N's catch-up
@@ -114,11 +116,9 @@ class DeviceFedSteps:
         verifies = [Verify(r, c, u) for r, c, u in zip(requests, chains, upper)]
         for r, u in zip(requests, upper):
             kv.reserve(r.table, u + n)
-        q = pad_size(self.runner, verifies) or n
         committed = [r.table.num_tokens for r in requests]
-        try:  # built at the upper lengths, its pages reserved that far
+        try:  # built at the upper lengths, its pages reserved that far (padded only where they hold the padding)
             for r, u in zip(requests, upper):
-                kv.reserve(r.table, u + q)
                 r.table.num_tokens = u
             sequences, places = self._sequences([], verifies)
             batch = self.runner.batch(sequences)
