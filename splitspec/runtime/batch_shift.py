@@ -62,7 +62,8 @@ def shift_graph_inputs(state, positions: torch.Tensor, num_requests: int, q: int
     positions[:rows].view(r, q).add_(shift.view(r, 1))
     # row j of request i: key index (count - q + j), in page (its first page's place + index // page_size)
     index = (kv_lens.view(r, 1).long() - q + torch.arange(q, device=positions.device)).view(-1)
-    first = arena.view("kv_indptr")[:r].long().repeat_interleave(q)
+    # (expanded, not repeat_interleave: that reads its output size back from the device, a wait for the whole queue)
+    first = arena.view("kv_indptr")[:r].long().view(r, 1).expand(r, q).reshape(-1)
     pages = arena.view("ids").index_select(0, first + torch.div(index, page_size, rounding_mode="floor")).long()
     torch.add(pages * page_size, torch.remainder(index, page_size), out=state.out_slots[:rows])
 
