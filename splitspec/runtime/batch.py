@@ -13,7 +13,7 @@ import torch
 
 from splitspec.runtime.attention.base import AttentionBatch
 from splitspec.runtime.batch_shift import check as check_shift
-from splitspec.runtime.host_tensors import host_tensor, staged
+from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.kv_cache import BlockTable, KVCache, slot_list
 
 
@@ -208,4 +208,4 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on the device without waiting for the work already queued there (a blocking copy waits for the
     stream to drain: the overlap schedule builds a step's batch while the step before it runs). The source is staged
     by the copy itself, so the caller may drop it at once."""
-    return host if torch.device(device).type == "cpu" else staged(host).to(device, non_blocking=True)
+    return host if torch.device(device).type == "cpu" else host.to(device, non_blocking=True)

@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from splitspec.runtime.attention.base import AttentionBatch
 from splitspec.runtime.batch_shift import settle_on_host, shift_graph_inputs, shiftable
-from splitspec.runtime.host_tensors import staged
 from splitspec.runtime.inference import inference
 from splitspec.runtime.tree import tree_mask
 
@@ -268,8 +267,8 @@ class StepGraphs:
         self.runner.backend.graph_plan(entry.state, self._pad(attention, bs, q))
         ids, positions, static_features = self.inputs[(q, width)]
         rows = r * q
-        ids[:rows].copy_(staged(batch.source("input_ids")), non_blocking=True)
-        positions[:rows].copy_(staged(batch.source("positions")), non_blocking=True)
+        ids[:rows].copy_(batch.source("input_ids"), non_blocking=True)
+        positions[:rows].copy_(batch.source("positions"), non_blocking=True)
         if static_features is not None:
             static_features[:rows].copy_(features)
         if batch.shift is not None:  # built at the upper lengths: moved back on the device (runtime.batch_shift)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import array
-import os
 
 import torch
 
@@ -18,19 +17,6 @@ def host_tensor(values, dtype: torch.dtype = torch.long) -> torch.Tensor:
     if not len(values):
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
-
-
-PINNED_ENV = "SPLITSPEC_PINNED_COPIES"  # an experiment's switch (staged below); off by default
-_PINNED = os.environ.get(PINNED_ENV, "0") == "1"
-
-
-def staged(host: torch.Tensor) -> torch.Tensor:
-    """A host tensor about to be copied to the device without waiting: in pinned memory under PINNED_ENV=1 (a copy from
-    pageable memory is staged by the driver, which may hold the host until the stream reaches the copy: measured on a
-    device-fed step, whose copies queue behind the device's work), else as it is."""
-    if not _PINNED or host.is_cuda or not torch.cuda.is_available():
-        return host
-    return host.pin_memory()
 
 
 def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:

@@ -38,7 +38,7 @@ from splitspec.runtime.attention.base import env_choice as _env_choice
 from splitspec.runtime.attention import paged_graphs
 from splitspec.runtime.attention.flashinfer_replan import Arena, replan, replannable
 from splitspec.runtime.attention.paged_graphs import PagedGraph
-from splitspec.runtime.host_tensors import host_tensor, staged
+from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.tree import ancestor_rows
 
 # how a captured graph's attention is re-planned each step: reuse (default; lean, and a work split left in place while
@@ -362,7 +362,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 state.arenas[window].view("ancestors").copy_(host_tensor(self._ancestor_words(batch, state), torch.int32),
                                                              non_blocking=True)
             self.full_plans += 1
-        state.out_slots.copy_(staged(batch.out_slots), non_blocking=True)
+        state.out_slots.copy_(batch.out_slots, non_blocking=True)
         return state.plan
 
     def _replan(self, state: GraphState, wrapper, kind: str, batch: AttentionBatch, window) -> None:

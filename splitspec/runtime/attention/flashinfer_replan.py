@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.runtime.host_tensors import host_tensor, staged
+from splitspec.runtime.host_tensors import host_tensor
 
 
 @dataclass
@@ -73,7 +73,7 @@ def fill(arena: Arena, q_lens: list[int], kv_lens: list[int], page_tables: list[
     head = [*itertools.accumulate(q_lens, initial=0), *kv_indptr, *last, *kv_lens, *(mask_offsets or ()),
             *(ancestors or ())]
     host = host_tensor(head + ids, torch.int32)
-    arena.buffer[: host.numel()].copy_(staged(host), non_blocking=True)
+    arena.buffer[: host.numel()].copy_(host, non_blocking=True)
     return head, host
 
 
