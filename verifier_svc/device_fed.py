@@ -20,7 +20,8 @@ N+1 lands. Outputs are unchanged: every verification is the one the unfed step w
 
 For greedy requests (their target tokens are argmaxes: no output position to know), without logprobs, penalties or
 grammars, under fixed trees (`--speculative-adaptive off`: the policy's choices and timings are per landed step; not
-yet), with the overlap schedule on. SPLITSPEC_DEVICE_FED=1 turns it on (off until measured on a GPU).
+yet), with the overlap schedule on. SPLITSPEC_DEVICE_FED=1 turns it on. Off by default: on an H100 it was lossless and
+slower than the unfed step (the launch ahead costs more host time than a whole unfed cycle: docs/performance.md).
 """
 
 from __future__ import annotations
