@@ -12,8 +12,8 @@ late, as the overlap schedule lands plain steps. The host's work for N runs whil
 
     step N     verify N, catch-up N, draft N+1 queued (the step returns nothing: it is in flight)
     step N+1   verify N+1 from N's device results, catch-up N+1, draft N+2 queued; then N lands (its events)
-    ...        until the batch changes (an arrival to admit, an abort, a request that ended, a page short, a drafter that
-               declined): the step in flight lands and the next step runs as usual
+    ...        until the batch changes (an arrival to admit, an abort, a request that ended, a page short, a drafter
+               that declined): the step in flight lands and the next step runs as usual
 
 A request that ended at step N (its EOS, a stop, its limit) still verified its chain at N+1: that row is dropped when
 N+1 lands. Outputs are unchanged: every verification is the one the unfed step would run, at the same positions.
@@ -107,7 +107,8 @@ class DeviceFedSteps:
         upper = [r.table.num_tokens + n for r in requests]  # every draft of step N accepted
         if max(upper) + n > self.runner.context_length:  # near the context's end: what the graphs are sized for
             return None
-        if sum(max(kv.pages_for(u + n) - len(r.table.pages), 0) for r, u in zip(requests, upper)) > kv.allocator.num_free:
+        missing = sum(max(kv.pages_for(u + n) - len(r.table.pages), 0) for r, u in zip(requests, upper))
+        if missing > kv.allocator.num_free:
             return None
         self.drafter.request([DraftAsk(r, [], n) for r in request_ids])  # takes the draft launched with N's catch-up
         trees = self.drafter.collect(request_ids)
