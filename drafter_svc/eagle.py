@@ -305,7 +305,8 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         return True
 
     def launched_ahead(self, request_ids: list[str]) -> bool:
-        """Whether the draft loop launched with the last catch-up ahead is these requests' next draft (launch takes it)."""
+        """Whether the draft loop launched with the last catch-up ahead is these requests' next draft (launch takes
+        it)."""
         return self._ahead_run is not None and self._ahead_run[0] == list(request_ids)
 
     def keep_ahead(self, kept: dict[str, list[int]]) -> None:
