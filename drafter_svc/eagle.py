@@ -25,6 +25,7 @@ from splitspec.device_profile import phase as device_phase
 from splitspec.drafter_svc.base import HiddenStateDrafter
 from splitspec.drafter_svc.beam_steps import ModelBets, beam_trees, draft_loop_for, launch_beam_draft
 from splitspec.runtime.batch import SequenceInput, device_tensor
+from splitspec.runtime.batch_shift import batch_at
 from splitspec.runtime.inference import inference
 from splitspec.runtime.kv_cache import BlockTable
 from splitspec.runtime.launched_draft import LaunchedDraft
@@ -279,16 +280,9 @@ class EagleDrafter(ModelBets, HiddenStateDrafter):
         if kv.allocator.num_free < sum(max(kv.pages_for(length + n) - len(s.table.pages), 0)
                                        for s, length in zip(states, lengths)):
             return False
-        committed = [s.table.num_tokens for s in states]
-        try:
-            for s, length in zip(states, lengths):  # built at the upper lengths (the verified ones unless moved back)
-                s.table.num_tokens = length
-            batch = self.runner.batch([SequenceInput(s.table, [s.last_token] * n, logits="all") for s in states])
-        finally:
-            for s, length in zip(states, committed):
-                s.table.num_tokens = length
-        if verified is not None:
-            batch.shift_back(verified - device_tensor(lengths, verified.device))
+        # built at the lengths given (the upper ones where verified moves them back)
+        batch = batch_at(self.runner, [SequenceInput(s.table, [s.last_token] * n, logits="all") for s in states],
+                         lengths, verified)
         batch.adopt_ids(tokens.reshape(-1).to(batch.host_ids.dtype))
         # the graph's own outputs, not copies: read by the gathers queued right behind it
         output = self.runner.forward(batch, return_hidden=True, features=features, borrow=True)

@@ -135,7 +135,7 @@ def _run(target_dir, prompts, params, batch: int, ahead: bool, monkeypatch, brok
     client.drafter.keep_ahead = lambda got: (kept.append(len(got)), keep(got))[1]
     client.drafter.loop.launch = lambda *args: (launched.append(1), launch(*args))[1]  # not with the catch-up ahead
     if broken:
-        def fail(*args):
+        def fail(*args, **kwargs):
             raise RuntimeError("a drafter that fails to catch up ahead")
         client.drafter.catch_up_ahead = fail
     out = []

@@ -88,8 +88,7 @@ class CatchUpAhead:
         acceptance = kernels.chain_acceptance(ids, batch.input_ids, verified, n)
         states = features.view(count, q, -1)[:, :n].reshape(count * n, -1)
         request_ids = [v.request.request_id for v in self.verifies]
-        extra = {} if self.verified is None else {"verified": self.verified}
-        if drafter.catch_up_ahead(request_ids, lengths, tokens, states, acceptance, **extra):
+        if drafter.catch_up_ahead(request_ids, lengths, tokens, states, acceptance, verified=self.verified):
             self.caught_up = frozenset(request_ids)
             self.roots, self.lengths_after = tokens.reshape(-1).index_select(0, acceptance[1]), acceptance[2]
 

@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from splitspec.runtime.batch import device_tensor
+from splitspec.runtime.batch_shift import batch_at
 from splitspec.runtime.launched_draft import PendingChain
 from splitspec.verifier_svc.catch_up_ahead import CatchUpAhead
 from splitspec.verifier_svc.drafter_client import DraftAsk
@@ -118,17 +118,10 @@ class DeviceFedSteps:
         verifies = [Verify(r, c, u) for r, c, u in zip(requests, chains, upper)]
         for r, u in zip(requests, upper):
             kv.reserve(r.table, u + n)
-        committed = [r.table.num_tokens for r in requests]
-        try:  # built at the upper lengths, its pages reserved that far (padded only where they hold the padding)
-            for r, u in zip(requests, upper):
-                r.table.num_tokens = u
-            sequences, places = self._sequences([], verifies)
-            batch = self.runner.batch(sequences)
-        finally:
-            for r, length in zip(requests, committed):
-                r.table.num_tokens = length
+        # built at the upper lengths, its pages reserved that far (padded only where they hold the padding)
+        sequences, places = self._sequences([], verifies)
         lengths = flight.ahead.lengths_after
-        batch.shift_back(lengths - device_tensor(upper, lengths.device))
+        batch = batch_at(self.runner, sequences, upper, lengths)
         ahead = CatchUpAhead(verifies, n, upper=upper, verified=lengths)
         _, _, features = self._forward(batch, roots=flight.ahead.roots, sync=False, chains=places, ahead=ahead)
         return FedFlight.of(verifies, batch, ahead, features)

@@ -231,9 +231,7 @@ class InProcessDrafterClient(DrafterClient):
         if any(r in self._broken or r in self._guides for r in request_ids):
             return False
         try:
-            if verified is not None:
-                return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, acceptance, verified=verified)
-            return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, acceptance)
+            return self.drafter.catch_up_ahead(request_ids, lengths, tokens, features, acceptance, verified=verified)
         except Exception:
             logger.exception("drafter %s failed to catch up ahead on a batch of %d; its tokens go with their states",
                              self.drafter.name, len(request_ids))

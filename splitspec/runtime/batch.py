@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.runtime.attention.base import AttentionBatch
-from splitspec.runtime.batch_shift import check as check_shift
 from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.kv_cache import BlockTable, KVCache, slot_list
 
@@ -60,7 +59,10 @@ class ForwardBatch:
     def shift_back(self, shift: torch.Tensor) -> None:
         """Built at each request's upper length, request i's new tokens sit shift[i] (<= 0; a device tensor, one a
         request) slots earlier: the forward moves their positions, KV slots and key counts by it (runtime.batch_shift)."""
-        check_shift(shift, self.attention.num_requests)
+        count = self.attention.num_requests
+        if shift.dim() != 1 or shift.shape[0] != count or shift.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"a shift of shape {tuple(shift.shape)} and {shift.dtype} for a batch of {count} requests "
+                             "(one integer each)")
         self.shift = shift
 
     @property

@@ -22,14 +22,9 @@ import dataclasses
 
 import torch
 
+from splitspec.runtime.batch import device_tensor
 from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.kv_cache import slot_list
-
-
-def check(shift: torch.Tensor, num_requests: int) -> None:
-    if shift.dim() != 1 or shift.shape[0] != num_requests or shift.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"a shift of shape {tuple(shift.shape)} and {shift.dtype} for a batch of {num_requests} "
-                         "requests (one integer each)")
 
 
 def settle_on_host(batch, page_size: int) -> None:
@@ -66,6 +61,23 @@ def shift_graph_inputs(state, positions: torch.Tensor, num_requests: int, q: int
     first = arena.view("kv_indptr")[:r].long().view(r, 1).expand(r, q).reshape(-1)
     pages = arena.view("ids").index_select(0, first + torch.div(index, page_size, rounding_mode="floor")).long()
     torch.add(pages * page_size, torch.remainder(index, page_size), out=state.out_slots[:rows])
+
+
+def batch_at(runner, sequences: list, lengths: list[int], verified: torch.Tensor | None = None):
+    """runner.batch(sequences) built as if each sequence's table held lengths[i] tokens (its pages reserved that far;
+    its committed length left as it was), and moved back on the device to the lengths verified [B] when given."""
+    tables = [s.table for s in sequences]
+    committed = [t.num_tokens for t in tables]
+    try:
+        for table, length in zip(tables, lengths):
+            table.num_tokens = length
+        batch = runner.batch(sequences)
+    finally:
+        for table, length in zip(tables, committed):
+            table.num_tokens = length
+    if verified is not None:
+        batch.shift_back(verified - device_tensor(lengths, verified.device))
+    return batch
 
 
 def shiftable(state) -> bool:

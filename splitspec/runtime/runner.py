@@ -447,13 +447,11 @@ class ModelRunner:
                 hidden, captured, logits = self.graphs.run(batch, q, None if features is None else features.to(self.device),
                                                            return_hidden, borrow)
                 return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
-            if batch.shift is not None:  # no graph moves it on the device: moved on the host
-                settle_on_host(batch, self.kv_cache.page_size)
             q = self.prompts.shape_of(batch) if self.prompts is not None and features is None else None
             if q is not None:
                 hidden, captured, logits = self.prompts.run(batch, q, return_hidden)
                 return ForwardOutput(logits=logits, hidden_states=hidden, aux_hidden_states=captured)
-        if batch.shift is not None:
+        if batch.shift is not None:  # no graph moved it on the device (a tree is no prompt graph's): on the host
             settle_on_host(batch, self.kv_cache.page_size)
         plan = self.backend.plan(batch.attention)
         extra = {} if features is None else {"features": features.to(self.device)}
