@@ -22,6 +22,8 @@
                                                 a draft node's attention over its own keys, merged with the prefix's
     paged_attention(q, k_cache, v_cache, page_size, qo, kv_indptr, kv_lens, page_ids, ancestors, mode, scale, ...)
                                                 a few query rows a request over the paged cache (trees, chains, beams)
+    shift_paged_inputs(shift, kv_lens, positions, kv_indptr, page_ids, out_slots, q, page_size)
+                                                a paged graph's key counts, positions and K/V slots moved back in place
 
 On a CUDA tensor with Triton importable the Triton kernel runs; otherwise (CPU, or SPLITSPEC_KERNELS=torch)
 the twin does. Twins are the reference: tests/kernel_checks.py compares the two, on a GPU
@@ -31,8 +33,11 @@ the twin does. Twins are the reference: tests/kernel_checks.py compares the two,
 from __future__ import annotations
 
 from splitspec.kernels.ops import (accept_tree_coins, add_rms_norm, apply_rope, chain_acceptance, draft_topk, gumbel_argmax,
-                                   merge_own_attention, move_kv_slots, paged_attention, quantize_fp8_per_token, rms_norm, rms_norm_pair, rope_and_store, silu_and_mul,
-                                   top_k_top_p, tree_mask_bits, twins, use_triton, verify_tree_greedy)
+                                   merge_own_attention, move_kv_slots, paged_attention, quantize_fp8_per_token, rms_norm,
+                                   rms_norm_pair, rope_and_store, shift_paged_inputs, silu_and_mul, top_k_top_p,
+                                   tree_mask_bits, twins, use_triton, verify_tree_greedy)
 
-__all__ = ["accept_tree_coins", "add_rms_norm", "apply_rope", "chain_acceptance", "draft_topk", "gumbel_argmax", "merge_own_attention", "move_kv_slots", "paged_attention",
-           "quantize_fp8_per_token", "rms_norm", "rms_norm_pair", "rope_and_store", "silu_and_mul", "top_k_top_p", "tree_mask_bits", "twins", "use_triton", "verify_tree_greedy"]
+__all__ = ["accept_tree_coins", "add_rms_norm", "apply_rope", "chain_acceptance", "draft_topk", "gumbel_argmax",
+           "merge_own_attention", "move_kv_slots", "paged_attention", "quantize_fp8_per_token", "rms_norm", "rms_norm_pair",
+           "rope_and_store", "shift_paged_inputs", "silu_and_mul", "top_k_top_p", "tree_mask_bits", "twins", "use_triton",
+           "verify_tree_greedy"]

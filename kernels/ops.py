@@ -179,6 +179,18 @@ def tree_mask_bits(kv_lens: torch.Tensor, byte_offsets: torch.Tensor, ancestors:
     torch_ops.tree_mask_bits(kv_lens, byte_offsets, ancestors, out)
 
 
+def shift_paged_inputs(shift: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor, kv_indptr: torch.Tensor,
+                       page_ids: torch.Tensor, out_slots: torch.Tensor, q: int, page_size: int) -> None:
+    """A paged graph's key counts, positions and K/V slots moved back by shift on the device, in place
+    (kernels.torch_ops.shift_paged_inputs; runtime.batch_shift)."""
+    if use_triton(shift) and all(t.is_contiguous() for t in (shift, kv_lens, positions, kv_indptr, page_ids, out_slots)):
+        from splitspec.kernels import triton_batch_shift
+
+        return triton_batch_shift.shift_paged_inputs(shift, kv_lens, positions, kv_indptr, page_ids, out_slots, q,
+                                                     page_size)
+    torch_ops.shift_paged_inputs(shift, kv_lens, positions, kv_indptr, page_ids, out_slots, q, page_size)
+
+
 def merge_own_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out_prefix: torch.Tensor,
                         lse_prefix: torch.Tensor, scale: float) -> torch.Tensor:
     """A draft node's attention over its own keys [R, J, Hkv, D] merged with its attention over the committed ones

@@ -102,6 +102,21 @@ def chain_acceptance(targets: torch.Tensor, input_ids: torch.Tensor, lengths: to
     return torch.stack([accepted, starts + accepted, lengths.long() + 1 + accepted])
 
 
+def shift_paged_inputs(shift: torch.Tensor, kv_lens: torch.Tensor, positions: torch.Tensor, kv_indptr: torch.Tensor,
+                       page_ids: torch.Tensor, out_slots: torch.Tensor, q: int, page_size: int) -> None:
+    """A paged graph's inputs, planned for r requests of q rows at their upper lengths, moved by shift [r] (<= 0) in
+    place: the key counts kv_lens [r] (int32), the positions [r * q] and each row's K/V slot out_slots [r * q], row j of
+    request i at key index (its moved count - q + j), in page page_ids[kv_indptr[i] + index // page_size]."""
+    r = shift.shape[0]
+    kv_lens.add_(shift.to(kv_lens.dtype))
+    positions[: r * q].view(r, q).add_(shift.view(r, 1))
+    index = (kv_lens.view(r, 1).long() - q + torch.arange(q, device=positions.device)).view(-1)
+    # (expanded, not repeat_interleave: that reads its output size back from the device, a wait for the whole queue)
+    first = kv_indptr[:r].long().view(r, 1).expand(r, q).reshape(-1)
+    pages = page_ids.index_select(0, first + torch.div(index, page_size, rounding_mode="floor")).long()
+    torch.add(pages * page_size, torch.remainder(index, page_size), out=out_slots[: r * q])
+
+
 def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax_v(logits[b, v] + G(keys[b], v)) for logits [B, V] fp32 and position keys [B]: a position-keyed
     Gumbel-max sample of each row (splitspec.runtime.sampling)."""

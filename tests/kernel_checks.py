@@ -10,8 +10,10 @@ import sys
 
 import torch
 
-from splitspec.kernels import torch_ops, triton_ops, triton_own_attention, triton_paged_attention, triton_rope, triton_tree_mask
+from splitspec.kernels import (torch_ops, triton_batch_shift, triton_ops, triton_own_attention, triton_paged_attention,
+                               triton_rope, triton_tree_mask)
 from splitspec.runtime.attention.flashinfer_backend import _packed_trees
+from splitspec.runtime.kv_cache import slot_list
 from splitspec.runtime.tree import NO_NODE, ancestor_rows, child_links
 from splitspec.verifier_svc.acceptance import accept_target_tokens
 
@@ -279,6 +281,37 @@ def check_chain_acceptance(device: str) -> int:
     return chains
 
 
+def check_shift_paged_inputs(device: str) -> int:
+    """A paged graph's inputs moved back by a shift: the kernel's key counts, positions and K/V slots equal the twin's,
+    and both equal a batch planned at the moved lengths (slot_list of each request's pages), for shifts of 0 to q - 1
+    keys across page boundaries, one row a request and trees of 6 and 17."""
+    g = torch.Generator().manual_seed(8)
+    moved = 0
+    for count, q, page_size in ((1, 6, 4), (3, 1, 16), (5, 6, 1), (4, 17, 8)):
+        upper = torch.randint(q + 20, 200, (count,), generator=g)
+        shift = -torch.randint(0, q, (count,), generator=g)
+        pages = [torch.randperm(500, generator=g)[: -(-int(n) // page_size)].tolist() for n in upper]
+        kv_indptr = torch.tensor(list(itertools.accumulate([len(p) for p in pages], initial=0)), dtype=torch.int32)
+        page_ids = torch.tensor([p for table in pages for p in table] + [7] * 5, dtype=torch.int32)
+        depth = torch.randint(0, q, (count, q), generator=g)
+        positions = (upper.view(-1, 1) - q + depth).view(-1)
+        want_slots = torch.tensor([s for table, n in zip(pages, upper + shift)
+                                   for s in slot_list(table, page_size, int(n) - q, int(n))])
+        results = []
+        for shift_paged_inputs in (torch_ops.shift_paged_inputs, triton_batch_shift.shift_paged_inputs):
+            kv_lens, pos = upper.to(torch.int32).to(device), positions.clone().to(device)
+            slots = torch.full((count * q + 3,), -1, dtype=torch.long, device=device)  # rows past the batch's kept
+            shift_paged_inputs(shift.to(device), kv_lens, pos, kv_indptr.to(device), page_ids.to(device), slots, q,
+                               page_size)
+            results.append((kv_lens.cpu(), pos.cpu(), slots.cpu()))
+        for kv_lens, pos, slots in results:
+            assert torch.equal(kv_lens, (upper + shift).to(torch.int32)), (count, q, kv_lens, upper + shift)
+            assert torch.equal(pos, positions + shift.repeat_interleave(q)), (count, q)
+            assert torch.equal(slots[: count * q], want_slots) and (slots[count * q :] == -1).all(), (count, q, page_size)
+        moved += count
+    return moved
+
+
 def check_draft_topk(device: str) -> int:
     """A draft step's softmax + top-k scored by the parent beam: the same tokens, in the same order, and the
     same scores to fp32 rounding, for vocabularies across block boundaries."""
@@ -479,12 +512,13 @@ def main(device: str = "cpu") -> int:
         drawn = check_gumbel_argmax(device)
         draft_rows = check_draft_topk(device)
         chains = check_chain_acceptance(device)
+        shifted = check_shift_paged_inputs(device)
         filtered = check_top_k_top_p(device)
         coin_accepted = check_accept_tree_coins(device)
         mask_bytes = check_tree_mask_bits(device)
     print(f"kernel checks on {device}: {moved} KV moves per dtype, {accepted} accepted tree nodes (greedy), "
           f"{coin_accepted} (threshold rule, with bonus draws), {drawn} keyed Gumbel-max samples, {draft_rows} draft "
-          f"top-k rows, {chains} verified chains' acceptance, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, {merged_rows} draft-node attention rows and {paged_rows} paged-attention rows per dtype, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
+          f"top-k rows, {chains} verified chains' acceptance, {shifted} graph batches' shifts, {filtered} top-k/top-p rows, {fp8_rows} per-token FP8 rows, {mask_bytes} packed tree-mask bytes, {merged_rows} draft-node attention rows and {paged_rows} paged-attention rows per dtype, norms, SiLU-and-mul, RoPE and RoPE + KV write in "
           f"{[str(d) for d in dtypes]}: all equal their twins")
     return 0
 

@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 
+from splitspec import kernels
 from splitspec.runtime.batch import device_tensor
 from splitspec.runtime.host_tensors import host_tensor
 from splitspec.runtime.kv_cache import slot_list
@@ -48,19 +49,11 @@ def settle_on_host(batch, page_size: int) -> None:
 def shift_graph_inputs(state, positions: torch.Tensor, num_requests: int, q: int, shift: torch.Tensor,
                        page_size: int) -> None:
     """A paged graph's static inputs, planned for the batch at its upper lengths, moved by shift [num_requests] on the
-    device: its key counts, positions [rows] and K/V slots (state: a GraphState whose plan attends by
+    device, in one kernel: its key counts, positions [rows] and K/V slots (state: a GraphState whose plan attends by
     kernels.paged_attention, its arena holding every page up to the upper lengths)."""
     arena, r = state.plan.paged.arena, num_requests
-    rows = r * q
-    kv_lens = arena.view("kv_lens")[:r]
-    kv_lens.add_(shift.to(torch.int32))
-    positions[:rows].view(r, q).add_(shift.view(r, 1))
-    # row j of request i: key index (count - q + j), in page (its first page's place + index // page_size)
-    index = (kv_lens.view(r, 1).long() - q + torch.arange(q, device=positions.device)).view(-1)
-    # (expanded, not repeat_interleave: that reads its output size back from the device, a wait for the whole queue)
-    first = arena.view("kv_indptr")[:r].long().view(r, 1).expand(r, q).reshape(-1)
-    pages = arena.view("ids").index_select(0, first + torch.div(index, page_size, rounding_mode="floor")).long()
-    torch.add(pages * page_size, torch.remainder(index, page_size), out=state.out_slots[:rows])
+    kernels.shift_paged_inputs(shift, arena.view("kv_lens")[:r], positions, arena.view("kv_indptr"), arena.view("ids"),
+                               state.out_slots, q, page_size)
 
 
 def batch_at(runner, sequences: list, lengths: list[int], verified: torch.Tensor | None = None):
