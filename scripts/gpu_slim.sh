@@ -25,6 +25,19 @@ size() {  # bytes the device tool copies: tracked and untracked-not-ignored file
 case "${1:-status}" in
     aside)
         if [[ -d "$aside" ]]; then echo "already set aside: bash scripts/gpu_slim.sh back first" >&2; exit 1; fi
+        # the demo weights go aside too: a test or service running from this checkout meanwhile finds them missing
+        # and retrains them in place (it did once, overwriting them after `back`); run suites from a clone instead
+        root=$(pwd -P)
+        for cwd in /proc/[0-9]*/cwd; do
+            dir=$(readlink "$cwd" 2>/dev/null) || continue
+            [[ "$dir" == "$root" || "$dir" == "$root"/* ]] || continue
+            pid=${cwd#/proc/} && pid=${pid%/cwd}
+            if tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -q -e pytest -e "-m splitspec"; then
+                echo "process $pid runs from this checkout ($(tr '\0' ' ' < "/proc/$pid/cmdline" | cut -c1-80)):" \
+                     "setting its files aside would break it; wait for it or run it from a clone" >&2
+                exit 1
+            fi
+        done
         mkdir -p "$aside/whl"
         paths=("${tracked[@]}")
         [[ "${2:-}" == --no-draft ]] && paths+=("$draft")
