@@ -7,8 +7,9 @@ and hands the forward a shift [num_requests] (<= 0, on the device): request i's 
 where they were built. The forward moves their positions, KV slots and key counts by it where it runs:
 
     a captured graph (its attention by kernels.paged_attention: paged_graphs)
-        after the plan's copies, three small ops on the graph's static inputs: the key counts its kernel reads, the
-        positions, and the slots each new token's K/V is written to (from the arena's page ids); no wait
+        after the plan's copies, one kernel (kernels.shift_paged_inputs) on the graph's static inputs: the key counts
+        its attention reads, the positions, and the slots each new token's K/V is written to (from the arena's page
+        ids); no wait
     anything else (an eager forward, FlashInfer's planned graphs)
         the shift read to the host (a wait for the device) and the batch's host inputs moved by it
 
