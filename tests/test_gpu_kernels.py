@@ -309,6 +309,12 @@ def test_a_graph_replayed_at_upper_lengths_and_moved_back_on_the_device_equals_e
             commit(r, tables[id(r)], accepted)
         want = step(eager, tables[id(eager)], [(i, nodes[i], trees[i]) for i in range(3)])
         mine = tables[id(graphed)]
+        # the same graph at the lengths themselves: what the move must reproduce; the K/V it wrote noised again after
+        unmoved = step(graphed, mine, [(i, nodes[i], trees[i]) for i in range(3)])
+        for t in mine:
+            for slot in range(t.num_tokens, t.num_tokens + 4):
+                page = t.pages[slot // pool.shape[3]]
+                pool[:, :, page, slot % pool.shape[3]] = torch.randn_like(pool[:, :, page, slot % pool.shape[3]])
         lengths = [t.num_tokens for t in mine]
         for table, d in zip(mine, moved):  # built as the device-fed step builds it: at the upper lengths
             graphed.kv_cache.reserve(table, table.num_tokens - d + upper + 4)
@@ -322,7 +328,11 @@ def test_a_graph_replayed_at_upper_lengths_and_moved_back_on_the_device_equals_e
         for table, length in zip(mine, lengths):
             table.num_tokens = length
         for i in range(3):
-            assert close(have[4 * i : 4 * i + 4], want[i]) < graph_tolerance(graph_attention)
+            apart = [close(have[4 * i : 4 * i + 4], x[i]) for x in (unmoved, want)]
+            eager_apart = close(unmoved[i], want[i])
+            assert max(apart) < graph_tolerance(graph_attention), \
+                f"moved {moved}, request {i}: {apart[0]:.4f} from the unmoved graph, {apart[1]:.4f} from eager (the " \
+                f"unmoved graph {eager_apart:.4f})"
         roots = [(i, [nodes[i][0]], trees[i][:1]) for i in range(3)]
         for r in (eager, graphed):
             commit(r, tables[id(r)], roots)
