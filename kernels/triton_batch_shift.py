@@ -35,4 +35,4 @@ def shift_paged_inputs(shift: torch.Tensor, kv_lens: torch.Tensor, positions: to
     """One program a request (torch_ops.shift_paged_inputs)."""
     requests = shift.shape[0]
     _shift_kernel[(requests,)](shift, kv_lens, positions, kv_indptr, page_ids, out_slots, q, page_size,
-                               BLOCK=triton.next_power_of_2(q))
+                               BLOCK=max(16, triton.next_power_of_2(q)))
