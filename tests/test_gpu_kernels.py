@@ -311,10 +311,11 @@ def test_a_graph_replayed_at_upper_lengths_and_moved_back_on_the_device_equals_e
         mine = tables[id(graphed)]
         # the same graph at the lengths themselves: what the move must reproduce; the K/V it wrote noised again after
         unmoved = step(graphed, mine, [(i, nodes[i], trees[i]) for i in range(3)])
+        page_size = graphed.kv_cache.page_size
         for t in mine:
             for slot in range(t.num_tokens, t.num_tokens + 4):
-                page = t.pages[slot // pool.shape[3]]
-                pool[:, :, page, slot % pool.shape[3]] = torch.randn_like(pool[:, :, page, slot % pool.shape[3]])
+                cell = pool[:, :, t.pages[slot // page_size], slot % page_size]  # a view: noised in place
+                cell.copy_(torch.randn_like(cell))
         lengths = [t.num_tokens for t in mine]
         for table, d in zip(mine, moved):  # built as the device-fed step builds it: at the upper lengths
             graphed.kv_cache.reserve(table, table.num_tokens - d + upper + 4)
