@@ -63,7 +63,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
 def add_speculative_args(parser: argparse.ArgumentParser, side: str = "verifier") -> None:
     """SGLang's --speculative-* flags; side="drafter" leaves out what only the verifier decides
     (acceptance rules)."""
-    from splitspec.model_flags import ATTENTION_BACKENDS, SGLANG_ATTENTION_BACKENDS
+    from splitspec.runtime.attention import ATTENTION_BACKENDS, SGLANG_ATTENTION_BACKENDS
 
     group = parser.add_argument_group("speculative decoding (SGLang's flags)")
     group.add_argument("--speculative-algorithm", default=None, type=_algorithm,

@@ -434,7 +434,7 @@ scrape_configs:
 
 
 def _drafter_flags() -> set[str]:
-    from splitspec.drafter_svc.server import build_parser
+    from splitspec.drafter_svc.flags import build_parser
 
     return {option for action in build_parser()._actions for option in action.option_strings}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 
+LOG_LEVELS = ("debug", "info", "warning", "error")  # every command's --log-level
 FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 

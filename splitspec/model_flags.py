@@ -10,7 +10,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from splitspec.runtime.attention import ATTENTION_BACKENDS
+from splitspec.log_format import LOG_LEVELS  # noqa: F401 (for callers)
+from splitspec.runtime.attention import ATTENTION_BACKENDS, SGLANG_ATTENTION_BACKENDS
 from splitspec.runtime.config import DTYPES
 from splitspec.runtime.hub import resolve_model_dir
 from splitspec.runtime.loader import LOAD_FORMATS
@@ -19,10 +20,6 @@ from splitspec.runtime.prompt_graph import DEFAULT_MAX_TOKENS as DEFAULT_PROMPT_
 from splitspec.runtime.quantization import check_method as check_quantization_method
 from splitspec.runtime.runner import RuntimeConfig
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-# SGLang's --attention-backend values that splitspec does not implement yet: accepted, served by torch
-SGLANG_ATTENTION_BACKENDS = ("fa3", "fa4", "triton", "torch_native", "flex_attention", "trtllm_mha",
-                             "aiter", "wave", "ascend", "intel_amx", "cutlass_mla", "flashmla")
 logger = logging.getLogger("splitspec")
 
 

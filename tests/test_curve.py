@@ -19,7 +19,7 @@ from test_verifier_service import collect, scrape, submit
 
 from splitspec import lifeline
 from splitspec.demo import demo_model_dirs
-from splitspec.drafter_svc.server import build_parser as drafter_parser
+from splitspec.drafter_svc.flags import build_parser as drafter_parser
 from splitspec.launcher import curve_flags, make_curve_keys, service_commands
 from splitspec.protos import verifier_pb2 as pb
 from splitspec.runtime import curve

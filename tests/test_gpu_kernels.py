@@ -674,7 +674,7 @@ def test_head_catch_up_graphs_equal_eager(graph_attention):
     from splitspec.draft_models import build_drafter
     from splitspec.drafter_svc.base import FEED_EVERY
     from splitspec.speculation import resolve
-    from splitspec.drafter_svc.server import build_parser
+    from splitspec.drafter_svc.flags import build_parser
     from splitspec.model_shapes import dummy_model_dir
 
     def head(graphs: bool):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -139,6 +140,8 @@ def test_up_serves_survives_a_killed_drafter_and_stops_on_sigint():
     up = Up("--drafters", "3", "--log-level", "warning")
     try:
         up.wait_for_line(r"serving splitspec-demo at ")
+        # the launcher parses flags and supervises: it never imports torch (which cost ~3 CPU-s a launch)
+        assert "libtorch" not in Path(f"/proc/{up.process.pid}/maps").read_text(), "splitspec up imported torch"
         # the printed curl example, sent as printed
         body = json.loads(up.wait_for_line(r"-d '(\{.*\})'").group(1))
         answer = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=120).json()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from splitspec.runtime.attention import AttentionBackend, get_attention_backend
+from splitspec.runtime.attention import get_attention_backend
+from splitspec.runtime.attention.base import AttentionBackend
 from splitspec.runtime.batch import ForwardBatch, SequenceInput, build_forward_batch
 from splitspec.runtime.batch_shift import settle_on_host
 from splitspec.runtime.config import DTYPES, ConfigError, ModelConfig

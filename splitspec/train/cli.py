@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from splitspec.log_format import setup_logging
-from splitspec.model_flags import LOG_LEVELS
+from splitspec.log_format import LOG_LEVELS
 from splitspec.train.presets import DEMO_VOCAB_SIZE, PRESETS
 
 logger = logging.getLogger("splitspec.train")
