@@ -2,7 +2,7 @@
 
 A drafter's steps run in runtime.draft_loop (on the device, one CUDA graph per batch size). A draft model
 with sliding-window layers, which the loop's cascade attention does not cover, drafts on the host with
-runtime.tree.BeamDraft, the reference: each step forwards, for every request in one batch, all beam nodes
+runtime.beam_draft.BeamDraft, the reference: each step forwards, for every request in one batch, all beam nodes
 made so far after the request's committed KV under their forest mask (S*(S-1)/2*K extra rows), and the
 beam nodes' KV is dropped after the step.
 """
@@ -21,7 +21,8 @@ from splitspec.runtime.kv_cache import BlockTable, OutOfPagesError
 from splitspec.runtime.launched_draft import LaunchedDraft
 from splitspec.runtime.runner import ModelRunner
 from splitspec.drafter_svc.base import Bet, bet_order
-from splitspec.runtime.tree import NO_NODE, BeamDraft, DraftTree, batched_topk
+from splitspec.runtime.beam_draft import BeamDraft, batched_topk
+from splitspec.runtime.tree import NO_NODE, DraftTree
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from splitspec.drafter_svc.base import FEED_EVERY
 from splitspec.speculation import FINAL_NORMED_STATE, FlagError, Speculation
+
+if TYPE_CHECKING:  # a model drafter imports it as it loads; an NGRAM one never does
+    import torch
 
 logger = logging.getLogger(__name__)
 # a drafter process's feed rounds (drafting off, FEED_EVERY rows a request) replay captured graphs up to this many rows
@@ -143,6 +145,8 @@ def _capture_graphs(loop, runner, head: bool, steps: int, feeds: bool) -> None:
 
 
 def _target_embed_and_head(s: Speculation, target, runner, kind):
+    import torch
+
     if target is not None:
         return target.model.model.embed_tokens.weight, target.model.lm_head_weight
     from splitspec.runtime.config import ModelConfig

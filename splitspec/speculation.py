@@ -22,6 +22,7 @@ import argparse
 import functools
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -310,10 +311,17 @@ def overlap_mode(flag: str | None, environ=os.environ) -> str:
     return "auto"
 
 
+# what a GPU torch can use leaves on the host: NVIDIA's driver, ROCm's (HIP answers torch.cuda), WSL's
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
 def on_gpu(device: str | None) -> bool:
-    """Whether a --device value (None or auto: cuda when available) names a GPU."""
+    """Whether a --device value (None or auto: cuda when available) names a GPU. auto asks torch, unless no GPU
+    driver is on the host: then it is False without importing torch (an NGRAM drafter process never does)."""
     device = str(device or "auto")
     if device == "auto":
+        if "torch" not in sys.modules and not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+            return False
         import torch
 
         return torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""The device draft loop (runtime.draft_loop) against the host reference (runtime.tree.BeamDraft with
+"""The device draft loop (runtime.draft_loop) against the host reference (runtime.beam_draft.BeamDraft with
 forest-masked forwards, drafter_svc.beam_steps.host_beam_draft): the same trees, node for node, for an
 EAGLE-3 head (its draft vocabulary mapped through d2t, fed its own outputs) and a standalone draft LM, at
 several tree shapes, a batch of prompts of different lengths and a smaller budget for one request. The

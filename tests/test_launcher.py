@@ -146,6 +146,17 @@ def test_up_serves_survives_a_killed_drafter_and_stops_on_sigint():
         body = json.loads(up.wait_for_line(r"-d '(\{.*\})'").group(1))
         answer = httpx.post(up.url + "/v1/chat/completions", json=body, timeout=120).json()
         assert answer["choices"][0]["message"]["content"] and answer["speculative"]["algorithm"] == "NGRAM"
+        # a drafter of no model never imports torch (~3 CPU-s and ~190 MB a process): checked once all three have
+        # registered, which they do after every import of their start (a grammar's compile imports it later)
+        sd = f"http://127.0.0.1:{up.port + 2}/sd/drafters"
+        deadline = time.time() + 120
+        while len(httpx.get(sd, timeout=10).json()) < 3:
+            assert time.time() < deadline, "three NGRAM drafters never registered"
+            time.sleep(0.5)
+        drafters = [pid for pid, name in up.service_pids().items() if name.startswith("drafter-")]
+        assert len(drafters) == 3
+        for pid in drafters:
+            assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), f"NGRAM drafter {pid} imported torch"
         # structured outputs load the tokenizer through transformers, which imports Hugging Face's `kernels`: the
         # clone's kernels/ folder on a service's sys.path shadowed it and every response_format was refused
         client = openai.OpenAI(base_url=up.url + "/v1", api_key="none")

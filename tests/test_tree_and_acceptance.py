@@ -166,7 +166,7 @@ def _reference_beam_paths(root: int, topk: int, steps: int, n: int) -> dict[tupl
 
 @pytest.mark.parametrize("topk,steps,n", [(1, 3, 4), (2, 3, 6), (4, 4, 8), (3, 5, 12), (4, 2, 20)])
 def test_beam_draft_builds_sglangs_tree(topk, steps, n):
-    from splitspec.runtime.tree import BeamDraft
+    from splitspec.runtime.beam_draft import BeamDraft
 
     root = 5
     beam = BeamDraft(root, topk, steps, n)

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 class ConfigError(ValueError):
     """config.json asks for something this runtime does not support, or is malformed."""
@@ -35,12 +33,13 @@ ARCHITECTURE_FAMILIES = {
     "LlamaForCausalLMEagle3": "eagle3",
 }
 
+# --dtype names -> torch's dtype names (names, so that reading a config needs no torch: a drafter process of no model)
 DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 # rope type -> keys its parameters must carry

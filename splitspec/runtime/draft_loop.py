@@ -1,6 +1,6 @@
-"""SGLang's beam draft (REFERENCES §3.1, runtime.tree.BeamDraft) for a batch of requests, on the device.
+"""SGLang's beam draft (REFERENCES §3.1, runtime.beam_draft.BeamDraft) for a batch of requests, on the device.
 
-runtime.tree.BeamDraft is the reference: the same steps, on the host, one request at a time. Here every
+runtime.beam_draft.BeamDraft is the reference: the same steps, on the host, one request at a time. Here every
 step of every request is one batch of fixed shape, so that the whole draft (steps 1..S-1, the scoring
 and the ranking of the candidates) runs as one CUDA graph replay with one transfer at the end:
 

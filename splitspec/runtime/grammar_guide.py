@@ -5,10 +5,13 @@ to them, and the masks a beam drafter's candidates take at each step."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from splitspec.runtime.grammar import xgrammar_module
 from splitspec.runtime.tree import DraftTree, child_links
+
+if TYPE_CHECKING:  # masks are made where a grammar is: an NGRAM drafter process never imports torch
+    import torch
 
 
 def _allowed(words: list[int], token: int) -> bool:
@@ -21,6 +24,8 @@ def grammar_rows(tree: DraftTree, matcher, rows: torch.Tensor) -> tuple[torch.Te
     allowed after its parent's path, its ancestors kept) for a tree rooted at the matcher's last accepted token.
     The matcher walks the tree (xgrammar's traverse_draft_tree: advancing and rolling back along each path) and
     ends where it began."""
+    import torch
+
     if tree.num_nodes == 1:
         matcher.fill_next_token_bitmask(rows, 0)
         return rows, [0]
@@ -55,6 +60,8 @@ class GrammarGuide:
     def node_masks(self, tree: DraftTree) -> torch.Tensor:
         """[nodes, vocab] bool: the tokens the grammar allows after the path to each node (none after a node whose
         path it forbids)."""
+        import torch
+
         rows, keep = grammar_rows(tree, self.matcher, self.xgr.allocate_token_bitmask(tree.num_nodes, self.vocab_size))
         bits = (rows[:, :, None] >> torch.arange(32, dtype=rows.dtype)) & 1
         allowed = bits.bool().flatten(1)[:, : self.vocab_size]

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
-
-from splitspec.runtime.batch import device_tensor
 from splitspec.runtime.tree import DraftTree
+
+if TYPE_CHECKING:  # the verifier writes chains; a drafter process of no model (NGRAM) never imports torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ def write_chains(input_ids: torch.Tensor, starts: list[int], chains: list[Pendin
     row of chains[k]'s sequence, its root's), on the device, clamped to the vocabulary (a draft head's padded
     vocabulary must not index past the target's embeddings; resolve() reads them the same way). One strided copy
     when the chains are one launch's rows 0.. in order, evenly spaced and equally long (a decode step's usual case)."""
+    from splitspec.runtime.batch import device_tensor
+
     if not chains:
         return
     tokens = chains[0].launched.chain_tokens

@@ -112,10 +112,10 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
     if name != "auto":
         if name not in DTYPES:
             raise ConfigError(f"--dtype {name!r} is not supported (choose from auto, {', '.join(DTYPES)})")
-        return DTYPES[name]
+        return getattr(torch, DTYPES[name])
     if device.type != "cuda":
         return torch.float32
-    declared = DTYPES.get(str(config.torch_dtype).replace("torch.", ""), torch.float32)
+    declared = getattr(torch, DTYPES.get(str(config.torch_dtype).replace("torch.", ""), "float32"))
     return torch.bfloat16 if declared == torch.float32 else declared
 
 

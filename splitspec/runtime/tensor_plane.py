@@ -13,13 +13,24 @@ acknowledged bytes, and a tensor that does not fit travels in a frame instead.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where tensors are: a drafter of no hidden states (NGRAM) never imports torch
+    import torch
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64,
-                                                     torch.uint8, torch.int8, torch.bool)}
+# the dtypes that travel, by name (torch's without "torch.")
+DTYPES = ("float32", "float16", "bfloat16", "int32", "int64", "uint8", "int8", "bool")
+
+
+@functools.cache
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a name in DTYPES."""
+    import torch
+
+    return getattr(torch, name)
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,8 @@ class FramePlane(TensorPlane):
     name = "zmq-frames"
 
     def pack(self, tensors):
+        import torch
+
         infos, frames = [], []
         for name, request_id, tensor in tensors:
             dtype = str(tensor.dtype).removeprefix("torch.")
@@ -67,6 +80,8 @@ class FramePlane(TensorPlane):
         return infos, frames
 
     def unpack(self, infos, frames):
+        import torch
+
         tensors = []
         for info in infos:
             if info.dtype not in DTYPES:
@@ -75,7 +90,7 @@ class FramePlane(TensorPlane):
                 raise TensorError(f"tensor {info.name!r}: frame {info.frame} missing ({len(frames)} frames came)")
             if any(d < 0 for d in info.shape):
                 raise TensorError(f"tensor {info.name!r}: negative shape {info.shape}")
-            dtype = DTYPES[info.dtype]
+            dtype = torch_dtype(info.dtype)
             data = frames[info.frame]
             buffer = data.buffer if hasattr(data, "buffer") else data  # zmq.Frame or bytes
             numel = 1
@@ -101,6 +116,8 @@ class CudaIpcPlane(TensorPlane):
     name = "cuda-ipc"
 
     def __init__(self, device, size_bytes: int):
+        import torch
+
         self.device = torch.device(device)
         self.size = int(size_bytes) // ALIGN * ALIGN
         if self.size <= 0:
@@ -142,6 +159,8 @@ class CudaIpcPlane(TensorPlane):
         return offset, end
 
     def pack(self, tensors):
+        import torch
+
         infos, frames, copied = [], [], False
         for name, request_id, tensor in tensors:
             dtype = str(tensor.dtype).removeprefix("torch.")
@@ -174,6 +193,8 @@ class CudaIpcReader:
     GPU), read into `device`."""
 
     def __init__(self, fields: dict, device):
+        import torch
+
         identity = fields["device"]
         index = local_cuda_index(identity)
         if index is None:
@@ -191,6 +212,8 @@ class CudaIpcReader:
     def unpack(self, infos: list[TensorInfo], frames: list) -> list[tuple[str, str, torch.Tensor]]:
         """Like TensorPlane.unpack; tensors in the buffer come back on `device` (copies: the verifier reuses
         the buffer once they are acknowledged)."""
+        import torch
+
         out, copied = [], False
         for info in infos:
             if info.buffer_offset < 0:
@@ -198,7 +221,7 @@ class CudaIpcReader:
                 continue
             if info.dtype not in DTYPES:
                 raise TensorError(f"tensor {info.name!r}: unknown dtype {info.dtype!r}")
-            dtype = DTYPES[info.dtype]
+            dtype = torch_dtype(info.dtype)
             numel = 1
             for d in info.shape:
                 numel *= d
@@ -218,6 +241,8 @@ class CudaIpcReader:
 
 def visible_gpus() -> list[str]:
     """device_identity of every GPU this process sees."""
+    import torch
+
     if not torch.cuda.is_available():
         return []
     return [device_identity(f"cuda:{i}") for i in range(torch.cuda.device_count())]
@@ -234,6 +259,10 @@ def local_cuda_index(identity: str) -> int | None:
 def device_identity(device) -> str:
     """A device as the step channel names it: "cuda:<GPU UUID>" (the same GPU whatever CUDA_VISIBLE_DEVICES
     each process has) or "cpu"."""
+    if not str(device).startswith("cuda"):  # "cpu", torch.device("cpu"): no torch needed to name them
+        return str(device).split(":")[0]
+    import torch
+
     device = torch.device(device)
     if device.type != "cuda":
         return device.type
