@@ -11,6 +11,7 @@ import os
 import resource
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,12 +53,14 @@ def pytest_runtest_protocol(item, nextitem):
     fixtures (servers started once for its tests) are reaped after its last test: their whole life's CPU gets a line
     of its own, "FILE::(the file's fixtures, torn down)", rather than being that test's."""
     log = os.environ.get("SPLITSPEC_TEST_CPU_LOG")
-    before = _cpu_seconds() if log else 0.0
+    before, began = (_cpu_seconds(), time.time()) if log else (0.0, 0.0)
     yield
     if log:
         shared = _FILE_TEARDOWN_CPU.pop(item.nodeid, 0.0)
-        with open(log, "a") as out:
-            out.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before - shared, 2)}) + "\n")
+        with open(log, "a") as out:  # with its wall-clock span and worker: how busy the workers kept the cores
+            out.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before - shared, 2),
+                                  "start": round(began, 2), "end": round(time.time(), 2),
+                                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
             if shared:
                 out.write(json.dumps({"test": f"{item.nodeid.split('::')[0]}::(the file's fixtures, torn down)",
                                       "cpu_s": round(shared, 2)}) + "\n")
