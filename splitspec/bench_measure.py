@@ -71,7 +71,7 @@ def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: in
     dataset = args.dataset
     tokenizer = None
     if dataset in ("auto", "held-out") and model_dir is not None:
-        from splitspec.generate import load_tokenizer
+        from splitspec.tokenizer_loader import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir, required=dataset == "held-out")
     if dataset == "auto":
@@ -103,7 +103,7 @@ def make_prompts(args, model_dir: Path | None, vocab_size: int | None, count: in
         rows = [json.loads(line) for line in Path(dataset).read_text().splitlines() if line.strip()]
         prompts = [r["prompt_ids"] if "prompt_ids" in r else r.get("text") or r["prompt"] for r in rows]
         if tokenizer is None and model_dir is not None and any(isinstance(p, str) for p in prompts):
-            from splitspec.generate import load_tokenizer
+            from splitspec.tokenizer_loader import load_tokenizer
 
             tokenizer = load_tokenizer(model_dir, required=True)
         prompts = [tokenizer.encode(p)[: args.prompt_len] if isinstance(p, str) and tokenizer is not None else p

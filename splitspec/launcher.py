@@ -350,7 +350,7 @@ def default_drafters(algorithm: str | None, device: str | None = None) -> int:
     verifier's GPU only adds a round trip to every step: an 8B-shaped target with an EAGLE-3 head served 0.53-0.74x
     of the in-process speed from a drafter process against 0.82-1.11x drafted in the verifier's, H200, 0712a25),
     else (a CPU verifier) in one process of its own, on a core of its own."""
-    from splitspec.speculation import on_gpu
+    from splitspec.model_flags import on_gpu
 
     if algorithm is None or algorithm.upper() == "NGRAM":
         return 0

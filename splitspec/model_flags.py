@@ -8,19 +8,45 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from pathlib import Path
 
 from splitspec.log_format import LOG_LEVELS  # noqa: F401 (for callers)
 from splitspec.runtime.attention import ATTENTION_BACKENDS, SGLANG_ATTENTION_BACKENDS
-from splitspec.runtime.config import DTYPES
+from typing import TYPE_CHECKING
+
+from splitspec.runtime.config import DTYPES, LOAD_FORMATS
 from splitspec.runtime.hub import resolve_model_dir
-from splitspec.runtime.loader import LOAD_FORMATS
-from splitspec.runtime.piecewise_graph import DEFAULT_MAX_TOKENS as DEFAULT_PIECEWISE_MAX_TOKENS
-from splitspec.runtime.prompt_graph import DEFAULT_MAX_TOKENS as DEFAULT_PROMPT_GRAPH_MAX_TOKENS
-from splitspec.runtime.quantization import check_method as check_quantization_method
-from splitspec.runtime.runner import RuntimeConfig
+
+if TYPE_CHECKING:  # the flags parse without torch (`splitspec bench --url` never imports it); runtime_config imports it
+    from splitspec.runtime.runner import RuntimeConfig
 
 logger = logging.getLogger("splitspec")
+# --piecewise-cuda-graph-max-tokens' default (runtime/piecewise_graph.py)
+DEFAULT_PIECEWISE_MAX_TOKENS = 512
+# --prompt-cuda-graph-max-tokens' default (runtime/prompt_graph.py); on an H100 (docs/performance.md, 2026-12-05) an
+# arrival's 128-token prompt step into a batch of 16 took 0.74 ms against 1.93 eager, a batch-1 request's prompt step
+# 0.8-1.0 ms against 2.8-3.4
+DEFAULT_PROMPT_GRAPH_MAX_TOKENS = 512
+
+
+# what a GPU torch can use leaves on the host: NVIDIA's driver, ROCm's (HIP answers torch.cuda), WSL's
+GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
+
+
+def on_gpu(device: str | None) -> bool:
+    """Whether a --device value (None or auto: cuda when available) names a GPU. auto asks torch, unless no GPU
+    driver is on the host: then it is False without importing torch (an NGRAM drafter process never does;
+    `splitspec bench --url` neither)."""
+    device = str(device or "auto")
+    if device == "auto":
+        if "torch" not in sys.modules and not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+            return False
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -125,12 +151,7 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
     if getattr(args, "enable_dp_attention", False):
         raise ValueError("--enable-dp-attention is not supported: splitspec has no data-parallel attention, and "
                          "speculative decoding does not support it in SGLang either")
-    device = getattr(args, "device", "auto")
-    on_cpu = device == "cpu"
-    if device == "auto":
-        import torch
-
-        on_cpu = not torch.cuda.is_available()
+    on_cpu = not on_gpu(getattr(args, "device", "auto"))
     if getattr(args, "cuda_graph_max_bs", None) is not None:
         if args.cuda_graph_max_bs < 1:
             raise ValueError(f"--cuda-graph-max-bs {args.cuda_graph_max_bs}: must be at least 1 (--disable-cuda-graph "
@@ -151,6 +172,8 @@ def check_sglang_server_flags(args: argparse.Namespace, command: str) -> None:
             logger.info("%s: --torch-compile-max-bs is a no-op without --enable-torch-compile", command)
     if getattr(args, "trust_remote_code", False):
         logger.info("%s: --trust-remote-code accepted; no checkpoint code is executed", command)
+    from splitspec.runtime.quantization import check_method as check_quantization_method
+
     check_quantization_method(getattr(args, "quantization", None))
     if on_cpu and getattr(args, "attention_backend", "auto") == "flashinfer":
         raise ValueError("--attention-backend flashinfer needs a CUDA device; on CPU use auto or torch")
@@ -171,6 +194,8 @@ def resolve_model(args: argparse.Namespace) -> Path:
 
 
 def runtime_config(args: argparse.Namespace, model_dir: Path, default_max_total_tokens: int | None = None) -> RuntimeConfig:
+    from splitspec.runtime.runner import RuntimeConfig
+
     max_total = args.max_total_tokens
     if max_total is None and args.mem_fraction_static is None:
         max_total = default_max_total_tokens

@@ -22,10 +22,11 @@ import argparse
 import functools
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from splitspec.model_flags import on_gpu, torch_compile_max_bs
 
 if TYPE_CHECKING:
     from splitspec.drafter_svc.ngram import NgramConfig
@@ -311,23 +312,6 @@ def overlap_mode(flag: str | None, environ=os.environ) -> str:
     return "auto"
 
 
-# what a GPU torch can use leaves on the host: NVIDIA's driver, ROCm's (HIP answers torch.cuda), WSL's
-GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
-
-
-def on_gpu(device: str | None) -> bool:
-    """Whether a --device value (None or auto: cuda when available) names a GPU. auto asks torch, unless no GPU
-    driver is on the host: then it is False without importing torch (an NGRAM drafter process never does)."""
-    device = str(device or "auto")
-    if device == "auto":
-        if "torch" not in sys.modules and not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
-            return False
-        import torch
-
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
-
-
 def adaptive_enabled(mode: str | None, device: str | None) -> bool:
     """--speculative-adaptive: on, off, or auto (on when the target runs on a GPU)."""
     mode = mode or "auto"
@@ -388,8 +372,6 @@ def validate_draft_options(args: argparse.Namespace) -> None:
 
 
 def draft_load(args: argparse.Namespace, multi_layer: bool) -> DraftLoad:
-    from splitspec.model_flags import torch_compile_max_bs
-
     load_format = getattr(args, "speculative_draft_load_format", None) or getattr(args, "load_format", "auto")
     return DraftLoad(
         load_format="dummy" if load_format == "dummy-decisive" else load_format,

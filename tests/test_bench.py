@@ -254,6 +254,8 @@ def test_bench_against_a_deployment_whose_drafter_replays(tmp_path):
         while f"waiting up to 300 s for {url} to be ready" not in err.read_text():
             assert bench.poll() is None and time.time() < deadline, err.read_text()[-3000:]
             time.sleep(0.2)
+        # a client of a deployment: its flags, prompts and measuring import no torch (~3 CPU-s, ~190 MB)
+        assert "libtorch" not in Path(f"/proc/{bench.pid}/maps").read_text(), "splitspec bench --url imported torch"
         up = Up("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5", "--speculative-replay",
                 str(reference), "--speculative-replay-profile", "accept-length:3", "--log-level", "warning", port=port)
         assert bench.wait(timeout=900) == 0, err.read_text()[-3000:]
@@ -594,7 +596,7 @@ def test_held_out_prompts_take_the_texts_next_windows_before_repeating():
     import argparse
 
     from splitspec.bench_measure import make_prompts
-    from splitspec.generate import load_tokenizer
+    from splitspec.tokenizer_loader import load_tokenizer
 
     from splitspec.demo import demo_model_dirs
 

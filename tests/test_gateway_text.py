@@ -190,7 +190,7 @@ def test_chat_template_options_render_as_transformers(codec, tmp_path):
 
 
 def test_the_text_layer_needs_no_pydantic():
-    """The verifier and `splitspec generate` read tokenizers through gateway/text.py (splitspec.generate.load_tokenizer),
+    """The verifier and `splitspec generate` read tokenizers through gateway/text.py (splitspec.tokenizer_loader.load_tokenizer),
     and the GPU image carries no pydantic for them: the text layer imports only tokenizers (and jinja2 when rendering)."""
     import subprocess
     import sys

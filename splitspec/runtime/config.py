@@ -33,6 +33,8 @@ ARCHITECTURE_FAMILIES = {
     "LlamaForCausalLMEagle3": "eagle3",
 }
 
+# --load-format values (runtime/loader.py): pt is pytorch_model.bin files only
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "dummy-decisive")
 # --dtype names -> torch's dtype names (names, so that reading a config needs no torch: a drafter process of no model)
 DTYPES = {
     "float32": "float32",

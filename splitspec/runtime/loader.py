@@ -27,13 +27,12 @@ from torch import nn
 from tqdm import tqdm
 
 from splitspec.runtime import quantization
-from splitspec.runtime.config import ModelConfig
+from splitspec.runtime.config import LOAD_FORMATS, ModelConfig
 from splitspec.runtime.fp8 import FP8_DTYPE, quantize_per_channel
 from splitspec.runtime.models import model_class
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "dummy-decisive")  # pt: pytorch_model.bin files only
 DECISIVE = ("dummy weights made decisive (--load-format dummy-decisive): embedding x50, lm_head = the embedding, "
             "sublayer input norms x0.1 (the same shapes and kernels, so the same cost)")
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}

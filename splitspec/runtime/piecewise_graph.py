@@ -34,7 +34,6 @@ from splitspec.runtime.inference import inference
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 512
 SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1536, 2048, 3072, 4096)
 
 

@@ -34,9 +34,6 @@ from splitspec.runtime.inference import inference
 logger = logging.getLogger(__name__)
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
-# --prompt-cuda-graph-max-tokens' default; on an H100 (docs/performance.md, 2026-12-05) an arrival's 128-token prompt
-# step into a batch of 16 took 0.74 ms against 1.93 eager, a batch-1 request's prompt step 0.8-1.0 ms against 2.8-3.4
-DEFAULT_MAX_TOKENS = 512
 
 
 class _Entry:

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from splitspec.runtime.config import ConfigError, ModelConfig
-from splitspec.runtime.fp8 import Fp8Linear, gemm_kind
+
+if TYPE_CHECKING:  # imported as a model loads: the flags check a method's name without torch (check_method)
+    import torch
+    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ def plan(model: nn.Module, spec: dict, tensors: dict, config: ModelConfig, flag:
 
 def quantizable_linears(model: nn.Module) -> tuple[str, ...]:
     """Every nn.Linear but the lm_head (embeddings are nn.Embedding or shared tensors: never quantized)."""
+    from torch import nn
+
     skip = getattr(model, "unquantized_linears", UNQUANTIZED_LINEARS)
     return tuple(name for name, module in model.named_modules()
                  if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in skip)
@@ -145,6 +148,8 @@ def quantizable_linears(model: nn.Module) -> tuple[str, ...]:
 
 def _stored_fp8_linears(model: nn.Module, spec: dict, dtypes: dict[str, str]) -> tuple[str, ...]:
     """The Linear layers whose checkpoint weights are all F8_E4M3 (a fused layer's blocks must agree)."""
+    from torch import nn
+
     linears = {f"{name}.weight": name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     sources: dict[str, list[str]] = {}
     for key, target in spec.items():
@@ -166,6 +171,8 @@ def swap_in_fp8(model: nn.Module, modules: tuple[str, ...], device: torch.device
                 quantize: bool = False) -> None:
     """Replace these nn.Linear modules by Fp8Linear: empty ones on the meta device (to be loaded), or, with
     quantize, the loaded weights quantized per channel (dummy weights)."""
+    from splitspec.runtime.fp8 import Fp8Linear, gemm_kind
+
     for name in modules:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -191,6 +198,8 @@ def unused_checkpoint_keys(tensors: dict) -> tuple[str, ...]:
 
 def describe(model: nn.Module, qplan: QuantPlan, dtype: torch.dtype) -> str:
     """One log line: what was quantized, how it multiplies, and the weight bytes."""
+    from splitspec.runtime.fp8 import Fp8Linear
+
     if not qplan.quantized:
         return ""
     gemms = sorted({m.gemm for m in model.modules() if isinstance(m, Fp8Linear)})
@@ -215,6 +224,8 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's own weights (parameters and persistent buffers; shared tensors not counted):
     total, and how much of it is FP8 layers (their weights and scales)."""
+    from splitspec.runtime.fp8 import Fp8Linear
+
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(b.numel() * b.element_size() for b in persistent_buffers(model).values())
     fp8 = sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, Fp8Linear)
