@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -142,6 +143,10 @@ class Launcher:
                 make_curve_keys(args.zmq_curve_keys)
             except (ValueError, OSError) as exc:
                 raise SystemExit(f"splitspec up: error: --zmq-curve-keys {args.zmq_curve_keys}: {exc}") from None
+        self.ports = [(args.host, args.port, "the gateway"), ("127.0.0.1", args.port + 1, "the verifier's gRPC"),
+                      ("127.0.0.1", args.port + 2, "the verifier's metrics")]
+        if algorithm and drafters > 0:
+            self.ports.append(("127.0.0.1", args.port + 3, "the drafters' endpoint"))
         commands = service_commands(model, draft, algorithm, served, extra, drafters, args.port, args.host,
                                     args.log_level, args.api_key, curve_keys=args.zmq_curve_keys,
                                     gateway_workers=args.tokenizer_worker_num,
@@ -189,6 +194,12 @@ class Launcher:
             return False
 
     def run(self) -> int:
+        busy = [(host, port, what) for host, port, what in self.ports if port_in_use(host, port)]
+        if busy:  # another launch holds them: its services would answer, and ours restart against them forever
+            host, port, what = busy[0]
+            self.say(f"port {port} ({what}) is in use on {host}: another `splitspec up`? Give --port another block of "
+                     f"four (this launch uses {self.args.port}-{self.args.port + 3}); stopping")
+            return USAGE_ERROR
         for service in self.services:
             self.start(service)
         deadline = time.monotonic() + self.args.health_timeout
@@ -342,6 +353,20 @@ def _flag_value(flags: list[str], name: str) -> str | None:
         elif flag.startswith(name + "="):
             value = flag.split("=", 1)[1]
     return value
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not bind host:port: a socket listens there (SO_REUSEADDR, as the services bind: a
+    recent connection's TIME_WAIT is no obstacle). A gRPC server's SO_REUSEPORT would share a port with another
+    one silently, so the launcher asks before its services start."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def default_drafters(algorithm: str | None, device: str | None = None) -> int:

@@ -291,6 +291,26 @@ def test_a_service_refused_at_start_stops_the_launch_with_its_reason():
     assert not [pid for pid in up.service_pids() if alive(pid)]
 
 
+def test_a_launch_whose_ports_are_taken_stops_before_starting_anything():
+    """A second `splitspec up` on the first one's ports (a verifier's gRPC port listening there) is refused at once
+    with exit code 2, naming the port, before any service starts: none restarts against the other launch's."""
+    import socket
+
+    port = free_port_block(4)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port + 1))
+        holder.listen()
+        up = Up("--drafters", "1", port=port)
+        try:
+            assert up.process.wait(timeout=120) == 2, "\n".join(up.lines[-30:])
+        finally:
+            up.stop()
+    up.reader.join(timeout=10)
+    said = "\n".join(up.lines)
+    assert f"port {port + 1} (the verifier's gRPC) is in use" in said, said[-3000:]
+    assert not up.service_pids(), said[-3000:]
+
+
 def test_the_cpu_thread_plan_leaves_a_core_to_the_other_services():
     """On a CPU verifier with OMP_NUM_THREADS unset, `up` gives the verifier every core but one and the gateway and
     drafters one thread each; a GPU verifier, or a user's OMP_NUM_THREADS, gets no plan (on a GPU the model's own
