@@ -11,11 +11,10 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from splitspec.log_format import LOG_LEVELS  # noqa: F401 (for callers)
 from splitspec.runtime.attention import ATTENTION_BACKENDS, SGLANG_ATTENTION_BACKENDS
-from typing import TYPE_CHECKING
-
 from splitspec.runtime.config import DTYPES, LOAD_FORMATS
 from splitspec.runtime.hub import resolve_model_dir
 
@@ -29,8 +28,6 @@ DEFAULT_PIECEWISE_MAX_TOKENS = 512
 # arrival's 128-token prompt step into a batch of 16 took 0.74 ms against 1.93 eager, a batch-1 request's prompt step
 # 0.8-1.0 ms against 2.8-3.4
 DEFAULT_PROMPT_GRAPH_MAX_TOKENS = 512
-
-
 # what a GPU torch can use leaves on the host: NVIDIA's driver, ROCm's (HIP answers torch.cuda), WSL's
 GPU_DRIVER_PATHS = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd", "/dev/dxg")
 
