@@ -23,6 +23,7 @@ import argparse
 
 from splitspec import engine_args
 from splitspec.log_format import LOG_LEVELS
+from splitspec.runtime.config import LOAD_FORMATS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "layers from it; STANDALONE checks that the draft speaks its vocabulary. Every drafter uses its tokenizer to draft "
                        "constrained requests (structured outputs) to their grammars; without it they draft unguided.")
     model.add_argument("--revision", default=None, help="Hub branch, tag or commit of --model-path.")
-    model.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "pt", "dummy", "dummy-decisive"),
+    model.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                        help="The target's (`splitspec up` passes the verifier's on). dummy or dummy-decisive: --model-path is "
                        "a config alone and the target's embedding (and lm_head) that a head shares are random (benchmarks "
                        "of dummy targets; see splitspec bench --preset); the others read the target's checkpoint as usual.")

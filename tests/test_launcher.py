@@ -274,18 +274,23 @@ def test_up_killed_with_sigkill_under_load_leaves_no_process_and_starts_again():
     assert not any(alive(pid) for pid in again.service_pids()) and again.children() == []
 
 
+def refused(up: Up, timeout: float) -> str:
+    """Everything a launch said once it exited with code 2 (a usage error), stopped whatever the outcome."""
+    try:
+        assert up.process.wait(timeout=timeout) == 2, "\n".join(up.lines[-30:])
+    finally:
+        up.stop()
+    up.reader.join(timeout=10)
+    return "\n".join(up.lines)
+
+
 def test_a_service_refused_at_start_stops_the_launch_with_its_reason():
     """A flag combination a service refuses (EAGLE3 with no draft path beside an explicit target) is not a crash to
     restart ten times: up stops at once with the service's reason and exit code 2, leaving nothing running."""
     from splitspec.demo import demo_model_dirs
 
     up = Up("--model-path", str(demo_model_dirs()["target"]), "--speculative-algorithm", "EAGLE3")
-    try:
-        assert up.process.wait(timeout=180) == 2, "\n".join(up.lines[-30:])
-    finally:
-        up.stop()
-    up.reader.join(timeout=10)
-    said = "\n".join(up.lines)
+    said = refused(up, timeout=180)
     assert "refused to start" in said and "--speculative-draft-model-path" in said, said[-3000:]
     assert "restarting" not in said, said[-3000:]
     assert not [pid for pid in up.service_pids() if alive(pid)]
@@ -301,12 +306,7 @@ def test_a_launch_whose_ports_are_taken_stops_before_starting_anything():
         holder.bind(("127.0.0.1", port + 1))
         holder.listen()
         up = Up("--drafters", "1", port=port)
-        try:
-            assert up.process.wait(timeout=120) == 2, "\n".join(up.lines[-30:])
-        finally:
-            up.stop()
-    up.reader.join(timeout=10)
-    said = "\n".join(up.lines)
+        said = refused(up, timeout=120)
     assert f"port {port + 1} (the verifier's gRPC) is in use" in said, said[-3000:]
     assert not up.service_pids(), said[-3000:]
 
