@@ -126,6 +126,12 @@ def graph_tolerance(graph_attention: str) -> float:
     return 1e-2 if graph_attention == "flashinfer" else 0.1
 
 
+def tree_graph_tolerance(graph_attention: str) -> float:
+    """graph_tolerance() for a tree verified from a graph: FlashInfer's tree graphs round apart from its eager trees
+    (0.0176 of the spread on an H100 at 59a7bb9: the graph at the lengths themselves, with nothing moved)."""
+    return 3e-2 if graph_attention == "flashinfer" else graph_tolerance(graph_attention)
+
+
 def paged_plans(backend) -> dict:
     """Graph plans by kernels.paged_attention's graphs, by kind (none unless SPLITSPEC_GRAPH_ATTENTION=triton)."""
     return {kind: n for (kind, how, _), n in backend.lean_plans_by_kind.items() if how == "triton"}
@@ -328,12 +334,13 @@ def test_a_graph_replayed_at_upper_lengths_and_moved_back_on_the_device_equals_e
         assert graphed.graphs.replays == before + 1
         for table, length in zip(mine, lengths):
             table.num_tokens = length
-        for i in range(3):
+        for i in range(3):  # the move reproduces the graph at the lengths; both round as that graph does
             apart = [close(have[4 * i : 4 * i + 4], x[i]) for x in (unmoved, want)]
             eager_apart = close(unmoved[i], want[i])
-            assert max(apart) < graph_tolerance(graph_attention), \
-                f"moved {moved}, request {i}: {apart[0]:.4f} from the unmoved graph, {apart[1]:.4f} from eager (the " \
-                f"unmoved graph {eager_apart:.4f})"
+            why = f"moved {moved}, request {i}: {apart[0]:.4f} from the unmoved graph, {apart[1]:.4f} from eager (the " \
+                  f"unmoved graph {eager_apart:.4f})"
+            assert apart[0] < 1e-3, why
+            assert apart[1] < tree_graph_tolerance(graph_attention), why
         roots = [(i, [nodes[i][0]], trees[i][:1]) for i in range(3)]
         for r in (eager, graphed):
             commit(r, tables[id(r)], roots)
