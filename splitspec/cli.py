@@ -2,7 +2,9 @@
 
 Each command lives in its own module with `build_parser()` and `run(args) -> int`; this file only
 dispatches, so `splitspec <cmd> --help` is that command's parser and nothing is imported that the
-command does not need (the gateway never imports torch).
+command does not need (the gateway never imports torch). A service whose module imports torch keeps
+its flags in a module of their own (FLAGS): the flags are parsed before the service is imported, so
+`--help` and a misspelt flag answer at once.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("splitspec.train.cli", "train models: `train lm` (tokenizer + causal LM from scratch), `train eagle|eagle3` (draft heads)"),
 }
 
+# command name -> the module of its build_parser(), where that is not the command's module (which imports torch)
+FLAGS: dict[str, str] = {
+    "generate": "splitspec.generate_flags",
+    "verifier": "splitspec.verifier_svc.flags",
+    "drafter": "splitspec.drafter_svc.flags",
+}
+
 
 def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
@@ -37,6 +46,11 @@ def load_command(name: str):
     """The module implementing `name` (has build_parser() and run(args))."""
     module_name, _ = COMMANDS[name]
     return importlib.import_module(module_name)
+
+
+def load_flags(name: str):
+    """The module of `name`'s build_parser(): its flags module (FLAGS) or else the command's own."""
+    return importlib.import_module(FLAGS.get(name, COMMANDS[name][0]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,14 +75,15 @@ def main(argv: list[str] | None = None) -> int:
         # `kill -USR2`: the gateway, the gRPC front and `bench --url` print their event loops' tasks
         # (event_loop.print_tasks_on_sigusr2); every other command ignores it rather than die of it
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    module = load_command(name)
-    parser = module.build_parser()
+    flags_module = load_flags(name)
+    parser = flags_module.build_parser()
     flags = argv[1:] + _sglang_env_flags(parser)
-    if getattr(module, "PASS_THROUGH", False):  # `up`: flags it does not know go on to the services
+    if getattr(flags_module, "PASS_THROUGH", False):  # `up`: flags it does not know go on to the services
         args, rest = parser.parse_known_args(flags)
         args.passthrough = rest
-        return module.run(args)
-    return module.run(parser.parse_args(flags))
+    else:
+        args = parser.parse_args(flags)  # --help and a bad flag end here, before the command's module loads
+    return load_command(name).run(args)
 
 
 def _demo_target():

@@ -36,6 +36,22 @@ def test_cli_lists_commands_and_refuses_unknown():
     assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
 
 
+def test_a_service_answers_help_and_a_bad_flag_without_importing_torch():
+    """`splitspec verifier|drafter|generate --help`, and a misspelt flag, parse with the command's flags module
+    (cli.FLAGS) before its service loads: no torch imported (it took ~3 s a `--help`); the usage is the parser's."""
+    from splitspec.cli import FLAGS, load_command, load_flags
+
+    for name in FLAGS:
+        for argv, code in (["--help"], 0), (["--no-such-flag"], 2):
+            probe = ("import sys\nfrom splitspec import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+                     "    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)")
+            ran = lifeline.run([sys.executable, "-P", "-c", probe, name, *argv], capture_output=True, text=True,
+                               timeout=60)
+            assert ran.stderr.strip().endswith(f"exit {code} False"), (name, argv, ran.stderr[-2000:])
+            assert f"usage: splitspec {name}" in (ran.stdout if code == 0 else ran.stderr)
+        assert load_command(name).build_parser().format_help() == load_flags(name).build_parser().format_help()
+
+
 def test_readme_main_command_runs():
     """The README's main command, as written there minus the set-up wrapper (the suite runs in it) and on
     a free port: `splitspec up` serves the demo models with no --model-path; the curl and the openai

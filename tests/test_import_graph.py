@@ -126,12 +126,12 @@ SERVICES = ("splitspec.drafter_svc", "splitspec.verifier_svc", "splitspec.gatewa
 UTILITIES = {"splitspec.registry", "splitspec.device_profile", "splitspec.default_model", "splitspec.heap",
              "splitspec.host_profile", "splitspec.step_log", "splitspec.sync_debug", "splitspec.lifeline", "splitspec.event_loop",
              "splitspec.metrics_http", "splitspec.metric_tally", "splitspec.model_shapes", "splitspec.log_format", "splitspec"}
-# where command-line flags become configuration: only a command line (a service's server.py, the drafter's flags.py
-# that `splitspec up` reads without the service) imports these
+# where command-line flags become configuration: only a command line (a service's server.py, or its flags.py, which
+# `splitspec up` and `--help` read without the service) imports these
 FLAG_MODULES = {"splitspec.model_flags", "splitspec.engine_args", "splitspec.draft_models", "splitspec.speculation",
-                "splitspec.generate"}
-COMMAND_LINES = {"splitspec.drafter_svc.server", "splitspec.drafter_svc.flags", "splitspec.verifier_svc.server", "splitspec.gateway.server",
-                 "splitspec.gateway.worker"}
+                "splitspec.generate", "splitspec.generate_flags"}
+COMMAND_LINES = {"splitspec.drafter_svc.server", "splitspec.drafter_svc.flags", "splitspec.verifier_svc.server",
+                 "splitspec.verifier_svc.flags", "splitspec.gateway.server", "splitspec.gateway.worker"}
 
 
 def _in(name: str, packages: tuple[str, ...]) -> bool:
