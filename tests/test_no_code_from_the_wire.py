@@ -17,10 +17,11 @@ PACKAGES = ["splitspec", "gateway", "verifier_svc", "drafter_svc", "kernels", "p
 UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
 UNSAFE_CALLS = {"eval", "exec", "compile", "execfile"}
 # the only dynamic imports, and the literal tables their names come from
-DYNAMIC_IMPORTS = {("splitspec/cli.py", "load_command"), ("splitspec/registry.py", "load_entry")}
+DYNAMIC_IMPORTS = {("splitspec/cli.py", "load_command"), ("splitspec/cli.py", "load_flags"),
+                   ("splitspec/registry.py", "load_entry")}
 # compile() only to ask whether a demo completion is valid Python (the code object is dropped, never run)
 SYNTAX_CHECKS = {("splitspec/demo.py", "compiles_to_last_line")}
-TABLES = [("splitspec.cli", "COMMANDS"), ("splitspec.drafter_svc.base", "DRAFTERS"),
+TABLES = [("splitspec.cli", "COMMANDS"), ("splitspec.cli", "FLAGS"), ("splitspec.drafter_svc.base", "DRAFTERS"),
           ("splitspec.runtime.attention", "ATTENTION_BACKENDS"), ("splitspec.runtime.models", "MODEL_FAMILIES")]
 
 
