@@ -17,6 +17,8 @@
 #             accept-length:6 --steps 5 --topk 1 --num-draft-tokens 6) with SPLITSPEC_TORCH_PROFILE
 #             (splitspec/device_profile.py: prof/<point>.txt, the ops and the labelled phases; prof/<point>.trace.json.gz)
 #   profile   the 8B decode step's kernel time by kernel (torch.profiler) against its graph and eager wall time
+#   opsites   where the demo chain's drafted step at batch 1 makes its tensor ops outside the graphs, by call site
+#             (benchmarks/step_op_sites.py), unfed and device-fed (SPLITSPEC_DEVICE_FED=1): opsites_{unfed,fed}.txt
 #   eager     the decode stage without CUDA graphs
 #   bench     `splitspec bench` on the 8B-shaped dummy target with a dummy EAGLE-3 head of the published 8B shape
 #             drafting for real and simulated acceptance (accept length 4): steps 3,5,7 x topk 1,4 x draft
@@ -257,6 +259,12 @@ for stage in "${stages[@]}"; do
                      timeout 200 python3 -P -m splitspec bench --device cuda --dtype bfloat16 --preset llama-3.1-8b \
                          --batch-size "${OVERLAP_BS:-1,32,64}" --prompt-len 128 --output-len 128 "${extra[@]}" \
                          --out "$OUT/overlap_8b_${mode}.json" >> "$OUT/overlap.log" 2>&1 || stop=1
+                 done ;;
+        opsites) for fed in 0 1; do
+                     SPLITSPEC_DEVICE_FED=$fed timeout 120 python3 -P benchmarks/step_op_sites.py 60 6 --device cuda \
+                         --dtype bfloat16 --speculative-algorithm EAGLE3 --speculative-num-steps 5 --speculative-eagle-topk 1 \
+                         --speculative-num-draft-tokens 6 --batch-size 1 --prompt-len 128 \
+                         > "$OUT/opsites_$([[ $fed == 1 ]] && echo fed || echo unfed).txt" 2>&1
                  done ;;
         profile) python3 -P benchmarks/profile_step.py --preset llama-3.1-8b --out "$OUT/profile_8b.json" > "$OUT/profile.log" 2>&1 ;;
         served) for case in ${SERVED_CASES:-demo-ngram demo-eagle3 8b-plain}; do
