@@ -37,18 +37,20 @@ def test_cli_lists_commands_and_refuses_unknown():
 
 
 def test_a_service_answers_help_and_a_bad_flag_without_importing_torch():
-    """`splitspec verifier|drafter|generate --help`, and a misspelt flag, parse with the command's flags module
-    (cli.FLAGS) before its service loads: no torch imported (it took ~3 s a `--help`); the usage is the parser's."""
+    """`splitspec verifier|drafter|generate|train --help`, and a misspelt flag, parse before anything imports torch
+    (it took ~3 s a `--help`): a service's flags come from its flags module (cli.FLAGS), the trainers' settings from
+    train/configs.py; the usage is the parser's."""
     from splitspec.cli import FLAGS, load_command, load_flags
 
-    for name in FLAGS:
-        for argv, code in (["--help"], 0), (["--no-such-flag"], 2):
-            probe = ("import sys\nfrom splitspec import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
-                     "    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)")
-            ran = lifeline.run([sys.executable, "-P", "-c", probe, name, *argv], capture_output=True, text=True,
+    probe = ("import sys\nfrom splitspec import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    print('exit', e.code, 'torch' in sys.modules, file=sys.stderr)")
+    for argv in [[name] for name in FLAGS] + [["train", "eagle3"], ["train", "lm"]]:
+        for extra, code in (["--help"], 0), (["--no-such-flag"], 2):
+            ran = lifeline.run([sys.executable, "-P", "-c", probe, *argv, *extra], capture_output=True, text=True,
                                timeout=60)
-            assert ran.stderr.strip().endswith(f"exit {code} False"), (name, argv, ran.stderr[-2000:])
-            assert f"usage: splitspec {name}" in (ran.stdout if code == 0 else ran.stderr)
+            assert ran.stderr.strip().endswith(f"exit {code} False"), (argv, extra, ran.stderr[-2000:])
+            assert f"usage: splitspec {' '.join(argv)}" in (ran.stdout if code == 0 else ran.stderr)
+    for name in FLAGS:
         assert load_command(name).build_parser().format_help() == load_flags(name).build_parser().format_help()
 
 

@@ -4,7 +4,9 @@ standard library (or a dataset prepared earlier), written as an HF directory."""
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import importlib.util
 import json
 import logging
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from splitspec.log_format import setup_logging
 from splitspec.log_format import LOG_LEVELS
+from splitspec.train.configs import HeadTrainConfig
 from splitspec.train.presets import DEMO_VOCAB_SIZE, PRESETS
 
 logger = logging.getLogger("splitspec.train")
@@ -27,18 +30,19 @@ def build_parser() -> argparse.ArgumentParser:
     lm = sub.add_parser("lm", help="a tokenizer and a causal LM from scratch", description=__doc__,
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_lm_args(lm)
-    from splitspec.train import heads
-
     for kind, label in (("eagle", "an EAGLE-2 head (EAGLE-1 format)"), ("eagle3", "an EAGLE-3 head")):
-        head = sub.add_parser(kind, help=f"{label} for a target", description=heads.__doc__,
+        head = sub.add_parser(kind, help=f"{label} for a target", description=module_doc("splitspec.train.heads"),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         add_head_args(head, kind)
     return parser
 
 
-def add_head_args(parser: argparse.ArgumentParser, kind: str) -> None:
-    from splitspec.train.heads import HeadTrainConfig
+def module_doc(name: str) -> str | None:
+    """A module's docstring read from its source, not imported (the trainers import torch: `--help` would wait ~3 s)."""
+    return ast.get_docstring(ast.parse(Path(importlib.util.find_spec(name).origin).read_text()))
 
+
+def add_head_args(parser: argparse.ArgumentParser, kind: str) -> None:
     defaults = HeadTrainConfig(kind=kind)
     parser.add_argument("--model-path", "--model", dest="model_path", required=True,
                         help="The target (HF directory or hub id) whose hidden states the head drafts from.")
@@ -85,7 +89,7 @@ def run_head(args: argparse.Namespace) -> int:
     import torch
 
     from splitspec.runtime.hub import resolve_model_dir
-    from splitspec.train.heads import HeadTrainConfig, HeadTrainer
+    from splitspec.train.heads import HeadTrainer
     from splitspec.train.text_tokens import load_text_tokens
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from splitspec.train.configs import HeadTrainConfig  # noqa: F401  (defined there, torch-free; callers import it here too)
 from splitspec.train.lm import learning_rate  # the same warm-up + cosine schedule (reads lr, warmup_steps, steps)
 from splitspec.train.regenerate import Regeneration, forget, regenerated
 from splitspec.train.resume import clear_state, load_state, save_state
@@ -43,33 +44,6 @@ logger = logging.getLogger(__name__)
 
 REPORT_FILE = "training.json"
 EAGLE3_STEP_WEIGHT = 0.8
-
-
-@dataclass(frozen=True)
-class HeadTrainConfig:
-    kind: str = "eagle3"  # eagle | eagle3
-    steps: int = 2000
-    batch_size: int = 8
-    seq_len: int = 512
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    grad_clip: float = 0.5
-    ttt_steps: int = 3  # EAGLE-3 training-time test depth (1 = no test); EAGLE-2 trains one step
-    draft_vocab_size: int = 32000  # EAGLE-3; at most the target's vocabulary
-    intermediate_size: int = 0  # 0 = the target's
-    eval_every: int = 100
-    eval_windows: int = 32
-    save_every: int = 200
-    seed: int = 0
-    device: str = "cpu"
-    save_dtype: str = "float32"
-    time_budget_s: float = 0.0  # > 0: stop after this many seconds of training
-    accept_prompts: int = 8  # held-out prompts of the final accept-length estimate (0 = skip it)
-    accept_new_tokens: int = 64
-    regenerate: int = 0  # > 0: train on this many windows the target writes from the text's prompts (train.regenerate)
-    regenerate_prompt_len: int = 64
-    regenerate_temperature: float = 0.0
 
 
 def head_config(target: dict, cfg: HeadTrainConfig, capture: tuple[int, ...]) -> dict:

@@ -13,12 +13,13 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from splitspec.train.configs import LMShape, TrainConfig  # noqa: F401  (defined there, torch-free; callers import them here too)
 from splitspec.train.dataset import EOS_TOKEN, load_tokens, vocab_size_of
 from splitspec.train.resume import clear_state, load_state, save_state
 
@@ -26,43 +27,6 @@ logger = logging.getLogger(__name__)
 
 REPORT_FILE = "training.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-@dataclass(frozen=True)
-class LMShape:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-
-    def num_parameters(self, vocab_size: int) -> int:
-        head_dim = self.hidden_size // self.num_attention_heads
-        attention = 2 * self.hidden_size * self.hidden_size + 2 * self.hidden_size * self.num_key_value_heads * head_dim
-        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
-        embeddings = vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embeddings + self.hidden_size
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 1000
-    batch_size: int = 32
-    seq_len: int = 512
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 100
-    eval_tokens: int = 65536
-    save_every: int = 200
-    seed: int = 0
-    device: str = "cpu"
-    save_dtype: str = "float32"
-    time_budget_s: float = 0.0  # > 0: stop after this many seconds of training (recorded in the report)
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:

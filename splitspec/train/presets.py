@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitspec.train.lm import LMShape, TrainConfig
+from splitspec.train.configs import HeadTrainConfig, LMShape, TrainConfig
 
 DEMO_VOCAB_SIZE = 4096
 
@@ -29,8 +29,6 @@ PRESETS: dict[str, tuple[LMShape, TrainConfig]] = {
 
 # draft heads for the demo target (`splitspec demo-models`), trained on its own dataset; the smoke sizes
 # are for tests (seconds on a CPU)
-from splitspec.train.heads import HeadTrainConfig  # noqa: E402
-
 _DEMO_HEAD = dict(steps=3000, batch_size=32, seq_len=512, lr=1e-3, warmup_steps=100, eval_every=100, eval_windows=64,
                   save_every=500, accept_prompts=16, accept_new_tokens=128, save_dtype="bfloat16", seed=0)
 _SMOKE_HEAD = dict(steps=6, batch_size=2, seq_len=48, eval_every=3, eval_windows=2, save_every=1000, accept_prompts=2,
