@@ -38,8 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def module_doc(name: str) -> str | None:
-    """A module's docstring read from its source, not imported (the trainers import torch: `--help` would wait ~3 s)."""
-    return ast.get_docstring(ast.parse(Path(importlib.util.find_spec(name).origin).read_text()))
+    """A module's docstring read from its source, not imported (the trainers import torch: `--help` would wait ~3 s);
+    None where its source is not there to read (an install of bytecode alone)."""
+    origin = importlib.util.find_spec(name).origin
+    try:
+        return ast.get_docstring(ast.parse(Path(origin).read_text(encoding="utf-8")))
+    except (OSError, TypeError, ValueError, SyntaxError):  # no file, no origin, not text, not Python source
+        return None
 
 
 def add_head_args(parser: argparse.ArgumentParser, kind: str) -> None:
